@@ -1,0 +1,322 @@
+//! Messages exchanged between front ends and the engine core.
+//!
+//! Every frame on the wire is one of two enums, MessagePack-encoded with
+//! `rmp-serde` (see [`crate::codec`]): [`FrontendMessage`] (front end -> engine)
+//! and [`EngineMessage`] (engine -> front end). Both are tagged enums of typed
+//! structs; nothing is dispatched by strings.
+//!
+//! The start-up handshake is `FrontendMessage::Hello` answered by
+//! `EngineMessage::Welcome` (or `Rejected` on a protocol-version mismatch).
+//! The engine never sees text: requests and outputs carry token ids only.
+
+use serde::{Deserialize, Serialize};
+
+/// Bumped on every incompatible change of the types in this module.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Token id as the model sees it (model vocabularies may exceed the tokenizer's).
+pub type TokenId = u32;
+
+/// A front end -> engine frame.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum FrontendMessage {
+    /// First frame from every front end; the engine answers `Welcome` or `Rejected`.
+    Hello(Hello),
+    /// Submit a request.
+    Request(EngineCoreRequest),
+    /// Abort requests (by the front end's ids); their KV blocks are freed at once.
+    Abort(Abort),
+    /// A utility call; answered by `EngineMessage::UtilityReply` with the same `call_id`.
+    Utility(UtilityRequest),
+    /// Sent periodically by a live front end; an engine that hears nothing from a front end
+    /// for a few seconds treats it as dead and aborts its requests.
+    Heartbeat,
+    /// The front end is going away: abort everything it sent.
+    Goodbye,
+}
+
+/// An engine -> front end frame.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum EngineMessage {
+    Welcome(EngineInfo),
+    Rejected(Rejected),
+    /// All outputs of one engine step for this front end (never one frame per token).
+    Outputs(EngineCoreOutputs),
+    UtilityReply(UtilityReply),
+    /// Sent periodically (and when idle) so a front end can tell a live engine from a dead one.
+    Heartbeat(EngineStats),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    pub protocol_version: u32,
+    /// Human-readable name for logs (e.g. `frontend-0/pid-1234`).
+    pub name: String,
+}
+
+/// What a front end needs to know about the engine it talks to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineInfo {
+    pub protocol_version: u32,
+    pub engine_version: String,
+    pub model_name: String,
+    pub max_model_len: u32,
+    /// The model's vocabulary size (may be larger than the tokenizer's: padded vocabularies).
+    pub vocab_size: u32,
+    pub eos_token_ids: Vec<TokenId>,
+    pub limits: EngineLimits,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EngineLimits {
+    pub max_num_seqs: u32,
+    pub max_num_batched_tokens: u32,
+    pub max_logprobs: u32,
+    pub block_size: u32,
+    pub num_kv_blocks: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Rejected {
+    pub engine_protocol_version: u32,
+    pub reason: String,
+}
+
+/// One generation request, in token ids.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineCoreRequest {
+    /// Unique among the requests of the front end that sent it.
+    pub request_id: String,
+    pub prompt_token_ids: Vec<TokenId>,
+    pub sampling: SamplingParams,
+    /// Seconds since the Unix epoch when the front end received the request.
+    pub arrival_time: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Abort {
+    pub request_ids: Vec<String>,
+}
+
+/// Sampling and stopping parameters of one request. Defaults are OpenAI's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// In (0, 1]; 1 disables.
+    pub top_p: f32,
+    /// `None` disables.
+    pub top_k: Option<u32>,
+    /// In [0, 1]; 0 disables.
+    pub min_p: f32,
+    /// Same seed, same tokens, whatever the request's batch mates. `None`: the engine picks one.
+    pub seed: Option<u64>,
+    /// OpenAI presence penalty in [-2, 2], applied over output tokens.
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty in [-2, 2], applied over output tokens.
+    pub frequency_penalty: f32,
+    /// HF/vLLM repetition penalty (> 0; 1 disables), over prompt and output tokens.
+    pub repetition_penalty: f32,
+    /// Maximum number of generated tokens (>= 1).
+    pub max_tokens: u32,
+    /// EOS and stop ids are ignored until this many tokens were generated.
+    pub min_tokens: u32,
+    pub stop_token_ids: Vec<TokenId>,
+    pub ignore_eos: bool,
+    /// Return the log-probability of each sampled token and this many top alternatives.
+    pub logprobs: Option<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: None,
+            min_p: 0.0,
+            seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            max_tokens: 16,
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of `max_tokens` tokens.
+    pub fn greedy(max_tokens: u32) -> Self {
+        Self { temperature: 0.0, max_tokens, ..Self::default() }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < 1e-5
+    }
+
+    /// Checks the ranges both the engine and the front end enforce.
+    pub fn validate(&self, max_logprobs: u32) -> Result<(), ParamError> {
+        let Self {
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            seed: _,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            max_tokens,
+            min_tokens,
+            stop_token_ids: _,
+            ignore_eos: _,
+            logprobs,
+        } = self;
+        let bad = |param: &'static str, message: String| Err(ParamError { param, message });
+        if !(temperature.is_finite() && *temperature >= 0.0) {
+            return bad("temperature", format!("temperature must be >= 0, got {temperature}"));
+        }
+        if !(top_p.is_finite() && *top_p > 0.0 && *top_p <= 1.0) {
+            return bad("top_p", format!("top_p must be in (0, 1], got {top_p}"));
+        }
+        if *top_k == Some(0) {
+            return bad("top_k", "top_k must be >= 1 (or -1 to disable), got 0".into());
+        }
+        if !(min_p.is_finite() && (0.0..=1.0).contains(min_p)) {
+            return bad("min_p", format!("min_p must be in [0, 1], got {min_p}"));
+        }
+        if !(presence_penalty.is_finite() && (-2.0..=2.0).contains(presence_penalty)) {
+            return bad("presence_penalty", format!("presence_penalty must be in [-2, 2], got {presence_penalty}"));
+        }
+        if !(frequency_penalty.is_finite() && (-2.0..=2.0).contains(frequency_penalty)) {
+            return bad("frequency_penalty", format!("frequency_penalty must be in [-2, 2], got {frequency_penalty}"));
+        }
+        if !(repetition_penalty.is_finite() && *repetition_penalty > 0.0) {
+            return bad("repetition_penalty", format!("repetition_penalty must be > 0, got {repetition_penalty}"));
+        }
+        if *max_tokens < 1 {
+            return bad("max_tokens", "max_tokens must be at least 1".into());
+        }
+        if min_tokens > max_tokens {
+            return bad("min_tokens", format!("min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})"));
+        }
+        if let Some(n) = logprobs {
+            if *n > max_logprobs {
+                return bad("logprobs", format!("at most {max_logprobs} logprobs may be requested, got {n}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A sampling parameter out of range.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct ParamError {
+    pub param: &'static str,
+    pub message: String,
+}
+
+/// All outputs of one engine step for one front end.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineCoreOutputs {
+    /// Engine step counter (monotonic); lets a front end see that outputs are batched per step.
+    pub step: u64,
+    pub outputs: Vec<RequestOutput>,
+    pub stats: EngineStats,
+}
+
+/// New tokens (and possibly the end) of one request in one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestOutput {
+    pub request_id: String,
+    pub new_token_ids: Vec<TokenId>,
+    /// One entry per new token when the request asked for logprobs.
+    pub logprobs: Option<Vec<TokenLogprobs>>,
+    pub finish: Option<Finish>,
+    /// Prompt tokens served from the prefix cache; set on the request's first output.
+    pub num_cached_tokens: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Finish {
+    pub reason: FinishReason,
+    /// The EOS or stop token that ended the request (it is also the last of `new_token_ids`).
+    pub stop_token: Option<TokenId>,
+    /// For `FinishReason::Error`: what went wrong.
+    pub message: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Abort,
+    Error,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
+        }
+    }
+}
+
+/// Log-probability of the sampled token and the top alternatives, from the raw model logits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    pub token_id: TokenId,
+    pub logprob: f32,
+    /// Rank of the sampled token among all tokens (1 = most likely).
+    pub rank: u32,
+    /// The top-n tokens, most likely first.
+    pub top: Vec<(TokenId, f32)>,
+}
+
+/// A snapshot of the engine's state, sent with every step's outputs and in heartbeats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineStats {
+    pub num_running: u32,
+    pub num_waiting: u32,
+    pub kv_blocks_used: u32,
+    pub kv_blocks_total: u32,
+    /// Duration of the last engine step (host launch to commit), in microseconds.
+    pub last_step_us: u32,
+    pub steps_total: u64,
+    pub preemptions_total: u64,
+    pub prefix_cache_queries_total: u64,
+    pub prefix_cache_hits_total: u64,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UtilityRequest {
+    pub call_id: u64,
+    pub call: UtilityCall,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum UtilityCall {
+    Health,
+    Stats,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UtilityReply {
+    pub call_id: u64,
+    pub result: UtilityResult,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum UtilityResult {
+    Health { healthy: bool },
+    Stats(EngineStats),
+    Error(String),
+}
