@@ -1,1 +1,112 @@
-//! TODO
+//! Engine configuration: a typed struct, validated once when the engine is built.
+
+use thiserror::Error;
+
+/// How many sampled steps may be in flight at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PipelineDepth {
+    /// Launch, sample, wait, commit: one step at a time (for comparison and debugging).
+    Sync,
+    /// Step t+1 is launched before step t is committed (reference 000 §4.6).
+    Async,
+}
+
+impl PipelineDepth {
+    pub fn max_in_flight(self) -> usize {
+        match self {
+            PipelineDepth::Sync => 1,
+            PipelineDepth::Async => 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Most requests holding KV rows at once (running, zombies included).
+    pub max_num_seqs: u32,
+    /// Token budget of one step (decodes plus prefill chunks).
+    pub max_num_batched_tokens: u32,
+    /// Prompt plus output tokens of one request.
+    pub max_model_len: u32,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// KV blocks in the pool (block 0 is reserved as scratch, see [`crate::kv`]).
+    pub num_kv_blocks: u32,
+    pub pipeline: PipelineDepth,
+    /// Largest `logprobs` a request may ask for.
+    pub max_logprobs: u32,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: 4096,
+            block_size: 16,
+            num_kv_blocks: 4096,
+            pipeline: PipelineDepth::Async,
+            max_logprobs: 20,
+        }
+    }
+}
+
+#[derive(Debug, Error, PartialEq)]
+#[error("invalid engine configuration: {0}")]
+pub struct ConfigError(pub String);
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let err = |m: String| Err(ConfigError(m));
+        if self.max_num_seqs == 0 {
+            return err("max_num_seqs must be at least 1".into());
+        }
+        if self.block_size == 0 || !self.block_size.is_power_of_two() {
+            return err(format!("block_size must be a power of two, got {}", self.block_size));
+        }
+        if self.max_model_len < 2 {
+            return err("max_model_len must be at least 2".into());
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs.min(self.max_model_len) {
+            return err(format!(
+                "max_num_batched_tokens ({}) must cover one decode token per sequence (max_num_seqs {})",
+                self.max_num_batched_tokens, self.max_num_seqs
+            ));
+        }
+        let blocks_for_one = self.max_model_len.div_ceil(self.block_size) + 1;
+        if self.num_kv_blocks < blocks_for_one {
+            return err(format!(
+                "{} KV blocks cannot hold one request of max_model_len {} ({} blocks of {} tokens + 1 scratch needed)",
+                self.num_kv_blocks,
+                self.max_model_len,
+                blocks_for_one - 1,
+                self.block_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        EngineConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        let base = EngineConfig::default();
+        for bad in [
+            EngineConfig { max_num_seqs: 0, ..base.clone() },
+            EngineConfig { block_size: 12, ..base.clone() },
+            EngineConfig { max_model_len: 1, ..base.clone() },
+            EngineConfig { max_num_batched_tokens: 8, ..base.clone() },
+            EngineConfig { num_kv_blocks: 10, ..base.clone() },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,1 +1,339 @@
-//! TODO
+//! The engine loop (reference 000 §4.6): one call of [`EngineCore::step`] makes one transition.
+//!
+//! ```text
+//! step():
+//!   1. launch   if no forward awaits sampling and a slot is free: schedule; launch the plan
+//!               (or, if the plan needs a drained pipeline, commit the oldest step instead)
+//!   2. finalize if a forward awaits sampling: enqueue its sampling + output copy
+//!   3. commit   else: wait for the oldest step's outputs and commit them (FIFO)
+//!   4. idle     nothing launched, queued or schedulable
+//! ```
+//!
+//! With depth 2 this keeps one step queued on the backend while the host commits the previous
+//! one; with depth 1 it is the synchronous loop (launch, sample, wait, commit).
+//!
+//! Faults (reference 000 §4.8): a launch rejected before dispatch rolls its step back (its
+//! requests finish with an error) and the loop goes on; any other backend error is returned
+//! as [`EngineFatal`] after every accepted request was finished with an error.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use harrier_shared::protocol::{EngineCoreRequest, EngineStats, Finish, FinishReason, RequestOutput};
+
+use crate::batch::{ExecBatch, StepOutput};
+use crate::config::EngineConfig;
+use crate::executor::{ExecError, Executor, InFlightStep, LaunchHandle};
+use crate::pipeline::{PipelineState, SlotId, NUM_SLOTS};
+use crate::request::{Origin, Request, RequestId};
+use crate::scheduler::{Decision, OutputSink, Scheduler, SchedulerConfig, StepEntry, StepPlan};
+
+/// The backend failed after dispatch; the engine must exit (its requests were answered).
+#[derive(Debug, thiserror::Error)]
+#[error("engine-fatal backend error: {0}")]
+pub struct EngineFatal(pub String);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    Worked,
+    Idle,
+}
+
+/// What the engine needs to know about the model it serves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelFacts {
+    pub vocab_size: u32,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Per-slot host state: the batch sent to the backend and the step's membership record.
+#[derive(Default)]
+struct SlotState {
+    batch: ExecBatch,
+    record: Vec<StepEntry>,
+    launched_at: Option<Instant>,
+}
+
+pub struct EngineCore<E: Executor> {
+    cfg: EngineConfig,
+    model: ModelFacts,
+    sched: Scheduler,
+    exec: E,
+    pipeline: PipelineState<LaunchHandle, InFlightStep>,
+    slots: [SlotState; NUM_SLOTS],
+    step_output: StepOutput,
+    sink: OutputSink,
+    /// Front-end request ids of unfinished requests, per front end.
+    ids: HashMap<Origin, HashMap<String, RequestId>>,
+    next_id: u64,
+    seed_state: u64,
+    steps_total: u64,
+    last_step_us: u32,
+}
+
+impl<E: Executor> EngineCore<E> {
+    pub fn new(cfg: EngineConfig, model: ModelFacts, exec: E) -> Result<Self, crate::config::ConfigError> {
+        cfg.validate()?;
+        let sched = Scheduler::new(SchedulerConfig {
+            max_num_seqs: cfg.max_num_seqs,
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_model_len: cfg.max_model_len,
+            block_size: cfg.block_size,
+            num_kv_blocks: cfg.num_kv_blocks,
+            max_inflight_refs: cfg.pipeline.max_in_flight() as u8,
+            eos_token_ids: model.eos_token_ids.clone(),
+        });
+        let seed_state = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0x5eed);
+        Ok(Self {
+            pipeline: PipelineState::new(cfg.pipeline.max_in_flight()),
+            cfg,
+            model,
+            sched,
+            exec,
+            slots: Default::default(),
+            step_output: StepOutput::default(),
+            sink: Vec::new(),
+            ids: HashMap::new(),
+            next_id: 0,
+            seed_state,
+            steps_total: 0,
+            last_step_us: 0,
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// True while requests are queued, running or in flight.
+    pub fn has_work(&self) -> bool {
+        self.sched.has_work() || !self.pipeline.is_drained()
+    }
+
+    /// Outputs produced since the last call, tagged with their front end.
+    pub fn take_outputs(&mut self) -> std::vec::Drain<'_, (Origin, RequestOutput)> {
+        for (origin, out) in &self.sink {
+            if out.finish.is_some() {
+                if let Some(m) = self.ids.get_mut(origin) {
+                    m.remove(&out.request_id);
+                }
+            }
+        }
+        self.sink.drain(..)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let c = self.sched.counters();
+        EngineStats {
+            num_running: self.sched.num_running() as u32,
+            num_waiting: self.sched.num_waiting() as u32,
+            kv_blocks_used: self.sched.kv().num_used(),
+            kv_blocks_total: self.sched.kv().num_usable(),
+            last_step_us: self.last_step_us,
+            steps_total: self.steps_total,
+            preemptions_total: c.preemptions,
+            prefix_cache_queries_total: 0,
+            prefix_cache_hits_total: 0,
+            prompt_tokens_total: c.prompt_tokens,
+            generation_tokens_total: c.generation_tokens,
+        }
+    }
+
+    fn reject(&mut self, origin: Origin, request_id: String, message: String) {
+        tracing::debug!(%request_id, "request rejected: {message}");
+        self.sink.push((
+            origin,
+            RequestOutput {
+                request_id,
+                new_token_ids: Vec::new(),
+                logprobs: None,
+                finish: Some(Finish { reason: FinishReason::Error, stop_token: None, message: Some(message) }),
+                num_cached_tokens: None,
+            },
+        ));
+    }
+
+    /// Validates and queues a request; an invalid one finishes at once with an error.
+    pub fn add_request(&mut self, origin: Origin, req: EngineCoreRequest) {
+        let EngineCoreRequest { request_id, prompt_token_ids, sampling, arrival_time: _ } = req;
+        let problem = if prompt_token_ids.is_empty() {
+            Some("the prompt must contain at least one token".to_string())
+        } else if let Some(&t) = prompt_token_ids.iter().find(|&&t| t >= self.model.vocab_size) {
+            Some(format!("token id {t} is out of range for the vocabulary of {} tokens", self.model.vocab_size))
+        } else if prompt_token_ids.len() as u32 >= self.cfg.max_model_len {
+            Some(format!(
+                "the prompt has {} tokens but the maximum model length is {} (including at least one generated token)",
+                prompt_token_ids.len(),
+                self.cfg.max_model_len
+            ))
+        } else if let Err(e) = sampling.validate(self.cfg.max_logprobs) {
+            Some(format!("{}: {}", e.param, e.message))
+        } else if self.ids.get(&origin).is_some_and(|m| m.contains_key(&request_id)) {
+            Some(format!("request id {request_id} is already in use"))
+        } else {
+            None
+        };
+        if let Some(message) = problem {
+            return self.reject(origin, request_id, message);
+        }
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        let seed = sampling.seed.unwrap_or_else(|| {
+            self.seed_state = self.seed_state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            splitmix64(self.seed_state)
+        });
+        self.ids.entry(origin).or_default().insert(request_id.clone(), id);
+        self.sched.add(Request::new(id, origin, request_id, prompt_token_ids, sampling, seed));
+    }
+
+    /// Aborts the front end's requests by id; unknown or finished ids are ignored.
+    pub fn abort(&mut self, origin: Origin, request_ids: &[String]) {
+        for rid in request_ids {
+            if let Some(id) = self.ids.get(&origin).and_then(|m| m.get(rid)).copied() {
+                self.sched.abort(id, &mut self.sink);
+            }
+        }
+    }
+
+    /// Aborts everything a front end sent (it went away).
+    pub fn abort_origin(&mut self, origin: Origin) {
+        if let Some(m) = self.ids.get(&origin) {
+            let ids: Vec<RequestId> = m.values().copied().collect();
+            for id in ids {
+                self.sched.abort(id, &mut self.sink);
+            }
+        }
+    }
+
+    /// One transition of the loop.
+    pub fn step(&mut self) -> Result<Progress, EngineFatal> {
+        let result = self.try_step();
+        if let Err(e) = &result {
+            self.fail(&e.0);
+        }
+        result
+    }
+
+    fn try_step(&mut self) -> Result<Progress, EngineFatal> {
+        if !self.pipeline.has_launch() {
+            if let Some(slot) = self.pipeline.free_slot() {
+                match self.sched.schedule(self.pipeline.is_drained()) {
+                    Decision::Launch(plan) => {
+                        self.launch(&plan, slot)?;
+                        if !self.pipeline.has_launch() {
+                            return Ok(Progress::Worked); // rejected and rolled back
+                        }
+                    }
+                    Decision::DrainFirst => {
+                        let committed = self.commit_oldest()?;
+                        debug_assert!(committed, "DrainFirst with nothing queued");
+                        return Ok(Progress::Worked);
+                    }
+                    Decision::Idle => {}
+                }
+            }
+        }
+        if let Some(handle) = self.pipeline.take_launch() {
+            let step = self.exec.finalize_sampling(handle).map_err(fatal)?;
+            self.pipeline.on_pending_commit(step);
+            return Ok(Progress::Worked);
+        }
+        if self.commit_oldest()? {
+            return Ok(Progress::Worked);
+        }
+        Ok(Progress::Idle)
+    }
+
+    fn launch(&mut self, plan: &StepPlan, slot: SlotId) -> Result<(), EngineFatal> {
+        let st = &mut self.slots[slot.0 as usize];
+        self.sched.apply(plan, &mut st.batch, &mut st.record);
+        match self.exec.launch_forward(&st.batch, slot) {
+            Ok(handle) => {
+                st.launched_at = Some(Instant::now());
+                self.pipeline.on_launch(handle);
+            }
+            Err(ExecError::Rejected(message)) => {
+                tracing::warn!("step rejected before dispatch, rolling back: {message}");
+                self.sched.rollback(&st.record, &message, &mut self.sink);
+                st.record.clear();
+            }
+            Err(e @ ExecError::Fatal(_)) => return Err(fatal(e)),
+        }
+        self.debug_check();
+        Ok(())
+    }
+
+    /// Waits for and commits the oldest in-flight step; false if none is queued.
+    fn commit_oldest(&mut self) -> Result<bool, EngineFatal> {
+        let Some(step) = self.pipeline.pop_oldest() else {
+            return Ok(false);
+        };
+        let slot = step.slot.0 as usize;
+        self.exec.wait(step, &mut self.step_output).map_err(fatal)?;
+        let st = &mut self.slots[slot];
+        self.sched.commit(&st.record, &self.step_output, &mut self.sink);
+        st.record.clear();
+        if let Some(t) = st.launched_at.take() {
+            self.last_step_us = t.elapsed().as_micros().min(u32::MAX as u128) as u32;
+        }
+        self.steps_total += 1;
+        self.pipeline.on_step_completed();
+        self.debug_check();
+        Ok(true)
+    }
+
+    /// Commits every in-flight step, in order.
+    pub fn drain(&mut self) -> Result<(), EngineFatal> {
+        while !self.pipeline.is_drained() {
+            if let Some(handle) = self.pipeline.take_launch() {
+                let step = self.exec.finalize_sampling(handle).map_err(fatal)?;
+                self.pipeline.on_pending_commit(step);
+            }
+            self.commit_oldest()?;
+        }
+        Ok(())
+    }
+
+    /// Graceful stop: commits in-flight steps, then ends every request with `abort`.
+    pub fn shutdown(&mut self) -> Result<(), EngineFatal> {
+        let drained = self.drain();
+        if drained.is_ok() {
+            let finish = Finish { reason: FinishReason::Abort, stop_token: None, message: Some("the engine is shutting down".into()) };
+            self.sched.finish_all(finish, &mut self.sink);
+        }
+        drained
+    }
+
+    /// Engine-fatal path: every accepted request gets an error; all state is released.
+    fn fail(&mut self, message: &str) {
+        tracing::error!("{message}");
+        let finish = Finish { reason: FinishReason::Error, stop_token: None, message: Some(message.to_string()) };
+        self.sched.finish_all(finish, &mut self.sink);
+        self.pipeline.clear();
+        for st in &mut self.slots {
+            st.record.clear();
+        }
+        self.sched.release_all();
+    }
+
+    fn debug_check(&self) {
+        if cfg!(debug_assertions) {
+            self.sched.check_invariants(self.slots.iter().map(|s| s.record.as_slice()));
+        }
+    }
+}
+
+fn fatal(e: ExecError) -> EngineFatal {
+    EngineFatal(e.to_string())
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}

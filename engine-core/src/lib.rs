@@ -14,6 +14,8 @@
 //! Rules: the scheduler, pipeline and request modules know no backend; only executors touch
 //! model math; only a CUDA executor (later) touches CUDA.
 
+pub mod batch;
+pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod executor;

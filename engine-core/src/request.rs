@@ -1,1 +1,116 @@
-//! TODO
+//! Per-request state inside the engine.
+//!
+//! Two views of a request's length coexist under run-ahead (reference 000 §4.5):
+//! - the *committed* view: `prompt` + `output` (tokens the host has seen; used for streaming and
+//!   stop decisions);
+//! - the *device* view: `num_computed_tokens` (KV written or being written by launched steps) and
+//!   `pending_samples` (tokens sampled by launched, uncommitted steps).
+//!
+//! `known_len() = prompt + output + pending_samples` is the sequence length once every launched
+//! step is done; the next step must compute `known_len() - num_computed_tokens` tokens.
+
+use harrier_shared::protocol::{FinishReason, SamplingParams, TokenId};
+
+use crate::batch::RowId;
+use crate::kv::BlockId;
+
+/// Engine-internal request id (front ends use strings; see [`crate::engine`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// The front end a request came from (an index the server assigns).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Origin(pub u32);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    /// Not yet admitted (no row, no blocks).
+    Waiting,
+    /// Admitted: holds a row and KV blocks.
+    Running,
+    /// Lost its KV to preemption; waits to be recomputed (no row, no blocks).
+    Preempted,
+    /// Done; may still be referenced by in-flight steps (a zombie) until `inflight_refs == 0`.
+    Finished(FinishReason),
+}
+
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub id: RequestId,
+    pub origin: Origin,
+    pub external_id: String,
+    pub prompt: Vec<TokenId>,
+    /// Committed output tokens.
+    pub output: Vec<TokenId>,
+    pub sampling: SamplingParams,
+    pub seed: u64,
+    pub status: RequestStatus,
+    /// Set once the request finished (EOS, stop id, length, abort, error); never cleared.
+    pub finalized: bool,
+    /// In-flight steps that include this request (I4: `0 <= inflight_refs <= 2`).
+    pub inflight_refs: u8,
+    /// Tokens sampled by in-flight steps, not yet committed.
+    pub pending_samples: u32,
+    pub num_computed_tokens: u32,
+    pub row: Option<RowId>,
+    /// The row sampled this sequence's last token: the next step is a one-token decode whose
+    /// input is that token, still on the device. False while (re)computing a prefill.
+    pub decoding: bool,
+    pub blocks: Vec<BlockId>,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub num_cached_tokens: u32,
+    /// The first output (which carries `num_cached_tokens`) was sent.
+    pub reported_first: bool,
+}
+
+impl Request {
+    pub fn new(id: RequestId, origin: Origin, external_id: String, prompt: Vec<TokenId>, sampling: SamplingParams, seed: u64) -> Self {
+        Self {
+            id,
+            origin,
+            external_id,
+            prompt,
+            output: Vec::new(),
+            sampling,
+            seed,
+            status: RequestStatus::Waiting,
+            finalized: false,
+            inflight_refs: 0,
+            pending_samples: 0,
+            num_computed_tokens: 0,
+            row: None,
+            decoding: false,
+            blocks: Vec::new(),
+            num_cached_tokens: 0,
+            reported_first: false,
+        }
+    }
+
+    /// Prompt plus committed output.
+    pub fn host_len(&self) -> u32 {
+        (self.prompt.len() + self.output.len()) as u32
+    }
+
+    /// Length once every launched step has completed.
+    pub fn known_len(&self) -> u32 {
+        self.host_len() + self.pending_samples
+    }
+
+    /// Output tokens committed plus in flight: what `max_tokens` is checked against.
+    pub fn budgeted_output(&self) -> u32 {
+        self.output.len() as u32 + self.pending_samples
+    }
+
+    /// The token at `index` of the committed sequence (prompt then output).
+    pub fn token_at(&self, index: usize) -> TokenId {
+        if index < self.prompt.len() {
+            self.prompt[index]
+        } else {
+            self.output[index - self.prompt.len()]
+        }
+    }
+
+    pub fn is_zombie(&self) -> bool {
+        self.finalized && self.inflight_refs > 0
+    }
+}

@@ -1,1 +1,550 @@
-//! TODO
+//! The scheduler: which requests run in the next step, and how many tokens each.
+//!
+//! How it thinks (as vLLM v1): there are no prefill and decode phases. Each request has a
+//! known length (prompt + output, plus tokens sampled by in-flight steps) and a number of
+//! computed tokens; a step lets computed tokens catch up. A decoding request needs one token
+//! (its input is the token its row sampled last, still on the device); a prefilling or
+//! recomputing request needs a chunk of host-known tokens.
+//!
+//! [`Scheduler::schedule`] is a *pure selector*: it reads state and returns a [`Decision`]
+//! without mutating anything. [`Scheduler::apply`] then performs the plan (admissions,
+//! preemptions, block allocation, `inflight_refs`) while writing the step's [`ExecBatch`];
+//! [`Scheduler::commit`] consumes the step's sampled tokens in FIFO order.
+//!
+//! Selection order within the token budget (`max_num_batched_tokens`):
+//! 1. running requests that decode, oldest admission first (one token each);
+//! 2. running requests in the middle of a chunked prefill (or recompute);
+//! 3. waiting requests, strictly FIFO, while a row (`max_num_seqs`, zombies included), token
+//!    budget and KV blocks remain.
+//!
+//! When a running request needs a KV block and none is free, the most recently admitted
+//! running request is preempted (recompute: its blocks are freed and it goes back to the head
+//! of the waiting queue; its output so far is kept and never re-sent).
+//!
+//! Run-ahead rules (reference 000 §4.5, §4.7):
+//! - a request is dispatchable while `inflight_refs < depth`, it is not finalized, and its
+//!   *budgeted* counts (committed + in flight) stay below `max_tokens` and `max_model_len`;
+//! - a plan that admits, prefills or preempts requires a drained pipeline (I5); otherwise the
+//!   decision is [`Decision::DrainFirst`] and the engine commits in-flight steps first, so a
+//!   waiting request starts within two step completions;
+//! - finished requests still inside a launched step (zombies) keep their row and blocks until
+//!   their last in-flight step is committed; capacity counts them.
+
+use std::collections::{HashMap, VecDeque};
+
+use harrier_shared::protocol::{Finish, FinishReason, RequestOutput, TokenId};
+
+use crate::batch::{ExecBatch, RowId, RowInit, SeqInput, StepOutput};
+use crate::kv::{BlockId, BlockManager};
+use crate::request::{Origin, Request, RequestId, RequestStatus};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    pub max_num_seqs: u32,
+    pub max_num_batched_tokens: u32,
+    pub max_model_len: u32,
+    pub block_size: u32,
+    pub num_kv_blocks: u32,
+    /// Most in-flight steps a request may be part of (the pipeline depth).
+    pub max_inflight_refs: u8,
+    pub eos_token_ids: Vec<TokenId>,
+}
+
+/// One request's share of a planned step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Planned {
+    pub id: RequestId,
+    pub num_tokens: u32,
+    /// Admitted from the waiting queue by this step.
+    pub admit: bool,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    pub entries: Vec<Planned>,
+    /// Running requests to preempt before the step (most recently admitted first).
+    pub preempt: Vec<RequestId>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Nothing can run now.
+    Idle,
+    /// Work is wanted that needs a drained pipeline (admission, prefill, preemption).
+    DrainFirst,
+    Launch(StepPlan),
+}
+
+/// A request's membership in a launched step, in the step's sequence order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepEntry {
+    pub id: RequestId,
+    pub num_tokens: u32,
+    pub sample: bool,
+}
+
+/// Counters reported in the engine's stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerCounters {
+    pub preemptions: u64,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    requests: HashMap<RequestId, Request>,
+    waiting: VecDeque<RequestId>,
+    /// Admission order: the tail is preempted first.
+    running: Vec<RequestId>,
+    kv: BlockManager,
+    free_rows: Vec<RowId>,
+    counters: SchedulerCounters,
+}
+
+/// Outputs produced by scheduler transitions, tagged with the front end to send them to.
+pub type OutputSink = Vec<(Origin, RequestOutput)>;
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        let kv = BlockManager::new(cfg.num_kv_blocks, cfg.block_size);
+        let free_rows = (0..cfg.max_num_seqs).rev().map(RowId).collect();
+        Self { cfg, requests: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), kv, free_rows, counters: SchedulerCounters::default() }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests known to the scheduler, zombies included.
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Rows held (running requests and zombies): the capacity measure (reference 000 §4.5).
+    pub fn num_allocated_rows(&self) -> u32 {
+        self.cfg.max_num_seqs - self.free_rows.len() as u32
+    }
+
+    pub fn kv(&self) -> &BlockManager {
+        &self.kv
+    }
+
+    pub fn counters(&self) -> SchedulerCounters {
+        self.counters
+    }
+
+    pub fn request(&self, id: RequestId) -> Option<&Request> {
+        self.requests.get(&id)
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Queues a validated request.
+    pub fn add(&mut self, request: Request) {
+        let id = request.id;
+        debug_assert!(!self.requests.contains_key(&id), "duplicate request id");
+        self.waiting.push_back(id);
+        self.requests.insert(id, request);
+    }
+
+    fn can_dispatch(&self, r: &Request) -> bool {
+        !r.finalized
+            && r.inflight_refs < self.cfg.max_inflight_refs
+            && r.known_len() < self.cfg.max_model_len
+            && r.budgeted_output() < r.sampling.max_tokens
+    }
+
+    /// Decodes when the row sampled the sequence's last token; otherwise the chunk of
+    /// host-known tokens still to compute.
+    fn host_tokens_left(r: &Request) -> u32 {
+        if r.decoding {
+            0
+        } else {
+            r.host_len() - r.num_computed_tokens
+        }
+    }
+
+    /// Chooses the next step. Pure: mutates nothing.
+    pub fn schedule(&self, drained: bool) -> Decision {
+        let bs = self.cfg.block_size;
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut free_blocks = self.kv.num_free();
+        let mut free_rows = self.free_rows.len() as u32;
+        let mut plan = StepPlan::default();
+        let mut needs_drain = false;
+        // running[..tail] may still run; running[tail..] are preempted by this plan.
+        let mut tail = self.running.len();
+
+        // Frees blocks by preempting from the tail (never `running[i]` itself or earlier ones).
+        let reserve = |need: u32, i: usize, tail: &mut usize, free_blocks: &mut u32, plan: &mut StepPlan, needs_drain: &mut bool| -> bool {
+            while need > *free_blocks && *tail > i + 1 {
+                *tail -= 1;
+                let victim = &self.requests[&self.running[*tail]];
+                plan.preempt.push(victim.id);
+                *free_blocks += victim.blocks.len() as u32;
+                *needs_drain = true;
+            }
+            need <= *free_blocks
+        };
+
+        // 1. Decodes.
+        let mut i = 0;
+        while i < tail && budget > 0 {
+            let r = &self.requests[&self.running[i]];
+            if r.decoding && self.can_dispatch(r) {
+                let need = self.kv.blocks_for(r.num_computed_tokens + 1).saturating_sub(r.blocks.len() as u32);
+                if reserve(need, i, &mut tail, &mut free_blocks, &mut plan, &mut needs_drain) {
+                    free_blocks -= need;
+                    budget -= 1;
+                    plan.entries.push(Planned { id: r.id, num_tokens: 1, admit: false });
+                } else if drained {
+                    // Every later request is already a victim: preempt the request itself.
+                    debug_assert_eq!(tail, i + 1);
+                    plan.preempt.push(r.id);
+                    tail = i;
+                    needs_drain = true;
+                    break;
+                } else {
+                    // Draining may release zombies' blocks.
+                    needs_drain = true;
+                }
+            }
+            i += 1;
+        }
+
+        // 2. Chunked prefills and recomputes of running requests.
+        for &id in &self.running[..tail] {
+            if budget == 0 {
+                break;
+            }
+            let r = &self.requests[&id];
+            let left = Self::host_tokens_left(r);
+            if left == 0 || !self.can_dispatch(r) {
+                continue;
+            }
+            let mut chunk = left.min(budget);
+            let held = r.blocks.len() as u32;
+            let fit = (held + free_blocks) * bs - r.num_computed_tokens;
+            chunk = chunk.min(fit);
+            if chunk == 0 {
+                needs_drain |= !drained;
+                continue;
+            }
+            let need = self.kv.blocks_for(r.num_computed_tokens + chunk).saturating_sub(held);
+            free_blocks -= need;
+            budget -= chunk;
+            needs_drain = true;
+            plan.entries.push(Planned { id, num_tokens: chunk, admit: false });
+        }
+
+        // 3. Admissions, strictly FIFO; none in a step that preempts.
+        if plan.preempt.is_empty() {
+            for &id in &self.waiting {
+                if budget == 0 || free_rows == 0 {
+                    break;
+                }
+                let r = &self.requests[&id];
+                let chunk = r.host_len().min(budget);
+                let need = self.kv.blocks_for(chunk);
+                if need > free_blocks {
+                    break;
+                }
+                free_blocks -= need;
+                free_rows -= 1;
+                budget -= chunk;
+                needs_drain = true;
+                plan.entries.push(Planned { id, num_tokens: chunk, admit: true });
+            }
+        }
+
+        if needs_drain && !drained {
+            Decision::DrainFirst
+        } else if plan.entries.is_empty() && plan.preempt.is_empty() {
+            Decision::Idle
+        } else {
+            Decision::Launch(plan)
+        }
+    }
+
+    /// Performs `plan`: preemptions, admissions, block allocation and `inflight_refs`, writing
+    /// the step's batch and its membership record. Called only with a plan from
+    /// [`Self::schedule`] on unchanged state.
+    pub fn apply(&mut self, plan: &StepPlan, batch: &mut ExecBatch, record: &mut Vec<StepEntry>) {
+        batch.clear();
+        record.clear();
+        for &victim in &plan.preempt {
+            self.preempt(victim);
+        }
+        for p in &plan.entries {
+            if p.admit {
+                self.admit(p.id, batch);
+            }
+            let r = self.requests.get_mut(&p.id).expect("planned request exists");
+            let row = r.row.expect("running request has a row");
+            let position = r.num_computed_tokens;
+            let (host_start, host_len) = if r.decoding {
+                debug_assert_eq!(p.num_tokens, 1);
+                (batch.host_tokens.len() as u32, 0)
+            } else {
+                let start = batch.host_tokens.len() as u32;
+                for i in position..position + p.num_tokens {
+                    batch.host_tokens.push(r.token_at(i as usize));
+                }
+                (start, p.num_tokens)
+            };
+            let blocks_start = batch.new_blocks.len() as u32;
+            let before = r.blocks.len();
+            let need = self.kv.blocks_for(position + p.num_tokens).saturating_sub(before as u32);
+            self.kv.allocate(need, &mut r.blocks).expect("planned blocks are free");
+            batch.new_blocks.extend(r.blocks[before..].iter().map(|b| b.0));
+            r.num_computed_tokens += p.num_tokens;
+            let sample = r.num_computed_tokens == r.known_len();
+            if sample {
+                r.pending_samples += 1;
+                r.decoding = true;
+            }
+            r.inflight_refs += 1;
+            debug_assert!(r.inflight_refs <= self.cfg.max_inflight_refs, "I4: inflight_refs above depth");
+            batch.seqs.push(SeqInput {
+                row,
+                position,
+                num_tokens: p.num_tokens,
+                host_start,
+                host_len,
+                blocks_start,
+                blocks_len: (r.blocks.len() - before) as u32,
+                sample,
+            });
+            record.push(StepEntry { id: p.id, num_tokens: p.num_tokens, sample });
+        }
+    }
+
+    fn admit(&mut self, id: RequestId, batch: &mut ExecBatch) {
+        let front = self.waiting.pop_front();
+        debug_assert_eq!(front, Some(id), "admission is FIFO");
+        let row = self.free_rows.pop().expect("planned row is free");
+        let r = self.requests.get_mut(&id).expect("waiting request exists");
+        if r.status == RequestStatus::Waiting {
+            self.counters.prompt_tokens += r.prompt.len() as u64;
+        }
+        r.status = RequestStatus::Running;
+        r.row = Some(row);
+        r.decoding = false;
+        let mut mask = r.sampling.stop_token_ids.clone();
+        if !r.sampling.ignore_eos {
+            mask.extend_from_slice(&self.cfg.eos_token_ids);
+        }
+        batch.row_inits.push(RowInit {
+            row,
+            sampling: r.sampling.clone(),
+            seed: r.seed,
+            min_tokens_mask: mask,
+            prompt: r.prompt.clone(),
+            output: r.output.clone(),
+        });
+        self.running.push(id);
+    }
+
+    fn preempt(&mut self, id: RequestId) {
+        let r = self.requests.get_mut(&id).expect("preempted request exists");
+        assert_eq!(r.inflight_refs, 0, "I5: preemption only on a drained pipeline");
+        self.kv.free(&mut r.blocks);
+        if let Some(row) = r.row.take() {
+            self.free_rows.push(row);
+        }
+        r.num_computed_tokens = 0;
+        r.decoding = false;
+        r.status = RequestStatus::Preempted;
+        self.running.retain(|&x| x != id);
+        self.waiting.push_front(id);
+        self.counters.preemptions += 1;
+    }
+
+    /// Consumes one completed step (FIFO): commits sampled tokens, applies stop rules, skips
+    /// zombies and releases requests whose last in-flight step this was.
+    pub fn commit(&mut self, record: &[StepEntry], out: &StepOutput, sink: &mut OutputSink) {
+        let mut k = 0;
+        for e in record {
+            let r = self.requests.get_mut(&e.id).expect("in-flight request exists");
+            debug_assert!(r.inflight_refs > 0, "I4: commit of a step the request is not in");
+            r.inflight_refs -= 1;
+            if e.sample {
+                let token = out.tokens[k];
+                let logprobs = out.logprobs.get(k).cloned().flatten();
+                k += 1;
+                r.pending_samples -= 1;
+                if !r.finalized {
+                    r.output.push(token);
+                    self.counters.generation_tokens += 1;
+                    let finish = stop_reason(r, token, &self.cfg);
+                    let output = RequestOutput {
+                        request_id: r.external_id.clone(),
+                        new_token_ids: vec![token],
+                        logprobs: logprobs.map(|l| vec![l]),
+                        finish: None,
+                        num_cached_tokens: (!r.reported_first).then_some(r.num_cached_tokens),
+                    };
+                    r.reported_first = true;
+                    sink.push((r.origin, output));
+                    if let Some(finish) = finish {
+                        self.finish(e.id, finish, sink, true);
+                    }
+                }
+            }
+            self.release_if_done(e.id);
+        }
+        debug_assert_eq!(k, out.tokens.len(), "every sampled token consumed");
+    }
+
+    /// Undoes [`Self::apply`] for a step the backend rejected before dispatch: its requests
+    /// finish with an error (reference 000 §4.8).
+    pub fn rollback(&mut self, record: &[StepEntry], message: &str, sink: &mut OutputSink) {
+        for e in record {
+            let r = self.requests.get_mut(&e.id).expect("rolled-back request exists");
+            r.inflight_refs -= 1;
+            r.num_computed_tokens -= e.num_tokens;
+            if e.sample {
+                r.pending_samples -= 1;
+            }
+            if !r.finalized {
+                self.finish(e.id, error_finish(message), sink, false);
+            }
+            self.release_if_done(e.id);
+        }
+    }
+
+    /// Aborts a request (client gone, stop string matched). Returns false if unknown or done.
+    pub fn abort(&mut self, id: RequestId, sink: &mut OutputSink) -> bool {
+        match self.requests.get(&id) {
+            Some(r) if !r.finalized => {
+                self.finish(id, Finish { reason: FinishReason::Abort, stop_token: None, message: None }, sink, false);
+                self.release_if_done(id);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Finishes every unfinished request with `reason` (shutdown or engine-fatal error).
+    pub fn finish_all(&mut self, finish: Finish, sink: &mut OutputSink) {
+        let mut ids: Vec<RequestId> = self.requests.values().filter(|r| !r.finalized).map(|r| r.id).collect();
+        ids.sort();
+        for id in ids {
+            self.finish(id, finish.clone(), sink, false);
+            self.release_if_done(id);
+        }
+    }
+
+    /// Forgets in-flight membership (engine-fatal path: the backend is gone) and frees all.
+    pub fn release_all(&mut self) {
+        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        for id in ids {
+            if let Some(r) = self.requests.get_mut(&id) {
+                r.inflight_refs = 0;
+                r.finalized = true;
+            }
+            self.release_if_done(id);
+        }
+    }
+
+    fn finish(&mut self, id: RequestId, finish: Finish, sink: &mut OutputSink, token_already_sent: bool) {
+        let r = self.requests.get_mut(&id).expect("finished request exists");
+        debug_assert!(!r.finalized);
+        r.finalized = true;
+        r.status = RequestStatus::Finished(finish.reason);
+        match (token_already_sent, sink.last_mut()) {
+            (true, Some((_, last))) => last.finish = Some(finish),
+            _ => {
+                sink.push((
+                    r.origin,
+                    RequestOutput {
+                        request_id: r.external_id.clone(),
+                        new_token_ids: Vec::new(),
+                        logprobs: None,
+                        finish: Some(finish),
+                        num_cached_tokens: (!r.reported_first).then_some(r.num_cached_tokens),
+                    },
+                ));
+                r.reported_first = true;
+            }
+        }
+        self.running.retain(|&x| x != id);
+        self.waiting.retain(|&x| x != id);
+    }
+
+    fn release_if_done(&mut self, id: RequestId) {
+        let done = matches!(self.requests.get(&id), Some(r) if r.finalized && r.inflight_refs == 0);
+        if done {
+            let mut r = self.requests.remove(&id).expect("checked");
+            self.kv.free(&mut r.blocks);
+            if let Some(row) = r.row.take() {
+                self.free_rows.push(row);
+            }
+        }
+    }
+
+    /// Debug check of I4 and capacity: `inflight_refs` equals the number of in-flight step
+    /// records naming the request; rows and blocks are conserved.
+    pub fn check_invariants<'a>(&self, in_flight: impl Iterator<Item = &'a [StepEntry]>) {
+        let mut counts: HashMap<RequestId, u8> = HashMap::new();
+        for record in in_flight {
+            for e in record {
+                *counts.entry(e.id).or_default() += 1;
+            }
+        }
+        let mut rows = 0;
+        let mut blocks = 0;
+        for r in self.requests.values() {
+            let c = counts.get(&r.id).copied().unwrap_or(0);
+            assert_eq!(r.inflight_refs, c, "I4: {:?} has inflight_refs {} but is in {} in-flight steps", r.id, r.inflight_refs, c);
+            assert!(r.inflight_refs <= self.cfg.max_inflight_refs);
+            assert!(!(r.finalized && r.inflight_refs == 0), "{:?} finished but not released", r.id);
+            rows += r.row.is_some() as u32;
+            blocks += r.blocks.len() as u32;
+            let block_ids: &[BlockId] = &r.blocks;
+            assert!(block_ids.len() as u32 >= self.kv.blocks_for(r.num_computed_tokens), "{:?} computed past its blocks", r.id);
+        }
+        assert_eq!(rows, self.num_allocated_rows(), "rows leaked");
+        assert_eq!(blocks, self.kv.num_used(), "blocks leaked");
+        for id in counts.keys() {
+            assert!(self.requests.contains_key(id), "in-flight step names released {id:?}");
+        }
+    }
+}
+
+fn error_finish(message: &str) -> Finish {
+    Finish { reason: FinishReason::Error, stop_token: None, message: Some(message.to_string()) }
+}
+
+/// Stop rules applied to a newly committed token, in vLLM's order.
+fn stop_reason(r: &Request, token: TokenId, cfg: &SchedulerConfig) -> Option<Finish> {
+    let n = r.output.len() as u32;
+    let past_min = n >= r.sampling.min_tokens;
+    let stop = |t| Some(Finish { reason: FinishReason::Stop, stop_token: Some(t), message: None });
+    if past_min && !r.sampling.ignore_eos && cfg.eos_token_ids.contains(&token) {
+        return stop(token);
+    }
+    if past_min && r.sampling.stop_token_ids.contains(&token) {
+        return stop(token);
+    }
+    if n >= r.sampling.max_tokens || r.host_len() >= cfg.max_model_len {
+        return Some(Finish { reason: FinishReason::Length, stop_token: None, message: None });
+    }
+    None
+}
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

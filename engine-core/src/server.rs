@@ -1,1 +1,287 @@
-//! TODO
+//! The engine-core process: sockets, front-end bookkeeping, heartbeats, signals.
+//!
+//! ```text
+//!   ZeroMQ ROUTER task ──Inbound──► bridge (tokio) ──EngineInput (std mpsc)──► engine thread
+//!          ▲                          │  ▲                                     (owns EngineCore:
+//!          └────────Outbound──────────┘  └──────EngineEvent (tokio mpsc)─────── scheduler, pipeline,
+//!                                                                               executor)
+//! ```
+//!
+//! - The bridge answers the handshake, tracks front ends (an [`Origin`] per peer), answers
+//!   health and stats calls from the latest stats snapshot, sends heartbeats every
+//!   `heartbeat` interval, and declares a front end gone after `frontend_timeout` of silence
+//!   or when the socket reports it lost: the engine then aborts its requests.
+//! - The engine thread drains its input channel without blocking between steps and blocks on
+//!   it only when idle. Outputs leave once per step, one message per front end.
+//! - SIGTERM/SIGINT: in-flight steps are committed, every request ends with `abort`, the
+//!   process exits 0. An engine-fatal error ends every request with `error` and the process
+//!   exits non-zero so its supervisor restarts it.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use harrier_shared::endpoint::Endpoint;
+use harrier_shared::protocol::{
+    EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineMessage, EngineStats, FrontendMessage, Rejected, RequestOutput, UtilityCall, UtilityReply,
+    UtilityResult, PROTOCOL_VERSION,
+};
+use harrier_shared::transport::{EngineTransport, Inbound, Outbound, PeerId};
+use tokio::sync::{mpsc, watch};
+
+use crate::engine::{EngineCore, EngineFatal, Progress};
+use crate::executor::Executor;
+use crate::request::Origin;
+
+/// Timing knobs of the engine process.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    pub heartbeat: Duration,
+    pub frontend_timeout: Duration,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self { heartbeat: Duration::from_millis(250), frontend_timeout: Duration::from_secs(5) }
+    }
+}
+
+/// Work handed from the bridge to the engine thread.
+#[derive(Debug)]
+pub enum EngineInput {
+    Request(Origin, EngineCoreRequest),
+    Abort(Origin, Vec<String>),
+    FrontendGone(Origin),
+    Shutdown,
+}
+
+/// The engine thread's outputs for one front end and one step.
+#[derive(Debug)]
+struct EngineEvent(Origin, EngineCoreOutputs);
+
+/// Serves `engine` on `endpoint` until `shutdown` resolves (graceful) or the engine fails.
+pub async fn serve<E>(engine: EngineCore<E>, info: EngineInfo, endpoint: &Endpoint, opts: ServerOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()>
+where
+    E: Executor + Send + 'static,
+{
+    let mut transport = EngineTransport::bind(endpoint).await.with_context(|| format!("binding the engine socket at {endpoint}"))?;
+    tracing::info!(endpoint = %transport.endpoint(), model = %info.model_name, "engine core ready");
+    let (input_tx, input_rx) = std_mpsc::channel();
+    let (event_tx, mut event_rx) = mpsc::unbounded_channel();
+    let (stats_tx, stats_rx) = watch::channel(engine.stats());
+    let engine_thread = std::thread::Builder::new()
+        .name("harrier-engine".into())
+        .spawn(move || engine_loop(engine, input_rx, event_tx, stats_tx))
+        .context("spawning the engine thread")?;
+
+    let mut bridge = Bridge { info, peers: HashMap::new(), origins: HashMap::new(), next_origin: 0, input: input_tx, outbound: transport.outbound.clone(), stats: stats_rx };
+    let mut heartbeat = tokio::time::interval(opts.heartbeat);
+    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    let mut shutting_down = false;
+    loop {
+        tokio::select! {
+            inbound = transport.inbound.recv() => match inbound {
+                Some(inbound) => bridge.on_inbound(inbound),
+                None => {
+                    tracing::error!("the engine socket task ended");
+                    bridge.send_input(EngineInput::Shutdown);
+                    shutting_down = true;
+                }
+            },
+            event = event_rx.recv() => match event {
+                Some(EngineEvent(origin, outputs)) => bridge.send_outputs(origin, outputs),
+                None => break, // the engine thread ended
+            },
+            _ = heartbeat.tick() => bridge.on_heartbeat(opts.frontend_timeout),
+            _ = &mut shutdown, if !shutting_down => {
+                tracing::info!("shutting down: finishing in-flight steps, aborting requests");
+                shutting_down = true;
+                bridge.send_input(EngineInput::Shutdown);
+            }
+        }
+    }
+    let result = engine_thread.join().map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
+    // Let the socket task flush the last outputs before the socket closes.
+    drop(bridge);
+    drop(transport.outbound);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    result.map_err(anyhow::Error::from)
+}
+
+struct PeerState {
+    origin: Origin,
+    last_seen: Instant,
+}
+
+struct Bridge {
+    info: EngineInfo,
+    peers: HashMap<PeerId, PeerState>,
+    origins: HashMap<Origin, PeerId>,
+    next_origin: u32,
+    input: std_mpsc::Sender<EngineInput>,
+    outbound: mpsc::UnboundedSender<Outbound>,
+    stats: watch::Receiver<EngineStats>,
+}
+
+impl Bridge {
+    fn send(&self, peer: &PeerId, msg: EngineMessage) {
+        if self.outbound.send(Outbound { peer: peer.clone(), msg }).is_err() {
+            tracing::error!("the engine socket task is gone; dropping a message");
+        }
+    }
+
+    fn send_input(&self, input: EngineInput) {
+        if self.input.send(input).is_err() {
+            tracing::debug!("the engine thread has stopped; input dropped");
+        }
+    }
+
+    fn on_inbound(&mut self, inbound: Inbound) {
+        match inbound {
+            Inbound::Message { peer, msg } => self.on_message(peer, msg),
+            Inbound::PeerLost { peer } => self.forget(&peer, "its connection was lost"),
+        }
+    }
+
+    fn on_message(&mut self, peer: PeerId, msg: FrontendMessage) {
+        if let FrontendMessage::Hello(hello) = &msg {
+            if hello.protocol_version != PROTOCOL_VERSION {
+                tracing::warn!(name = %hello.name, theirs = hello.protocol_version, ours = PROTOCOL_VERSION, "rejecting a front end with another protocol version");
+                let reason = format!("protocol version mismatch: front end speaks {}, engine core speaks {}", hello.protocol_version, PROTOCOL_VERSION);
+                return self.send(&peer, EngineMessage::Rejected(Rejected { engine_protocol_version: PROTOCOL_VERSION, reason }));
+            }
+            if !self.peers.contains_key(&peer) {
+                let origin = Origin(self.next_origin);
+                self.next_origin += 1;
+                tracing::info!(name = %hello.name, origin = origin.0, "front end connected");
+                self.peers.insert(peer.clone(), PeerState { origin, last_seen: Instant::now() });
+                self.origins.insert(origin, peer.clone());
+            }
+            return self.send(&peer, EngineMessage::Welcome(self.info.clone()));
+        }
+        let Some(state) = self.peers.get_mut(&peer) else {
+            tracing::warn!(?peer, "dropping a message from a front end that has not said hello");
+            return;
+        };
+        state.last_seen = Instant::now();
+        let origin = state.origin;
+        match msg {
+            FrontendMessage::Hello(_) => unreachable!("handled above"),
+            FrontendMessage::Request(r) => self.send_input(EngineInput::Request(origin, r)),
+            FrontendMessage::Abort(a) => self.send_input(EngineInput::Abort(origin, a.request_ids)),
+            FrontendMessage::Utility(u) => {
+                let result = match u.call {
+                    UtilityCall::Health => UtilityResult::Health { healthy: true },
+                    UtilityCall::Stats => UtilityResult::Stats(*self.stats.borrow()),
+                };
+                self.send(&peer, EngineMessage::UtilityReply(UtilityReply { call_id: u.call_id, result }));
+            }
+            FrontendMessage::Heartbeat => {}
+            FrontendMessage::Goodbye => self.forget(&peer, "it said goodbye"),
+        }
+    }
+
+    fn forget(&mut self, peer: &PeerId, why: &str) {
+        if let Some(state) = self.peers.remove(peer) {
+            tracing::info!(origin = state.origin.0, "front end gone ({why}): aborting its requests");
+            self.origins.remove(&state.origin);
+            self.send_input(EngineInput::FrontendGone(state.origin));
+        }
+    }
+
+    fn send_outputs(&mut self, origin: Origin, outputs: EngineCoreOutputs) {
+        match self.origins.get(&origin) {
+            Some(peer) => self.send(&peer.clone(), EngineMessage::Outputs(outputs)),
+            None => tracing::debug!(origin = origin.0, "outputs for a front end that is gone"),
+        }
+    }
+
+    fn on_heartbeat(&mut self, timeout: Duration) {
+        let stats = *self.stats.borrow();
+        let now = Instant::now();
+        let silent: Vec<PeerId> = self.peers.iter().filter(|(_, s)| now.duration_since(s.last_seen) > timeout).map(|(p, _)| p.clone()).collect();
+        for peer in silent {
+            self.forget(&peer, "it stopped sending heartbeats");
+        }
+        for peer in self.peers.keys() {
+            self.send(peer, EngineMessage::Heartbeat(stats));
+        }
+    }
+}
+
+/// The engine thread: drain inputs, step, flush outputs; block only when idle.
+fn engine_loop<E: Executor>(
+    mut engine: EngineCore<E>,
+    input: std_mpsc::Receiver<EngineInput>,
+    events: mpsc::UnboundedSender<EngineEvent>,
+    stats: watch::Sender<EngineStats>,
+) -> Result<(), EngineFatal> {
+    let mut step_id = 0u64;
+    let mut groups: Vec<(Origin, Vec<RequestOutput>)> = Vec::new();
+    loop {
+        let mut stop = false;
+        loop {
+            match input.try_recv() {
+                Ok(i) => stop |= apply_input(&mut engine, i),
+                Err(std_mpsc::TryRecvError::Empty) => break,
+                Err(std_mpsc::TryRecvError::Disconnected) => {
+                    stop = true;
+                    break;
+                }
+            }
+        }
+        if stop {
+            let result = engine.shutdown();
+            flush(&mut engine, &events, &mut groups, &mut step_id);
+            return result;
+        }
+        let progress = engine.step();
+        flush(&mut engine, &events, &mut groups, &mut step_id);
+        stats.send_replace(engine.stats());
+        match progress? {
+            Progress::Worked => {}
+            Progress::Idle => match input.recv() {
+                Ok(i) => {
+                    if apply_input(&mut engine, i) {
+                        let result = engine.shutdown();
+                        flush(&mut engine, &events, &mut groups, &mut step_id);
+                        return result;
+                    }
+                }
+                Err(_) => return engine.shutdown(),
+            },
+        }
+    }
+}
+
+/// Applies one input; true on shutdown.
+fn apply_input<E: Executor>(engine: &mut EngineCore<E>, input: EngineInput) -> bool {
+    match input {
+        EngineInput::Request(origin, r) => engine.add_request(origin, r),
+        EngineInput::Abort(origin, ids) => engine.abort(origin, &ids),
+        EngineInput::FrontendGone(origin) => engine.abort_origin(origin),
+        EngineInput::Shutdown => return true,
+    }
+    false
+}
+
+/// Sends this step's outputs: one message per front end.
+fn flush<E: Executor>(engine: &mut EngineCore<E>, events: &mpsc::UnboundedSender<EngineEvent>, groups: &mut Vec<(Origin, Vec<RequestOutput>)>, step_id: &mut u64) {
+    for (origin, out) in engine.take_outputs() {
+        match groups.iter_mut().find(|(o, _)| *o == origin) {
+            Some((_, v)) => v.push(out),
+            None => groups.push((origin, vec![out])),
+        }
+    }
+    if groups.is_empty() {
+        return;
+    }
+    *step_id += 1;
+    let stats = engine.stats();
+    for (origin, outputs) in groups.drain(..) {
+        let _ = events.send(EngineEvent(origin, EngineCoreOutputs { step: *step_id, outputs, stats }));
+    }
+}

@@ -1,0 +1,126 @@
+//! The batch description that crosses the executor seam.
+//!
+//! An [`ExecBatch`] is what the scheduler hands a backend for one step. It is plain data with
+//! no backend types, laid out flat (a few vectors, not one allocation per sequence) so that a
+//! backend can copy it into per-slot host buffers and then upload it (the CUDA backend's pinned
+//! metadata) with a handful of copies. The engine owns one `ExecBatch` per ping-pong slot and
+//! refills it each step (`clear()` keeps the capacity), so steady-state steps allocate nothing
+//! here.
+//!
+//! Rows: every admitted request holds a backend *row* (an index below `max_num_seqs`) for its
+//! whole life in the running set. Per-row state lives in the backend: the block table, the
+//! sampling parameters, penalty counters and, crucially, the last sampled token. A decode entry
+//! carries no token: its input is the row's device-side pending token written by the previous
+//! step's sampling, so the host is never on the path between two decode steps.
+
+use harrier_shared::protocol::{SamplingParams, TokenId};
+
+/// A backend row: per-request state slot, stable while the request holds KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RowId(pub u32);
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqInput {
+    pub row: RowId,
+    /// Tokens of this sequence already in (or being written to) the KV cache before this step.
+    pub position: u32,
+    /// Tokens computed in this step.
+    pub num_tokens: u32,
+    /// `host_tokens[start..start + len]` are the chunk's first tokens. If `len < num_tokens`
+    /// the remaining one token (`num_tokens - len == 1`) is the row's pending sampled token.
+    pub host_start: u32,
+    pub host_len: u32,
+    /// `new_blocks[start..start + len]` are appended to the row's block table before the step.
+    pub blocks_start: u32,
+    pub blocks_len: u32,
+    /// Sample a token after this chunk (its last position reaches the end of the sequence).
+    pub sample: bool,
+}
+
+impl SeqInput {
+    pub fn uses_pending_token(&self) -> bool {
+        self.host_len < self.num_tokens
+    }
+}
+
+/// (Re)initialises a row when a request is admitted or resumed after preemption.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowInit {
+    pub row: RowId,
+    pub sampling: SamplingParams,
+    /// The request's effective seed (the engine picks one when the request gave none).
+    pub seed: u64,
+    /// Token ids masked out while fewer than `min_tokens` tokens were generated
+    /// (EOS unless `ignore_eos`, plus `stop_token_ids`).
+    pub min_tokens_mask: Vec<TokenId>,
+    /// Prompt tokens (for the repetition penalty).
+    pub prompt: Vec<TokenId>,
+    /// Tokens generated before a preemption (penalties and the RNG counter resume from them).
+    pub output: Vec<TokenId>,
+}
+
+/// One step's work for a backend. Sequence order is the order of the step's outputs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ExecBatch {
+    /// Rows (re)initialised before this step runs; applied before `seqs`.
+    pub row_inits: Vec<RowInit>,
+    pub seqs: Vec<SeqInput>,
+    pub host_tokens: Vec<TokenId>,
+    pub new_blocks: Vec<u32>,
+}
+
+impl ExecBatch {
+    pub fn clear(&mut self) {
+        let Self { row_inits, seqs, host_tokens, new_blocks } = self;
+        row_inits.clear();
+        seqs.clear();
+        host_tokens.clear();
+        new_blocks.clear();
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.num_tokens as usize).sum()
+    }
+
+    pub fn num_samples(&self) -> usize {
+        self.seqs.iter().filter(|s| s.sample).count()
+    }
+
+    /// True when any sequence reads tokens from the host (a prefill or recompute chunk).
+    pub fn has_prefill(&self) -> bool {
+        self.seqs.iter().any(|s| s.host_len > 0)
+    }
+
+    /// Checks internal consistency (ranges in bounds, at most one pending token per sequence).
+    pub fn check(&self) -> Result<(), String> {
+        for (i, s) in self.seqs.iter().enumerate() {
+            if s.num_tokens == 0 || s.num_tokens - s.host_len.min(s.num_tokens) > 1 || s.host_len > s.num_tokens {
+                return Err(format!("seq {i}: {} tokens with {} from the host", s.num_tokens, s.host_len));
+            }
+            if (s.host_start + s.host_len) as usize > self.host_tokens.len() {
+                return Err(format!("seq {i}: host token range out of bounds"));
+            }
+            if (s.blocks_start + s.blocks_len) as usize > self.new_blocks.len() {
+                return Err(format!("seq {i}: block range out of bounds"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a step returns, filled into a caller-owned buffer by `Executor::wait`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOutput {
+    /// One sampled token per sequence with `sample`, in sequence order.
+    pub tokens: Vec<TokenId>,
+    /// Parallel to `tokens`; `Some` for rows whose request asked for logprobs.
+    pub logprobs: Vec<Option<harrier_shared::protocol::TokenLogprobs>>,
+}
+
+impl StepOutput {
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.logprobs.clear();
+    }
+}

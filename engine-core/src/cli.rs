@@ -1,0 +1,170 @@
+//! `harrier engine-core`: options, model loading, and the process's start and exit.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use harrier_shared::endpoint::{default_engine_endpoint, private_socket_dir, Endpoint};
+use harrier_shared::protocol::{EngineInfo, EngineLimits, PROTOCOL_VERSION};
+
+use crate::config::{EngineConfig, PipelineDepth};
+use crate::engine::{EngineCore, ModelFacts};
+use crate::executor::cpu::{CpuExecutor, CpuExecutorConfig};
+use crate::model::{CpuModel, KvCache, ModelDir};
+use crate::server::{serve, ServerOptions};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    /// CUDA when a GPU and libcuda are present, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineCoreArgs {
+    /// Hugging Face model directory. Default: the embedded `tiny` model (generated on first use).
+    #[arg(long, env = "HARRIER_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Name the model is served as (default: the directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Address to bind: `ipc:///path/engine.sock` or `tcp://127.0.0.1:PORT`.
+    /// Default: `engine.sock` in the private socket directory.
+    #[arg(long, env = "HARRIER_ENGINE_ENDPOINT")]
+    pub endpoint: Option<Endpoint>,
+    /// Private (0700) directory for ipc sockets.
+    #[arg(long, env = "HARRIER_SOCKET_DIR")]
+    pub socket_dir: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: u32,
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: u32,
+    /// Default: the model's max_position_embeddings, capped by the KV cache.
+    #[arg(long)]
+    pub max_model_len: Option<u32>,
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// KV cache size on the CPU, in MiB (ignored when --num-kv-blocks is given).
+    #[arg(long, default_value_t = 1024)]
+    pub kv_cache_mib: u64,
+    #[arg(long)]
+    pub num_kv_blocks: Option<u32>,
+    /// Run the synchronous loop (one step in flight) instead of the 2-deep pipeline.
+    #[arg(long)]
+    pub sync: bool,
+    #[arg(long, default_value_t = 20)]
+    pub max_logprobs: u32,
+    /// Compute threads for the CPU backend (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// A ready engine with its handshake answer.
+pub struct BuiltEngine {
+    pub engine: EngineCore<CpuExecutor>,
+    pub info: EngineInfo,
+}
+
+/// Loads the model and builds the CPU engine described by `args`.
+pub fn build_cpu_engine(args: &EngineCoreArgs, model_dir: &std::path::Path) -> anyhow::Result<BuiltEngine> {
+    let dir = ModelDir::open(model_dir).with_context(|| format!("opening model directory {}", model_dir.display()))?;
+    let mc = &dir.config;
+    let started = std::time::Instant::now();
+    let model = CpuModel::load(&dir).with_context(|| format!("loading weights from {}", model_dir.display()))?;
+    let bytes_per_block = KvCache::bytes_per_block(mc, args.block_size as usize) as u64;
+    let num_kv_blocks = match args.num_kv_blocks {
+        Some(n) => n,
+        None => ((args.kv_cache_mib << 20) / bytes_per_block).min(u32::MAX as u64) as u32,
+    };
+    let kv_tokens = (num_kv_blocks.saturating_sub(1)) * args.block_size;
+    let max_model_len = match args.max_model_len {
+        Some(n) if n as usize > mc.max_position_embeddings => {
+            bail!("--max-model-len {n} exceeds the model's max_position_embeddings ({})", mc.max_position_embeddings)
+        }
+        Some(n) => n,
+        None => (mc.max_position_embeddings as u32).min(kv_tokens),
+    };
+    let cfg = EngineConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len,
+        block_size: args.block_size,
+        num_kv_blocks,
+        pipeline: if args.sync { PipelineDepth::Sync } else { PipelineDepth::Async },
+        max_logprobs: args.max_logprobs,
+    };
+    cfg.validate()?;
+    tracing::info!(
+        model = %dir.name,
+        load_s = format!("{:.2}", started.elapsed().as_secs_f64()),
+        kv_blocks = num_kv_blocks,
+        kv_tokens,
+        kv_mib = (num_kv_blocks as u64 * bytes_per_block) >> 20,
+        max_model_len,
+        pipeline = ?cfg.pipeline,
+        "CPU engine configured"
+    );
+    let exec = CpuExecutor::new(model, mc, CpuExecutorConfig { num_kv_blocks, block_size: args.block_size, max_rows: args.max_num_seqs })?;
+    let facts = ModelFacts { vocab_size: mc.vocab_size as u32, eos_token_ids: dir.generation.eos_token_ids.clone() };
+    let info = EngineInfo {
+        protocol_version: PROTOCOL_VERSION,
+        engine_version: env!("CARGO_PKG_VERSION").to_string(),
+        model_name: args.served_model_name.clone().unwrap_or_else(|| dir.name.clone()),
+        max_model_len,
+        vocab_size: mc.vocab_size as u32,
+        eos_token_ids: facts.eos_token_ids.clone(),
+        limits: EngineLimits {
+            max_num_seqs: cfg.max_num_seqs,
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_logprobs: cfg.max_logprobs,
+            block_size: cfg.block_size,
+            num_kv_blocks: cfg.num_kv_blocks,
+        },
+    };
+    let engine = EngineCore::new(cfg, facts, exec)?;
+    Ok(BuiltEngine { engine, info })
+}
+
+/// Whether a CUDA driver library can be loaded on this machine.
+fn cuda_present() -> bool {
+    // The CUDA backend is not built yet; no device is usable.
+    false
+}
+
+/// The `engine-core` subcommand: runs until SIGTERM/SIGINT (exit 0) or a fatal error (non-zero).
+pub fn run_engine_core(args: EngineCoreArgs) -> anyhow::Result<()> {
+    match args.device {
+        Device::Cuda if !cuda_present() => bail!("--device cuda: no usable CUDA device (this build has no CUDA backend yet); use --device cpu"),
+        Device::Cuda => unreachable!("cuda_present() is false"),
+        Device::Auto | Device::Cpu => {}
+    }
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring compute threads")?;
+    }
+    let model_dir = match &args.model {
+        Some(p) => p.clone(),
+        None => bail!("--model is required (the embedded default model comes with the generator)"),
+    };
+    let built = build_cpu_engine(&args, &model_dir)?;
+    let endpoint = match &args.endpoint {
+        Some(e) => e.clone(),
+        None => default_engine_endpoint(&private_socket_dir(args.socket_dir.as_deref())?),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the I/O runtime")?;
+    rt.block_on(serve(built.engine, built.info, &endpoint, ServerOptions::default(), shutdown_signal()))
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        tracing::error!("cannot install signal handlers; stop the engine with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+}
