@@ -7,11 +7,13 @@
 //!   slot's host buffer, anchored to that step alone;
 //! - [`Executor::wait`] blocks until that step's copy is done and hands back the tokens.
 //!
-//! Backends: [`cpu::CpuExecutor`] (a compute thread plays the stream) and, for tests,
+//! Backends: [`cpu::CpuExecutor`] (a compute thread plays the stream), [`null::NullExecutor`]
+//! (no model: measures the loop itself) and, for tests,
 //! [`fault::FaultyExecutor`] which injects failures at any of the three calls.
 
 pub mod cpu;
 pub mod fault;
+pub mod null;
 
 use crate::batch::{ExecBatch, StepOutput};
 use crate::pipeline::{SlotId, SlotOwner};
