@@ -173,7 +173,9 @@ impl<E: Executor> EngineCore<E> {
         } else if let Err(e) = sampling.validate(self.cfg.max_logprobs) {
             Some(format!("{}: {}", e.param, e.message))
         } else if self.ids.get(&origin).is_some_and(|m| m.contains_key(&request_id)) {
-            Some(format!("request id {request_id} is already in use"))
+            // Answering on that id would end the original request in the front end's eyes.
+            tracing::warn!(%request_id, origin = origin.0, "dropping a request whose id is already in use");
+            return;
         } else {
             None
         };

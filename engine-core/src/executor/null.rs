@@ -24,11 +24,19 @@ pub struct NullExecutor {
     outputs: [StepOutput; NUM_SLOTS],
     batches: [ExecBatch; NUM_SLOTS],
     next_step: u64,
+    /// Emulated device time per step, spent in `wait` (zero: none).
+    step_time: std::time::Duration,
 }
 
 impl NullExecutor {
     pub fn new(vocab: u32, max_rows: u32) -> Self {
-        Self { vocab, rows: vec![None; max_rows as usize], outputs: Default::default(), batches: Default::default(), next_step: 0 }
+        Self { vocab, rows: vec![None; max_rows as usize], outputs: Default::default(), batches: Default::default(), next_step: 0, step_time: std::time::Duration::ZERO }
+    }
+
+    /// Makes every step take `step_time` (slept in `wait`), like a device would.
+    pub fn with_step_time(mut self, step_time: std::time::Duration) -> Self {
+        self.step_time = step_time;
+        self
     }
 
     /// The token the null backend samples for a request with `seed` at output `index`.
@@ -75,6 +83,9 @@ impl Executor for NullExecutor {
     }
 
     fn wait(&mut self, step: InFlightStep, out: &mut StepOutput) -> Result<(), ExecError> {
+        if !self.step_time.is_zero() {
+            std::thread::sleep(self.step_time);
+        }
         out.clear();
         std::mem::swap(out, &mut self.outputs[step.slot.0 as usize]);
         Ok(())
