@@ -16,7 +16,7 @@ use harrier_shared::protocol::{FinishReason, SamplingParams};
 const VOCAB: u32 = 1000;
 
 fn config(depth: PipelineDepth) -> EngineConfig {
-    EngineConfig { max_num_seqs: 16, max_num_batched_tokens: 256, max_model_len: 512, block_size: 16, num_kv_blocks: 200, pipeline: depth, max_logprobs: 5 }
+    EngineConfig { max_num_seqs: 16, max_num_batched_tokens: 256, max_model_len: 512, block_size: 16, num_kv_blocks: 200, pipeline: depth, max_logprobs: 5, enable_prefix_caching: true }
 }
 
 fn engine_with<E: Executor>(exec: E, depth: PipelineDepth) -> EngineCore<E> {

@@ -35,6 +35,8 @@ pub struct EngineConfig {
     pub pipeline: PipelineDepth,
     /// Largest `logprobs` a request may ask for.
     pub max_logprobs: u32,
+    /// Reuse the KV of full blocks shared with earlier requests (see [`crate::kv`]).
+    pub enable_prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -47,6 +49,7 @@ impl Default for EngineConfig {
             num_kv_blocks: 4096,
             pipeline: PipelineDepth::Async,
             max_logprobs: 20,
+            enable_prefix_caching: true,
         }
     }
 }

@@ -82,6 +82,7 @@ impl<E: Executor> EngineCore<E> {
             num_kv_blocks: cfg.num_kv_blocks,
             max_inflight_refs: cfg.pipeline.max_in_flight() as u8,
             eos_token_ids: model.eos_token_ids.clone(),
+            enable_prefix_caching: cfg.enable_prefix_caching,
         });
         let seed_state = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0x5eed);
         Ok(Self {
@@ -136,8 +137,8 @@ impl<E: Executor> EngineCore<E> {
             last_step_us: self.last_step_us,
             steps_total: self.steps_total,
             preemptions_total: c.preemptions,
-            prefix_cache_queries_total: 0,
-            prefix_cache_hits_total: 0,
+            prefix_cache_queries_total: c.prefix_cache_queries,
+            prefix_cache_hits_total: c.prefix_cache_hits,
             prompt_tokens_total: c.prompt_tokens,
             generation_tokens_total: c.generation_tokens,
         }

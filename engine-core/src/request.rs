@@ -12,7 +12,7 @@
 use harrier_shared::protocol::{FinishReason, SamplingParams, TokenId};
 
 use crate::batch::RowId;
-use crate::kv::BlockId;
+use crate::kv::{BlockHash, BlockId};
 
 /// Engine-internal request id (front ends use strings; see [`crate::engine`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -57,6 +57,12 @@ pub struct Request {
     /// input is that token, still on the device. False while (re)computing a prefill.
     pub decoding: bool,
     pub blocks: Vec<BlockId>,
+    /// Chained hashes of the full blocks of prompt + committed output (prefix caching).
+    pub block_hashes: Vec<BlockHash>,
+    /// Leading blocks of `blocks` registered in the prefix cache.
+    pub num_registered_blocks: u32,
+    /// Mixed into the first block's hash so that only requests with the same salt share KV.
+    pub cache_salt: u64,
     /// Prompt tokens served from the prefix cache at first admission.
     pub num_cached_tokens: u32,
     /// The first output (which carries `num_cached_tokens`) was sent.
@@ -81,6 +87,9 @@ impl Request {
             row: None,
             decoding: false,
             blocks: Vec::new(),
+            block_hashes: Vec::new(),
+            num_registered_blocks: 0,
+            cache_salt: 0,
             num_cached_tokens: 0,
             reported_first: false,
         }
@@ -107,6 +116,19 @@ impl Request {
             self.prompt[index]
         } else {
             self.output[index - self.prompt.len()]
+        }
+    }
+
+    /// Token ids of the sequence's block `i` (prompt then output; must be host-known).
+    pub fn block_tokens(&self, i: usize, block_size: usize) -> std::borrow::Cow<'_, [TokenId]> {
+        let (start, end) = (i * block_size, (i + 1) * block_size);
+        let p = self.prompt.len();
+        if end <= p {
+            std::borrow::Cow::Borrowed(&self.prompt[start..end])
+        } else if start >= p {
+            std::borrow::Cow::Borrowed(&self.output[start - p..end - p])
+        } else {
+            std::borrow::Cow::Owned(self.prompt[start..].iter().chain(&self.output[..end - p]).copied().collect())
         }
     }
 

@@ -48,6 +48,7 @@ pub struct SchedulerConfig {
     /// Most in-flight steps a request may be part of (the pipeline depth).
     pub max_inflight_refs: u8,
     pub eos_token_ids: Vec<TokenId>,
+    pub enable_prefix_caching: bool,
 }
 
 /// One request's share of a planned step.
@@ -57,6 +58,8 @@ pub struct Planned {
     pub num_tokens: u32,
     /// Admitted from the waiting queue by this step.
     pub admit: bool,
+    /// For admissions: leading blocks served from the prefix cache.
+    pub cached_blocks: u32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -89,6 +92,9 @@ pub struct SchedulerCounters {
     pub preemptions: u64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
+    /// Prompt tokens looked up in the prefix cache at admission, and those found.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
 }
 
 #[derive(Debug)]
@@ -108,7 +114,7 @@ pub type OutputSink = Vec<(Origin, RequestOutput)>;
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
-        let kv = BlockManager::new(cfg.num_kv_blocks, cfg.block_size);
+        let kv = BlockManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching);
         let free_rows = (0..cfg.max_num_seqs).rev().map(RowId).collect();
         Self { cfg, requests: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), kv, free_rows, counters: SchedulerCounters::default() }
     }
@@ -152,9 +158,10 @@ impl Scheduler {
     }
 
     /// Queues a validated request.
-    pub fn add(&mut self, request: Request) {
+    pub fn add(&mut self, mut request: Request) {
         let id = request.id;
         debug_assert!(!self.requests.contains_key(&id), "duplicate request id");
+        extend_block_hashes(&self.kv, &mut request);
         self.waiting.push_back(id);
         self.requests.insert(id, request);
     }
@@ -208,7 +215,7 @@ impl Scheduler {
                 if reserve(need, i, &mut tail, &mut free_blocks, &mut plan, &mut needs_drain) {
                     free_blocks -= need;
                     budget -= 1;
-                    plan.entries.push(Planned { id: r.id, num_tokens: 1, admit: false });
+                    plan.entries.push(Planned { id: r.id, num_tokens: 1, admit: false, cached_blocks: 0 });
                 } else if drained {
                     // Every later request is already a victim: preempt the request itself.
                     debug_assert_eq!(tail, i + 1);
@@ -246,7 +253,7 @@ impl Scheduler {
             free_blocks -= need;
             budget -= chunk;
             needs_drain = true;
-            plan.entries.push(Planned { id, num_tokens: chunk, admit: false });
+            plan.entries.push(Planned { id, num_tokens: chunk, admit: false, cached_blocks: 0 });
         }
 
         // 3. Admissions, strictly FIFO; none in a step that preempts.
@@ -256,8 +263,14 @@ impl Scheduler {
                     break;
                 }
                 let r = &self.requests[&id];
-                let chunk = r.host_len().min(budget);
-                let need = self.kv.blocks_for(chunk);
+                let host = r.host_len();
+                let bs_usize = bs as usize;
+                let hits = self.kv.lookup(&r.block_hashes, |i, stored| *r.block_tokens(i, bs_usize) == *stored);
+                // At least one token is computed, to produce the next token's logits.
+                let hits = hits.min((host - 1) / bs);
+                let cached = hits * bs;
+                let chunk = (host - cached).min(budget);
+                let need = self.kv.blocks_for(cached + chunk) - hits + self.kv.count_free_hits(&r.block_hashes[..hits as usize]);
                 if need > free_blocks {
                     break;
                 }
@@ -265,7 +278,7 @@ impl Scheduler {
                 free_rows -= 1;
                 budget -= chunk;
                 needs_drain = true;
-                plan.entries.push(Planned { id, num_tokens: chunk, admit: true });
+                plan.entries.push(Planned { id, num_tokens: chunk, admit: true, cached_blocks: hits });
             }
         }
 
@@ -287,10 +300,11 @@ impl Scheduler {
         for &victim in &plan.preempt {
             self.preempt(victim);
         }
+        // Admissions take their cache hits before any allocation of this step can evict them.
+        for p in plan.entries.iter().filter(|p| p.admit) {
+            self.admit(p.id, p.cached_blocks, batch);
+        }
         for p in &plan.entries {
-            if p.admit {
-                self.admit(p.id, batch);
-            }
             let r = self.requests.get_mut(&p.id).expect("planned request exists");
             let row = r.row.expect("running request has a row");
             let position = r.num_computed_tokens;
@@ -305,8 +319,9 @@ impl Scheduler {
                 (start, p.num_tokens)
             };
             let blocks_start = batch.new_blocks.len() as u32;
-            let before = r.blocks.len();
-            let need = self.kv.blocks_for(position + p.num_tokens).saturating_sub(before as u32);
+            // A freshly initialised row knows none of its blocks (cache hits included).
+            let before = if p.admit { 0 } else { r.blocks.len() };
+            let need = self.kv.blocks_for(position + p.num_tokens).saturating_sub(r.blocks.len() as u32);
             self.kv.allocate(need, &mut r.blocks).expect("planned blocks are free");
             batch.new_blocks.extend(r.blocks[before..].iter().map(|b| b.0));
             r.num_computed_tokens += p.num_tokens;
@@ -317,6 +332,7 @@ impl Scheduler {
             }
             r.inflight_refs += 1;
             debug_assert!(r.inflight_refs <= self.cfg.max_inflight_refs, "I4: inflight_refs above depth");
+            register_computed_blocks(&mut self.kv, r);
             batch.seqs.push(SeqInput {
                 row,
                 position,
@@ -331,13 +347,22 @@ impl Scheduler {
         }
     }
 
-    fn admit(&mut self, id: RequestId, batch: &mut ExecBatch) {
+    fn admit(&mut self, id: RequestId, cached_blocks: u32, batch: &mut ExecBatch) {
         let front = self.waiting.pop_front();
         debug_assert_eq!(front, Some(id), "admission is FIFO");
         let row = self.free_rows.pop().expect("planned row is free");
         let r = self.requests.get_mut(&id).expect("waiting request exists");
+        debug_assert!(r.blocks.is_empty());
+        self.kv.acquire_cached(&r.block_hashes[..cached_blocks as usize], &mut r.blocks);
+        r.num_computed_tokens = cached_blocks * self.cfg.block_size;
+        r.num_registered_blocks = cached_blocks;
+        if self.cfg.enable_prefix_caching {
+            self.counters.prefix_cache_queries += r.host_len() as u64;
+            self.counters.prefix_cache_hits += r.num_computed_tokens as u64;
+        }
         if r.status == RequestStatus::Waiting {
             self.counters.prompt_tokens += r.prompt.len() as u64;
+            r.num_cached_tokens = r.num_computed_tokens;
         }
         r.status = RequestStatus::Running;
         r.row = Some(row);
@@ -365,6 +390,7 @@ impl Scheduler {
             self.free_rows.push(row);
         }
         r.num_computed_tokens = 0;
+        r.num_registered_blocks = 0;
         r.decoding = false;
         r.status = RequestStatus::Preempted;
         self.running.retain(|&x| x != id);
@@ -387,6 +413,8 @@ impl Scheduler {
                 r.pending_samples -= 1;
                 if !r.finalized {
                     r.output.push(token);
+                    extend_block_hashes(&self.kv, r);
+                    register_computed_blocks(&mut self.kv, r);
                     self.counters.generation_tokens += 1;
                     let finish = stop_reason(r, token, &self.cfg);
                     let output = RequestOutput {
@@ -505,23 +533,58 @@ impl Scheduler {
             }
         }
         let mut rows = 0;
-        let mut blocks = 0;
+        let mut refs: HashMap<BlockId, u32> = HashMap::new();
         for r in self.requests.values() {
             let c = counts.get(&r.id).copied().unwrap_or(0);
             assert_eq!(r.inflight_refs, c, "I4: {:?} has inflight_refs {} but is in {} in-flight steps", r.id, r.inflight_refs, c);
             assert!(r.inflight_refs <= self.cfg.max_inflight_refs);
             assert!(!(r.finalized && r.inflight_refs == 0), "{:?} finished but not released", r.id);
             rows += r.row.is_some() as u32;
-            blocks += r.blocks.len() as u32;
-            let block_ids: &[BlockId] = &r.blocks;
-            assert!(block_ids.len() as u32 >= self.kv.blocks_for(r.num_computed_tokens), "{:?} computed past its blocks", r.id);
+            for b in &r.blocks {
+                *refs.entry(*b).or_default() += 1;
+            }
+            assert!(r.blocks.len() as u32 >= self.kv.blocks_for(r.num_computed_tokens), "{:?} computed past its blocks", r.id);
         }
         assert_eq!(rows, self.num_allocated_rows(), "rows leaked");
-        assert_eq!(blocks, self.kv.num_used(), "blocks leaked");
+        assert_eq!(refs.len() as u32, self.kv.num_used(), "blocks leaked");
+        for (b, n) in refs {
+            assert_eq!(self.kv.ref_count(b), n, "ref count of {b:?}");
+        }
+        self.kv.check();
         for id in counts.keys() {
             assert!(self.requests.contains_key(id), "in-flight step names released {id:?}");
         }
     }
+}
+
+/// Appends the hashes of the request's newly full, host-known blocks.
+fn extend_block_hashes(kv: &BlockManager, r: &mut Request) {
+    if !kv.caching() {
+        return;
+    }
+    let bs = kv.block_size() as usize;
+    let full = r.host_len() as usize / bs;
+    while r.block_hashes.len() < full {
+        let i = r.block_hashes.len();
+        let parent = r.block_hashes.last().copied();
+        let salt = if i == 0 { r.cache_salt } else { 0 };
+        let h = (kv.hash_fn())(parent, &r.block_tokens(i, bs), salt);
+        r.block_hashes.push(h);
+    }
+}
+
+/// Registers the request's full blocks whose KV is computed (or being computed by a launched
+/// step: any later reader runs after it on the same stream).
+fn register_computed_blocks(kv: &mut BlockManager, r: &mut Request) {
+    if !kv.caching() {
+        return;
+    }
+    let bs = kv.block_size() as usize;
+    let ready = (r.num_computed_tokens as usize / bs).min(r.block_hashes.len()).min(r.blocks.len());
+    for i in r.num_registered_blocks as usize..ready {
+        kv.register(r.blocks[i], r.block_hashes[i], &r.block_tokens(i, bs));
+    }
+    r.num_registered_blocks = r.num_registered_blocks.max(ready as u32);
 }
 
 fn error_finish(message: &str) -> Finish {

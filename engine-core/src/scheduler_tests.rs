@@ -18,6 +18,7 @@ fn cfg(max_num_seqs: u32, budget: u32, blocks: u32, depth: u8) -> SchedulerConfi
         num_kv_blocks: blocks,
         max_inflight_refs: depth,
         eos_token_ids: vec![EOS],
+        enable_prefix_caching: true,
     }
 }
 
@@ -27,11 +28,13 @@ struct Harness {
     sink: OutputSink,
     /// Tokens the stand-in backend samples, by (request, output index); default 1000 + index.
     forced: Vec<(RequestId, u32, TokenId)>,
+    /// The backend's view of each row's block table, rebuilt from batches only.
+    rows: std::collections::HashMap<RowId, Vec<u32>>,
 }
 
 impl Harness {
     fn new(c: SchedulerConfig) -> Self {
-        Self { s: Scheduler::new(c), in_flight: VecDeque::new(), sink: Vec::new(), forced: Vec::new() }
+        Self { s: Scheduler::new(c), in_flight: VecDeque::new(), sink: Vec::new(), forced: Vec::new(), rows: Default::default() }
     }
 
     fn add(&mut self, id: u64, prompt_len: usize, max_tokens: u32) {
@@ -55,6 +58,17 @@ impl Harness {
             let mut record = Vec::new();
             self.s.apply(plan, &mut batch, &mut record);
             batch.check().unwrap();
+            // What a backend learns from the batch must equal the scheduler's block tables.
+            for init in &batch.row_inits {
+                self.rows.insert(init.row, Vec::new());
+            }
+            for (seq, e) in batch.seqs.iter().zip(&record) {
+                let table = self.rows.get_mut(&seq.row).expect("row initialised before use");
+                table.extend_from_slice(&batch.new_blocks[seq.blocks_start as usize..(seq.blocks_start + seq.blocks_len) as usize]);
+                let r = self.s.request(e.id).unwrap();
+                assert_eq!(*table, r.blocks.iter().map(|b| b.0).collect::<Vec<_>>(), "backend block table of {:?}", e.id);
+                assert!(table.len() as u32 * 4 >= seq.position + seq.num_tokens);
+            }
             self.in_flight.push_back((record, batch));
         }
         self.check();
@@ -112,7 +126,7 @@ fn admission_respects_rows_budget_and_fifo() {
     h.add(3, 3, 4);
     let Decision::Launch(plan) = h.launch() else { panic!() };
     // Budget 10: r1 gets 6, r2 gets a 4-token chunk; r3 has no row.
-    assert_eq!(plan.entries, vec![Planned { id: RequestId(1), num_tokens: 6, admit: true }, Planned { id: RequestId(2), num_tokens: 4, admit: true }]);
+    assert_eq!(plan.entries, vec![Planned { id: RequestId(1), num_tokens: 6, admit: true, cached_blocks: 0 }, Planned { id: RequestId(2), num_tokens: 4, admit: true, cached_blocks: 0 }]);
     let (_, batch) = h.in_flight.back().unwrap();
     assert_eq!(batch.seqs.iter().map(|s| s.sample).collect::<Vec<_>>(), vec![true, false], "partial chunk does not sample");
     assert_eq!(h.s.num_waiting(), 1);
@@ -132,7 +146,7 @@ fn prefill_waits_for_a_drained_pipeline() {
     h.commit();
     let Decision::Launch(plan) = h.launch() else { panic!() };
     assert!(plan.entries.iter().any(|p| p.id == RequestId(2) && p.admit), "prefill begins after at most 2 completions");
-    assert_eq!(plan.entries[0], Planned { id: RequestId(1), num_tokens: 1, admit: false }, "decodes first");
+    assert_eq!(plan.entries[0], Planned { id: RequestId(1), num_tokens: 1, admit: false, cached_blocks: 0 }, "decodes first");
 }
 
 #[test]
@@ -233,4 +247,65 @@ fn many_requests_all_finish_once_with_sync_and_async_depths() {
         assert_eq!(h.s.num_requests(), 0);
         assert_eq!(h.s.kv().num_used(), 0);
     }
+}
+
+#[test]
+fn prefix_cache_serves_a_repeated_prompt() {
+    let mut h = Harness::new(cfg(4, 64, 64, 2));
+    h.add(1, 10, 3); // 10 tokens: blocks [0..4) [4..8) full, [8..10) partial
+    h.run(2);
+    h.add(2, 10, 3);
+    let Decision::Launch(plan) = h.launch() else { panic!() };
+    assert_eq!(plan.entries[0].cached_blocks, 2, "both full prompt blocks hit");
+    assert_eq!(plan.entries[0].num_tokens, 2, "only the partial block is computed");
+    let (_, batch) = h.in_flight.back().unwrap();
+    assert_eq!(batch.seqs[0].position, 8);
+    h.run(2);
+    assert_eq!(h.outputs_of(2).0, h.outputs_of(1).0);
+    let first = h.sink.iter().find(|(_, o)| o.request_id == "r2").unwrap();
+    assert_eq!(first.1.num_cached_tokens, Some(8), "cached prompt tokens are reported on the first output");
+    let c = h.s.counters();
+    assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (20, 8));
+}
+
+#[test]
+fn a_fully_cached_prompt_still_computes_its_last_block() {
+    let mut h = Harness::new(cfg(4, 64, 64, 2));
+    h.add(1, 8, 2);
+    h.run(2);
+    h.add(2, 8, 2);
+    let Decision::Launch(plan) = h.launch() else { panic!() };
+    assert_eq!((plan.entries[0].cached_blocks, plan.entries[0].num_tokens), (1, 4));
+    h.run(2);
+    assert_eq!(h.outputs_of(2).0, vec![1000, 1001]);
+}
+
+#[test]
+fn concurrent_requests_share_prefix_blocks() {
+    let mut h = Harness::new(cfg(4, 64, 64, 2));
+    h.add(1, 9, 20);
+    h.launch(); // r1 prefill registers its two full blocks
+    h.add(2, 9, 20);
+    h.commit();
+    let Decision::Launch(plan) = h.launch() else { panic!() };
+    let r2 = plan.entries.iter().find(|p| p.id == RequestId(2)).unwrap();
+    assert_eq!(r2.cached_blocks, 2);
+    let b1 = h.s.request(RequestId(1)).unwrap().blocks.clone();
+    let b2 = h.s.request(RequestId(2)).unwrap().blocks.clone();
+    assert_eq!(b1[..2], b2[..2], "same physical blocks");
+    assert_eq!(h.s.kv().ref_count(b1[0]), 2);
+    h.run(2);
+    assert_eq!(h.outputs_of(1).0, h.outputs_of(2).0);
+}
+
+#[test]
+fn caching_off_computes_everything() {
+    let mut c = cfg(4, 64, 64, 2);
+    c.enable_prefix_caching = false;
+    let mut h = Harness::new(c);
+    h.add(1, 10, 3);
+    h.run(2);
+    h.add(2, 10, 3);
+    let Decision::Launch(plan) = h.launch() else { panic!() };
+    assert_eq!((plan.entries[0].cached_blocks, plan.entries[0].num_tokens), (0, 10));
 }

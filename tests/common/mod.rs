@@ -147,7 +147,9 @@ impl Client {
         let deadline = tokio::time::Instant::now() + limit;
         while !ids.iter().all(|id| self.results.get(id).is_some_and(|c| c.finish.is_some())) {
             assert!(tokio::time::Instant::now() < deadline, "requests did not finish in {limit:?}");
-            self.pump(Duration::from_millis(500)).await;
+            if !self.pump(Duration::from_millis(500)).await {
+                assert!(self.client.is_connected(), "the engine closed the connection");
+            }
         }
     }
 
