@@ -16,7 +16,7 @@ use harrier_shared::protocol::{FinishReason, SamplingParams};
 const VOCAB: u32 = 1000;
 
 fn config(depth: PipelineDepth) -> EngineConfig {
-    EngineConfig { max_num_seqs: 16, max_num_batched_tokens: 256, max_model_len: 512, block_size: 16, num_kv_blocks: 200, pipeline: depth, max_logprobs: 5, enable_prefix_caching: true }
+    EngineConfig { max_num_seqs: 16, max_num_batched_tokens: 256, max_model_len: 512, block_size: 16, num_kv_blocks: 200, pipeline: depth, max_logprobs: 5, ..EngineConfig::default() }
 }
 
 fn engine_with<E: Executor>(exec: E, depth: PipelineDepth) -> EngineCore<E> {
@@ -167,7 +167,8 @@ fn shutdown_aborts_in_flight_requests_and_exits_cleanly() {
 #[test]
 fn backend_failure_after_dispatch_is_fatal_and_answers_everyone() {
     for fault in [Fault::FailWait(3), Fault::FailSampling(2), Fault::FailLaunch(4)] {
-        let exec = FaultyExecutor::new(NullExecutor::new(VOCAB, 16), fault);
+        // Slow steps, so that every request is accepted before the fault hits.
+        let exec = FaultyExecutor::new(NullExecutor::new(VOCAB, 16).with_step_time(Duration::from_millis(20)), fault);
         let mut server = TestServer::start(engine_with(exec, PipelineDepth::Async), info(VOCAB, 512));
         rt().block_on(async {
             let mut c = Client::connect(&server.endpoint).await;
@@ -196,6 +197,41 @@ fn rejected_launch_rolls_back_and_the_engine_goes_on() {
         c.submit("survivor", vec![1, 2, 3], seeded(5, 2)).await;
         c.wait_all(&["survivor".to_string()], Duration::from_secs(10)).await;
         assert_eq!(c.results["survivor"].tokens, expected(2, 5));
+        c.wait_kv_free().await;
+    });
+}
+
+#[test]
+fn pause_drains_and_resume_continues() {
+    use harrier_shared::protocol::{UtilityCall, UtilityResult};
+    let exec = NullExecutor::new(VOCAB, 16).with_step_time(Duration::from_millis(2));
+    let _server = TestServer::start(engine_with(exec, PipelineDepth::Async), info(VOCAB, 512));
+    rt().block_on(async {
+        let mut c = Client::connect(&_server.endpoint).await;
+        let ids: Vec<String> = (0..4).map(|i| format!("p{i}")).collect();
+        for (i, id) in ids.iter().enumerate() {
+            c.submit(id, vec![1, 2, 3], seeded(200, i as u64)).await;
+        }
+        while c.results.values().map(|r| r.tokens.len()).sum::<usize>() < 8 {
+            c.pump(Duration::from_secs(5)).await;
+        }
+        assert_eq!(c.utility(UtilityCall::Pause).await, UtilityResult::Done, "pause is acknowledged once drained");
+        let before = c.stats().await.generation_tokens_total;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let paused = c.stats().await;
+        assert_eq!(paused.generation_tokens_total, before, "nothing runs while paused");
+        assert_eq!(paused.num_running, 4, "requests wait, none is lost");
+        // A request arriving while paused waits too.
+        c.submit("late", vec![4, 5], seeded(3, 9)).await;
+        assert_eq!(c.utility(UtilityCall::ResetPrefixCache).await, UtilityResult::Done);
+        assert_eq!(c.utility(UtilityCall::Resume).await, UtilityResult::Done);
+        let mut all = ids.clone();
+        all.push("late".into());
+        c.wait_all(&all, Duration::from_secs(30)).await;
+        for (i, id) in ids.iter().enumerate() {
+            assert_eq!(c.results[id].tokens, expected(i as u64, 200), "{id}");
+        }
+        assert_eq!(c.results["late"].tokens, expected(9, 3));
         c.wait_kv_free().await;
     });
 }

@@ -37,6 +37,7 @@ pub struct EngineConfig {
     pub max_logprobs: u32,
     /// Reuse the KV of full blocks shared with earlier requests (see [`crate::kv`]).
     pub enable_prefix_caching: bool,
+    pub policy: crate::scheduler::SchedulingPolicy,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +51,7 @@ impl Default for EngineConfig {
             pipeline: PipelineDepth::Async,
             max_logprobs: 20,
             enable_prefix_caching: true,
+            policy: crate::scheduler::SchedulingPolicy::DecodeFirst,
         }
     }
 }

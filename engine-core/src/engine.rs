@@ -69,6 +69,8 @@ pub struct EngineCore<E: Executor> {
     seed_state: u64,
     steps_total: u64,
     last_step_us: u32,
+    /// Launch nothing new (in-flight steps still complete).
+    paused: bool,
 }
 
 impl<E: Executor> EngineCore<E> {
@@ -83,6 +85,7 @@ impl<E: Executor> EngineCore<E> {
             max_inflight_refs: cfg.pipeline.max_in_flight() as u8,
             eos_token_ids: model.eos_token_ids.clone(),
             enable_prefix_caching: cfg.enable_prefix_caching,
+            policy: cfg.policy,
         });
         let seed_state = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0x5eed);
         Ok(Self {
@@ -99,6 +102,7 @@ impl<E: Executor> EngineCore<E> {
             seed_state,
             steps_total: 0,
             last_step_us: 0,
+            paused: false,
         })
     }
 
@@ -108,6 +112,31 @@ impl<E: Executor> EngineCore<E> {
 
     pub fn scheduler(&self) -> &Scheduler {
         &self.sched
+    }
+
+    /// Stops launching steps; in-flight steps still complete (reference 000 §4.5a). Requests
+    /// keep arriving and wait. Pause is acknowledged once [`Self::is_drained`].
+    pub fn pause(&mut self) {
+        self.paused = true;
+    }
+
+    pub fn resume(&mut self) {
+        self.paused = false;
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.paused
+    }
+
+    /// No step launched, queued or being committed.
+    pub fn is_drained(&self) -> bool {
+        self.pipeline.is_drained()
+    }
+
+    /// Forgets every cached prefix. Safe while steps are in flight: blocks in use keep their
+    /// KV for their owners, so no output becomes stale; only future hits are lost.
+    pub fn reset_prefix_cache(&mut self) {
+        self.sched.reset_prefix_cache();
     }
 
     /// True while requests are queued, running or in flight.
@@ -222,7 +251,7 @@ impl<E: Executor> EngineCore<E> {
     }
 
     fn try_step(&mut self) -> Result<Progress, EngineFatal> {
-        if !self.pipeline.has_launch() {
+        if !self.pipeline.has_launch() && !self.paused {
             if let Some(slot) = self.pipeline.free_slot() {
                 match self.sched.schedule(self.pipeline.is_drained()) {
                     Decision::Launch(plan) => {

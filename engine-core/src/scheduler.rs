@@ -11,7 +11,8 @@
 //! preemptions, block allocation, `inflight_refs`) while writing the step's [`ExecBatch`];
 //! [`Scheduler::commit`] consumes the step's sampled tokens in FIFO order.
 //!
-//! Selection order within the token budget (`max_num_batched_tokens`):
+//! Selection order within the token budget (`max_num_batched_tokens`), with the default
+//! [`SchedulingPolicy::DecodeFirst`]:
 //! 1. running requests that decode, oldest admission first (one token each);
 //! 2. running requests in the middle of a chunked prefill (or recompute);
 //! 3. waiting requests, strictly FIFO, while a row (`max_num_seqs`, zombies included), token
@@ -49,6 +50,17 @@ pub struct SchedulerConfig {
     pub max_inflight_refs: u8,
     pub eos_token_ids: Vec<TokenId>,
     pub enable_prefix_caching: bool,
+    pub policy: SchedulingPolicy,
+}
+
+/// Which work gets the token budget first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum SchedulingPolicy {
+    /// Decodes first, prefill chunks fill the rest of the budget (vLLM v1; the default).
+    #[default]
+    DecodeFirst,
+    /// Prefills first; a step with any prefill carries no decodes (reference 004 §1).
+    PrefillFirst,
 }
 
 /// One request's share of a planned step.
@@ -157,6 +169,11 @@ impl Scheduler {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
 
+    /// Forgets every cached block hash (see [`BlockManager::reset_cache`]).
+    pub fn reset_prefix_cache(&mut self) {
+        self.kv.reset_cache();
+    }
+
     /// Queues a validated request.
     pub fn add(&mut self, mut request: Request) {
         let id = request.id;
@@ -185,103 +202,31 @@ impl Scheduler {
 
     /// Chooses the next step. Pure: mutates nothing.
     pub fn schedule(&self, drained: bool) -> Decision {
-        let bs = self.cfg.block_size;
-        let mut budget = self.cfg.max_num_batched_tokens;
-        let mut free_blocks = self.kv.num_free();
-        let mut free_rows = self.free_rows.len() as u32;
-        let mut plan = StepPlan::default();
-        let mut needs_drain = false;
-        // running[..tail] may still run; running[tail..] are preempted by this plan.
-        let mut tail = self.running.len();
-
-        // Frees blocks by preempting from the tail (never `running[i]` itself or earlier ones).
-        let reserve = |need: u32, i: usize, tail: &mut usize, free_blocks: &mut u32, plan: &mut StepPlan, needs_drain: &mut bool| -> bool {
-            while need > *free_blocks && *tail > i + 1 {
-                *tail -= 1;
-                let victim = &self.requests[&self.running[*tail]];
-                plan.preempt.push(victim.id);
-                *free_blocks += victim.blocks.len() as u32;
-                *needs_drain = true;
-            }
-            need <= *free_blocks
+        let mut p = Planner {
+            s: self,
+            drained,
+            budget: self.cfg.max_num_batched_tokens,
+            free_blocks: self.kv.num_free(),
+            free_rows: self.free_rows.len() as u32,
+            tail: self.running.len(),
+            needs_drain: false,
+            plan: StepPlan::default(),
         };
-
-        // 1. Decodes.
-        let mut i = 0;
-        while i < tail && budget > 0 {
-            let r = &self.requests[&self.running[i]];
-            if r.decoding && self.can_dispatch(r) {
-                let need = self.kv.blocks_for(r.num_computed_tokens + 1).saturating_sub(r.blocks.len() as u32);
-                if reserve(need, i, &mut tail, &mut free_blocks, &mut plan, &mut needs_drain) {
-                    free_blocks -= need;
-                    budget -= 1;
-                    plan.entries.push(Planned { id: r.id, num_tokens: 1, admit: false, cached_blocks: 0 });
-                } else if drained {
-                    // Every later request is already a victim: preempt the request itself.
-                    debug_assert_eq!(tail, i + 1);
-                    plan.preempt.push(r.id);
-                    tail = i;
-                    needs_drain = true;
-                    break;
-                } else {
-                    // Draining may release zombies' blocks.
-                    needs_drain = true;
+        match self.cfg.policy {
+            SchedulingPolicy::DecodeFirst => {
+                p.decodes();
+                p.chunks();
+                p.admissions();
+            }
+            SchedulingPolicy::PrefillFirst => {
+                p.chunks();
+                p.admissions();
+                if p.plan.entries.is_empty() {
+                    p.decodes();
                 }
             }
-            i += 1;
         }
-
-        // 2. Chunked prefills and recomputes of running requests.
-        for &id in &self.running[..tail] {
-            if budget == 0 {
-                break;
-            }
-            let r = &self.requests[&id];
-            let left = Self::host_tokens_left(r);
-            if left == 0 || !self.can_dispatch(r) {
-                continue;
-            }
-            let mut chunk = left.min(budget);
-            let held = r.blocks.len() as u32;
-            let fit = (held + free_blocks) * bs - r.num_computed_tokens;
-            chunk = chunk.min(fit);
-            if chunk == 0 {
-                needs_drain |= !drained;
-                continue;
-            }
-            let need = self.kv.blocks_for(r.num_computed_tokens + chunk).saturating_sub(held);
-            free_blocks -= need;
-            budget -= chunk;
-            needs_drain = true;
-            plan.entries.push(Planned { id, num_tokens: chunk, admit: false, cached_blocks: 0 });
-        }
-
-        // 3. Admissions, strictly FIFO; none in a step that preempts.
-        if plan.preempt.is_empty() {
-            for &id in &self.waiting {
-                if budget == 0 || free_rows == 0 {
-                    break;
-                }
-                let r = &self.requests[&id];
-                let host = r.host_len();
-                let bs_usize = bs as usize;
-                let hits = self.kv.lookup(&r.block_hashes, |i, stored| *r.block_tokens(i, bs_usize) == *stored);
-                // At least one token is computed, to produce the next token's logits.
-                let hits = hits.min((host - 1) / bs);
-                let cached = hits * bs;
-                let chunk = (host - cached).min(budget);
-                let need = self.kv.blocks_for(cached + chunk) - hits + self.kv.count_free_hits(&r.block_hashes[..hits as usize]);
-                if need > free_blocks {
-                    break;
-                }
-                free_blocks -= need;
-                free_rows -= 1;
-                budget -= chunk;
-                needs_drain = true;
-                plan.entries.push(Planned { id, num_tokens: chunk, admit: true, cached_blocks: hits });
-            }
-        }
-
+        let Planner { needs_drain, plan, .. } = p;
         if needs_drain && !drained {
             Decision::DrainFirst
         } else if plan.entries.is_empty() && plan.preempt.is_empty() {
@@ -553,6 +498,117 @@ impl Scheduler {
         self.kv.check();
         for id in counts.keys() {
             assert!(self.requests.contains_key(id), "in-flight step names released {id:?}");
+        }
+    }
+}
+
+/// The running totals of one [`Scheduler::schedule`] call.
+struct Planner<'a> {
+    s: &'a Scheduler,
+    drained: bool,
+    budget: u32,
+    free_blocks: u32,
+    free_rows: u32,
+    /// `running[..tail]` may still run; `running[tail..]` are preempted by this plan.
+    tail: usize,
+    needs_drain: bool,
+    plan: StepPlan,
+}
+
+impl Planner<'_> {
+    /// Frees blocks for `running[i]` by preempting from the tail (never `running[i]` itself
+    /// or anything admitted before it); true if `need` blocks are then available.
+    fn reserve(&mut self, need: u32, i: usize) -> bool {
+        while need > self.free_blocks && self.tail > i + 1 {
+            self.tail -= 1;
+            let victim = &self.s.requests[&self.s.running[self.tail]];
+            self.plan.preempt.push(victim.id);
+            self.free_blocks += victim.blocks.len() as u32;
+            self.needs_drain = true;
+        }
+        need <= self.free_blocks
+    }
+
+    /// Running requests that decode, oldest admission first: one token each.
+    fn decodes(&mut self) {
+        let mut i = 0;
+        while i < self.tail && self.budget > 0 {
+            let r = &self.s.requests[&self.s.running[i]];
+            if r.decoding && self.s.can_dispatch(r) {
+                let need = self.s.kv.blocks_for(r.num_computed_tokens + 1).saturating_sub(r.blocks.len() as u32);
+                if self.reserve(need, i) {
+                    self.free_blocks -= need;
+                    self.budget -= 1;
+                    self.plan.entries.push(Planned { id: r.id, num_tokens: 1, admit: false, cached_blocks: 0 });
+                } else if self.drained {
+                    // Every later request is already a victim: preempt the request itself.
+                    debug_assert_eq!(self.tail, i + 1);
+                    self.plan.preempt.push(r.id);
+                    self.tail = i;
+                    self.needs_drain = true;
+                    break;
+                } else {
+                    // Draining may release zombies' blocks.
+                    self.needs_drain = true;
+                }
+            }
+            i += 1;
+        }
+    }
+
+    /// Chunked prefills and recomputes of running requests.
+    fn chunks(&mut self) {
+        let bs = self.s.cfg.block_size;
+        for &id in &self.s.running[..self.tail] {
+            if self.budget == 0 {
+                break;
+            }
+            let r = &self.s.requests[&id];
+            let left = Scheduler::host_tokens_left(r);
+            if left == 0 || !self.s.can_dispatch(r) {
+                continue;
+            }
+            let held = r.blocks.len() as u32;
+            let fit = (held + self.free_blocks) * bs - r.num_computed_tokens;
+            let chunk = left.min(self.budget).min(fit);
+            if chunk == 0 {
+                self.needs_drain |= !self.drained;
+                continue;
+            }
+            self.free_blocks -= self.s.kv.blocks_for(r.num_computed_tokens + chunk).saturating_sub(held);
+            self.budget -= chunk;
+            self.needs_drain = true;
+            self.plan.entries.push(Planned { id, num_tokens: chunk, admit: false, cached_blocks: 0 });
+        }
+    }
+
+    /// Waiting requests, strictly FIFO, with their prefix-cache hits; none in a step that
+    /// preempts.
+    fn admissions(&mut self) {
+        if !self.plan.preempt.is_empty() {
+            return;
+        }
+        let bs = self.s.cfg.block_size;
+        for &id in &self.s.waiting {
+            if self.budget == 0 || self.free_rows == 0 {
+                break;
+            }
+            let r = &self.s.requests[&id];
+            let host = r.host_len();
+            let hits = self.s.kv.lookup(&r.block_hashes, |i, stored| *r.block_tokens(i, bs as usize) == *stored);
+            // At least one token is computed, to produce the next token's logits.
+            let hits = hits.min((host - 1) / bs);
+            let cached = hits * bs;
+            let chunk = (host - cached).min(self.budget);
+            let need = self.s.kv.blocks_for(cached + chunk) - hits + self.s.kv.count_free_hits(&r.block_hashes[..hits as usize]);
+            if need > self.free_blocks {
+                break;
+            }
+            self.free_blocks -= need;
+            self.free_rows -= 1;
+            self.budget -= chunk;
+            self.needs_drain = true;
+            self.plan.entries.push(Planned { id, num_tokens: chunk, admit: true, cached_blocks: hits });
         }
     }
 }

@@ -19,6 +19,7 @@ fn cfg(max_num_seqs: u32, budget: u32, blocks: u32, depth: u8) -> SchedulerConfi
         max_inflight_refs: depth,
         eos_token_ids: vec![EOS],
         enable_prefix_caching: true,
+        policy: SchedulingPolicy::DecodeFirst,
     }
 }
 
@@ -308,4 +309,25 @@ fn caching_off_computes_everything() {
     h.add(2, 10, 3);
     let Decision::Launch(plan) = h.launch() else { panic!() };
     assert_eq!((plan.entries[0].cached_blocks, plan.entries[0].num_tokens), (0, 10));
+}
+
+#[test]
+fn prefill_first_policy_runs_prefills_alone() {
+    let mut c = cfg(4, 64, 64, 1);
+    c.policy = SchedulingPolicy::PrefillFirst;
+    let mut h = Harness::new(c);
+    h.add(1, 5, 10);
+    h.launch();
+    h.commit();
+    h.add(2, 5, 10);
+    let Decision::Launch(plan) = h.launch() else { panic!() };
+    assert_eq!(plan.entries.len(), 1, "no decode mixed into a prefill step");
+    assert!(plan.entries[0].admit);
+    h.commit();
+    let Decision::Launch(plan) = h.launch() else { panic!() };
+    assert_eq!(plan.entries.len(), 2, "then both decode");
+    h.commit();
+    h.run(1);
+    assert_eq!(h.outputs_of(1).0, (1000..1010).collect::<Vec<_>>());
+    assert_eq!(h.outputs_of(2).0, (1000..1010).collect::<Vec<_>>());
 }

@@ -54,12 +54,18 @@ pub enum EngineInput {
     Request(Origin, EngineCoreRequest),
     Abort(Origin, Vec<String>),
     FrontendGone(Origin),
+    /// Pause, resume or reset, answered by the engine thread.
+    Utility(Origin, u64, UtilityCall),
     Shutdown,
 }
 
-/// The engine thread's outputs for one front end and one step.
+/// What the engine thread sends back to the bridge.
 #[derive(Debug)]
-struct EngineEvent(Origin, EngineCoreOutputs);
+enum EngineEvent {
+    /// The outputs of one step for one front end.
+    Outputs(Origin, EngineCoreOutputs),
+    Reply(Origin, UtilityReply),
+}
 
 /// Serves `engine` on `endpoint` until `shutdown` resolves (graceful) or the engine fails.
 pub async fn serve<E>(engine: EngineCore<E>, info: EngineInfo, endpoint: &Endpoint, opts: ServerOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()>
@@ -92,7 +98,8 @@ where
                 }
             },
             event = event_rx.recv() => match event {
-                Some(EngineEvent(origin, outputs)) => bridge.send_outputs(origin, outputs),
+                Some(EngineEvent::Outputs(origin, outputs)) => bridge.send_to(origin, EngineMessage::Outputs(outputs)),
+                Some(EngineEvent::Reply(origin, reply)) => bridge.send_to(origin, EngineMessage::UtilityReply(reply)),
                 None => break, // the engine thread ended
             },
             _ = heartbeat.tick() => bridge.on_heartbeat(opts.frontend_timeout),
@@ -104,10 +111,13 @@ where
         }
     }
     let result = engine_thread.join().map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
-    // Let the socket task flush the last outputs before the socket closes.
+    // Let the socket task send the last outputs before the socket closes.
     drop(bridge);
-    drop(transport.outbound);
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    match tokio::time::timeout(Duration::from_secs(2), transport.close()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!("closing the engine socket: {e:#}"),
+        Err(_) => tracing::warn!("the engine socket did not close within 2 s"),
+    }
     result.map_err(anyhow::Error::from)
 }
 
@@ -176,6 +186,9 @@ impl Bridge {
                 let result = match u.call {
                     UtilityCall::Health => UtilityResult::Health { healthy: true },
                     UtilityCall::Stats => UtilityResult::Stats(*self.stats.borrow()),
+                    call @ (UtilityCall::Pause | UtilityCall::Resume | UtilityCall::ResetPrefixCache) => {
+                        return self.send_input(EngineInput::Utility(origin, u.call_id, call));
+                    }
                 };
                 self.send(&peer, EngineMessage::UtilityReply(UtilityReply { call_id: u.call_id, result }));
             }
@@ -192,10 +205,10 @@ impl Bridge {
         }
     }
 
-    fn send_outputs(&mut self, origin: Origin, outputs: EngineCoreOutputs) {
+    fn send_to(&mut self, origin: Origin, msg: EngineMessage) {
         match self.origins.get(&origin) {
-            Some(peer) => self.send(&peer.clone(), EngineMessage::Outputs(outputs)),
-            None => tracing::debug!(origin = origin.0, "outputs for a front end that is gone"),
+            Some(peer) => self.send(&peer.clone(), msg),
+            None => tracing::debug!(origin = origin.0, "a message for a front end that is gone"),
         }
     }
 
@@ -221,11 +234,12 @@ fn engine_loop<E: Executor>(
 ) -> Result<(), EngineFatal> {
     let mut step_id = 0u64;
     let mut groups: Vec<(Origin, Vec<RequestOutput>)> = Vec::new();
+    let mut pause_waiters: Vec<(Origin, u64)> = Vec::new();
     loop {
         let mut stop = false;
         loop {
             match input.try_recv() {
-                Ok(i) => stop |= apply_input(&mut engine, i),
+                Ok(i) => stop |= apply_input(&mut engine, i, &events, &mut pause_waiters),
                 Err(std_mpsc::TryRecvError::Empty) => break,
                 Err(std_mpsc::TryRecvError::Disconnected) => {
                     stop = true;
@@ -241,11 +255,16 @@ fn engine_loop<E: Executor>(
         let progress = engine.step();
         flush(&mut engine, &events, &mut groups, &mut step_id);
         stats.send_replace(engine.stats());
+        if engine.is_paused() && engine.is_drained() {
+            for (origin, call_id) in pause_waiters.drain(..) {
+                let _ = events.send(EngineEvent::Reply(origin, UtilityReply { call_id, result: UtilityResult::Done }));
+            }
+        }
         match progress? {
             Progress::Worked => {}
             Progress::Idle => match input.recv() {
                 Ok(i) => {
-                    if apply_input(&mut engine, i) {
+                    if apply_input(&mut engine, i, &events, &mut pause_waiters) {
                         let result = engine.shutdown();
                         flush(&mut engine, &events, &mut groups, &mut step_id);
                         return result;
@@ -258,11 +277,29 @@ fn engine_loop<E: Executor>(
 }
 
 /// Applies one input; true on shutdown.
-fn apply_input<E: Executor>(engine: &mut EngineCore<E>, input: EngineInput) -> bool {
+fn apply_input<E: Executor>(engine: &mut EngineCore<E>, input: EngineInput, events: &mpsc::UnboundedSender<EngineEvent>, pause_waiters: &mut Vec<(Origin, u64)>) -> bool {
+    let reply = |origin, call_id| {
+        let _ = events.send(EngineEvent::Reply(origin, UtilityReply { call_id, result: UtilityResult::Done }));
+    };
     match input {
         EngineInput::Request(origin, r) => engine.add_request(origin, r),
         EngineInput::Abort(origin, ids) => engine.abort(origin, &ids),
         EngineInput::FrontendGone(origin) => engine.abort_origin(origin),
+        EngineInput::Utility(origin, call_id, call) => match call {
+            UtilityCall::Pause => {
+                engine.pause();
+                pause_waiters.push((origin, call_id));
+            }
+            UtilityCall::Resume => {
+                engine.resume();
+                reply(origin, call_id);
+            }
+            UtilityCall::ResetPrefixCache => {
+                engine.reset_prefix_cache();
+                reply(origin, call_id);
+            }
+            UtilityCall::Health | UtilityCall::Stats => unreachable!("answered by the bridge"),
+        },
         EngineInput::Shutdown => return true,
     }
     false
@@ -282,6 +319,6 @@ fn flush<E: Executor>(engine: &mut EngineCore<E>, events: &mpsc::UnboundedSender
     *step_id += 1;
     let stats = engine.stats();
     for (origin, outputs) in groups.drain(..) {
-        let _ = events.send(EngineEvent(origin, EngineCoreOutputs { step: *step_id, outputs, stats }));
+        let _ = events.send(EngineEvent::Outputs(origin, EngineCoreOutputs { step: *step_id, outputs, stats }));
     }
 }

@@ -306,6 +306,11 @@ pub struct UtilityRequest {
 pub enum UtilityCall {
     Health,
     Stats,
+    /// Stop launching steps; the reply comes once every in-flight step is committed.
+    Pause,
+    Resume,
+    /// Forget every cached block hash (safe at any time: blocks in use keep their KV).
+    ResetPrefixCache,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -318,5 +323,7 @@ pub struct UtilityReply {
 pub enum UtilityResult {
     Health { healthy: bool },
     Stats(EngineStats),
+    /// The call (pause, resume, reset) took effect.
+    Done,
     Error(String),
 }

@@ -148,21 +148,26 @@ impl Client {
         while !ids.iter().all(|id| self.results.get(id).is_some_and(|c| c.finish.is_some())) {
             assert!(tokio::time::Instant::now() < deadline, "requests did not finish in {limit:?}");
             if !self.pump(Duration::from_millis(500)).await {
-                assert!(self.client.is_connected(), "the engine closed the connection");
+                assert!(self.client.is_connected(), "the engine closed the connection; results so far: {:?}", self.results);
             }
         }
     }
 
     pub async fn stats(&mut self) -> EngineStats {
+        match self.utility(UtilityCall::Stats).await {
+            UtilityResult::Stats(s) => s,
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+
+    /// Makes a utility call and waits for its reply (recording outputs meanwhile).
+    pub async fn utility(&mut self, call: UtilityCall) -> UtilityResult {
         let call_id = self.next_call;
         self.next_call += 1;
-        self.client.send(FrontendMessage::Utility(UtilityRequest { call_id, call: UtilityCall::Stats })).await.unwrap();
+        self.client.send(FrontendMessage::Utility(UtilityRequest { call_id, call })).await.unwrap();
         loop {
-            match tokio::time::timeout(Duration::from_secs(5), self.rx.recv()).await.expect("stats reply").expect("connection") {
-                EngineMessage::UtilityReply(r) if r.call_id == call_id => match r.result {
-                    UtilityResult::Stats(s) => return s,
-                    other => panic!("unexpected reply {other:?}"),
-                },
+            match tokio::time::timeout(Duration::from_secs(10), self.rx.recv()).await.expect("utility reply").expect("connection") {
+                EngineMessage::UtilityReply(r) if r.call_id == call_id => return r.result,
                 EngineMessage::Outputs(o) => {
                     for out in o.outputs {
                         let c = self.results.entry(out.request_id.clone()).or_default();
