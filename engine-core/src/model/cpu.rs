@@ -1,4 +1,34 @@
-use super::{KvCache, ModelDir, ModelError};
+//! The CPU forward pass (f32) of Llama 3.x and Qwen3.
+//!
+//! One call runs a batch of [`SeqChunk`]s laid end to end as rows `0 .. T`:
+//!
+//! ```text
+//!   x = embed[tokens]                                   [T, hidden]
+//!   per layer:
+//!     h    = rms_norm(x) * w_in
+//!     qkv  = h · W_qkvᵀ                                  [T, (nh + 2 nkv) hd]   (fused q|k|v)
+//!     (Qwen3) q, k = per-head rms_norm(q) * w_qn, rms_norm(k) * w_kn
+//!     q, k = rope(q, k, row positions)
+//!     cache[block_table[p / bs], p % bs] = k, v           (this chunk's positions)
+//!     attn = paged_attention(q, cache)                   [nh, T, hd] -> [T, nh hd]
+//!     x   += attn · W_oᵀ
+//!     h    = rms_norm(x) * w_post
+//!     x   += (silu(h · W_gateᵀ) * (h · W_upᵀ)) · W_downᵀ  (fused gate|up)
+//!   logits rows = rms_norm(x[last row of each want_logits chunk]) · W_lm_headᵀ
+//! ```
+//!
+//! Scratch buffers live in the model and only grow, so a steady stream of similar batches
+//! allocates nothing.
+
+use anyhow::{bail, ensure};
+
+use super::attention::{paged_attention, AttnShape};
+use super::config::{Architecture, ModelConfig, ModelError};
+use super::linear::{linear, PackedWeight};
+use super::ops::{rms_norm, rms_norm_in_place, silu_mul};
+use super::rope::{self, Rope};
+use super::weights::{Checkpoint, LayerTensor, EMBED, FINAL_NORM, LM_HEAD};
+use super::{KvCache, ModelDir};
 
 /// One sequence's chunk of input tokens in a forward batch.
 #[derive(Debug, Clone, Copy)]
@@ -10,13 +40,345 @@ pub struct SeqChunk<'a> {
     pub want_logits: bool,
 }
 
-pub struct CpuModel {}
+/// One decoder layer. Projections are packed for `linear` (see `linear.rs`).
+struct LayerWeights {
+    input_norm: Vec<f32>,
+    /// Fused `[q; k; v]`: hidden -> (nh + 2 nkv) hd.
+    qkv: PackedWeight,
+    /// Qwen3 only: per-head norms of q and k (`[head_dim]`).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    o: PackedWeight,
+    post_norm: Vec<f32>,
+    /// Fused `[gate; up]`: hidden -> 2 intermediate.
+    gate_up: PackedWeight,
+    down: PackedWeight,
+}
+
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    qkv: Vec<f32>,
+    attn_hm: Vec<f32>,
+    attn: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    row_seq: Vec<u32>,
+    row_pos: Vec<u32>,
+    logit_rows: Vec<f32>,
+}
+
+/// Grows `v` to at least `n` elements (never shrinks) and returns the first `n`.
+fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+pub struct CpuModel {
+    config: ModelConfig,
+    /// `[vocab, hidden]`; `None` when tied: rows then come from `lm_head`.
+    embed: Option<Vec<f32>>,
+    layers: Vec<LayerWeights>,
+    final_norm: Vec<f32>,
+    lm_head: PackedWeight,
+    rope: Rope,
+    scratch: Scratch,
+}
 
 impl CpuModel {
+    /// Maps the checkpoint, checks every tensor, converts to f32, fuses q|k|v and gate|up, and
+    /// packs the projections for `linear`.
     pub fn load(dir: &ModelDir) -> Result<CpuModel, ModelError> {
-        todo!("{:?}", dir.path)
+        let config = dir.config.clone();
+        let ckpt = Checkpoint::open(&dir.path)?;
+        ckpt.check(&config)?;
+        let get = |name: &str, shape: Vec<usize>| -> Result<Vec<f32>, ModelError> {
+            Ok(ckpt.get(name, &shape)?.to_f32())
+        };
+        // [out, in] tensors stacked along `out`, packed.
+        let fuse = |layer: usize, parts: &[LayerTensor]| -> Result<PackedWeight, ModelError> {
+            let rows: usize = parts.iter().map(|t| t.shape(&config)[0]).sum();
+            let mut out = vec![0.0; rows * config.hidden_size];
+            let mut at = 0;
+            for &t in parts {
+                let r = ckpt.get(&t.name(layer), &t.shape(&config))?;
+                r.write_f32(&mut out[at..at + r.numel()]);
+                at += r.numel();
+            }
+            Ok(PackedWeight::from_rows(&out, rows, config.hidden_size))
+        };
+        let packed = |layer: usize, t: LayerTensor| -> Result<PackedWeight, ModelError> {
+            let shape = t.shape(&config);
+            let w = get(&t.name(layer), shape.clone())?;
+            Ok(PackedWeight::from_rows(&w, shape[0], shape[1]))
+        };
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for l in 0..config.num_layers {
+            let one = |t: LayerTensor| get(&t.name(l), t.shape(&config));
+            let qk_norm = match config.architecture {
+                Architecture::Qwen3 => Some((one(LayerTensor::QNorm)?, one(LayerTensor::KNorm)?)),
+                Architecture::Llama => None,
+            };
+            layers.push(LayerWeights {
+                input_norm: one(LayerTensor::InputNorm)?,
+                qkv: fuse(
+                    l,
+                    &[LayerTensor::QProj, LayerTensor::KProj, LayerTensor::VProj],
+                )?,
+                qk_norm,
+                o: packed(l, LayerTensor::OProj)?,
+                post_norm: one(LayerTensor::PostNorm)?,
+                gate_up: fuse(l, &[LayerTensor::GateProj, LayerTensor::UpProj])?,
+                down: packed(l, LayerTensor::DownProj)?,
+            });
+        }
+        let (v, h) = (config.vocab_size, config.hidden_size);
+        let embed = get(EMBED, vec![v, h])?;
+        let (embed, lm_head) = match config.tie_word_embeddings {
+            true => (None, PackedWeight::from_rows(&embed, v, h)),
+            false => (
+                Some(embed),
+                PackedWeight::from_rows(&get(LM_HEAD, vec![v, h])?, v, h),
+            ),
+        };
+        Ok(CpuModel {
+            embed,
+            layers,
+            final_norm: get(FINAL_NORM, vec![h])?,
+            lm_head,
+            rope: Rope::new(&config),
+            scratch: Scratch::default(),
+            config,
+        })
     }
-    pub fn forward(&mut self, seqs: &[SeqChunk<'_>], cache: &mut KvCache, logits: &mut [f32]) -> anyhow::Result<()> {
-        todo!("{} {} {}", seqs.len(), std::mem::size_of_val(cache), logits.len())
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Runs one batch; see the module doc and the contract in `model/mod.rs`.
+    ///
+    /// `logits` must hold at least `vocab_size` values per chunk with `want_logits`; those rows
+    /// are written in chunk order. Errors (before anything is written to the cache) on a token
+    /// outside the vocabulary, a block table too short for the chunk or naming a block outside
+    /// the cache, an empty chunk that wants logits, a too-short `logits`, or a cache built for
+    /// another model.
+    pub fn forward(
+        &mut self,
+        seqs: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+        logits: &mut [f32],
+    ) -> anyhow::Result<()> {
+        let n_logits = self.validate(seqs, cache, logits.len())?;
+        let rows: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        if rows == 0 {
+            return Ok(());
+        }
+        self.embed_rows(seqs, rows);
+        for layer in 0..self.layers.len() {
+            self.layer_forward(layer, seqs, cache, rows);
+        }
+        self.final_logits(seqs, n_logits, logits);
+        Ok(())
+    }
+
+    /// Row bookkeeping, the rows' embeddings into `x`, and their RoPE tables (used by every
+    /// layer).
+    fn embed_rows(&mut self, seqs: &[SeqChunk<'_>], rows: usize) {
+        let Self {
+            config,
+            embed,
+            lm_head,
+            rope,
+            scratch: s,
+            ..
+        } = self;
+        let (hidden, half) = (config.hidden_size, config.head_dim / 2);
+        s.row_seq.clear();
+        s.row_pos.clear();
+        let cos = grow(&mut s.cos, rows * half);
+        let sin = grow(&mut s.sin, rows * half);
+        let x = grow(&mut s.x, rows * hidden);
+        let mut r = 0;
+        for (i, seq) in seqs.iter().enumerate() {
+            for (t, &tok) in seq.tokens.iter().enumerate() {
+                let pos = seq.position + t;
+                s.row_seq.push(i as u32);
+                s.row_pos.push(pos as u32);
+                let row = &mut x[r * hidden..(r + 1) * hidden];
+                match embed {
+                    Some(e) => row.copy_from_slice(&e[tok as usize * hidden..][..hidden]),
+                    None => lm_head.row_into(tok as usize, row),
+                }
+                let (c, sn) = (&mut cos[r * half..][..half], &mut sin[r * half..][..half]);
+                rope.cos_sin(pos, c, sn);
+                r += 1;
+            }
+        }
+    }
+
+    /// One decoder layer over all `rows` of the batch, in place on `x`.
+    fn layer_forward(
+        &mut self,
+        layer: usize,
+        seqs: &[SeqChunk<'_>],
+        cache: &mut KvCache,
+        rows: usize,
+    ) {
+        let Self {
+            config: c,
+            layers,
+            scratch: s,
+            ..
+        } = self;
+        let w = &layers[layer];
+        let (hidden, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
+        let (inter, qkv_dim, eps, half) =
+            (c.intermediate_size, c.qkv_dim(), c.rms_norm_eps, hd / 2);
+        let x = &mut s.x[..rows * hidden];
+        let h = grow(&mut s.h, rows * hidden);
+        let qkv = grow(&mut s.qkv, rows * qkv_dim);
+        let attn_hm = grow(&mut s.attn_hm, rows * nh * hd);
+        let attn = grow(&mut s.attn, rows * nh * hd);
+        let gate_up = grow(&mut s.gate_up, rows * 2 * inter);
+        let act = grow(&mut s.act, rows * inter);
+
+        rms_norm(x, &w.input_norm, eps, h);
+        linear(h, &w.qkv, qkv, rows, false);
+        for r in 0..rows {
+            let row = &mut qkv[r * qkv_dim..][..(nh + nkv) * hd];
+            let (q, k) = row.split_at_mut(nh * hd);
+            if let Some((qn, kn)) = &w.qk_norm {
+                rms_norm_in_place(q, qn, eps);
+                rms_norm_in_place(k, kn, eps);
+            }
+            let (cr, sr) = (&s.cos[r * half..][..half], &s.sin[r * half..][..half]);
+            rope::apply(q, hd, cr, sr);
+            rope::apply(k, hd, cr, sr);
+        }
+        write_kv(cache, layer, seqs, qkv, qkv_dim, nh * hd, nkv * hd);
+        let shape = AttnShape {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            q_stride: qkv_dim,
+        };
+        paged_attention(
+            qkv, cache, layer, seqs, &s.row_seq, &s.row_pos, shape, attn_hm,
+        );
+        // [nh, T, hd] -> [T, nh * hd]
+        for (hh, head) in attn_hm.chunks_exact(rows * hd).enumerate() {
+            for (r, src) in head.chunks_exact(hd).enumerate() {
+                attn[r * nh * hd + hh * hd..][..hd].copy_from_slice(src);
+            }
+        }
+        linear(attn, &w.o, x, rows, true);
+        rms_norm(x, &w.post_norm, eps, h);
+        linear(h, &w.gate_up, gate_up, rows, false);
+        silu_mul(gate_up, inter, act);
+        linear(act, &w.down, x, rows, true);
+    }
+
+    /// Final norm and `lm_head` on the last row of each chunk that wants logits, only.
+    fn final_logits(&mut self, seqs: &[SeqChunk<'_>], n_logits: usize, logits: &mut [f32]) {
+        let (hidden, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let s = &mut self.scratch;
+        let final_rows = grow(&mut s.logit_rows, n_logits * hidden);
+        let mut r_end = 0;
+        let mut j = 0;
+        for seq in seqs {
+            r_end += seq.tokens.len();
+            if seq.want_logits {
+                let last = &s.x[(r_end - 1) * hidden..r_end * hidden];
+                let out = &mut final_rows[j * hidden..][..hidden];
+                rms_norm(last, &self.final_norm, self.config.rms_norm_eps, out);
+                j += 1;
+            }
+        }
+        let out = &mut logits[..n_logits * vocab];
+        linear(final_rows, &self.lm_head, out, n_logits, false);
+    }
+
+    /// Checks a batch against the model and cache; returns how many logits rows it writes.
+    fn validate(
+        &self,
+        seqs: &[SeqChunk<'_>],
+        cache: &KvCache,
+        logits_len: usize,
+    ) -> anyhow::Result<usize> {
+        let c = &self.config;
+        ensure!(
+            cache.num_layers() == c.num_layers && cache.token_stride() == c.num_kv_heads * c.head_dim,
+            "KV cache shape ({} layers, {} floats per token) does not match the model ({} layers, {})",
+            cache.num_layers(),
+            cache.token_stride(),
+            c.num_layers,
+            c.num_kv_heads * c.head_dim
+        );
+        let mut n_logits = 0;
+        for (i, s) in seqs.iter().enumerate() {
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                bail!(
+                    "chunk {i}: token id {t} outside the vocabulary ({})",
+                    c.vocab_size
+                );
+            }
+            let end = s.position + s.tokens.len();
+            let need = end.div_ceil(cache.block_size());
+            ensure!(
+                s.block_table.len() >= need,
+                "chunk {i}: block table has {} blocks, positions up to {end} need {need}",
+                s.block_table.len()
+            );
+            if let Some(&b) = s.block_table[..need]
+                .iter()
+                .find(|&&b| b as usize >= cache.num_blocks())
+            {
+                bail!(
+                    "chunk {i}: block {b} outside the cache ({} blocks)",
+                    cache.num_blocks()
+                );
+            }
+            if s.want_logits {
+                ensure!(
+                    !s.tokens.is_empty(),
+                    "chunk {i}: wants logits but has no tokens"
+                );
+                n_logits += 1;
+            }
+        }
+        ensure!(
+            logits_len >= n_logits * c.vocab_size,
+            "logits buffer holds {logits_len} values, {n_logits} rows of {} needed",
+            c.vocab_size
+        );
+        Ok(n_logits)
+    }
+}
+
+/// Stores each row's K and V (columns `k_at..` and `k_at + kv_width..` of `qkv`) in its slot.
+fn write_kv(
+    cache: &mut KvCache,
+    layer: usize,
+    seqs: &[SeqChunk<'_>],
+    qkv: &[f32],
+    qkv_dim: usize,
+    k_at: usize,
+    kv_width: usize,
+) {
+    let mut r = 0;
+    for seq in seqs {
+        for t in 0..seq.tokens.len() {
+            let off = cache.slot_offset(seq.block_table, seq.position + t);
+            let row = &qkv[r * qkv_dim..][..qkv_dim];
+            let (kc, vc) = cache.layer_mut(layer);
+            kc[off..off + kv_width].copy_from_slice(&row[k_at..k_at + kv_width]);
+            vc[off..off + kv_width].copy_from_slice(&row[k_at + kv_width..k_at + 2 * kv_width]);
+            r += 1;
+        }
     }
 }

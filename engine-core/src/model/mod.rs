@@ -11,11 +11,31 @@
 //!   positions `position .. position + tokens.len()` into the cache, attends causally over the
 //!   paged cache (positions `0 ..= p` for the token at `p`), and for chunks with `want_logits`
 //!   writes the logits of the chunk's last token into the next `vocab_size` row of `logits`.
+//!
+//! Module map: `config` (the JSON files, [`ModelDir`]) -> `weights` (safetensors; the expected
+//! tensor names and shapes, also used by the generator) -> `cpu` (the forward pass) over
+//! `linear` (gemm-backed products over packed weights), `ops` (norms, activations), `rope`,
+//! `attention` (paged, GQA) and `kv_cache`. `reference_tests` checks `cpu` against a plain
+//! f64 reference; `tests/parity.rs` checks it against transformers.
 
+mod attention;
 mod config;
 mod cpu;
 mod kv_cache;
+mod linear;
+mod ops;
+mod rope;
+mod weights;
 
-pub use config::{Architecture, GenerationConfig, ModelConfig, ModelDir, ModelError, RopeScaling};
+#[cfg(test)]
+mod reference_tests;
+
+pub use config::{
+    Architecture, GenerationConfig, ModelConfig, ModelDir, ModelError, RopeScaling, WeightDtype,
+};
 pub use cpu::{CpuModel, SeqChunk};
 pub use kv_cache::KvCache;
+pub use weights::{
+    expected_tensors, Checkpoint, LayerTensor, TensorRef, EMBED, FINAL_NORM, INDEX_FILE, LM_HEAD,
+    SINGLE_FILE,
+};

