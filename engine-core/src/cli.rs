@@ -56,9 +56,59 @@ pub struct EngineCoreArgs {
     pub sync: bool,
     #[arg(long, default_value_t = 20)]
     pub max_logprobs: u32,
+    /// Turn off prefix caching (reuse of KV blocks shared with earlier requests).
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Which work gets each step's token budget first.
+    #[arg(long, value_enum, default_value_t = crate::scheduler::SchedulingPolicy::DecodeFirst)]
+    pub scheduling_policy: crate::scheduler::SchedulingPolicy,
     /// Compute threads for the CPU backend (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+}
+
+impl EngineCoreArgs {
+    /// The defaults of every option (environment variables ignored).
+    pub fn defaults() -> Self {
+        #[derive(clap::Parser)]
+        struct Wrapper {
+            #[command(flatten)]
+            args: EngineCoreArgs,
+        }
+        let mut args = <Wrapper as clap::Parser>::parse_from(["harrier"]).args;
+        args.model = None;
+        args.endpoint = None;
+        args.socket_dir = None;
+        args
+    }
+}
+
+/// Where the embedded default model lives: `$HARRIER_HOME/models/tiny`.
+pub fn default_model_dir() -> PathBuf {
+    crate::gen_model::harrier_home().join("models").join("tiny")
+}
+
+/// Returns the embedded default model (`tiny`), generating it on first use. Generation goes to
+/// a private temporary directory renamed into place, so concurrent starts never see half a
+/// model.
+pub fn ensure_default_model() -> anyhow::Result<PathBuf> {
+    let dir = default_model_dir();
+    let ready = |d: &std::path::Path| d.join("config.json").is_file() && d.join("model.safetensors").is_file() && d.join("tokenizer.json").is_file();
+    if ready(&dir) {
+        return Ok(dir);
+    }
+    let parent = dir.parent().context("default model path has no parent")?;
+    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    let tmp = parent.join(format!(".tiny-{}", std::process::id()));
+    tracing::info!(dir = %dir.display(), "generating the embedded default model (tiny) on first use");
+    crate::gen_model::run(&crate::gen_model::GenModelArgs::new("tiny", &tmp))?;
+    if let Err(e) = std::fs::rename(&tmp, &dir) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        if !ready(&dir) {
+            return Err(e).with_context(|| format!("moving the generated model to {}", dir.display()));
+        }
+    }
+    Ok(dir)
 }
 
 /// A ready engine with its handshake answer.
@@ -94,6 +144,8 @@ pub fn build_cpu_engine(args: &EngineCoreArgs, model_dir: &std::path::Path) -> a
         num_kv_blocks,
         pipeline: if args.sync { PipelineDepth::Sync } else { PipelineDepth::Async },
         max_logprobs: args.max_logprobs,
+        enable_prefix_caching: !args.no_prefix_caching,
+        policy: args.scheduling_policy,
     };
     cfg.validate()?;
     tracing::info!(
@@ -145,7 +197,7 @@ pub fn run_engine_core(args: EngineCoreArgs) -> anyhow::Result<()> {
     }
     let model_dir = match &args.model {
         Some(p) => p.clone(),
-        None => bail!("--model is required (the embedded default model comes with the generator)"),
+        None => ensure_default_model()?,
     };
     let built = build_cpu_engine(&args, &model_dir)?;
     let endpoint = match &args.endpoint {

@@ -15,6 +15,7 @@
 //! model math; only a CUDA executor (later) touches CUDA.
 
 pub mod batch;
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod engine;
