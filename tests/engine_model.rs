@@ -20,7 +20,13 @@ fn micro_model() -> tempfile::TempDir {
 }
 
 fn server(model: &Path, sync: bool, max_num_seqs: u32) -> TestServer {
-    let args = EngineCoreArgs { max_num_seqs, sync, num_kv_blocks: Some(2048), max_num_batched_tokens: 512, ..EngineCoreArgs::defaults() };
+    let args = EngineCoreArgs {
+        max_num_seqs,
+        sync,
+        num_kv_blocks: Some(2048),
+        max_num_batched_tokens: 512,
+        ..EngineCoreArgs::defaults()
+    };
     let built = build_cpu_engine(&args, model).unwrap();
     TestServer::start(built.engine, built.info)
 }
@@ -33,12 +39,38 @@ fn workload() -> Vec<(String, Vec<u32>, SamplingParams)> {
             let prompt = (0..len).map(|t| (t * 31 + i * 17) % 1000).collect();
             let sampling = match i % 4 {
                 0 => SamplingParams::greedy(12 + i % 9),
-                1 => SamplingParams { temperature: 0.8, top_p: 0.9, seed: Some(i as u64), max_tokens: 12 + i % 9, ..SamplingParams::default() },
-                2 => SamplingParams { temperature: 1.2, top_k: Some(20), min_p: 0.05, seed: Some(1000 + i as u64), max_tokens: 10, ..SamplingParams::default() },
-                _ => SamplingParams { repetition_penalty: 1.3, frequency_penalty: 0.5, presence_penalty: 0.3, logprobs: Some(3), ..SamplingParams::greedy(15) },
+                1 => SamplingParams {
+                    temperature: 0.8,
+                    top_p: 0.9,
+                    seed: Some(i as u64),
+                    max_tokens: 12 + i % 9,
+                    ..SamplingParams::default()
+                },
+                2 => SamplingParams {
+                    temperature: 1.2,
+                    top_k: Some(20),
+                    min_p: 0.05,
+                    seed: Some(1000 + i as u64),
+                    max_tokens: 10,
+                    ..SamplingParams::default()
+                },
+                _ => SamplingParams {
+                    repetition_penalty: 1.3,
+                    frequency_penalty: 0.5,
+                    presence_penalty: 0.3,
+                    logprobs: Some(3),
+                    ..SamplingParams::greedy(15)
+                },
             };
             // The requests the pipelined run aborts must outlive the abort.
-            let sampling = if [5, 22, 40].contains(&i) { SamplingParams { max_tokens: 300, ..sampling } } else { sampling };
+            let sampling = if [5, 22, 40].contains(&i) {
+                SamplingParams {
+                    max_tokens: 300,
+                    ..sampling
+                }
+            } else {
+                sampling
+            };
             (format!("w{i}"), prompt, sampling)
         })
         .collect()
@@ -55,7 +87,10 @@ fn run_workload(model: &Path, sync: bool, abort: &[&str]) -> HashMap<String, Col
         }
         let ids: Vec<String> = work.iter().map(|w| w.0.clone()).collect();
         if !abort.is_empty() {
-            while !abort.iter().all(|a| c.results.get(*a).is_some_and(|r| r.tokens.len() >= 2)) {
+            while !abort
+                .iter()
+                .all(|a| c.results.get(*a).is_some_and(|r| r.tokens.len() >= 2))
+            {
                 assert!(c.pump(Duration::from_secs(30)).await, "engine stalled");
             }
             c.abort(abort).await;
@@ -78,18 +113,32 @@ fn pipelined_and_synchronous_loops_agree_and_seeds_ignore_batch_mates() {
         assert_eq!(p.outputs_after_finish, 0, "{id}");
         if aborted.contains(&id.as_str()) {
             assert_eq!(p.finish, Some(FinishReason::Abort), "{id}");
-            assert!(s.tokens.starts_with(&p.tokens), "{id}: aborted output is a prefix of the full one");
+            assert!(
+                s.tokens.starts_with(&p.tokens),
+                "{id}: aborted output is a prefix of the full one"
+            );
             continue;
         }
-        assert_eq!(p.tokens, s.tokens, "{id}: pipelined and synchronous tokens differ");
+        assert_eq!(
+            p.tokens, s.tokens,
+            "{id}: pipelined and synchronous tokens differ"
+        );
         assert_eq!(p.finish, s.finish, "{id}");
-        assert!(matches!(p.finish, Some(FinishReason::Length | FinishReason::Stop)), "{id}: {:?}", p.finish);
+        assert!(
+            matches!(p.finish, Some(FinishReason::Length | FinishReason::Stop)),
+            "{id}: {:?}",
+            p.finish
+        );
         if p.finish == Some(FinishReason::Length) {
             assert_eq!(p.tokens.len() as u32, sampling.max_tokens, "{id}");
         }
         if let Some(n) = sampling.logprobs {
             assert!(n > 0);
-            assert_eq!(p.logprobs, p.tokens.len(), "{id}: one logprobs entry per token");
+            assert_eq!(
+                p.logprobs,
+                p.tokens.len(),
+                "{id}: one logprobs entry per token"
+            );
         }
     }
     // Seeded and greedy requests alone on a fresh engine give what they gave in the crowd.
@@ -100,8 +149,12 @@ fn pipelined_and_synchronous_loops_agree_and_seeds_ignore_batch_mates() {
         for i in [0usize, 1, 2, 3, 9, 10] {
             let (id, prompt, sampling) = &work[i];
             c.submit(id, prompt.clone(), sampling.clone()).await;
-            c.wait_all(std::slice::from_ref(id), Duration::from_secs(60)).await;
-            assert_eq!(c.results[id].tokens, sync[id].tokens, "{id}: alone vs batched");
+            c.wait_all(std::slice::from_ref(id), Duration::from_secs(60))
+                .await;
+            assert_eq!(
+                c.results[id].tokens, sync[id].tokens,
+                "{id}: alone vs batched"
+            );
         }
     });
 }
@@ -119,19 +172,55 @@ fn stop_ids_eos_and_ignore_eos() {
             c.submit("ref", prompt.clone(), greedy(24)).await;
             c.wait_all(&["ref".into()], Duration::from_secs(60)).await;
             reference = c.results["ref"].tokens.clone();
-            assert_eq!(reference.len(), 24, "micro's EOS did not come up early: {reference:?}");
+            assert_eq!(
+                reference.len(),
+                24,
+                "micro's EOS did not come up early: {reference:?}"
+            );
 
             let stop = reference[6];
             let first = reference.iter().position(|&t| t == stop).unwrap();
-            c.submit("stop-id", prompt.clone(), SamplingParams { stop_token_ids: vec![stop], ..greedy(24) }).await;
-            c.submit("min-tokens", prompt.clone(), SamplingParams { stop_token_ids: vec![stop], min_tokens: 24, ..greedy(24) }).await;
+            c.submit(
+                "stop-id",
+                prompt.clone(),
+                SamplingParams {
+                    stop_token_ids: vec![stop],
+                    ..greedy(24)
+                },
+            )
+            .await;
+            c.submit(
+                "min-tokens",
+                prompt.clone(),
+                SamplingParams {
+                    stop_token_ids: vec![stop],
+                    min_tokens: 24,
+                    ..greedy(24)
+                },
+            )
+            .await;
             c.submit("max-3", prompt.clone(), greedy(3)).await;
-            c.wait_all(&["stop-id".into(), "min-tokens".into(), "max-3".into()], Duration::from_secs(60)).await;
+            c.wait_all(
+                &["stop-id".into(), "min-tokens".into(), "max-3".into()],
+                Duration::from_secs(60),
+            )
+            .await;
             let r = &c.results["stop-id"];
-            assert_eq!((r.finish, r.stop_token), (Some(FinishReason::Stop), Some(stop)));
-            assert_eq!(r.tokens, reference[..=first], "output ends with the stop id");
+            assert_eq!(
+                (r.finish, r.stop_token),
+                (Some(FinishReason::Stop), Some(stop))
+            );
+            assert_eq!(
+                r.tokens,
+                reference[..=first],
+                "output ends with the stop id"
+            );
             let r = &c.results["min-tokens"];
-            assert_eq!(r.finish, Some(FinishReason::Length), "stop ids are masked below min_tokens");
+            assert_eq!(
+                r.finish,
+                Some(FinishReason::Length),
+                "stop ids are masked below min_tokens"
+            );
             assert!(!r.tokens.contains(&stop));
             assert_eq!(c.results["max-3"].tokens, reference[..3]);
             c.wait_kv_free().await;
@@ -141,20 +230,39 @@ fn stop_ids_eos_and_ignore_eos() {
     let eos = reference[4];
     let first = reference.iter().position(|&t| t == eos).unwrap();
     let gen_path = model.path().join("generation_config.json");
-    let mut gen: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&gen_path).unwrap()).unwrap();
+    let mut gen: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&gen_path).unwrap()).unwrap();
     gen["eos_token_id"] = serde_json::json!([eos]);
     std::fs::write(&gen_path, gen.to_string()).unwrap();
     let _server = server(model.path(), false, 4);
     rt().block_on(async {
         let mut c = Client::connect(&_server.endpoint).await;
         c.submit("eos", prompt.clone(), greedy(24)).await;
-        c.submit("ignore-eos", prompt.clone(), SamplingParams { ignore_eos: true, ..greedy(24) }).await;
-        c.wait_all(&["eos".into(), "ignore-eos".into()], Duration::from_secs(60)).await;
+        c.submit(
+            "ignore-eos",
+            prompt.clone(),
+            SamplingParams {
+                ignore_eos: true,
+                ..greedy(24)
+            },
+        )
+        .await;
+        c.wait_all(
+            &["eos".into(), "ignore-eos".into()],
+            Duration::from_secs(60),
+        )
+        .await;
         let r = &c.results["eos"];
-        assert_eq!((r.finish, r.stop_token), (Some(FinishReason::Stop), Some(eos)));
+        assert_eq!(
+            (r.finish, r.stop_token),
+            (Some(FinishReason::Stop), Some(eos))
+        );
         assert_eq!(r.tokens, reference[..=first]);
         let r = &c.results["ignore-eos"];
-        assert_eq!((r.finish, &r.tokens), (Some(FinishReason::Length), &reference));
+        assert_eq!(
+            (r.finish, &r.tokens),
+            (Some(FinishReason::Length), &reference)
+        );
         c.wait_kv_free().await;
     });
 }
@@ -163,10 +271,25 @@ fn stop_ids_eos_and_ignore_eos() {
 fn preemption_under_memory_pressure_loses_nothing() {
     let model = micro_model();
     let work: Vec<(String, Vec<u32>, SamplingParams)> = (0..12u32)
-        .map(|i| (format!("p{i}"), (0..40).map(|t| (t * 7 + i) % 1000).collect(), SamplingParams { seed: Some(i as u64), temperature: 0.7, ..SamplingParams::greedy(40) }))
+        .map(|i| {
+            (
+                format!("p{i}"),
+                (0..40).map(|t| (t * 7 + i) % 1000).collect(),
+                SamplingParams {
+                    seed: Some(i as u64),
+                    temperature: 0.7,
+                    ..SamplingParams::greedy(40)
+                },
+            )
+        })
         .collect();
     let run = |num_kv_blocks: u32| {
-        let args = EngineCoreArgs { max_num_seqs: 12, num_kv_blocks: Some(num_kv_blocks), max_model_len: Some(128), ..EngineCoreArgs::defaults() };
+        let args = EngineCoreArgs {
+            max_num_seqs: 12,
+            num_kv_blocks: Some(num_kv_blocks),
+            max_model_len: Some(128),
+            ..EngineCoreArgs::defaults()
+        };
         let built = build_cpu_engine(&args, model.path()).unwrap();
         let _server = TestServer::start(built.engine, built.info);
         rt().block_on(async {
@@ -186,7 +309,10 @@ fn preemption_under_memory_pressure_loses_nothing() {
     assert!(preemptions > 0, "the small pool must preempt");
     assert_eq!(none, 0);
     for (id, _, _) in &work {
-        assert_eq!(tight[id].tokens, roomy[id].tokens, "{id}: recompute changed the output");
+        assert_eq!(
+            tight[id].tokens, roomy[id].tokens,
+            "{id}: recompute changed the output"
+        );
         assert_eq!(tight[id].finish, Some(FinishReason::Length));
         assert_eq!(tight[id].outputs_after_finish, 0);
     }
@@ -200,12 +326,25 @@ fn prefix_caching_on_and_off_give_the_same_tokens() {
         .map(|i| {
             let mut p = system.clone();
             p.extend((0..1 + i % 7).map(|t| (t * 11 + i * 97) % 1000));
-            let s = if i % 2 == 0 { SamplingParams::greedy(12) } else { SamplingParams { seed: Some(i as u64), temperature: 0.9, max_tokens: 12, ..SamplingParams::default() } };
+            let s = if i % 2 == 0 {
+                SamplingParams::greedy(12)
+            } else {
+                SamplingParams {
+                    seed: Some(i as u64),
+                    temperature: 0.9,
+                    max_tokens: 12,
+                    ..SamplingParams::default()
+                }
+            };
             (format!("c{i}"), p, s)
         })
         .collect();
     let run = |caching: bool| {
-        let args = EngineCoreArgs { max_num_seqs: 8, no_prefix_caching: !caching, ..EngineCoreArgs::defaults() };
+        let args = EngineCoreArgs {
+            max_num_seqs: 8,
+            no_prefix_caching: !caching,
+            ..EngineCoreArgs::defaults()
+        };
         let built = build_cpu_engine(&args, model.path()).unwrap();
         let _server = TestServer::start(built.engine, built.info);
         rt().block_on(async {
@@ -224,10 +363,16 @@ fn prefix_caching_on_and_off_give_the_same_tokens() {
     };
     let (on, on_stats) = run(true);
     let (off, off_stats) = run(false);
-    assert!(on_stats.prefix_cache_hits_total >= 8 * 96, "second wave hits the shared system prompt: {on_stats:?}");
+    assert!(
+        on_stats.prefix_cache_hits_total >= 8 * 96,
+        "second wave hits the shared system prompt: {on_stats:?}"
+    );
     assert_eq!(off_stats.prefix_cache_hits_total, 0);
     for (id, _, _) in &work {
-        assert_eq!(on[id].tokens, off[id].tokens, "{id}: caching changed the output");
+        assert_eq!(
+            on[id].tokens, off[id].tokens,
+            "{id}: caching changed the output"
+        );
         assert_eq!(on[id].finish, Some(FinishReason::Length));
     }
 }

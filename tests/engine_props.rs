@@ -40,13 +40,27 @@ fn engine(args: EngineCoreArgs) -> EngineCore<CpuExecutor> {
 
 /// Tokens of `spec` run alone on a synchronous engine with a roomy KV cache (memoised).
 fn reference(spec: &Spec) -> (Vec<u32>, FinishReason) {
-    static MEMO: OnceLock<Mutex<HashMap<String, (Vec<u32>, FinishReason)>>> = OnceLock::new();
+    type Memo = Mutex<HashMap<String, (Vec<u32>, FinishReason)>>;
+    static MEMO: OnceLock<Memo> = OnceLock::new();
     let key = format!("{:?}{:?}", spec.prompt, spec.sampling);
     if let Some(hit) = MEMO.get_or_init(Default::default).lock().unwrap().get(&key) {
         return hit.clone();
     }
-    let mut e = engine(EngineCoreArgs { sync: true, max_num_seqs: 1, num_kv_blocks: Some(64), ..EngineCoreArgs::defaults() });
-    e.add_request(Origin(0), EngineCoreRequest { request_id: "ref".into(), prompt_token_ids: spec.prompt.clone(), sampling: spec.sampling.clone(), arrival_time: 0.0 });
+    let mut e = engine(EngineCoreArgs {
+        sync: true,
+        max_num_seqs: 1,
+        num_kv_blocks: Some(64),
+        ..EngineCoreArgs::defaults()
+    });
+    e.add_request(
+        Origin(0),
+        EngineCoreRequest {
+            request_id: "ref".into(),
+            prompt_token_ids: spec.prompt.clone(),
+            sampling: spec.sampling.clone(),
+            arrival_time: 0.0,
+        },
+    );
     let mut tokens = Vec::new();
     let mut finish = None;
     while finish.is_none() {
@@ -62,17 +76,53 @@ fn reference(spec: &Spec) -> (Vec<u32>, FinishReason) {
 }
 
 fn spec_strategy() -> impl Strategy<Value = Spec> {
-    (1usize..70, 0u32..4, 1u32..14, any::<u64>(), proptest::option::of(0usize..10), 0u32..3).prop_map(|(len, kind, max_tokens, seed, stop_at, prefix)| {
-        // A few shared prefixes make prefix-cache hits likely.
-        let prompt = (0..len as u32).map(|t| if t < 20 { (t * 7 + prefix * 101) % 1000 } else { (t * 13 + seed as u32) % 1000 }).collect();
-        let sampling = match kind {
-            0 => SamplingParams::greedy(max_tokens),
-            1 => SamplingParams { temperature: 0.9, seed: Some(seed), max_tokens, ..SamplingParams::default() },
-            2 => SamplingParams { temperature: 0.7, top_k: Some(10), top_p: 0.8, seed: Some(seed), max_tokens, ..SamplingParams::default() },
-            _ => SamplingParams { presence_penalty: 0.5, repetition_penalty: 1.2, ..SamplingParams::greedy(max_tokens) },
-        };
-        Spec { prompt, sampling, stop_at }
-    })
+    (
+        1usize..70,
+        0u32..4,
+        1u32..14,
+        any::<u64>(),
+        proptest::option::of(0usize..10),
+        0u32..3,
+    )
+        .prop_map(|(len, kind, max_tokens, seed, stop_at, prefix)| {
+            // A few shared prefixes make prefix-cache hits likely.
+            let prompt = (0..len as u32)
+                .map(|t| {
+                    if t < 20 {
+                        (t * 7 + prefix * 101) % 1000
+                    } else {
+                        (t * 13 + seed as u32) % 1000
+                    }
+                })
+                .collect();
+            let sampling = match kind {
+                0 => SamplingParams::greedy(max_tokens),
+                1 => SamplingParams {
+                    temperature: 0.9,
+                    seed: Some(seed),
+                    max_tokens,
+                    ..SamplingParams::default()
+                },
+                2 => SamplingParams {
+                    temperature: 0.7,
+                    top_k: Some(10),
+                    top_p: 0.8,
+                    seed: Some(seed),
+                    max_tokens,
+                    ..SamplingParams::default()
+                },
+                _ => SamplingParams {
+                    presence_penalty: 0.5,
+                    repetition_penalty: 1.2,
+                    ..SamplingParams::greedy(max_tokens)
+                },
+            };
+            Spec {
+                prompt,
+                sampling,
+                stop_at,
+            }
+        })
 }
 
 #[derive(Debug, Clone)]
@@ -83,23 +133,53 @@ enum Event {
     Resume,
 }
 
-fn case_strategy() -> impl Strategy<Value = (Vec<Spec>, Vec<(u32, Event)>, bool, u32, u32, u32, bool)> {
+/// (specs, timed events, sync loop, max_num_seqs, block size, KV blocks, prefix caching)
+type Case = (Vec<Spec>, Vec<(u32, Event)>, bool, u32, u32, u32, bool);
+
+fn case_strategy() -> impl Strategy<Value = Case> {
     proptest::collection::vec(spec_strategy(), 1..10).prop_flat_map(|specs| {
         let n = specs.len();
         let events = proptest::collection::vec(
-            (0u32..40, prop_oneof![(0..n).prop_map(Event::Arrive), (0..n).prop_map(Event::Abort), Just(Event::Pause), Just(Event::Resume)]),
+            (
+                0u32..40,
+                prop_oneof![
+                    (0..n).prop_map(Event::Arrive),
+                    (0..n).prop_map(Event::Abort),
+                    Just(Event::Pause),
+                    Just(Event::Resume)
+                ],
+            ),
             0..12,
         );
-        (Just(specs), events, any::<bool>(), 1u32..6, Just(8u32), 9u32..40, any::<bool>())
+        (
+            Just(specs),
+            events,
+            any::<bool>(),
+            1u32..6,
+            Just(8u32),
+            9u32..40,
+            any::<bool>(),
+        )
     })
 }
 
-fn run_case(specs: &[Spec], events: &[(u32, Event)], sync: bool, max_num_seqs: u32, block_size: u32, num_kv_blocks: u32, caching: bool) -> Result<(), TestCaseError> {
+fn run_case(
+    specs: &[Spec],
+    events: &[(u32, Event)],
+    sync: bool,
+    max_num_seqs: u32,
+    block_size: u32,
+    num_kv_blocks: u32,
+    caching: bool,
+) -> Result<(), TestCaseError> {
     // Turn `stop_at` into a stop id taken from the reference run without it.
     let specs: Vec<Spec> = specs
         .iter()
         .map(|s| {
-            let (free_run, _) = reference(&Spec { stop_at: None, ..s.clone() });
+            let (free_run, _) = reference(&Spec {
+                stop_at: None,
+                ..s.clone()
+            });
             let mut s = s.clone();
             if let Some(&stop) = s.stop_at.and_then(|j| free_run.get(j)) {
                 s.sampling.stop_token_ids = vec![stop];
@@ -125,7 +205,15 @@ fn run_case(specs: &[Spec], events: &[(u32, Event)], sync: bool, max_num_seqs: u
         if !arrived[i] {
             arrived[i] = true;
             let s = &specs[i];
-            e.add_request(Origin(0), EngineCoreRequest { request_id: format!("q{i}"), prompt_token_ids: s.prompt.clone(), sampling: s.sampling.clone(), arrival_time: 0.0 });
+            e.add_request(
+                Origin(0),
+                EngineCoreRequest {
+                    request_id: format!("q{i}"),
+                    prompt_token_ids: s.prompt.clone(),
+                    sampling: s.sampling.clone(),
+                    arrival_time: 0.0,
+                },
+            );
         }
     };
     let mut aborted = vec![false; specs.len()];
@@ -151,7 +239,9 @@ fn run_case(specs: &[Spec], events: &[(u32, Event)], sync: bool, max_num_seqs: u
             }
             e.resume();
         }
-        let progress = e.step().map_err(|f| TestCaseError::fail(format!("fatal: {f}")))?;
+        let progress = e
+            .step()
+            .map_err(|f| TestCaseError::fail(format!("fatal: {f}")))?;
         for (_, o) in e.take_outputs() {
             let r = results.entry(o.request_id.clone()).or_default();
             if r.1.is_some() {
@@ -174,11 +264,22 @@ fn run_case(specs: &[Spec], events: &[(u32, Event)], sync: bool, max_num_seqs: u
         match finish {
             Some(FinishReason::Abort) => {
                 prop_assert!(aborted[i], "{} aborted without an abort", id);
-                prop_assert!(want.starts_with(&tokens), "{}: aborted output {:?} is not a prefix of {:?}", id, tokens, want);
+                prop_assert!(
+                    want.starts_with(&tokens),
+                    "{}: aborted output {:?} is not a prefix of {:?}",
+                    id,
+                    tokens,
+                    want
+                );
             }
             other => {
                 prop_assert_eq!(other, Some(want_finish), "{} finish", id);
-                prop_assert_eq!(&tokens, &want, "{} tokens differ from the unbatched reference", id);
+                prop_assert_eq!(
+                    &tokens,
+                    &want,
+                    "{} tokens differ from the unbatched reference",
+                    id
+                );
             }
         }
     }

@@ -72,7 +72,12 @@ pub struct ExecBatch {
 
 impl ExecBatch {
     pub fn clear(&mut self) {
-        let Self { row_inits, seqs, host_tokens, new_blocks } = self;
+        let Self {
+            row_inits,
+            seqs,
+            host_tokens,
+            new_blocks,
+        } = self;
         row_inits.clear();
         seqs.clear();
         host_tokens.clear();
@@ -95,8 +100,14 @@ impl ExecBatch {
     /// Checks internal consistency (ranges in bounds, at most one pending token per sequence).
     pub fn check(&self) -> Result<(), String> {
         for (i, s) in self.seqs.iter().enumerate() {
-            if s.num_tokens == 0 || s.num_tokens - s.host_len.min(s.num_tokens) > 1 || s.host_len > s.num_tokens {
-                return Err(format!("seq {i}: {} tokens with {} from the host", s.num_tokens, s.host_len));
+            if s.num_tokens == 0
+                || s.num_tokens - s.host_len.min(s.num_tokens) > 1
+                || s.host_len > s.num_tokens
+            {
+                return Err(format!(
+                    "seq {i}: {} tokens with {} from the host",
+                    s.num_tokens, s.host_len
+                ));
             }
             if (s.host_start + s.host_len) as usize > self.host_tokens.len() {
                 return Err(format!("seq {i}: host token range out of bounds"));

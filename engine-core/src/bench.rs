@@ -91,7 +91,10 @@ struct Report {
 }
 
 /// Drives `reqs` (all arriving at once) to completion in-process; per-request TTFT.
-fn run_workload<E: Executor>(engine: &mut EngineCore<E>, reqs: Vec<EngineCoreRequest>) -> anyhow::Result<(Vec<f64>, f64, u64, u32)> {
+fn run_workload<E: Executor>(
+    engine: &mut EngineCore<E>,
+    reqs: Vec<EngineCoreRequest>,
+) -> anyhow::Result<(Vec<f64>, f64, u64, u32)> {
     let n = reqs.len();
     let start = Instant::now();
     let mut first: std::collections::HashMap<String, f64> = std::collections::HashMap::new();
@@ -105,9 +108,14 @@ fn run_workload<E: Executor>(engine: &mut EngineCore<E>, reqs: Vec<EngineCoreReq
         for (_, o) in engine.take_outputs() {
             tokens += o.new_token_ids.len() as u64;
             if !o.new_token_ids.is_empty() {
-                first.entry(o.request_id.clone()).or_insert_with(|| start.elapsed().as_secs_f64() * 1e3);
+                first
+                    .entry(o.request_id.clone())
+                    .or_insert_with(|| start.elapsed().as_secs_f64() * 1e3);
             }
-            if o.finish.as_ref().is_some_and(|f| f.reason == harrier_shared::protocol::FinishReason::Error) {
+            if o.finish
+                .as_ref()
+                .is_some_and(|f| f.reason == harrier_shared::protocol::FinishReason::Error)
+            {
                 errors += 1;
             }
         }
@@ -115,11 +123,25 @@ fn run_workload<E: Executor>(engine: &mut EngineCore<E>, reqs: Vec<EngineCoreReq
             break;
         }
     }
-    anyhow::ensure!(first.len() == n || errors > 0, "{} of {n} requests produced a token", first.len());
-    Ok((first.into_values().collect(), start.elapsed().as_secs_f64(), tokens, errors))
+    anyhow::ensure!(
+        first.len() == n || errors > 0,
+        "{} of {n} requests produced a token",
+        first.len()
+    );
+    Ok((
+        first.into_values().collect(),
+        start.elapsed().as_secs_f64(),
+        tokens,
+        errors,
+    ))
 }
 
-fn workload_row<E: Executor>(engine: &mut EngineCore<E>, workload: &str, variant: &str, reqs: Vec<EngineCoreRequest>) -> anyhow::Result<WorkloadRow> {
+fn workload_row<E: Executor>(
+    engine: &mut EngineCore<E>,
+    workload: &str,
+    variant: &str,
+    reqs: Vec<EngineCoreRequest>,
+) -> anyhow::Result<WorkloadRow> {
     let requests = reqs.len() as u32;
     let (mut ttft, secs, tokens, errors) = run_workload(engine, reqs)?;
     let s = engine.stats();
@@ -131,7 +153,8 @@ fn workload_row<E: Executor>(engine: &mut EngineCore<E>, workload: &str, variant
         ttft_ms_median: percentile(&mut ttft, 0.5),
         output_tokens_per_s: tokens as f64 / secs,
         preemptions: s.preemptions_total,
-        prefix_hit_rate: s.prefix_cache_hits_total as f64 / s.prefix_cache_queries_total.max(1) as f64,
+        prefix_hit_rate: s.prefix_cache_hits_total as f64
+            / s.prefix_cache_queries_total.max(1) as f64,
         errors,
     };
     eprintln!(
@@ -144,14 +167,25 @@ fn workload_row<E: Executor>(engine: &mut EngineCore<E>, workload: &str, variant
 fn request(i: u32, prompt_len: u32, max_tokens: u32, vocab: u32) -> EngineCoreRequest {
     EngineCoreRequest {
         request_id: format!("bench-{i}"),
-        prompt_token_ids: (0..prompt_len).map(|t| (t * 7919 + i * 104_729) % vocab.min(32_000)).collect(),
-        sampling: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) },
+        prompt_token_ids: (0..prompt_len)
+            .map(|t| (t * 7919 + i * 104_729) % vocab.min(32_000))
+            .collect(),
+        sampling: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(max_tokens)
+        },
         arrival_time: 0.0,
     }
 }
 
 /// Runs `n` requests to completion in-process; returns (decode tokens/s, ms per decode step).
-fn decode_run<E: Executor>(engine: &mut EngineCore<E>, n: u32, prompt_len: u32, max_tokens: u32, vocab: u32) -> anyhow::Result<(f64, f64)> {
+fn decode_run<E: Executor>(
+    engine: &mut EngineCore<E>,
+    n: u32,
+    prompt_len: u32,
+    max_tokens: u32,
+    vocab: u32,
+) -> anyhow::Result<(f64, f64)> {
     for i in 0..n {
         engine.add_request(Origin(0), request(i, prompt_len, max_tokens, vocab));
     }
@@ -171,7 +205,10 @@ fn decode_run<E: Executor>(engine: &mut EngineCore<E>, n: u32, prompt_len: u32, 
     let s = engine.stats();
     let secs = t0.elapsed().as_secs_f64();
     let steps = (s.steps_total - steps0).max(1);
-    Ok(((s.generation_tokens_total - tok0) as f64 / secs, secs * 1e3 / steps as f64))
+    Ok((
+        (s.generation_tokens_total - tok0) as f64 / secs,
+        secs * 1e3 / steps as f64,
+    ))
 }
 
 fn percentile(v: &mut [f64], p: f64) -> f64 {
@@ -179,7 +216,11 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-fn null_engine(requests: u32, depth: PipelineDepth, caching: bool) -> anyhow::Result<EngineCore<NullExecutor>> {
+fn null_engine(
+    requests: u32,
+    depth: PipelineDepth,
+    caching: bool,
+) -> anyhow::Result<EngineCore<NullExecutor>> {
     let cfg = EngineConfig {
         max_num_seqs: requests,
         max_num_batched_tokens: (requests * 16).max(2048),
@@ -191,7 +232,14 @@ fn null_engine(requests: u32, depth: PipelineDepth, caching: bool) -> anyhow::Re
         enable_prefix_caching: caching,
         policy: Default::default(),
     };
-    Ok(EngineCore::new(cfg, ModelFacts { vocab_size: 32_000, eos_token_ids: vec![] }, NullExecutor::new(32_000, requests))?)
+    Ok(EngineCore::new(
+        cfg,
+        ModelFacts {
+            vocab_size: 32_000,
+            eos_token_ids: vec![],
+        },
+        NullExecutor::new(32_000, requests),
+    )?)
 }
 
 /// Per-step host time of the loop alone (no sockets).
@@ -200,7 +248,8 @@ fn host_in_process(requests: u32, steps: u32, caching: bool) -> anyhow::Result<V
     for i in 0..requests {
         engine.add_request(Origin(0), request(i, 16, steps + 64, 32_000));
     }
-    while engine.stats().num_waiting > 0 || engine.stats().generation_tokens_total < requests as u64 {
+    while engine.stats().num_waiting > 0 || engine.stats().generation_tokens_total < requests as u64
+    {
         engine.step()?;
         engine.take_outputs().for_each(drop);
     }
@@ -221,7 +270,8 @@ fn host_in_process(requests: u32, steps: u32, caching: bool) -> anyhow::Result<V
 /// Per-step time seen by a client of the real server (loop + serialization + ipc).
 fn host_over_ipc(requests: u32, steps: u32) -> anyhow::Result<Vec<f64>> {
     let dir = tempfile::tempdir()?;
-    let endpoint: harrier_shared::endpoint::Endpoint = format!("ipc://{}/bench.sock", dir.path().display()).parse()?;
+    let endpoint: harrier_shared::endpoint::Endpoint =
+        format!("ipc://{}/bench.sock", dir.path().display()).parse()?;
     let engine = null_engine(requests, PipelineDepth::Async, true)?;
     let info = harrier_shared::protocol::EngineInfo {
         protocol_version: harrier_shared::protocol::PROTOCOL_VERSION,
@@ -230,21 +280,44 @@ fn host_over_ipc(requests: u32, steps: u32) -> anyhow::Result<Vec<f64>> {
         max_model_len: 8192,
         vocab_size: 32_000,
         eos_token_ids: vec![],
-        limits: harrier_shared::protocol::EngineLimits { max_num_seqs: requests, max_num_batched_tokens: 0, max_logprobs: 20, block_size: 16, num_kv_blocks: 0 },
+        limits: harrier_shared::protocol::EngineLimits {
+            max_num_seqs: requests,
+            max_num_batched_tokens: 0,
+            max_logprobs: 20,
+            block_size: 16,
+            num_kv_blocks: 0,
+        },
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let ep = endpoint.clone();
     let server = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        rt.block_on(crate::server::serve(engine, info, &ep, Default::default(), async move {
-            let _ = stop_rx.await;
-        }))
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(crate::server::serve(
+            engine,
+            info,
+            &ep,
+            Default::default(),
+            async move {
+                let _ = stop_rx.await;
+            },
+        ))
     });
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let samples = rt.block_on(async {
-        let (client, mut rx, _) = harrier_shared::client::EngineClient::connect(&endpoint, "bench", Duration::from_secs(10)).await?;
+        let (client, mut rx, _) = harrier_shared::client::EngineClient::connect(
+            &endpoint,
+            "bench",
+            Duration::from_secs(10),
+        )
+        .await?;
         for i in 0..requests {
-            client.send(FrontendMessage::Request(request(i, 16, steps + 64, 32_000))).await?;
+            client
+                .send(FrontendMessage::Request(request(i, 16, steps + 64, 32_000)))
+                .await?;
         }
         let mut samples = Vec::with_capacity(steps as usize);
         let mut last: Option<Instant> = None;
@@ -263,7 +336,9 @@ fn host_over_ipc(requests: u32, steps: u32) -> anyhow::Result<Vec<f64>> {
         anyhow::Ok(samples)
     })?;
     let _ = stop_tx.send(());
-    server.join().map_err(|_| anyhow::anyhow!("server thread panicked"))??;
+    server
+        .join()
+        .map_err(|_| anyhow::anyhow!("server thread panicked"))??;
     Ok(samples)
 }
 
@@ -272,78 +347,159 @@ pub fn run(args: &EngineBenchArgs) -> anyhow::Result<()> {
         Some(p) => p.clone(),
         None => crate::cli::ensure_default_model()?,
     };
-    let mut report = Report { model: model_dir.display().to_string(), threads: rayon::current_num_threads(), decode: Vec::new(), host: Vec::new(), workloads: Vec::new() };
+    let mut report = Report {
+        model: model_dir.display().to_string(),
+        threads: rayon::current_num_threads(),
+        decode: Vec::new(),
+        host: Vec::new(),
+        workloads: Vec::new(),
+    };
     for &batch in &args.batch_sizes {
         for sync in [false, true] {
             let engine_args = EngineCoreArgs {
                 max_num_seqs: batch.max(1),
                 sync,
-                num_kv_blocks: Some(batch * (args.prompt_len + args.decode_tokens).div_ceil(16) + 8),
+                num_kv_blocks: Some(
+                    batch * (args.prompt_len + args.decode_tokens).div_ceil(16) + 8,
+                ),
                 max_model_len: Some(args.prompt_len + args.decode_tokens + 1),
                 ..EngineCoreArgs::defaults()
             };
             let mut built = build_cpu_engine(&engine_args, &model_dir)?;
             let vocab = built.info.vocab_size;
-            let (tps, ms) = decode_run(&mut built.engine, batch, args.prompt_len, args.decode_tokens, vocab)?;
+            let (tps, ms) = decode_run(
+                &mut built.engine,
+                batch,
+                args.prompt_len,
+                args.decode_tokens,
+                vocab,
+            )?;
             let pipeline = if sync { "sync" } else { "async" };
             eprintln!("decode batch {batch:>3} {pipeline:>5}: {tps:9.1} tok/s, {ms:7.2} ms/step");
-            report.decode.push(DecodeRow { batch, pipeline: pipeline.into(), decode_tokens_per_s: tps, ms_per_step: ms });
+            report.decode.push(DecodeRow {
+                batch,
+                pipeline: pipeline.into(),
+                decode_tokens_per_s: tps,
+                ms_per_step: ms,
+            });
         }
     }
     let mut host_runs = Vec::new();
     for requests in [64u32, 256, 1024] {
         for caching in [true, false] {
-            let what = format!("loop only, null backend, prefix caching {}", if caching { "on" } else { "off" });
-            host_runs.push((what, requests, host_in_process(requests, args.host_steps, caching)?));
+            let what = format!(
+                "loop only, null backend, prefix caching {}",
+                if caching { "on" } else { "off" }
+            );
+            host_runs.push((
+                what,
+                requests,
+                host_in_process(requests, args.host_steps, caching)?,
+            ));
         }
     }
-    host_runs.push(("loop + server + ipc client, null backend".into(), args.host_requests, host_over_ipc(args.host_requests, args.host_steps)?));
+    host_runs.push((
+        "loop + server + ipc client, null backend".into(),
+        args.host_requests,
+        host_over_ipc(args.host_requests, args.host_steps)?,
+    ));
     for (what, running, mut samples) in host_runs {
-        let row = HostRow { what, running, us_per_step_median: percentile(&mut samples, 0.5), us_per_step_p90: percentile(&mut samples, 0.9) };
-        eprintln!("host {}: {} running, median {:.1} us/step, p90 {:.1}", row.what, row.running, row.us_per_step_median, row.us_per_step_p90);
+        let row = HostRow {
+            what,
+            running,
+            us_per_step_median: percentile(&mut samples, 0.5),
+            us_per_step_p90: percentile(&mut samples, 0.9),
+        };
+        eprintln!(
+            "host {}: {} running, median {:.1} us/step, p90 {:.1}",
+            row.what, row.running, row.us_per_step_median, row.us_per_step_p90
+        );
         report.host.push(row);
     }
     if !args.skip_workloads {
         // Shared prefix: 32 requests, a 512-token system prompt, 16-token suffixes, 16 out.
         for caching in [true, false] {
-            let engine_args = EngineCoreArgs { no_prefix_caching: !caching, max_num_seqs: 32, ..EngineCoreArgs::defaults() };
+            let engine_args = EngineCoreArgs {
+                no_prefix_caching: !caching,
+                max_num_seqs: 32,
+                ..EngineCoreArgs::defaults()
+            };
             let mut built = build_cpu_engine(&engine_args, &model_dir)?;
             let reqs = (0..32u32)
                 .map(|i| {
                     let mut p: Vec<u32> = (0..512).map(|t| (t * 7919) % 32_000).collect();
                     p.extend((0..16).map(|t| (t * 31 + i * 977) % 32_000));
-                    EngineCoreRequest { request_id: format!("sp-{i}"), prompt_token_ids: p, sampling: SamplingParams { ignore_eos: true, ..SamplingParams::greedy(16) }, arrival_time: 0.0 }
+                    EngineCoreRequest {
+                        request_id: format!("sp-{i}"),
+                        prompt_token_ids: p,
+                        sampling: SamplingParams {
+                            ignore_eos: true,
+                            ..SamplingParams::greedy(16)
+                        },
+                        arrival_time: 0.0,
+                    }
                 })
                 .collect();
-            report.workloads.push(workload_row(&mut built.engine, "shared prefix (32 x 512+16 in, 16 out)", if caching { "caching on" } else { "caching off" }, reqs)?);
+            report.workloads.push(workload_row(
+                &mut built.engine,
+                "shared prefix (32 x 512+16 in, 16 out)",
+                if caching { "caching on" } else { "caching off" },
+                reqs,
+            )?);
         }
         // Memory pressure: 32 requests x (64 in + 192 out) = 512 blocks wanted, 96 available.
         for blocks in [96u32, 1024] {
-            let engine_args = EngineCoreArgs { num_kv_blocks: Some(blocks), max_num_seqs: 32, max_model_len: Some(512), ..EngineCoreArgs::defaults() };
+            let engine_args = EngineCoreArgs {
+                num_kv_blocks: Some(blocks),
+                max_num_seqs: 32,
+                max_model_len: Some(512),
+                ..EngineCoreArgs::defaults()
+            };
             let mut built = build_cpu_engine(&engine_args, &model_dir)?;
-            let reqs = (0..32u32).map(|i| request(i, 64, 192, built.info.vocab_size)).collect();
-            report.workloads.push(workload_row(&mut built.engine, "memory pressure (32 x 64 in, 192 out)", &format!("{blocks} KV blocks"), reqs)?);
+            let reqs = (0..32u32)
+                .map(|i| request(i, 64, 192, built.info.vocab_size))
+                .collect();
+            report.workloads.push(workload_row(
+                &mut built.engine,
+                "memory pressure (32 x 64 in, 192 out)",
+                &format!("{blocks} KV blocks"),
+                reqs,
+            )?);
         }
     }
     println!("| batch | pipeline | decode tok/s | ms/step |\n|---|---|---|---|");
     for r in &report.decode {
-        println!("| {} | {} | {:.1} | {:.2} |", r.batch, r.pipeline, r.decode_tokens_per_s, r.ms_per_step);
+        println!(
+            "| {} | {} | {:.1} | {:.2} |",
+            r.batch, r.pipeline, r.decode_tokens_per_s, r.ms_per_step
+        );
     }
     println!("\n| host measurement | running | median us/step | p90 us/step |\n|---|---|---|---|");
     for r in &report.host {
-        println!("| {} | {} | {:.1} | {:.1} |", r.what, r.running, r.us_per_step_median, r.us_per_step_p90);
+        println!(
+            "| {} | {} | {:.1} | {:.1} |",
+            r.what, r.running, r.us_per_step_median, r.us_per_step_p90
+        );
     }
     if !report.workloads.is_empty() {
         println!("\n| workload | variant | TTFT mean ms | TTFT median ms | output tok/s | preemptions | prefix hit rate | errors |\n|---|---|---|---|---|---|---|---|");
         for r in &report.workloads {
             println!(
                 "| {} | {} | {:.1} | {:.1} | {:.1} | {} | {:.2} | {} |",
-                r.workload, r.variant, r.ttft_ms_mean, r.ttft_ms_median, r.output_tokens_per_s, r.preemptions, r.prefix_hit_rate, r.errors
+                r.workload,
+                r.variant,
+                r.ttft_ms_mean,
+                r.ttft_ms_median,
+                r.output_tokens_per_s,
+                r.preemptions,
+                r.prefix_hit_rate,
+                r.errors
             );
         }
     }
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }

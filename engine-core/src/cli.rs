@@ -93,7 +93,11 @@ pub fn default_model_dir() -> PathBuf {
 /// model.
 pub fn ensure_default_model() -> anyhow::Result<PathBuf> {
     let dir = default_model_dir();
-    let ready = |d: &std::path::Path| d.join("config.json").is_file() && d.join("model.safetensors").is_file() && d.join("tokenizer.json").is_file();
+    let ready = |d: &std::path::Path| {
+        d.join("config.json").is_file()
+            && d.join("model.safetensors").is_file()
+            && d.join("tokenizer.json").is_file()
+    };
     if ready(&dir) {
         return Ok(dir);
     }
@@ -105,7 +109,8 @@ pub fn ensure_default_model() -> anyhow::Result<PathBuf> {
     if let Err(e) = std::fs::rename(&tmp, &dir) {
         let _ = std::fs::remove_dir_all(&tmp);
         if !ready(&dir) {
-            return Err(e).with_context(|| format!("moving the generated model to {}", dir.display()));
+            return Err(e)
+                .with_context(|| format!("moving the generated model to {}", dir.display()));
         }
     }
     Ok(dir)
@@ -118,11 +123,16 @@ pub struct BuiltEngine {
 }
 
 /// Loads the model and builds the CPU engine described by `args`.
-pub fn build_cpu_engine(args: &EngineCoreArgs, model_dir: &std::path::Path) -> anyhow::Result<BuiltEngine> {
-    let dir = ModelDir::open(model_dir).with_context(|| format!("opening model directory {}", model_dir.display()))?;
+pub fn build_cpu_engine(
+    args: &EngineCoreArgs,
+    model_dir: &std::path::Path,
+) -> anyhow::Result<BuiltEngine> {
+    let dir = ModelDir::open(model_dir)
+        .with_context(|| format!("opening model directory {}", model_dir.display()))?;
     let mc = &dir.config;
     let started = std::time::Instant::now();
-    let model = CpuModel::load(&dir).with_context(|| format!("loading weights from {}", model_dir.display()))?;
+    let model = CpuModel::load(&dir)
+        .with_context(|| format!("loading weights from {}", model_dir.display()))?;
     let bytes_per_block = KvCache::bytes_per_block(mc, args.block_size as usize) as u64;
     let num_kv_blocks = match args.num_kv_blocks {
         Some(n) => n,
@@ -131,7 +141,10 @@ pub fn build_cpu_engine(args: &EngineCoreArgs, model_dir: &std::path::Path) -> a
     let kv_tokens = (num_kv_blocks.saturating_sub(1)) * args.block_size;
     let max_model_len = match args.max_model_len {
         Some(n) if n as usize > mc.max_position_embeddings => {
-            bail!("--max-model-len {n} exceeds the model's max_position_embeddings ({})", mc.max_position_embeddings)
+            bail!(
+                "--max-model-len {n} exceeds the model's max_position_embeddings ({})",
+                mc.max_position_embeddings
+            )
         }
         Some(n) => n,
         None => (mc.max_position_embeddings as u32).min(kv_tokens),
@@ -142,7 +155,11 @@ pub fn build_cpu_engine(args: &EngineCoreArgs, model_dir: &std::path::Path) -> a
         max_model_len,
         block_size: args.block_size,
         num_kv_blocks,
-        pipeline: if args.sync { PipelineDepth::Sync } else { PipelineDepth::Async },
+        pipeline: if args.sync {
+            PipelineDepth::Sync
+        } else {
+            PipelineDepth::Async
+        },
         max_logprobs: args.max_logprobs,
         enable_prefix_caching: !args.no_prefix_caching,
         policy: args.scheduling_policy,
@@ -158,12 +175,26 @@ pub fn build_cpu_engine(args: &EngineCoreArgs, model_dir: &std::path::Path) -> a
         pipeline = ?cfg.pipeline,
         "CPU engine configured"
     );
-    let exec = CpuExecutor::new(model, mc, CpuExecutorConfig { num_kv_blocks, block_size: args.block_size, max_rows: args.max_num_seqs })?;
-    let facts = ModelFacts { vocab_size: mc.vocab_size as u32, eos_token_ids: dir.generation.eos_token_ids.clone() };
+    let exec = CpuExecutor::new(
+        model,
+        mc,
+        CpuExecutorConfig {
+            num_kv_blocks,
+            block_size: args.block_size,
+            max_rows: args.max_num_seqs,
+        },
+    )?;
+    let facts = ModelFacts {
+        vocab_size: mc.vocab_size as u32,
+        eos_token_ids: dir.generation.eos_token_ids.clone(),
+    };
     let info = EngineInfo {
         protocol_version: PROTOCOL_VERSION,
         engine_version: env!("CARGO_PKG_VERSION").to_string(),
-        model_name: args.served_model_name.clone().unwrap_or_else(|| dir.name.clone()),
+        model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| dir.name.clone()),
         max_model_len,
         vocab_size: mc.vocab_size as u32,
         eos_token_ids: facts.eos_token_ids.clone(),
@@ -193,7 +224,10 @@ pub fn run_engine_core(args: EngineCoreArgs) -> anyhow::Result<()> {
         Device::Auto | Device::Cpu => {}
     }
     if let Some(n) = args.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring compute threads")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("configuring compute threads")?;
     }
     let model_dir = match &args.model {
         Some(p) => p.clone(),
@@ -204,14 +238,26 @@ pub fn run_engine_core(args: EngineCoreArgs) -> anyhow::Result<()> {
         Some(e) => e.clone(),
         None => default_engine_endpoint(&private_socket_dir(args.socket_dir.as_deref())?),
     };
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the I/O runtime")?;
-    rt.block_on(serve(built.engine, built.info, &endpoint, ServerOptions::default(), shutdown_signal()))
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the I/O runtime")?;
+    rt.block_on(serve(
+        built.engine,
+        built.info,
+        &endpoint,
+        ServerOptions::default(),
+        shutdown_signal(),
+    ))
 }
 
 /// Resolves on SIGTERM or SIGINT.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         tracing::error!("cannot install signal handlers; stop the engine with SIGKILL");
         return std::future::pending().await;
     };

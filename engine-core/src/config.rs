@@ -67,7 +67,10 @@ impl EngineConfig {
             return err("max_num_seqs must be at least 1".into());
         }
         if self.block_size == 0 || !self.block_size.is_power_of_two() {
-            return err(format!("block_size must be a power of two, got {}", self.block_size));
+            return err(format!(
+                "block_size must be a power of two, got {}",
+                self.block_size
+            ));
         }
         if self.max_model_len < 2 {
             return err("max_model_len must be at least 2".into());
@@ -105,11 +108,26 @@ mod tests {
     fn rejects_bad_values() {
         let base = EngineConfig::default();
         for bad in [
-            EngineConfig { max_num_seqs: 0, ..base.clone() },
-            EngineConfig { block_size: 12, ..base.clone() },
-            EngineConfig { max_model_len: 1, ..base.clone() },
-            EngineConfig { max_num_batched_tokens: 8, ..base.clone() },
-            EngineConfig { num_kv_blocks: 10, ..base.clone() },
+            EngineConfig {
+                max_num_seqs: 0,
+                ..base.clone()
+            },
+            EngineConfig {
+                block_size: 12,
+                ..base.clone()
+            },
+            EngineConfig {
+                max_model_len: 1,
+                ..base.clone()
+            },
+            EngineConfig {
+                max_num_batched_tokens: 8,
+                ..base.clone()
+            },
+            EngineConfig {
+                num_kv_blocks: 10,
+                ..base.clone()
+            },
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }

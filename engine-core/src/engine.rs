@@ -19,7 +19,9 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use harrier_shared::protocol::{EngineCoreRequest, EngineStats, Finish, FinishReason, RequestOutput};
+use harrier_shared::protocol::{
+    EngineCoreRequest, EngineStats, Finish, FinishReason, RequestOutput,
+};
 
 use crate::batch::{ExecBatch, StepOutput};
 use crate::config::EngineConfig;
@@ -74,7 +76,11 @@ pub struct EngineCore<E: Executor> {
 }
 
 impl<E: Executor> EngineCore<E> {
-    pub fn new(cfg: EngineConfig, model: ModelFacts, exec: E) -> Result<Self, crate::config::ConfigError> {
+    pub fn new(
+        cfg: EngineConfig,
+        model: ModelFacts,
+        exec: E,
+    ) -> Result<Self, crate::config::ConfigError> {
         cfg.validate()?;
         let sched = Scheduler::new(SchedulerConfig {
             max_num_seqs: cfg.max_num_seqs,
@@ -87,7 +93,10 @@ impl<E: Executor> EngineCore<E> {
             enable_prefix_caching: cfg.enable_prefix_caching,
             policy: cfg.policy,
         });
-        let seed_state = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0x5eed);
+        let seed_state = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0x5eed);
         Ok(Self {
             pipeline: PipelineState::new(cfg.pipeline.max_in_flight()),
             cfg,
@@ -181,7 +190,11 @@ impl<E: Executor> EngineCore<E> {
                 request_id,
                 new_token_ids: Vec::new(),
                 logprobs: None,
-                finish: Some(Finish { reason: FinishReason::Error, stop_token: None, message: Some(message) }),
+                finish: Some(Finish {
+                    reason: FinishReason::Error,
+                    stop_token: None,
+                    message: Some(message),
+                }),
                 num_cached_tokens: None,
             },
         ));
@@ -189,11 +202,22 @@ impl<E: Executor> EngineCore<E> {
 
     /// Validates and queues a request; an invalid one finishes at once with an error.
     pub fn add_request(&mut self, origin: Origin, req: EngineCoreRequest) {
-        let EngineCoreRequest { request_id, prompt_token_ids, sampling, arrival_time: _ } = req;
+        let EngineCoreRequest {
+            request_id,
+            prompt_token_ids,
+            sampling,
+            arrival_time: _,
+        } = req;
         let problem = if prompt_token_ids.is_empty() {
             Some("the prompt must contain at least one token".to_string())
-        } else if let Some(&t) = prompt_token_ids.iter().find(|&&t| t >= self.model.vocab_size) {
-            Some(format!("token id {t} is out of range for the vocabulary of {} tokens", self.model.vocab_size))
+        } else if let Some(&t) = prompt_token_ids
+            .iter()
+            .find(|&&t| t >= self.model.vocab_size)
+        {
+            Some(format!(
+                "token id {t} is out of range for the vocabulary of {} tokens",
+                self.model.vocab_size
+            ))
         } else if prompt_token_ids.len() as u32 >= self.cfg.max_model_len {
             Some(format!(
                 "the prompt has {} tokens but the maximum model length is {} (including at least one generated token)",
@@ -202,7 +226,11 @@ impl<E: Executor> EngineCore<E> {
             ))
         } else if let Err(e) = sampling.validate(self.cfg.max_logprobs) {
             Some(format!("{}: {}", e.param, e.message))
-        } else if self.ids.get(&origin).is_some_and(|m| m.contains_key(&request_id)) {
+        } else if self
+            .ids
+            .get(&origin)
+            .is_some_and(|m| m.contains_key(&request_id))
+        {
             // Answering on that id would end the original request in the front end's eyes.
             tracing::warn!(%request_id, origin = origin.0, "dropping a request whose id is already in use");
             return;
@@ -218,8 +246,18 @@ impl<E: Executor> EngineCore<E> {
             self.seed_state = self.seed_state.wrapping_add(0x9E37_79B9_7F4A_7C15);
             splitmix64(self.seed_state)
         });
-        self.ids.entry(origin).or_default().insert(request_id.clone(), id);
-        self.sched.add(Request::new(id, origin, request_id, prompt_token_ids, sampling, seed));
+        self.ids
+            .entry(origin)
+            .or_default()
+            .insert(request_id.clone(), id);
+        self.sched.add(Request::new(
+            id,
+            origin,
+            request_id,
+            prompt_token_ids,
+            sampling,
+            seed,
+        ));
     }
 
     /// Aborts the front end's requests by id; unknown or finished ids are ignored.
@@ -307,7 +345,8 @@ impl<E: Executor> EngineCore<E> {
         let slot = step.slot.0 as usize;
         self.exec.wait(step, &mut self.step_output).map_err(fatal)?;
         let st = &mut self.slots[slot];
-        self.sched.commit(&st.record, &self.step_output, &mut self.sink);
+        self.sched
+            .commit(&st.record, &self.step_output, &mut self.sink);
         st.record.clear();
         if let Some(t) = st.launched_at.take() {
             self.last_step_us = t.elapsed().as_micros().min(u32::MAX as u128) as u32;
@@ -334,7 +373,11 @@ impl<E: Executor> EngineCore<E> {
     pub fn shutdown(&mut self) -> Result<(), EngineFatal> {
         let drained = self.drain();
         if drained.is_ok() {
-            let finish = Finish { reason: FinishReason::Abort, stop_token: None, message: Some("the engine is shutting down".into()) };
+            let finish = Finish {
+                reason: FinishReason::Abort,
+                stop_token: None,
+                message: Some("the engine is shutting down".into()),
+            };
             self.sched.finish_all(finish, &mut self.sink);
         }
         drained
@@ -343,7 +386,11 @@ impl<E: Executor> EngineCore<E> {
     /// Engine-fatal path: every accepted request gets an error; all state is released.
     fn fail(&mut self, message: &str) {
         tracing::error!("{message}");
-        let finish = Finish { reason: FinishReason::Error, stop_token: None, message: Some(message.to_string()) };
+        let finish = Finish {
+            reason: FinishReason::Error,
+            stop_token: None,
+            message: Some(message.to_string()),
+        };
         self.sched.finish_all(finish, &mut self.sink);
         self.pipeline.clear();
         for st in &mut self.slots {
@@ -354,7 +401,8 @@ impl<E: Executor> EngineCore<E> {
 
     fn debug_check(&self) {
         if cfg!(debug_assertions) {
-            self.sched.check_invariants(self.slots.iter().map(|s| s.record.as_slice()));
+            self.sched
+                .check_invariants(self.slots.iter().map(|s| s.record.as_slice()));
         }
     }
 }

@@ -99,9 +99,30 @@ impl BlockManager {
 
     /// As [`Self::new`] with another hash function (tests force collisions with it).
     pub fn with_hash(num_blocks: u32, block_size: u32, caching: bool, hash_fn: HashFn) -> Self {
-        assert!(num_blocks >= 2, "need the scratch block plus at least one block");
-        let meta = (0..num_blocks).map(|_| Meta { ref_count: 0, hash: None, tokens: Vec::new(), prev: NIL, next: NIL, in_free_list: false }).collect();
-        let mut m = Self { block_size, meta, head: NIL, tail: NIL, num_free: 0, cache: HashMap::new(), caching, hash_fn };
+        assert!(
+            num_blocks >= 2,
+            "need the scratch block plus at least one block"
+        );
+        let meta = (0..num_blocks)
+            .map(|_| Meta {
+                ref_count: 0,
+                hash: None,
+                tokens: Vec::new(),
+                prev: NIL,
+                next: NIL,
+                in_free_list: false,
+            })
+            .collect();
+        let mut m = Self {
+            block_size,
+            meta,
+            head: NIL,
+            tail: NIL,
+            num_free: 0,
+            cache: HashMap::new(),
+            caching,
+            hash_fn,
+        };
         for b in 1..num_blocks {
             m.push_back(b);
         }
@@ -198,7 +219,10 @@ impl BlockManager {
     /// head of the free list; all or nothing.
     pub fn allocate(&mut self, n: u32, table: &mut Vec<BlockId>) -> Result<(), OutOfBlocks> {
         if n > self.num_free {
-            return Err(OutOfBlocks { wanted: n as usize, free: self.num_free as usize });
+            return Err(OutOfBlocks {
+                wanted: n as usize,
+                free: self.num_free as usize,
+            });
         }
         for _ in 0..n {
             let b = self.head;
@@ -247,7 +271,14 @@ impl BlockManager {
 
     /// How many of these cached blocks are currently free (taking them uses free capacity).
     pub fn count_free_hits(&self, hashes: &[BlockHash]) -> u32 {
-        hashes.iter().filter(|h| self.cache.get(*h).is_some_and(|b| self.meta[b.0 as usize].ref_count == 0)).count() as u32
+        hashes
+            .iter()
+            .filter(|h| {
+                self.cache
+                    .get(*h)
+                    .is_some_and(|b| self.meta[b.0 as usize].ref_count == 0)
+            })
+            .count() as u32
     }
 
     /// Takes a reference to the cached blocks of `hashes` (all hits by [`Self::lookup`]).
@@ -295,17 +326,32 @@ impl BlockManager {
         let mut prev = NIL;
         while b != NIL {
             let m = &self.meta[b as usize];
-            assert!(m.in_free_list && m.ref_count == 0, "block {b} in the free list with references");
+            assert!(
+                m.in_free_list && m.ref_count == 0,
+                "block {b} in the free list with references"
+            );
             assert_eq!(m.prev, prev);
             prev = b;
             b = m.next;
             n += 1;
         }
         assert_eq!(n, self.num_free, "free list length");
-        let unreferenced = self.meta.iter().skip(1).filter(|m| m.ref_count == 0).count() as u32;
-        assert_eq!(unreferenced, self.num_free, "unreferenced blocks outside the free list");
+        let unreferenced = self
+            .meta
+            .iter()
+            .skip(1)
+            .filter(|m| m.ref_count == 0)
+            .count() as u32;
+        assert_eq!(
+            unreferenced, self.num_free,
+            "unreferenced blocks outside the free list"
+        );
         for (h, b) in &self.cache {
-            assert_eq!(self.meta[b.0 as usize].hash, Some(*h), "cache map out of sync");
+            assert_eq!(
+                self.meta[b.0 as usize].hash,
+                Some(*h),
+                "cache map out of sync"
+            );
         }
     }
 }
@@ -329,7 +375,10 @@ mod tests {
         let mut t = Vec::new();
         kv.allocate(3, &mut t).unwrap();
         assert!(!t.contains(&SCRATCH_BLOCK));
-        assert_eq!(kv.allocate(1, &mut t), Err(OutOfBlocks { wanted: 1, free: 0 }));
+        assert_eq!(
+            kv.allocate(1, &mut t),
+            Err(OutOfBlocks { wanted: 1, free: 0 })
+        );
         assert_eq!(t.len(), 3, "failed allocation leaves the table alone");
     }
 
@@ -342,10 +391,25 @@ mod tests {
     #[test]
     fn hashes_chain_over_the_prefix() {
         let a = xxhash_block(None, &[1, 2], 0);
-        assert_ne!(xxhash_block(Some(a), &[3, 4], 0), xxhash_block(Some(a ^ 1), &[3, 4], 0), "parent matters");
-        assert_ne!(xxhash_block(None, &[1, 2], 0), xxhash_block(None, &[1, 2], 7), "salt matters");
-        assert_ne!(xxhash_block(None, &[1, 2], 0), xxhash_block(None, &[2, 1], 0), "order matters");
-        assert_eq!(xxhash_block(Some(a), &[3, 4], 0), xxhash_block(Some(a), &[3, 4], 0));
+        assert_ne!(
+            xxhash_block(Some(a), &[3, 4], 0),
+            xxhash_block(Some(a ^ 1), &[3, 4], 0),
+            "parent matters"
+        );
+        assert_ne!(
+            xxhash_block(None, &[1, 2], 0),
+            xxhash_block(None, &[1, 2], 7),
+            "salt matters"
+        );
+        assert_ne!(
+            xxhash_block(None, &[1, 2], 0),
+            xxhash_block(None, &[2, 1], 0),
+            "order matters"
+        );
+        assert_eq!(
+            xxhash_block(Some(a), &[3, 4], 0),
+            xxhash_block(Some(a), &[3, 4], 0)
+        );
     }
 
     #[test]
@@ -368,7 +432,11 @@ mod tests {
         assert_eq!(kv.ref_count(a[0]), 2);
         kv.free(&mut a);
         assert_eq!(kv.ref_count(b[0]), 1, "still held by b");
-        assert_eq!(kv.num_free(), 10 - 1 - 2, "a's third block is free (but cached)");
+        assert_eq!(
+            kv.num_free(),
+            10 - 1 - 2,
+            "a's third block is free (but cached)"
+        );
         // a's third block is free yet still hits.
         assert_eq!(kv.lookup(&hashes, |i, s| s == &tokens[2 * i..2 * i + 2]), 3);
         kv.check();
@@ -384,7 +452,11 @@ mod tests {
         kv.allocate(1, &mut a).unwrap();
         kv.register(a[0], collide(None, &[1, 2], 0), &[1, 2]);
         assert_eq!(kv.lookup(&[42], |_, s| s == [1, 2]), 1);
-        assert_eq!(kv.lookup(&[42], |_, s| s == [7, 7]), 0, "same hash, other tokens: miss");
+        assert_eq!(
+            kv.lookup(&[42], |_, s| s == [7, 7]),
+            0,
+            "same hash, other tokens: miss"
+        );
     }
 
     #[test]
@@ -402,7 +474,11 @@ mod tests {
         assert_eq!(kv.num_free(), 2);
         let mut c = Vec::new();
         kv.allocate(1, &mut c).unwrap();
-        assert_eq!(kv.lookup(&hashes[..2], |i, s| s == &toks[i..i + 1]), 1, "the tail block was evicted, the prefix survives");
+        assert_eq!(
+            kv.lookup(&hashes[..2], |i, s| s == &toks[i..i + 1]),
+            1,
+            "the tail block was evicted, the prefix survives"
+        );
         kv.allocate(1, &mut c).unwrap();
         assert_eq!(kv.lookup(&hashes[..2], |i, s| s == &toks[i..i + 1]), 0);
         assert_eq!(kv.num_cached(), 0);

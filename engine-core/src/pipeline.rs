@@ -41,8 +41,17 @@ pub struct PipelineState<L, S> {
 impl<L: SlotOwner, S: SlotOwner> PipelineState<L, S> {
     /// `depth`: 1 (synchronous) or 2 (async).
     pub fn new(depth: usize) -> Self {
-        assert!((1..=NUM_SLOTS).contains(&depth), "pipeline depth must be 1 or 2");
-        Self { depth, launch_handle: None, batch_queue: VecDeque::with_capacity(NUM_SLOTS), committing: None, slots_in_use: 0 }
+        assert!(
+            (1..=NUM_SLOTS).contains(&depth),
+            "pipeline depth must be 1 or 2"
+        );
+        Self {
+            depth,
+            launch_handle: None,
+            batch_queue: VecDeque::with_capacity(NUM_SLOTS),
+            committing: None,
+            slots_in_use: 0,
+        }
     }
 
     pub fn depth(&self) -> usize {
@@ -51,7 +60,9 @@ impl<L: SlotOwner, S: SlotOwner> PipelineState<L, S> {
 
     /// Steps in flight: launched, sampled-and-queued, or being committed.
     pub fn in_flight(&self) -> usize {
-        self.launch_handle.is_some() as usize + self.batch_queue.len() + self.committing.is_some() as usize
+        self.launch_handle.is_some() as usize
+            + self.batch_queue.len()
+            + self.committing.is_some() as usize
     }
 
     /// Nothing launched, queued or being committed.
@@ -72,12 +83,17 @@ impl<L: SlotOwner, S: SlotOwner> PipelineState<L, S> {
         if self.in_flight() >= self.depth || self.launch_handle.is_some() {
             return None;
         }
-        (0..NUM_SLOTS as u8).find(|s| self.slots_in_use & (1 << s) == 0).map(SlotId)
+        (0..NUM_SLOTS as u8)
+            .find(|s| self.slots_in_use & (1 << s) == 0)
+            .map(SlotId)
     }
 
     pub fn on_launch(&mut self, handle: L) {
         let slot = handle.slot();
-        assert!(self.launch_handle.is_none(), "a forward is already awaiting sampling");
+        assert!(
+            self.launch_handle.is_none(),
+            "a forward is already awaiting sampling"
+        );
         assert!(self.in_flight() < self.depth, "pipeline full");
         assert_eq!(self.slots_in_use & (1 << slot.0), 0, "{slot:?} is in use");
         self.slots_in_use |= 1 << slot.0;
@@ -92,8 +108,14 @@ impl<L: SlotOwner, S: SlotOwner> PipelineState<L, S> {
     /// Queues the sampled step made from the handle just taken.
     pub fn on_pending_commit(&mut self, step: S) {
         let slot = step.slot();
-        assert!(self.slots_in_use & (1 << slot.0) != 0, "{slot:?} was not launched");
-        assert!(self.batch_queue.iter().all(|s| s.slot() != slot), "{slot:?} queued twice");
+        assert!(
+            self.slots_in_use & (1 << slot.0) != 0,
+            "{slot:?} was not launched"
+        );
+        assert!(
+            self.batch_queue.iter().all(|s| s.slot() != slot),
+            "{slot:?} queued twice"
+        );
         self.batch_queue.push_front(step);
     }
 
@@ -140,7 +162,11 @@ mod tests {
         let mut p = P::new(2);
         let s0 = p.free_slot().unwrap();
         p.on_launch(H(s0, 0));
-        assert_eq!(p.free_slot(), None, "no second launch before sampling the first");
+        assert_eq!(
+            p.free_slot(),
+            None,
+            "no second launch before sampling the first"
+        );
         let h = p.take_launch().unwrap();
         p.on_pending_commit(h);
         let s1 = p.free_slot().unwrap();

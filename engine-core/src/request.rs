@@ -70,7 +70,14 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn new(id: RequestId, origin: Origin, external_id: String, prompt: Vec<TokenId>, sampling: SamplingParams, seed: u64) -> Self {
+    pub fn new(
+        id: RequestId,
+        origin: Origin,
+        external_id: String,
+        prompt: Vec<TokenId>,
+        sampling: SamplingParams,
+        seed: u64,
+    ) -> Self {
         Self {
             id,
             origin,
@@ -128,7 +135,13 @@ impl Request {
         } else if start >= p {
             std::borrow::Cow::Borrowed(&self.output[start - p..end - p])
         } else {
-            std::borrow::Cow::Owned(self.prompt[start..].iter().chain(&self.output[..end - p]).copied().collect())
+            std::borrow::Cow::Owned(
+                self.prompt[start..]
+                    .iter()
+                    .chain(&self.output[..end - p])
+                    .copied()
+                    .collect(),
+            )
         }
     }
 

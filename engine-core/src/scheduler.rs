@@ -128,7 +128,15 @@ impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
         let kv = BlockManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching);
         let free_rows = (0..cfg.max_num_seqs).rev().map(RowId).collect();
-        Self { cfg, requests: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), kv, free_rows, counters: SchedulerCounters::default() }
+        Self {
+            cfg,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            kv,
+            free_rows,
+            counters: SchedulerCounters::default(),
+        }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -226,7 +234,9 @@ impl Scheduler {
                 }
             }
         }
-        let Planner { needs_drain, plan, .. } = p;
+        let Planner {
+            needs_drain, plan, ..
+        } = p;
         if needs_drain && !drained {
             Decision::DrainFirst
         } else if plan.entries.is_empty() && plan.preempt.is_empty() {
@@ -250,7 +260,10 @@ impl Scheduler {
             self.admit(p.id, p.cached_blocks, batch);
         }
         for p in &plan.entries {
-            let r = self.requests.get_mut(&p.id).expect("planned request exists");
+            let r = self
+                .requests
+                .get_mut(&p.id)
+                .expect("planned request exists");
             let row = r.row.expect("running request has a row");
             let position = r.num_computed_tokens;
             let (host_start, host_len) = if r.decoding {
@@ -266,9 +279,16 @@ impl Scheduler {
             let blocks_start = batch.new_blocks.len() as u32;
             // A freshly initialised row knows none of its blocks (cache hits included).
             let before = if p.admit { 0 } else { r.blocks.len() };
-            let need = self.kv.blocks_for(position + p.num_tokens).saturating_sub(r.blocks.len() as u32);
-            self.kv.allocate(need, &mut r.blocks).expect("planned blocks are free");
-            batch.new_blocks.extend(r.blocks[before..].iter().map(|b| b.0));
+            let need = self
+                .kv
+                .blocks_for(position + p.num_tokens)
+                .saturating_sub(r.blocks.len() as u32);
+            self.kv
+                .allocate(need, &mut r.blocks)
+                .expect("planned blocks are free");
+            batch
+                .new_blocks
+                .extend(r.blocks[before..].iter().map(|b| b.0));
             r.num_computed_tokens += p.num_tokens;
             let sample = r.num_computed_tokens == r.known_len();
             if sample {
@@ -276,7 +296,10 @@ impl Scheduler {
                 r.decoding = true;
             }
             r.inflight_refs += 1;
-            debug_assert!(r.inflight_refs <= self.cfg.max_inflight_refs, "I4: inflight_refs above depth");
+            debug_assert!(
+                r.inflight_refs <= self.cfg.max_inflight_refs,
+                "I4: inflight_refs above depth"
+            );
             register_computed_blocks(&mut self.kv, r);
             batch.seqs.push(SeqInput {
                 row,
@@ -288,7 +311,11 @@ impl Scheduler {
                 blocks_len: (r.blocks.len() - before) as u32,
                 sample,
             });
-            record.push(StepEntry { id: p.id, num_tokens: p.num_tokens, sample });
+            record.push(StepEntry {
+                id: p.id,
+                num_tokens: p.num_tokens,
+                sample,
+            });
         }
     }
 
@@ -298,7 +325,8 @@ impl Scheduler {
         let row = self.free_rows.pop().expect("planned row is free");
         let r = self.requests.get_mut(&id).expect("waiting request exists");
         debug_assert!(r.blocks.is_empty());
-        self.kv.acquire_cached(&r.block_hashes[..cached_blocks as usize], &mut r.blocks);
+        self.kv
+            .acquire_cached(&r.block_hashes[..cached_blocks as usize], &mut r.blocks);
         r.num_computed_tokens = cached_blocks * self.cfg.block_size;
         r.num_registered_blocks = cached_blocks;
         if self.cfg.enable_prefix_caching {
@@ -328,8 +356,14 @@ impl Scheduler {
     }
 
     fn preempt(&mut self, id: RequestId) {
-        let r = self.requests.get_mut(&id).expect("preempted request exists");
-        assert_eq!(r.inflight_refs, 0, "I5: preemption only on a drained pipeline");
+        let r = self
+            .requests
+            .get_mut(&id)
+            .expect("preempted request exists");
+        assert_eq!(
+            r.inflight_refs, 0,
+            "I5: preemption only on a drained pipeline"
+        );
         self.kv.free(&mut r.blocks);
         if let Some(row) = r.row.take() {
             self.free_rows.push(row);
@@ -348,8 +382,14 @@ impl Scheduler {
     pub fn commit(&mut self, record: &[StepEntry], out: &StepOutput, sink: &mut OutputSink) {
         let mut k = 0;
         for e in record {
-            let r = self.requests.get_mut(&e.id).expect("in-flight request exists");
-            debug_assert!(r.inflight_refs > 0, "I4: commit of a step the request is not in");
+            let r = self
+                .requests
+                .get_mut(&e.id)
+                .expect("in-flight request exists");
+            debug_assert!(
+                r.inflight_refs > 0,
+                "I4: commit of a step the request is not in"
+            );
             r.inflight_refs -= 1;
             if e.sample {
                 let token = out.tokens[k];
@@ -385,7 +425,10 @@ impl Scheduler {
     /// finish with an error (reference 000 §4.8).
     pub fn rollback(&mut self, record: &[StepEntry], message: &str, sink: &mut OutputSink) {
         for e in record {
-            let r = self.requests.get_mut(&e.id).expect("rolled-back request exists");
+            let r = self
+                .requests
+                .get_mut(&e.id)
+                .expect("rolled-back request exists");
             r.inflight_refs -= 1;
             r.num_computed_tokens -= e.num_tokens;
             if e.sample {
@@ -402,7 +445,16 @@ impl Scheduler {
     pub fn abort(&mut self, id: RequestId, sink: &mut OutputSink) -> bool {
         match self.requests.get(&id) {
             Some(r) if !r.finalized => {
-                self.finish(id, Finish { reason: FinishReason::Abort, stop_token: None, message: None }, sink, false);
+                self.finish(
+                    id,
+                    Finish {
+                        reason: FinishReason::Abort,
+                        stop_token: None,
+                        message: None,
+                    },
+                    sink,
+                    false,
+                );
                 self.release_if_done(id);
                 true
             }
@@ -412,7 +464,12 @@ impl Scheduler {
 
     /// Finishes every unfinished request with `reason` (shutdown or engine-fatal error).
     pub fn finish_all(&mut self, finish: Finish, sink: &mut OutputSink) {
-        let mut ids: Vec<RequestId> = self.requests.values().filter(|r| !r.finalized).map(|r| r.id).collect();
+        let mut ids: Vec<RequestId> = self
+            .requests
+            .values()
+            .filter(|r| !r.finalized)
+            .map(|r| r.id)
+            .collect();
         ids.sort();
         for id in ids {
             self.finish(id, finish.clone(), sink, false);
@@ -432,7 +489,13 @@ impl Scheduler {
         }
     }
 
-    fn finish(&mut self, id: RequestId, finish: Finish, sink: &mut OutputSink, token_already_sent: bool) {
+    fn finish(
+        &mut self,
+        id: RequestId,
+        finish: Finish,
+        sink: &mut OutputSink,
+        token_already_sent: bool,
+    ) {
         let r = self.requests.get_mut(&id).expect("finished request exists");
         debug_assert!(!r.finalized);
         r.finalized = true;
@@ -481,14 +544,26 @@ impl Scheduler {
         let mut refs: HashMap<BlockId, u32> = HashMap::new();
         for r in self.requests.values() {
             let c = counts.get(&r.id).copied().unwrap_or(0);
-            assert_eq!(r.inflight_refs, c, "I4: {:?} has inflight_refs {} but is in {} in-flight steps", r.id, r.inflight_refs, c);
+            assert_eq!(
+                r.inflight_refs, c,
+                "I4: {:?} has inflight_refs {} but is in {} in-flight steps",
+                r.id, r.inflight_refs, c
+            );
             assert!(r.inflight_refs <= self.cfg.max_inflight_refs);
-            assert!(!(r.finalized && r.inflight_refs == 0), "{:?} finished but not released", r.id);
+            assert!(
+                !(r.finalized && r.inflight_refs == 0),
+                "{:?} finished but not released",
+                r.id
+            );
             rows += r.row.is_some() as u32;
             for b in &r.blocks {
                 *refs.entry(*b).or_default() += 1;
             }
-            assert!(r.blocks.len() as u32 >= self.kv.blocks_for(r.num_computed_tokens), "{:?} computed past its blocks", r.id);
+            assert!(
+                r.blocks.len() as u32 >= self.kv.blocks_for(r.num_computed_tokens),
+                "{:?} computed past its blocks",
+                r.id
+            );
         }
         assert_eq!(rows, self.num_allocated_rows(), "rows leaked");
         assert_eq!(refs.len() as u32, self.kv.num_used(), "blocks leaked");
@@ -497,7 +572,10 @@ impl Scheduler {
         }
         self.kv.check();
         for id in counts.keys() {
-            assert!(self.requests.contains_key(id), "in-flight step names released {id:?}");
+            assert!(
+                self.requests.contains_key(id),
+                "in-flight step names released {id:?}"
+            );
         }
     }
 }
@@ -535,11 +613,20 @@ impl Planner<'_> {
         while i < self.tail && self.budget > 0 {
             let r = &self.s.requests[&self.s.running[i]];
             if r.decoding && self.s.can_dispatch(r) {
-                let need = self.s.kv.blocks_for(r.num_computed_tokens + 1).saturating_sub(r.blocks.len() as u32);
+                let need = self
+                    .s
+                    .kv
+                    .blocks_for(r.num_computed_tokens + 1)
+                    .saturating_sub(r.blocks.len() as u32);
                 if self.reserve(need, i) {
                     self.free_blocks -= need;
                     self.budget -= 1;
-                    self.plan.entries.push(Planned { id: r.id, num_tokens: 1, admit: false, cached_blocks: 0 });
+                    self.plan.entries.push(Planned {
+                        id: r.id,
+                        num_tokens: 1,
+                        admit: false,
+                        cached_blocks: 0,
+                    });
                 } else if self.drained {
                     // Every later request is already a victim: preempt the request itself.
                     debug_assert_eq!(self.tail, i + 1);
@@ -575,10 +662,19 @@ impl Planner<'_> {
                 self.needs_drain |= !self.drained;
                 continue;
             }
-            self.free_blocks -= self.s.kv.blocks_for(r.num_computed_tokens + chunk).saturating_sub(held);
+            self.free_blocks -= self
+                .s
+                .kv
+                .blocks_for(r.num_computed_tokens + chunk)
+                .saturating_sub(held);
             self.budget -= chunk;
             self.needs_drain = true;
-            self.plan.entries.push(Planned { id, num_tokens: chunk, admit: false, cached_blocks: 0 });
+            self.plan.entries.push(Planned {
+                id,
+                num_tokens: chunk,
+                admit: false,
+                cached_blocks: 0,
+            });
         }
     }
 
@@ -595,12 +691,15 @@ impl Planner<'_> {
             }
             let r = &self.s.requests[&id];
             let host = r.host_len();
-            let hits = self.s.kv.lookup(&r.block_hashes, |i, stored| *r.block_tokens(i, bs as usize) == *stored);
+            let hits = self.s.kv.lookup(&r.block_hashes, |i, stored| {
+                *r.block_tokens(i, bs as usize) == *stored
+            });
             // At least one token is computed, to produce the next token's logits.
             let hits = hits.min((host - 1) / bs);
             let cached = hits * bs;
             let chunk = (host - cached).min(self.budget);
-            let need = self.s.kv.blocks_for(cached + chunk) - hits + self.s.kv.count_free_hits(&r.block_hashes[..hits as usize]);
+            let need = self.s.kv.blocks_for(cached + chunk) - hits
+                + self.s.kv.count_free_hits(&r.block_hashes[..hits as usize]);
             if need > self.free_blocks {
                 break;
             }
@@ -608,7 +707,12 @@ impl Planner<'_> {
             self.free_rows -= 1;
             self.budget -= chunk;
             self.needs_drain = true;
-            self.plan.entries.push(Planned { id, num_tokens: chunk, admit: true, cached_blocks: hits });
+            self.plan.entries.push(Planned {
+                id,
+                num_tokens: chunk,
+                admit: true,
+                cached_blocks: hits,
+            });
         }
     }
 }
@@ -636,7 +740,9 @@ fn register_computed_blocks(kv: &mut BlockManager, r: &mut Request) {
         return;
     }
     let bs = kv.block_size() as usize;
-    let ready = (r.num_computed_tokens as usize / bs).min(r.block_hashes.len()).min(r.blocks.len());
+    let ready = (r.num_computed_tokens as usize / bs)
+        .min(r.block_hashes.len())
+        .min(r.blocks.len());
     for i in r.num_registered_blocks as usize..ready {
         kv.register(r.blocks[i], r.block_hashes[i], &r.block_tokens(i, bs));
     }
@@ -644,14 +750,24 @@ fn register_computed_blocks(kv: &mut BlockManager, r: &mut Request) {
 }
 
 fn error_finish(message: &str) -> Finish {
-    Finish { reason: FinishReason::Error, stop_token: None, message: Some(message.to_string()) }
+    Finish {
+        reason: FinishReason::Error,
+        stop_token: None,
+        message: Some(message.to_string()),
+    }
 }
 
 /// Stop rules applied to a newly committed token, in vLLM's order.
 fn stop_reason(r: &Request, token: TokenId, cfg: &SchedulerConfig) -> Option<Finish> {
     let n = r.output.len() as u32;
     let past_min = n >= r.sampling.min_tokens;
-    let stop = |t| Some(Finish { reason: FinishReason::Stop, stop_token: Some(t), message: None });
+    let stop = |t| {
+        Some(Finish {
+            reason: FinishReason::Stop,
+            stop_token: Some(t),
+            message: None,
+        })
+    };
     if past_min && !r.sampling.ignore_eos && cfg.eos_token_ids.contains(&token) {
         return stop(token);
     }
@@ -659,7 +775,11 @@ fn stop_reason(r: &Request, token: TokenId, cfg: &SchedulerConfig) -> Option<Fin
         return stop(token);
     }
     if n >= r.sampling.max_tokens || r.host_len() >= cfg.max_model_len {
-        return Some(Finish { reason: FinishReason::Length, stop_token: None, message: None });
+        return Some(Finish {
+            reason: FinishReason::Length,
+            stop_token: None,
+            message: None,
+        });
     }
     None
 }

@@ -35,17 +35,31 @@ struct Harness {
 
 impl Harness {
     fn new(c: SchedulerConfig) -> Self {
-        Self { s: Scheduler::new(c), in_flight: VecDeque::new(), sink: Vec::new(), forced: Vec::new(), rows: Default::default() }
+        Self {
+            s: Scheduler::new(c),
+            in_flight: VecDeque::new(),
+            sink: Vec::new(),
+            forced: Vec::new(),
+            rows: Default::default(),
+        }
     }
 
     fn add(&mut self, id: u64, prompt_len: usize, max_tokens: u32) {
         let prompt = (0..prompt_len as u32).map(|i| 100 + i).collect();
         let p = SamplingParams::greedy(max_tokens);
-        self.s.add(Request::new(RequestId(id), Origin(0), format!("r{id}"), prompt, p, 0));
+        self.s.add(Request::new(
+            RequestId(id),
+            Origin(0),
+            format!("r{id}"),
+            prompt,
+            p,
+            0,
+        ));
     }
 
     fn check(&self) {
-        self.s.check_invariants(self.in_flight.iter().map(|(r, _)| r.as_slice()));
+        self.s
+            .check_invariants(self.in_flight.iter().map(|(r, _)| r.as_slice()));
     }
 
     /// Schedules and applies one step if the decision is Launch; returns the decision kind.
@@ -53,7 +67,11 @@ impl Harness {
         let drained = self.in_flight.is_empty();
         let before = format!("{:?}", self.s);
         let d = self.s.schedule(drained);
-        assert_eq!(before, format!("{:?}", self.s), "schedule() must not mutate");
+        assert_eq!(
+            before,
+            format!("{:?}", self.s),
+            "schedule() must not mutate"
+        );
         if let Decision::Launch(plan) = &d {
             let mut batch = ExecBatch::default();
             let mut record = Vec::new();
@@ -64,10 +82,21 @@ impl Harness {
                 self.rows.insert(init.row, Vec::new());
             }
             for (seq, e) in batch.seqs.iter().zip(&record) {
-                let table = self.rows.get_mut(&seq.row).expect("row initialised before use");
-                table.extend_from_slice(&batch.new_blocks[seq.blocks_start as usize..(seq.blocks_start + seq.blocks_len) as usize]);
+                let table = self
+                    .rows
+                    .get_mut(&seq.row)
+                    .expect("row initialised before use");
+                table.extend_from_slice(
+                    &batch.new_blocks
+                        [seq.blocks_start as usize..(seq.blocks_start + seq.blocks_len) as usize],
+                );
                 let r = self.s.request(e.id).unwrap();
-                assert_eq!(*table, r.blocks.iter().map(|b| b.0).collect::<Vec<_>>(), "backend block table of {:?}", e.id);
+                assert_eq!(
+                    *table,
+                    r.blocks.iter().map(|b| b.0).collect::<Vec<_>>(),
+                    "backend block table of {:?}",
+                    e.id
+                );
                 assert!(table.len() as u32 * 4 >= seq.position + seq.num_tokens);
             }
             self.in_flight.push_back((record, batch));
@@ -83,7 +112,12 @@ impl Harness {
             let r = self.s.request(e.id).unwrap();
             // The sampled token's output index, counting in-flight samples before this one.
             let index = r.output.len() as u32;
-            let t = self.forced.iter().find(|f| f.0 == e.id && f.1 == index).map(|f| f.2).unwrap_or(1000 + index);
+            let t = self
+                .forced
+                .iter()
+                .find(|f| f.0 == e.id && f.1 == index)
+                .map(|f| f.2)
+                .unwrap_or(1000 + index);
             out.tokens.push(t);
             out.logprobs.push(None);
         }
@@ -107,7 +141,11 @@ impl Harness {
     fn run(&mut self, depth: usize) {
         for _ in 0..10_000 {
             let can_launch = self.in_flight.len() < depth;
-            let d = if can_launch { self.launch() } else { Decision::DrainFirst };
+            let d = if can_launch {
+                self.launch()
+            } else {
+                Decision::DrainFirst
+            };
             match d {
                 Decision::Launch(_) => {}
                 Decision::DrainFirst => self.commit(),
@@ -125,11 +163,33 @@ fn admission_respects_rows_budget_and_fifo() {
     h.add(1, 6, 4);
     h.add(2, 6, 4);
     h.add(3, 3, 4);
-    let Decision::Launch(plan) = h.launch() else { panic!() };
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
     // Budget 10: r1 gets 6, r2 gets a 4-token chunk; r3 has no row.
-    assert_eq!(plan.entries, vec![Planned { id: RequestId(1), num_tokens: 6, admit: true, cached_blocks: 0 }, Planned { id: RequestId(2), num_tokens: 4, admit: true, cached_blocks: 0 }]);
+    assert_eq!(
+        plan.entries,
+        vec![
+            Planned {
+                id: RequestId(1),
+                num_tokens: 6,
+                admit: true,
+                cached_blocks: 0
+            },
+            Planned {
+                id: RequestId(2),
+                num_tokens: 4,
+                admit: true,
+                cached_blocks: 0
+            }
+        ]
+    );
     let (_, batch) = h.in_flight.back().unwrap();
-    assert_eq!(batch.seqs.iter().map(|s| s.sample).collect::<Vec<_>>(), vec![true, false], "partial chunk does not sample");
+    assert_eq!(
+        batch.seqs.iter().map(|s| s.sample).collect::<Vec<_>>(),
+        vec![true, false],
+        "partial chunk does not sample"
+    );
     assert_eq!(h.s.num_waiting(), 1);
 }
 
@@ -145,9 +205,23 @@ fn prefill_waits_for_a_drained_pipeline() {
     // A waiting request now needs the pipeline drained first.
     assert_eq!(h.s.schedule(false), Decision::DrainFirst);
     h.commit();
-    let Decision::Launch(plan) = h.launch() else { panic!() };
-    assert!(plan.entries.iter().any(|p| p.id == RequestId(2) && p.admit), "prefill begins after at most 2 completions");
-    assert_eq!(plan.entries[0], Planned { id: RequestId(1), num_tokens: 1, admit: false, cached_blocks: 0 }, "decodes first");
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
+    assert!(
+        plan.entries.iter().any(|p| p.id == RequestId(2) && p.admit),
+        "prefill begins after at most 2 completions"
+    );
+    assert_eq!(
+        plan.entries[0],
+        Planned {
+            id: RequestId(1),
+            num_tokens: 1,
+            admit: false,
+            cached_blocks: 0
+        },
+        "decodes first"
+    );
 }
 
 #[test]
@@ -156,12 +230,19 @@ fn budgeted_counts_stop_scheduling_at_max_tokens() {
     h.add(1, 3, 2);
     assert!(matches!(h.launch(), Decision::Launch(_))); // prefill, samples token 1
     assert!(matches!(h.launch(), Decision::Launch(_))); // decode, samples token 2
-    // Two samples in flight = max_tokens: not dispatchable although inflight_refs < 2 is false anyway.
+                                                        // Two samples in flight = max_tokens: not dispatchable although inflight_refs < 2 is false anyway.
     assert_eq!(h.s.request(RequestId(1)).unwrap().budgeted_output(), 2);
     h.commit();
-    assert_eq!(h.launch(), Decision::Idle, "never scheduled past max_tokens");
+    assert_eq!(
+        h.launch(),
+        Decision::Idle,
+        "never scheduled past max_tokens"
+    );
     h.commit();
-    assert_eq!(h.outputs_of(1), (vec![1000, 1001], Some(FinishReason::Length)));
+    assert_eq!(
+        h.outputs_of(1),
+        (vec![1000, 1001], Some(FinishReason::Length))
+    );
     assert_eq!(h.s.num_requests(), 0, "released");
     assert_eq!(h.s.kv().num_used(), 0);
 }
@@ -179,7 +260,11 @@ fn eos_zombie_is_skipped_and_released_after_its_last_step() {
     let r = h.s.request(RequestId(1)).unwrap();
     assert!(r.is_zombie(), "EOS'd request still in flight is a zombie");
     assert_eq!(h.s.num_running(), 0);
-    assert_eq!(h.s.num_allocated_rows(), 1, "the zombie still holds its row");
+    assert_eq!(
+        h.s.num_allocated_rows(),
+        1,
+        "the zombie still holds its row"
+    );
     h.commit();
     assert_eq!(h.outputs_of(1), (vec![1000, EOS], Some(FinishReason::Stop)));
     assert_eq!(h.s.num_allocated_rows(), 0);
@@ -194,12 +279,22 @@ fn abort_in_flight_releases_after_the_step() {
     h.launch();
     assert!(h.s.abort(RequestId(1), &mut h.sink));
     assert_eq!(h.outputs_of(1).1, Some(FinishReason::Abort));
-    assert!(h.s.kv().num_used() > 0, "blocks held until in-flight steps complete");
+    assert!(
+        h.s.kv().num_used() > 0,
+        "blocks held until in-flight steps complete"
+    );
     h.commit();
     h.commit();
-    assert_eq!(h.outputs_of(1), (vec![], Some(FinishReason::Abort)), "no tokens after the abort");
+    assert_eq!(
+        h.outputs_of(1),
+        (vec![], Some(FinishReason::Abort)),
+        "no tokens after the abort"
+    );
     assert_eq!(h.s.kv().num_used(), 0);
-    assert!(!h.s.abort(RequestId(1), &mut h.sink), "second abort is a no-op");
+    assert!(
+        !h.s.abort(RequestId(1), &mut h.sink),
+        "second abort is a no-op"
+    );
 }
 
 #[test]
@@ -207,7 +302,10 @@ fn chunked_prefill_then_decode() {
     let mut h = Harness::new(cfg(2, 4, 64, 2));
     h.add(1, 10, 3);
     h.run(2);
-    assert_eq!(h.outputs_of(1), (vec![1000, 1001, 1002], Some(FinishReason::Length)));
+    assert_eq!(
+        h.outputs_of(1),
+        (vec![1000, 1001, 1002], Some(FinishReason::Length))
+    );
 }
 
 #[test]
@@ -218,9 +316,16 @@ fn preemption_recomputes_without_resending() {
     h.add(1, 8, 8);
     h.add(2, 8, 8);
     h.run(2);
-    assert!(h.s.counters().preemptions > 0, "the pool is too small for both");
+    assert!(
+        h.s.counters().preemptions > 0,
+        "the pool is too small for both"
+    );
     for id in [1, 2] {
-        assert_eq!(h.outputs_of(id), ((1000..1008).collect(), Some(FinishReason::Length)), "request {id}");
+        assert_eq!(
+            h.outputs_of(id),
+            ((1000..1008).collect(), Some(FinishReason::Length)),
+            "request {id}"
+        );
     }
     assert_eq!(h.s.kv().num_used(), 0);
 }
@@ -240,9 +345,16 @@ fn many_requests_all_finish_once_with_sync_and_async_depths() {
             let max = 1 + (i as u32 * 5) % 9;
             let (toks, fin) = h.outputs_of(i);
             if i % 3 == 0 && max > 2 {
-                assert_eq!((toks, fin), (vec![1000, 1001, EOS], Some(FinishReason::Stop)));
+                assert_eq!(
+                    (toks, fin),
+                    (vec![1000, 1001, EOS], Some(FinishReason::Stop))
+                );
             } else {
-                assert_eq!((toks, fin), ((1000..1000 + max).collect(), Some(FinishReason::Length)), "request {i}");
+                assert_eq!(
+                    (toks, fin),
+                    ((1000..1000 + max).collect(), Some(FinishReason::Length)),
+                    "request {i}"
+                );
             }
         }
         assert_eq!(h.s.num_requests(), 0);
@@ -256,15 +368,27 @@ fn prefix_cache_serves_a_repeated_prompt() {
     h.add(1, 10, 3); // 10 tokens: blocks [0..4) [4..8) full, [8..10) partial
     h.run(2);
     h.add(2, 10, 3);
-    let Decision::Launch(plan) = h.launch() else { panic!() };
-    assert_eq!(plan.entries[0].cached_blocks, 2, "both full prompt blocks hit");
-    assert_eq!(plan.entries[0].num_tokens, 2, "only the partial block is computed");
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
+    assert_eq!(
+        plan.entries[0].cached_blocks, 2,
+        "both full prompt blocks hit"
+    );
+    assert_eq!(
+        plan.entries[0].num_tokens, 2,
+        "only the partial block is computed"
+    );
     let (_, batch) = h.in_flight.back().unwrap();
     assert_eq!(batch.seqs[0].position, 8);
     h.run(2);
     assert_eq!(h.outputs_of(2).0, h.outputs_of(1).0);
     let first = h.sink.iter().find(|(_, o)| o.request_id == "r2").unwrap();
-    assert_eq!(first.1.num_cached_tokens, Some(8), "cached prompt tokens are reported on the first output");
+    assert_eq!(
+        first.1.num_cached_tokens,
+        Some(8),
+        "cached prompt tokens are reported on the first output"
+    );
     let c = h.s.counters();
     assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (20, 8));
 }
@@ -275,8 +399,13 @@ fn a_fully_cached_prompt_still_computes_its_last_block() {
     h.add(1, 8, 2);
     h.run(2);
     h.add(2, 8, 2);
-    let Decision::Launch(plan) = h.launch() else { panic!() };
-    assert_eq!((plan.entries[0].cached_blocks, plan.entries[0].num_tokens), (1, 4));
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
+    assert_eq!(
+        (plan.entries[0].cached_blocks, plan.entries[0].num_tokens),
+        (1, 4)
+    );
     h.run(2);
     assert_eq!(h.outputs_of(2).0, vec![1000, 1001]);
 }
@@ -288,7 +417,9 @@ fn concurrent_requests_share_prefix_blocks() {
     h.launch(); // r1 prefill registers its two full blocks
     h.add(2, 9, 20);
     h.commit();
-    let Decision::Launch(plan) = h.launch() else { panic!() };
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
     let r2 = plan.entries.iter().find(|p| p.id == RequestId(2)).unwrap();
     assert_eq!(r2.cached_blocks, 2);
     let b1 = h.s.request(RequestId(1)).unwrap().blocks.clone();
@@ -307,8 +438,13 @@ fn caching_off_computes_everything() {
     h.add(1, 10, 3);
     h.run(2);
     h.add(2, 10, 3);
-    let Decision::Launch(plan) = h.launch() else { panic!() };
-    assert_eq!((plan.entries[0].cached_blocks, plan.entries[0].num_tokens), (0, 10));
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
+    assert_eq!(
+        (plan.entries[0].cached_blocks, plan.entries[0].num_tokens),
+        (0, 10)
+    );
 }
 
 #[test]
@@ -320,11 +456,15 @@ fn prefill_first_policy_runs_prefills_alone() {
     h.launch();
     h.commit();
     h.add(2, 5, 10);
-    let Decision::Launch(plan) = h.launch() else { panic!() };
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
     assert_eq!(plan.entries.len(), 1, "no decode mixed into a prefill step");
     assert!(plan.entries[0].admit);
     h.commit();
-    let Decision::Launch(plan) = h.launch() else { panic!() };
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
     assert_eq!(plan.entries.len(), 2, "then both decode");
     h.commit();
     h.run(1);

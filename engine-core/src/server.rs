@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use harrier_shared::endpoint::Endpoint;
 use harrier_shared::protocol::{
-    EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineMessage, EngineStats, FrontendMessage, Rejected, RequestOutput, UtilityCall, UtilityReply,
-    UtilityResult, PROTOCOL_VERSION,
+    EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineMessage, EngineStats, FrontendMessage,
+    Rejected, RequestOutput, UtilityCall, UtilityReply, UtilityResult, PROTOCOL_VERSION,
 };
 use harrier_shared::transport::{EngineTransport, Inbound, Outbound, PeerId};
 use tokio::sync::{mpsc, watch};
@@ -44,7 +44,10 @@ pub struct ServerOptions {
 
 impl Default for ServerOptions {
     fn default() -> Self {
-        Self { heartbeat: Duration::from_millis(250), frontend_timeout: Duration::from_secs(5) }
+        Self {
+            heartbeat: Duration::from_millis(250),
+            frontend_timeout: Duration::from_secs(5),
+        }
     }
 }
 
@@ -68,11 +71,19 @@ enum EngineEvent {
 }
 
 /// Serves `engine` on `endpoint` until `shutdown` resolves (graceful) or the engine fails.
-pub async fn serve<E>(engine: EngineCore<E>, info: EngineInfo, endpoint: &Endpoint, opts: ServerOptions, shutdown: impl Future<Output = ()>) -> anyhow::Result<()>
+pub async fn serve<E>(
+    engine: EngineCore<E>,
+    info: EngineInfo,
+    endpoint: &Endpoint,
+    opts: ServerOptions,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()>
 where
     E: Executor + Send + 'static,
 {
-    let mut transport = EngineTransport::bind(endpoint).await.with_context(|| format!("binding the engine socket at {endpoint}"))?;
+    let mut transport = EngineTransport::bind(endpoint)
+        .await
+        .with_context(|| format!("binding the engine socket at {endpoint}"))?;
     tracing::info!(endpoint = %transport.endpoint(), model = %info.model_name, "engine core ready");
     let (input_tx, input_rx) = std_mpsc::channel();
     let (event_tx, mut event_rx) = mpsc::unbounded_channel();
@@ -82,7 +93,15 @@ where
         .spawn(move || engine_loop(engine, input_rx, event_tx, stats_tx))
         .context("spawning the engine thread")?;
 
-    let mut bridge = Bridge { info, peers: HashMap::new(), origins: HashMap::new(), next_origin: 0, input: input_tx, outbound: transport.outbound.clone(), stats: stats_rx };
+    let mut bridge = Bridge {
+        info,
+        peers: HashMap::new(),
+        origins: HashMap::new(),
+        next_origin: 0,
+        input: input_tx,
+        outbound: transport.outbound.clone(),
+        stats: stats_rx,
+    };
     let mut heartbeat = tokio::time::interval(opts.heartbeat);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
@@ -110,7 +129,9 @@ where
             }
         }
     }
-    let result = engine_thread.join().map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
+    let result = engine_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
     // Let the socket task send the last outputs before the socket closes.
     drop(bridge);
     match tokio::time::timeout(Duration::from_secs(2), transport.close()).await {
@@ -138,7 +159,14 @@ struct Bridge {
 
 impl Bridge {
     fn send(&self, peer: &PeerId, msg: EngineMessage) {
-        if self.outbound.send(Outbound { peer: peer.clone(), msg }).is_err() {
+        if self
+            .outbound
+            .send(Outbound {
+                peer: peer.clone(),
+                msg,
+            })
+            .is_err()
+        {
             tracing::error!("the engine socket task is gone; dropping a message");
         }
     }
@@ -160,20 +188,38 @@ impl Bridge {
         if let FrontendMessage::Hello(hello) = &msg {
             if hello.protocol_version != PROTOCOL_VERSION {
                 tracing::warn!(name = %hello.name, theirs = hello.protocol_version, ours = PROTOCOL_VERSION, "rejecting a front end with another protocol version");
-                let reason = format!("protocol version mismatch: front end speaks {}, engine core speaks {}", hello.protocol_version, PROTOCOL_VERSION);
-                return self.send(&peer, EngineMessage::Rejected(Rejected { engine_protocol_version: PROTOCOL_VERSION, reason }));
+                let reason = format!(
+                    "protocol version mismatch: front end speaks {}, engine core speaks {}",
+                    hello.protocol_version, PROTOCOL_VERSION
+                );
+                return self.send(
+                    &peer,
+                    EngineMessage::Rejected(Rejected {
+                        engine_protocol_version: PROTOCOL_VERSION,
+                        reason,
+                    }),
+                );
             }
             if !self.peers.contains_key(&peer) {
                 let origin = Origin(self.next_origin);
                 self.next_origin += 1;
                 tracing::info!(name = %hello.name, origin = origin.0, "front end connected");
-                self.peers.insert(peer.clone(), PeerState { origin, last_seen: Instant::now() });
+                self.peers.insert(
+                    peer.clone(),
+                    PeerState {
+                        origin,
+                        last_seen: Instant::now(),
+                    },
+                );
                 self.origins.insert(origin, peer.clone());
             }
             return self.send(&peer, EngineMessage::Welcome(self.info.clone()));
         }
         let Some(state) = self.peers.get_mut(&peer) else {
-            tracing::warn!(?peer, "dropping a message from a front end that has not said hello");
+            tracing::warn!(
+                ?peer,
+                "dropping a message from a front end that has not said hello"
+            );
             return;
         };
         state.last_seen = Instant::now();
@@ -186,11 +232,19 @@ impl Bridge {
                 let result = match u.call {
                     UtilityCall::Health => UtilityResult::Health { healthy: true },
                     UtilityCall::Stats => UtilityResult::Stats(*self.stats.borrow()),
-                    call @ (UtilityCall::Pause | UtilityCall::Resume | UtilityCall::ResetPrefixCache) => {
+                    call @ (UtilityCall::Pause
+                    | UtilityCall::Resume
+                    | UtilityCall::ResetPrefixCache) => {
                         return self.send_input(EngineInput::Utility(origin, u.call_id, call));
                     }
                 };
-                self.send(&peer, EngineMessage::UtilityReply(UtilityReply { call_id: u.call_id, result }));
+                self.send(
+                    &peer,
+                    EngineMessage::UtilityReply(UtilityReply {
+                        call_id: u.call_id,
+                        result,
+                    }),
+                );
             }
             FrontendMessage::Heartbeat => {}
             FrontendMessage::Goodbye => self.forget(&peer, "it said goodbye"),
@@ -199,7 +253,10 @@ impl Bridge {
 
     fn forget(&mut self, peer: &PeerId, why: &str) {
         if let Some(state) = self.peers.remove(peer) {
-            tracing::info!(origin = state.origin.0, "front end gone ({why}): aborting its requests");
+            tracing::info!(
+                origin = state.origin.0,
+                "front end gone ({why}): aborting its requests"
+            );
             self.origins.remove(&state.origin);
             self.send_input(EngineInput::FrontendGone(state.origin));
         }
@@ -215,7 +272,12 @@ impl Bridge {
     fn on_heartbeat(&mut self, timeout: Duration) {
         let stats = *self.stats.borrow();
         let now = Instant::now();
-        let silent: Vec<PeerId> = self.peers.iter().filter(|(_, s)| now.duration_since(s.last_seen) > timeout).map(|(p, _)| p.clone()).collect();
+        let silent: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(_, s)| now.duration_since(s.last_seen) > timeout)
+            .map(|(p, _)| p.clone())
+            .collect();
         for peer in silent {
             self.forget(&peer, "it stopped sending heartbeats");
         }
@@ -257,7 +319,13 @@ fn engine_loop<E: Executor>(
         stats.send_replace(engine.stats());
         if engine.is_paused() && engine.is_drained() {
             for (origin, call_id) in pause_waiters.drain(..) {
-                let _ = events.send(EngineEvent::Reply(origin, UtilityReply { call_id, result: UtilityResult::Done }));
+                let _ = events.send(EngineEvent::Reply(
+                    origin,
+                    UtilityReply {
+                        call_id,
+                        result: UtilityResult::Done,
+                    },
+                ));
             }
         }
         match progress? {
@@ -277,9 +345,20 @@ fn engine_loop<E: Executor>(
 }
 
 /// Applies one input; true on shutdown.
-fn apply_input<E: Executor>(engine: &mut EngineCore<E>, input: EngineInput, events: &mpsc::UnboundedSender<EngineEvent>, pause_waiters: &mut Vec<(Origin, u64)>) -> bool {
+fn apply_input<E: Executor>(
+    engine: &mut EngineCore<E>,
+    input: EngineInput,
+    events: &mpsc::UnboundedSender<EngineEvent>,
+    pause_waiters: &mut Vec<(Origin, u64)>,
+) -> bool {
     let reply = |origin, call_id| {
-        let _ = events.send(EngineEvent::Reply(origin, UtilityReply { call_id, result: UtilityResult::Done }));
+        let _ = events.send(EngineEvent::Reply(
+            origin,
+            UtilityReply {
+                call_id,
+                result: UtilityResult::Done,
+            },
+        ));
     };
     match input {
         EngineInput::Request(origin, r) => engine.add_request(origin, r),
@@ -306,7 +385,12 @@ fn apply_input<E: Executor>(engine: &mut EngineCore<E>, input: EngineInput, even
 }
 
 /// Sends this step's outputs: one message per front end.
-fn flush<E: Executor>(engine: &mut EngineCore<E>, events: &mpsc::UnboundedSender<EngineEvent>, groups: &mut Vec<(Origin, Vec<RequestOutput>)>, step_id: &mut u64) {
+fn flush<E: Executor>(
+    engine: &mut EngineCore<E>,
+    events: &mpsc::UnboundedSender<EngineEvent>,
+    groups: &mut Vec<(Origin, Vec<RequestOutput>)>,
+    step_id: &mut u64,
+) {
     for (origin, out) in engine.take_outputs() {
         match groups.iter_mut().find(|(o, _)| *o == origin) {
             Some((_, v)) => v.push(out),
@@ -319,6 +403,13 @@ fn flush<E: Executor>(engine: &mut EngineCore<E>, events: &mpsc::UnboundedSender
     *step_id += 1;
     let stats = engine.stats();
     for (origin, outputs) in groups.drain(..) {
-        let _ = events.send(EngineEvent::Outputs(origin, EngineCoreOutputs { step: *step_id, outputs, stats }));
+        let _ = events.send(EngineEvent::Outputs(
+            origin,
+            EngineCoreOutputs {
+                step: *step_id,
+                outputs,
+                stats,
+            },
+        ));
     }
 }

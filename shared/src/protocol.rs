@@ -150,7 +150,11 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Greedy decoding of `max_tokens` tokens.
     pub fn greedy(max_tokens: u32) -> Self {
-        Self { temperature: 0.0, max_tokens, ..Self::default() }
+        Self {
+            temperature: 0.0,
+            max_tokens,
+            ..Self::default()
+        }
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -176,35 +180,56 @@ impl SamplingParams {
         } = self;
         let bad = |param: &'static str, message: String| Err(ParamError { param, message });
         if !(temperature.is_finite() && *temperature >= 0.0) {
-            return bad("temperature", format!("temperature must be >= 0, got {temperature}"));
+            return bad(
+                "temperature",
+                format!("temperature must be >= 0, got {temperature}"),
+            );
         }
         if !(top_p.is_finite() && *top_p > 0.0 && *top_p <= 1.0) {
             return bad("top_p", format!("top_p must be in (0, 1], got {top_p}"));
         }
         if *top_k == Some(0) {
-            return bad("top_k", "top_k must be >= 1 (or -1 to disable), got 0".into());
+            return bad(
+                "top_k",
+                "top_k must be >= 1 (or -1 to disable), got 0".into(),
+            );
         }
         if !(min_p.is_finite() && (0.0..=1.0).contains(min_p)) {
             return bad("min_p", format!("min_p must be in [0, 1], got {min_p}"));
         }
         if !(presence_penalty.is_finite() && (-2.0..=2.0).contains(presence_penalty)) {
-            return bad("presence_penalty", format!("presence_penalty must be in [-2, 2], got {presence_penalty}"));
+            return bad(
+                "presence_penalty",
+                format!("presence_penalty must be in [-2, 2], got {presence_penalty}"),
+            );
         }
         if !(frequency_penalty.is_finite() && (-2.0..=2.0).contains(frequency_penalty)) {
-            return bad("frequency_penalty", format!("frequency_penalty must be in [-2, 2], got {frequency_penalty}"));
+            return bad(
+                "frequency_penalty",
+                format!("frequency_penalty must be in [-2, 2], got {frequency_penalty}"),
+            );
         }
         if !(repetition_penalty.is_finite() && *repetition_penalty > 0.0) {
-            return bad("repetition_penalty", format!("repetition_penalty must be > 0, got {repetition_penalty}"));
+            return bad(
+                "repetition_penalty",
+                format!("repetition_penalty must be > 0, got {repetition_penalty}"),
+            );
         }
         if *max_tokens < 1 {
             return bad("max_tokens", "max_tokens must be at least 1".into());
         }
         if min_tokens > max_tokens {
-            return bad("min_tokens", format!("min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})"));
+            return bad(
+                "min_tokens",
+                format!("min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})"),
+            );
         }
         if let Some(n) = logprobs {
             if *n > max_logprobs {
-                return bad("logprobs", format!("at most {max_logprobs} logprobs may be requested, got {n}"));
+                return bad(
+                    "logprobs",
+                    format!("at most {max_logprobs} logprobs may be requested, got {n}"),
+                );
             }
         }
         Ok(())
@@ -321,7 +346,9 @@ pub struct UtilityReply {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum UtilityResult {
-    Health { healthy: bool },
+    Health {
+        healthy: bool,
+    },
     Stats(EngineStats),
     /// The call (pause, resume, reset) took effect.
     Done,

@@ -12,8 +12,9 @@ use harrier_engine::server::{serve, ServerOptions};
 use harrier_shared::client::{ClientReceiver, EngineClient};
 use harrier_shared::endpoint::Endpoint;
 use harrier_shared::protocol::{
-    EngineCoreRequest, EngineInfo, EngineLimits, EngineMessage, EngineStats, FinishReason, FrontendMessage, SamplingParams, TokenId, UtilityCall, UtilityRequest,
-    UtilityResult, PROTOCOL_VERSION,
+    EngineCoreRequest, EngineInfo, EngineLimits, EngineMessage, EngineStats, FinishReason,
+    FrontendMessage, SamplingParams, TokenId, UtilityCall, UtilityRequest, UtilityResult,
+    PROTOCOL_VERSION,
 };
 
 pub struct TestServer {
@@ -31,28 +32,51 @@ pub fn info(vocab: u32, max_model_len: u32) -> EngineInfo {
         max_model_len,
         vocab_size: vocab,
         eos_token_ids: vec![],
-        limits: EngineLimits { max_num_seqs: 0, max_num_batched_tokens: 0, max_logprobs: 20, block_size: 16, num_kv_blocks: 0 },
+        limits: EngineLimits {
+            max_num_seqs: 0,
+            max_num_batched_tokens: 0,
+            max_logprobs: 20,
+            block_size: 16,
+            num_kv_blocks: 0,
+        },
     }
 }
 
 impl TestServer {
     /// Starts `engine` on a fresh ipc endpoint.
-    pub fn start<E: Executor + Send + 'static>(engine: EngineCore<E>, info: EngineInfo) -> TestServer {
+    pub fn start<E: Executor + Send + 'static>(
+        engine: EngineCore<E>,
+        info: EngineInfo,
+    ) -> TestServer {
         Self::start_with(engine, info, ServerOptions::default())
     }
 
-    pub fn start_with<E: Executor + Send + 'static>(engine: EngineCore<E>, info: EngineInfo, opts: ServerOptions) -> TestServer {
+    pub fn start_with<E: Executor + Send + 'static>(
+        engine: EngineCore<E>,
+        info: EngineInfo,
+        opts: ServerOptions,
+    ) -> TestServer {
         let dir = tempfile::tempdir().unwrap();
-        let endpoint: Endpoint = format!("ipc://{}/engine.sock", dir.path().display()).parse().unwrap();
+        let endpoint: Endpoint = format!("ipc://{}/engine.sock", dir.path().display())
+            .parse()
+            .unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let ep = endpoint.clone();
         let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
             rt.block_on(serve(engine, info, &ep, opts, async move {
                 let _ = rx.await;
             }))
         });
-        TestServer { endpoint, shutdown: Some(tx), thread: Some(thread), _dir: dir }
+        TestServer {
+            endpoint,
+            shutdown: Some(tx),
+            thread: Some(thread),
+            _dir: dir,
+        }
     }
 
     /// Sends the shutdown signal and returns how `serve` ended.
@@ -60,12 +84,18 @@ impl TestServer {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
-        self.thread.take().map(|t| t.join().unwrap()).unwrap_or(Ok(()))
+        self.thread
+            .take()
+            .map(|t| t.join().unwrap())
+            .unwrap_or(Ok(()))
     }
 
     /// Waits for `serve` to end on its own (e.g. after a fatal error).
     pub fn join(&mut self) -> anyhow::Result<()> {
-        self.thread.take().map(|t| t.join().unwrap()).unwrap_or(Ok(()))
+        self.thread
+            .take()
+            .map(|t| t.join().unwrap())
+            .unwrap_or(Ok(()))
     }
 }
 
@@ -96,22 +126,44 @@ pub struct Client {
 }
 
 pub fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 impl Client {
     pub async fn connect(ep: &Endpoint) -> Client {
-        let (client, rx, info) = EngineClient::connect(ep, "test-client", Duration::from_secs(10)).await.unwrap();
-        Client { client, rx, info, results: HashMap::new(), last_stats: EngineStats::default(), next_call: 1 }
+        let (client, rx, info) = EngineClient::connect(ep, "test-client", Duration::from_secs(10))
+            .await
+            .unwrap();
+        Client {
+            client,
+            rx,
+            info,
+            results: HashMap::new(),
+            last_stats: EngineStats::default(),
+            next_call: 1,
+        }
     }
 
     pub async fn submit(&self, id: &str, prompt: Vec<TokenId>, sampling: SamplingParams) {
-        let req = EngineCoreRequest { request_id: id.to_string(), prompt_token_ids: prompt, sampling, arrival_time: 0.0 };
-        self.client.send(FrontendMessage::Request(req)).await.unwrap();
+        let req = EngineCoreRequest {
+            request_id: id.to_string(),
+            prompt_token_ids: prompt,
+            sampling,
+            arrival_time: 0.0,
+        };
+        self.client
+            .send(FrontendMessage::Request(req))
+            .await
+            .unwrap();
     }
 
     pub async fn abort(&self, ids: &[&str]) {
-        let a = harrier_shared::protocol::Abort { request_ids: ids.iter().map(|s| s.to_string()).collect() };
+        let a = harrier_shared::protocol::Abort {
+            request_ids: ids.iter().map(|s| s.to_string()).collect(),
+        };
         self.client.send(FrontendMessage::Abort(a)).await.unwrap();
     }
 
@@ -145,10 +197,20 @@ impl Client {
     /// Pumps until every id in `ids` finished (panics after `limit`).
     pub async fn wait_all(&mut self, ids: &[String], limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;
-        while !ids.iter().all(|id| self.results.get(id).is_some_and(|c| c.finish.is_some())) {
-            assert!(tokio::time::Instant::now() < deadline, "requests did not finish in {limit:?}");
+        while !ids
+            .iter()
+            .all(|id| self.results.get(id).is_some_and(|c| c.finish.is_some()))
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "requests did not finish in {limit:?}"
+            );
             if !self.pump(Duration::from_millis(500)).await {
-                assert!(self.client.is_connected(), "the engine closed the connection; results so far: {:?}", self.results);
+                assert!(
+                    self.client.is_connected(),
+                    "the engine closed the connection; results so far: {:?}",
+                    self.results
+                );
             }
         }
     }
@@ -164,9 +226,16 @@ impl Client {
     pub async fn utility(&mut self, call: UtilityCall) -> UtilityResult {
         let call_id = self.next_call;
         self.next_call += 1;
-        self.client.send(FrontendMessage::Utility(UtilityRequest { call_id, call })).await.unwrap();
+        self.client
+            .send(FrontendMessage::Utility(UtilityRequest { call_id, call }))
+            .await
+            .unwrap();
         loop {
-            match tokio::time::timeout(Duration::from_secs(10), self.rx.recv()).await.expect("utility reply").expect("connection") {
+            match tokio::time::timeout(Duration::from_secs(10), self.rx.recv())
+                .await
+                .expect("utility reply")
+                .expect("connection")
+            {
                 EngineMessage::UtilityReply(r) if r.call_id == call_id => return r.result,
                 EngineMessage::Outputs(o) => {
                     for out in o.outputs {

@@ -69,8 +69,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl CpuExecutor {
     /// Starts the compute thread with `model` and a KV cache of `cfg.num_kv_blocks` blocks.
-    pub fn new(model: CpuModel, kv_config: &crate::model::ModelConfig, cfg: CpuExecutorConfig) -> anyhow::Result<Self> {
-        let cache = KvCache::new(kv_config, cfg.num_kv_blocks as usize, cfg.block_size as usize);
+    pub fn new(
+        model: CpuModel,
+        kv_config: &crate::model::ModelConfig,
+        cfg: CpuExecutorConfig,
+    ) -> anyhow::Result<Self> {
+        let cache = KvCache::new(
+            kv_config,
+            cfg.num_kv_blocks as usize,
+            cfg.block_size as usize,
+        );
         let slots: Arc<[Slot; NUM_SLOTS]> = Arc::new(Default::default());
         let (tx, rx) = mpsc::channel();
         let stream = Stream {
@@ -88,7 +96,12 @@ impl CpuExecutor {
             .name("harrier-cpu-stream".into())
             .spawn(move || stream.run(rx))
             .context("spawning the CPU compute thread")?;
-        Ok(Self { work: Some(tx), slots, thread: Some(thread), next_step: 0 })
+        Ok(Self {
+            work: Some(tx),
+            slots,
+            thread: Some(thread),
+            next_step: 0,
+        })
     }
 
     fn submit(&self, work: Work) -> Result<(), ExecError> {
@@ -100,11 +113,17 @@ impl CpuExecutor {
 }
 
 impl Executor for CpuExecutor {
-    fn launch_forward(&mut self, batch: &ExecBatch, slot: SlotId) -> Result<LaunchHandle, ExecError> {
+    fn launch_forward(
+        &mut self,
+        batch: &ExecBatch,
+        slot: SlotId,
+    ) -> Result<LaunchHandle, ExecError> {
         batch.check().map_err(ExecError::Rejected)?;
         let s = &self.slots[slot.0 as usize];
         lock(&s.batch).clone_from(batch);
-        self.submit(Work::Forward { slot: slot.0 as usize })?;
+        self.submit(Work::Forward {
+            slot: slot.0 as usize,
+        })?;
         let step = self.next_step;
         self.next_step += 1;
         Ok(LaunchHandle { slot, step })
@@ -112,7 +131,10 @@ impl Executor for CpuExecutor {
 
     fn finalize_sampling(&mut self, handle: LaunchHandle) -> Result<InFlightStep, ExecError> {
         let LaunchHandle { slot, step } = handle;
-        self.submit(Work::Sample { slot: slot.0 as usize, step })?;
+        self.submit(Work::Sample {
+            slot: slot.0 as usize,
+            step,
+        })?;
         Ok(InFlightStep { slot, step })
     }
 
@@ -213,11 +235,26 @@ impl Stream {
     }
 
     fn forward(&mut self, slot: usize) -> anyhow::Result<()> {
-        let Self { model, cache, vocab, rows, logits, tokens, slots, .. } = self;
+        let Self {
+            model,
+            cache,
+            vocab,
+            rows,
+            logits,
+            tokens,
+            slots,
+            ..
+        } = self;
         let batch = lock(&slots[slot].batch);
         for init in &batch.row_inits {
-            let row = rows.get_mut(init.row.0 as usize).ok_or_else(|| anyhow!("row {} out of range", init.row.0))?;
-            *row = Some(RowState { block_table: Vec::new(), pending: None, sampler: RowSampler::new(init) });
+            let row = rows
+                .get_mut(init.row.0 as usize)
+                .ok_or_else(|| anyhow!("row {} out of range", init.row.0))?;
+            *row = Some(RowState {
+                block_table: Vec::new(),
+                pending: None,
+                sampler: RowSampler::new(init),
+            });
         }
         tokens.clear();
         for s in &batch.seqs {
@@ -227,9 +264,13 @@ impl Stream {
                 .ok_or_else(|| anyhow!("step names uninitialised row {}", s.row.0))?;
             let range = s.blocks_start as usize..(s.blocks_start + s.blocks_len) as usize;
             row.block_table.extend_from_slice(&batch.new_blocks[range]);
-            tokens.extend_from_slice(&batch.host_tokens[s.host_start as usize..(s.host_start + s.host_len) as usize]);
+            tokens.extend_from_slice(
+                &batch.host_tokens[s.host_start as usize..(s.host_start + s.host_len) as usize],
+            );
             if s.uses_pending_token() {
-                let t = row.pending.ok_or_else(|| anyhow!("decode on row {} without a sampled token", s.row.0))?;
+                let t = row
+                    .pending
+                    .ok_or_else(|| anyhow!("decode on row {} without a sampled token", s.row.0))?;
                 tokens.push(t);
             }
         }
@@ -252,20 +293,27 @@ impl Stream {
     }
 
     fn sample(&mut self, slot: usize) -> anyhow::Result<()> {
-        let Self { vocab, rows, logits, scratch, slots, .. } = self;
+        let Self {
+            vocab,
+            rows,
+            logits,
+            scratch,
+            slots,
+            ..
+        } = self;
         let batch = lock(&slots[slot].batch);
         let mut done = lock(&slots[slot].done);
         let out = &mut done.output;
         out.clear();
-        let mut k = 0;
-        for s in batch.seqs.iter().filter(|s| s.sample) {
-            let row = rows[s.row.0 as usize].as_mut().ok_or_else(|| anyhow!("sampling an uninitialised row"))?;
+        for (k, s) in batch.seqs.iter().filter(|s| s.sample).enumerate() {
+            let row = rows[s.row.0 as usize]
+                .as_mut()
+                .ok_or_else(|| anyhow!("sampling an uninitialised row"))?;
             let row_logits = &mut logits[slot][k * *vocab..(k + 1) * *vocab];
             let (token, lp) = row.sampler.sample(row_logits, scratch);
             row.pending = Some(token);
             out.tokens.push(token);
             out.logprobs.push(lp);
-            k += 1;
         }
         Ok(())
     }

@@ -31,21 +31,42 @@ pub struct FaultyExecutor<E> {
 
 impl<E: Executor> FaultyExecutor<E> {
     pub fn new(inner: E, fault: Fault) -> Self {
-        Self { inner, fault, launches: 0, inner_steps: Vec::new() }
+        Self {
+            inner,
+            fault,
+            launches: 0,
+            inner_steps: Vec::new(),
+        }
     }
 
     fn launch_index(&self, inner_step: u64) -> u64 {
-        self.inner_steps.iter().find(|(s, _)| *s == inner_step).map(|&(_, n)| n).unwrap_or(u64::MAX)
+        self.inner_steps
+            .iter()
+            .find(|(s, _)| *s == inner_step)
+            .map(|&(_, n)| n)
+            .unwrap_or(u64::MAX)
     }
 }
 
 impl<E: Executor> Executor for FaultyExecutor<E> {
-    fn launch_forward(&mut self, batch: &ExecBatch, slot: SlotId) -> Result<LaunchHandle, ExecError> {
+    fn launch_forward(
+        &mut self,
+        batch: &ExecBatch,
+        slot: SlotId,
+    ) -> Result<LaunchHandle, ExecError> {
         let n = self.launches;
         self.launches += 1;
         match self.fault {
-            Fault::RejectLaunch(at) if at == n => return Err(ExecError::Rejected(format!("injected rejection at step {n}"))),
-            Fault::FailLaunch(at) if at == n => return Err(ExecError::Fatal(anyhow!("injected launch failure at step {n}"))),
+            Fault::RejectLaunch(at) if at == n => {
+                return Err(ExecError::Rejected(format!(
+                    "injected rejection at step {n}"
+                )))
+            }
+            Fault::FailLaunch(at) if at == n => {
+                return Err(ExecError::Fatal(anyhow!(
+                    "injected launch failure at step {n}"
+                )))
+            }
             _ => {}
         }
         let handle = self.inner.launch_forward(batch, slot)?;
@@ -57,7 +78,9 @@ impl<E: Executor> Executor for FaultyExecutor<E> {
     fn finalize_sampling(&mut self, handle: LaunchHandle) -> Result<InFlightStep, ExecError> {
         let n = self.launch_index(handle.step);
         if self.fault == Fault::FailSampling(n) {
-            return Err(ExecError::Fatal(anyhow!("injected sampling failure at step {n}")));
+            return Err(ExecError::Fatal(anyhow!(
+                "injected sampling failure at step {n}"
+            )));
         }
         self.inner.finalize_sampling(handle)
     }
@@ -65,7 +88,9 @@ impl<E: Executor> Executor for FaultyExecutor<E> {
     fn wait(&mut self, step: InFlightStep, out: &mut StepOutput) -> Result<(), ExecError> {
         let n = self.launch_index(step.step);
         if self.fault == Fault::FailWait(n) {
-            return Err(ExecError::Fatal(anyhow!("injected device failure surfacing at wait of step {n}")));
+            return Err(ExecError::Fatal(anyhow!(
+                "injected device failure surfacing at wait of step {n}"
+            )));
         }
         self.inner.wait(step, out)
     }

@@ -57,7 +57,11 @@ pub enum ExecError {
 
 pub trait Executor {
     /// Enqueues `batch` on `slot`. `slot` is free (no in-flight step uses it, I6).
-    fn launch_forward(&mut self, batch: &ExecBatch, slot: SlotId) -> Result<LaunchHandle, ExecError>;
+    fn launch_forward(
+        &mut self,
+        batch: &ExecBatch,
+        slot: SlotId,
+    ) -> Result<LaunchHandle, ExecError>;
 
     /// Enqueues sampling for the launched step and the copy of its outputs.
     fn finalize_sampling(&mut self, handle: LaunchHandle) -> Result<InFlightStep, ExecError>;
@@ -67,7 +71,11 @@ pub trait Executor {
 }
 
 impl<E: Executor + ?Sized> Executor for Box<E> {
-    fn launch_forward(&mut self, batch: &ExecBatch, slot: SlotId) -> Result<LaunchHandle, ExecError> {
+    fn launch_forward(
+        &mut self,
+        batch: &ExecBatch,
+        slot: SlotId,
+    ) -> Result<LaunchHandle, ExecError> {
         (**self).launch_forward(batch, slot)
     }
     fn finalize_sampling(&mut self, handle: LaunchHandle) -> Result<InFlightStep, ExecError> {

@@ -30,7 +30,14 @@ pub struct NullExecutor {
 
 impl NullExecutor {
     pub fn new(vocab: u32, max_rows: u32) -> Self {
-        Self { vocab, rows: vec![None; max_rows as usize], outputs: Default::default(), batches: Default::default(), next_step: 0, step_time: std::time::Duration::ZERO }
+        Self {
+            vocab,
+            rows: vec![None; max_rows as usize],
+            outputs: Default::default(),
+            batches: Default::default(),
+            next_step: 0,
+            step_time: std::time::Duration::ZERO,
+        }
     }
 
     /// Makes every step take `step_time` (slept in `wait`), like a device would.
@@ -49,16 +56,32 @@ impl NullExecutor {
 }
 
 impl Executor for NullExecutor {
-    fn launch_forward(&mut self, batch: &ExecBatch, slot: SlotId) -> Result<LaunchHandle, ExecError> {
+    fn launch_forward(
+        &mut self,
+        batch: &ExecBatch,
+        slot: SlotId,
+    ) -> Result<LaunchHandle, ExecError> {
         batch.check().map_err(ExecError::Rejected)?;
         for init in &batch.row_inits {
-            let row = self.rows.get_mut(init.row.0 as usize).ok_or_else(|| ExecError::Rejected(format!("row {} out of range", init.row.0)))?;
-            *row = Some(Row { seed: init.seed, generated: init.output.len() as u32, pending: None });
+            let row = self
+                .rows
+                .get_mut(init.row.0 as usize)
+                .ok_or_else(|| ExecError::Rejected(format!("row {} out of range", init.row.0)))?;
+            *row = Some(Row {
+                seed: init.seed,
+                generated: init.output.len() as u32,
+                pending: None,
+            });
         }
         for s in &batch.seqs {
-            let row = self.rows[s.row.0 as usize].as_ref().ok_or_else(|| ExecError::Fatal(anyhow!("uninitialised row {}", s.row.0)))?;
+            let row = self.rows[s.row.0 as usize]
+                .as_ref()
+                .ok_or_else(|| ExecError::Fatal(anyhow!("uninitialised row {}", s.row.0)))?;
             if s.uses_pending_token() && row.pending.is_none() {
-                return Err(ExecError::Fatal(anyhow!("decode on row {} without a sampled token", s.row.0)));
+                return Err(ExecError::Fatal(anyhow!(
+                    "decode on row {} without a sampled token",
+                    s.row.0
+                )));
             }
         }
         self.batches[slot.0 as usize].clone_from(batch);
@@ -71,8 +94,14 @@ impl Executor for NullExecutor {
         let LaunchHandle { slot, step } = handle;
         let out = &mut self.outputs[slot.0 as usize];
         out.clear();
-        for s in self.batches[slot.0 as usize].seqs.iter().filter(|s| s.sample) {
-            let row = self.rows[s.row.0 as usize].as_mut().expect("checked at launch");
+        for s in self.batches[slot.0 as usize]
+            .seqs
+            .iter()
+            .filter(|s| s.sample)
+        {
+            let row = self.rows[s.row.0 as usize]
+                .as_mut()
+                .expect("checked at launch");
             let t = Self::token_for(row.seed, row.generated, self.vocab);
             row.generated += 1;
             row.pending = Some(t);

@@ -46,7 +46,14 @@ pub struct SamplerScratch {
 
 impl RowSampler {
     pub fn new(init: &RowInit) -> Self {
-        let RowInit { row: _, sampling, seed, min_tokens_mask, prompt, output } = init;
+        let RowInit {
+            row: _,
+            sampling,
+            seed,
+            min_tokens_mask,
+            prompt,
+            output,
+        } = init;
         let mut s = Self {
             params: sampling.clone(),
             seed: *seed,
@@ -87,7 +94,11 @@ impl RowSampler {
     }
 
     /// Samples the next token from `logits` (modified in place) and advances the row.
-    pub fn sample(&mut self, logits: &mut [f32], scratch: &mut SamplerScratch) -> (TokenId, Option<TokenLogprobs>) {
+    pub fn sample(
+        &mut self,
+        logits: &mut [f32],
+        scratch: &mut SamplerScratch,
+    ) -> (TokenId, Option<TokenLogprobs>) {
         let want_logprobs = self.params.logprobs;
         if want_logprobs.is_some() {
             scratch.raw.clear();
@@ -107,7 +118,8 @@ impl RowSampler {
             let u = philox::uniform(self.seed, self.generated as u64);
             self.sample_random(logits, u, scratch)
         };
-        let logprobs = want_logprobs.map(|n| logprobs_of(&scratch.raw, token, n as usize, &mut scratch.order));
+        let logprobs =
+            want_logprobs.map(|n| logprobs_of(&scratch.raw, token, n as usize, &mut scratch.order));
         self.record(token);
         (token, logprobs)
     }
@@ -124,7 +136,8 @@ impl RowSampler {
         if self.counts_on() {
             for (&t, &count) in &self.output_counts {
                 if let Some(l) = logits.get_mut(t as usize) {
-                    *l -= self.params.frequency_penalty * count as f32 + self.params.presence_penalty;
+                    *l -=
+                        self.params.frequency_penalty * count as f32 + self.params.presence_penalty;
                 }
             }
         }
@@ -140,7 +153,9 @@ impl RowSampler {
             if k < logits.len() {
                 scratch.values.clear();
                 scratch.values.extend_from_slice(logits);
-                let (_, kth, _) = scratch.values.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+                let (_, kth, _) = scratch
+                    .values
+                    .select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
                 let threshold = *kth;
                 for l in logits.iter_mut() {
                     if *l < threshold {
@@ -161,8 +176,16 @@ impl RowSampler {
         }
         if self.params.top_p < 1.0 {
             scratch.order.clear();
-            scratch.order.extend(logits.iter().enumerate().filter(|(_, &p)| p > 0.0).map(|(i, &p)| (p, i as u32)));
-            scratch.order.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            scratch.order.extend(
+                logits
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &p)| p > 0.0)
+                    .map(|(i, &p)| (p, i as u32)),
+            );
+            scratch
+                .order
+                .sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
             let target = self.params.top_p as f64 * sum;
             let mut cum = 0.0f64;
             let mut keep = scratch.order.len();
@@ -217,9 +240,19 @@ pub fn argmax(values: &[f32]) -> TokenId {
 }
 
 /// Log-softmax facts about `raw` for the sampled `token` and the top `n`.
-fn logprobs_of(raw: &[f32], token: TokenId, n: usize, order: &mut Vec<(f32, u32)>) -> TokenLogprobs {
+fn logprobs_of(
+    raw: &[f32],
+    token: TokenId,
+    n: usize,
+    order: &mut Vec<(f32, u32)>,
+) -> TokenLogprobs {
     let max = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max as f64 + raw.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln();
+    let lse = max as f64
+        + raw
+            .iter()
+            .map(|&l| ((l - max) as f64).exp())
+            .sum::<f64>()
+            .ln();
     let lp = |l: f32| (l as f64 - lse) as f32;
     let sampled = raw[token as usize];
     let rank = 1 + raw.iter().filter(|&&l| l > sampled).count() as u32;
@@ -232,7 +265,12 @@ fn logprobs_of(raw: &[f32], token: TokenId, n: usize, order: &mut Vec<(f32, u32)
         order[..n].sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         top.extend(order[..n].iter().map(|&(l, i)| (i, lp(l))));
     }
-    TokenLogprobs { token_id: token, logprob: lp(sampled), rank, top }
+    TokenLogprobs {
+        token_id: token,
+        logprob: lp(sampled),
+        rank,
+        top,
+    }
 }
 
 #[cfg(test)]
@@ -252,7 +290,8 @@ mod tests {
     }
 
     fn sample(r: &mut RowSampler, logits: &[f32]) -> TokenId {
-        r.sample(&mut logits.to_vec(), &mut SamplerScratch::default()).0
+        r.sample(&mut logits.to_vec(), &mut SamplerScratch::default())
+            .0
     }
 
     #[test]
@@ -265,7 +304,11 @@ mod tests {
     #[test]
     fn seeded_draws_depend_only_on_seed_and_position() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let p = SamplingParams { temperature: 1.0, seed: Some(7), ..SamplingParams::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: Some(7),
+            ..SamplingParams::default()
+        };
         let a: Vec<_> = {
             let mut r = row(p.clone(), 7);
             (0..20).map(|_| sample(&mut r, &logits)).collect()
@@ -317,7 +360,14 @@ mod tests {
     fn temperature_distribution() {
         let t = 0.7;
         let expected = softmax(&LOGITS.map(|l| l as f64 / t));
-        let chi2 = chi_square(SamplingParams { temperature: t as f32, ..SamplingParams::default() }, &LOGITS, &expected);
+        let chi2 = chi_square(
+            SamplingParams {
+                temperature: t as f32,
+                ..SamplingParams::default()
+            },
+            &LOGITS,
+            &expected,
+        );
         assert!(chi2 < 18.5, "chi2 {chi2} (4 dof, p=0.001)");
     }
 
@@ -327,7 +377,14 @@ mod tests {
         // top-2: tokens 1 (2.0) and 4 (1.5).
         let s = full[1] + full[4];
         let expected = [0.0, full[1] / s, 0.0, 0.0, full[4] / s];
-        let chi2 = chi_square(SamplingParams { top_k: Some(2), ..SamplingParams::default() }, &LOGITS, &expected);
+        let chi2 = chi_square(
+            SamplingParams {
+                top_k: Some(2),
+                ..SamplingParams::default()
+            },
+            &LOGITS,
+            &expected,
+        );
         assert!(chi2 < 10.8, "chi2 {chi2} (1 dof)");
     }
 
@@ -337,7 +394,14 @@ mod tests {
         // Sorted: 1 (0.38), 4 (0.23), 0 (0.14), ...; top_p 0.6 keeps {1, 4} (0.61 >= 0.6).
         let s = full[1] + full[4];
         let expected = [0.0, full[1] / s, 0.0, 0.0, full[4] / s];
-        let chi2 = chi_square(SamplingParams { top_p: 0.6, ..SamplingParams::default() }, &LOGITS, &expected);
+        let chi2 = chi_square(
+            SamplingParams {
+                top_p: 0.6,
+                ..SamplingParams::default()
+            },
+            &LOGITS,
+            &expected,
+        );
         assert!(chi2 < 10.8, "chi2 {chi2}");
     }
 
@@ -347,19 +411,39 @@ mod tests {
         // min_p 0.5: keep tokens with p >= 0.5 * p_max: exp(l - 2) >= 0.5 -> l >= 1.307: {1, 4}.
         let s = full[1] + full[4];
         let expected = [0.0, full[1] / s, 0.0, 0.0, full[4] / s];
-        let chi2 = chi_square(SamplingParams { min_p: 0.5, ..SamplingParams::default() }, &LOGITS, &expected);
+        let chi2 = chi_square(
+            SamplingParams {
+                min_p: 0.5,
+                ..SamplingParams::default()
+            },
+            &LOGITS,
+            &expected,
+        );
         assert!(chi2 < 10.8, "chi2 {chi2}");
     }
 
     #[test]
     fn penalties() {
         // Repetition: prompt tokens 1 and 2 are penalised once each.
-        let r = row(SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy(10) }, 0);
+        let r = row(
+            SamplingParams {
+                repetition_penalty: 2.0,
+                ..SamplingParams::greedy(10)
+            },
+            0,
+        );
         let mut l = vec![1.0, 4.0, -1.0, 0.0];
         r.apply_penalties(&mut l);
         assert_eq!(l, vec![1.0, 2.0, -2.0, 0.0]);
         // Frequency and presence over output tokens only.
-        let mut r = row(SamplingParams { frequency_penalty: 0.5, presence_penalty: 0.25, ..SamplingParams::greedy(10) }, 0);
+        let mut r = row(
+            SamplingParams {
+                frequency_penalty: 0.5,
+                presence_penalty: 0.25,
+                ..SamplingParams::greedy(10)
+            },
+            0,
+        );
         r.record(0);
         r.record(0);
         r.record(2);
@@ -370,7 +454,13 @@ mod tests {
 
     #[test]
     fn min_tokens_masks_stop_ids() {
-        let mut r = row(SamplingParams { min_tokens: 2, ..SamplingParams::greedy(10) }, 0);
+        let mut r = row(
+            SamplingParams {
+                min_tokens: 2,
+                ..SamplingParams::greedy(10)
+            },
+            0,
+        );
         let logits = [0.0, 0.0, 0.0, 9.0];
         assert_ne!(sample(&mut r, &logits), 3);
         assert_ne!(sample(&mut r, &logits), 3);
@@ -379,7 +469,11 @@ mod tests {
 
     #[test]
     fn logprobs_are_raw_log_softmax() {
-        let p = SamplingParams { logprobs: Some(2), repetition_penalty: 5.0, ..SamplingParams::greedy(10) };
+        let p = SamplingParams {
+            logprobs: Some(2),
+            repetition_penalty: 5.0,
+            ..SamplingParams::greedy(10)
+        };
         let mut r = row(p, 0);
         let logits = [1.0f32, 3.0, 2.0, 0.0];
         let (t, lp) = r.sample(&mut logits.to_vec(), &mut SamplerScratch::default());
@@ -396,7 +490,10 @@ mod tests {
     #[test]
     fn resumed_row_continues_the_stream() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.11).cos()).collect();
-        let p = SamplingParams { temperature: 0.9, ..SamplingParams::default() };
+        let p = SamplingParams {
+            temperature: 0.9,
+            ..SamplingParams::default()
+        };
         let mut r = row(p.clone(), 99);
         let first: Vec<_> = (0..6).map(|_| sample(&mut r, &logits)).collect();
         let mut resumed = RowSampler::new(&RowInit {

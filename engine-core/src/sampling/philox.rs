@@ -21,14 +21,22 @@ pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
         }
         let p0 = (M0 as u64) * (c[0] as u64);
         let p1 = (M1 as u64) * (c[2] as u64);
-        c = [((p1 >> 32) as u32) ^ c[1] ^ k[0], p1 as u32, ((p0 >> 32) as u32) ^ c[3] ^ k[1], p0 as u32];
+        c = [
+            ((p1 >> 32) as u32) ^ c[1] ^ k[0],
+            p1 as u32,
+            ((p0 >> 32) as u32) ^ c[3] ^ k[1],
+            p0 as u32,
+        ];
     }
     c
 }
 
 /// A uniform in (0, 1) for the `position`-th draw of the stream keyed by `seed`.
 pub fn uniform(seed: u64, position: u64) -> f64 {
-    let x = philox4x32_10([position as u32, (position >> 32) as u32, 0, 0], [seed as u32, (seed >> 32) as u32]);
+    let x = philox4x32_10(
+        [position as u32, (position >> 32) as u32, 0, 0],
+        [seed as u32, (seed >> 32) as u32],
+    );
     let bits = ((x[0] as u64) << 21) ^ (x[1] as u64 >> 11);
     // 53 random bits, shifted off zero.
     ((bits & ((1 << 53) - 1)) as f64 + 0.5) / (1u64 << 53) as f64
@@ -41,13 +49,19 @@ mod tests {
     /// Known-answer test vectors from the Random123 distribution (philox4x32_10).
     #[test]
     fn random123_known_answers() {
-        assert_eq!(philox4x32_10([0, 0, 0, 0], [0, 0]), [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]);
+        assert_eq!(
+            philox4x32_10([0, 0, 0, 0], [0, 0]),
+            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
+        );
         assert_eq!(
             philox4x32_10([0xffffffff; 4], [0xffffffff, 0xffffffff]),
             [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
         );
         assert_eq!(
-            philox4x32_10([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344], [0xa4093822, 0x299f31d0]),
+            philox4x32_10(
+                [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
+                [0xa4093822, 0x299f31d0]
+            ),
             [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
         );
     }
@@ -63,7 +77,10 @@ mod tests {
         }
         // Chi-square with 9 degrees of freedom; 27.9 is the 0.001 critical value.
         let expected = n as f64 / 10.0;
-        let chi2: f64 = buckets.iter().map(|&b| (b as f64 - expected).powi(2) / expected).sum();
+        let chi2: f64 = buckets
+            .iter()
+            .map(|&b| (b as f64 - expected).powi(2) / expected)
+            .sum();
         assert!(chi2 < 27.9, "chi2 {chi2}: {buckets:?}");
     }
 }
