@@ -417,3 +417,158 @@ fn splitmix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use harrier_shared::protocol::SamplingParams;
+
+    use super::*;
+    use crate::config::PipelineDepth;
+    use crate::executor::null::NullExecutor;
+
+    /// Records the order of backend calls.
+    struct Recorder {
+        inner: NullExecutor,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Executor for Recorder {
+        fn launch_forward(
+            &mut self,
+            batch: &ExecBatch,
+            slot: SlotId,
+        ) -> Result<LaunchHandle, ExecError> {
+            let h = self.inner.launch_forward(batch, slot)?;
+            let kind = if batch.has_prefill() { "P" } else { "D" };
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("launch{kind}{}", h.step));
+            Ok(h)
+        }
+        fn finalize_sampling(&mut self, handle: LaunchHandle) -> Result<InFlightStep, ExecError> {
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("sample{}", handle.step));
+            self.inner.finalize_sampling(handle)
+        }
+        fn wait(&mut self, step: InFlightStep, out: &mut StepOutput) -> Result<(), ExecError> {
+            self.log.lock().unwrap().push(format!("wait{}", step.step));
+            self.inner.wait(step, out)
+        }
+    }
+
+    fn engine(depth: PipelineDepth) -> (EngineCore<Recorder>, Arc<Mutex<Vec<String>>>) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let exec = Recorder {
+            inner: NullExecutor::new(100, 8),
+            log: log.clone(),
+        };
+        let cfg = EngineConfig {
+            max_num_seqs: 8,
+            num_kv_blocks: 64,
+            max_model_len: 256,
+            pipeline: depth,
+            ..EngineConfig::default()
+        };
+        (
+            EngineCore::new(
+                cfg,
+                ModelFacts {
+                    vocab_size: 100,
+                    eos_token_ids: vec![],
+                },
+                exec,
+            )
+            .unwrap(),
+            log,
+        )
+    }
+
+    fn req(id: &str, max_tokens: u32) -> EngineCoreRequest {
+        EngineCoreRequest {
+            request_id: id.into(),
+            prompt_token_ids: vec![1, 2, 3],
+            sampling: SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(max_tokens)
+            },
+            arrival_time: 0.0,
+        }
+    }
+
+    fn run(e: &mut EngineCore<Recorder>) {
+        while e.step().unwrap() == Progress::Worked {}
+    }
+
+    #[test]
+    fn async_loop_launches_the_next_step_before_committing_the_last() {
+        let (mut e, log) = engine(PipelineDepth::Async);
+        e.add_request(Origin(0), req("a", 4));
+        run(&mut e);
+        let log = log.lock().unwrap().join(" ");
+        assert!(
+            log.starts_with("launchP0 sample0 launchD1 sample1 wait0 launchD2 sample2 wait1"),
+            "{log}"
+        );
+    }
+
+    #[test]
+    fn sync_loop_commits_each_step_before_the_next() {
+        let (mut e, log) = engine(PipelineDepth::Sync);
+        e.add_request(Origin(0), req("a", 3));
+        run(&mut e);
+        assert_eq!(
+            log.lock().unwrap().join(" "),
+            "launchP0 sample0 wait0 launchD1 sample1 wait1 launchD2 sample2 wait2"
+        );
+    }
+
+    #[test]
+    fn a_new_request_is_prefilled_within_two_completions() {
+        let (mut e, log) = engine(PipelineDepth::Async);
+        e.add_request(Origin(0), req("a", 50));
+        for _ in 0..12 {
+            e.step().unwrap();
+        }
+        let before = log.lock().unwrap().len();
+        e.add_request(Origin(0), req("b", 5));
+        for _ in 0..10 {
+            e.step().unwrap();
+        }
+        let l = log.lock().unwrap();
+        let after = &l[before..];
+        let prefill = after.iter().position(|x| x.starts_with("launchP")).expect("prefill launched");
+        let waits = after[..prefill].iter().filter(|x| x.starts_with("wait")).count();
+        assert!(waits <= 2, "prefill began after {waits} completions: {after:?}");
+        assert!(after[..prefill].iter().all(|x| !x.starts_with("launch")), "no new decode launched while draining: {after:?}");
+    }
+
+    #[test]
+    fn outputs_are_tagged_and_finished_ids_are_forgotten() {
+        let (mut e, _) = engine(PipelineDepth::Async);
+        e.add_request(Origin(3), req("x", 2));
+        run(&mut e);
+        let outs: Vec<_> = e.take_outputs().collect();
+        assert!(outs
+            .iter()
+            .all(|(o, r)| *o == Origin(3) && r.request_id == "x"));
+        assert_eq!(
+            outs.iter()
+                .map(|(_, r)| r.new_token_ids.len())
+                .sum::<usize>(),
+            2
+        );
+        assert_eq!(
+            outs.last().unwrap().1.finish.as_ref().unwrap().reason,
+            FinishReason::Length
+        );
+        // The id is free again once its finish was taken.
+        e.add_request(Origin(3), req("x", 1));
+        run(&mut e);
+        assert_eq!(e.take_outputs().count(), 1);
+    }
+}
