@@ -267,6 +267,7 @@ impl<E: Executor> EngineCore<E> {
                 self.sched.abort(id, &mut self.sink);
             }
         }
+        self.debug_check();
     }
 
     /// Aborts everything a front end sent (it went away).
@@ -277,6 +278,7 @@ impl<E: Executor> EngineCore<E> {
                 self.sched.abort(id, &mut self.sink);
             }
         }
+        self.debug_check();
     }
 
     /// One transition of the loop.
