@@ -6,6 +6,12 @@ cd "$(dirname "$0")/.."
 
 scripts/setup.sh
 
+# NVRTC and the CUDA headers installed by setup.sh: the kernels crate compiles every kernel.
+export HARRIER_CUDA_DIR="${HARRIER_CUDA_DIR:-${HARRIER_HOME:-$HOME/.cache/harrier}/cuda}"
+
+echo "== deployment files (systemd units, compose, Dockerfile)"
+scripts/check_deploy.sh --static
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
