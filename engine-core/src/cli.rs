@@ -65,6 +65,9 @@ pub struct EngineCoreArgs {
     /// Compute threads for the CPU backend (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// CUDA backend: fraction of the device's memory for weights, activations and KV cache.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
 }
 
 impl EngineCoreArgs {
@@ -117,8 +120,8 @@ pub fn ensure_default_model() -> anyhow::Result<PathBuf> {
 }
 
 /// A ready engine with its handshake answer.
-pub struct BuiltEngine {
-    pub engine: EngineCore<CpuExecutor>,
+pub struct BuiltEngine<E: crate::executor::Executor = CpuExecutor> {
+    pub engine: EngineCore<E>,
     pub info: EngineInfo,
 }
 
@@ -210,19 +213,146 @@ pub fn build_cpu_engine(
     Ok(BuiltEngine { engine, info })
 }
 
-/// Whether a CUDA driver library can be loaded on this machine.
-fn cuda_present() -> bool {
-    // The CUDA backend is not built yet; no device is usable.
-    false
+/// Loads the model onto the GPU and builds the CUDA engine described by `args`.
+#[cfg(feature = "cuda")]
+pub fn build_cuda_engine(
+    args: &EngineCoreArgs,
+    model_dir: &std::path::Path,
+) -> anyhow::Result<BuiltEngine<crate::executor::cuda::CudaExecutor>> {
+    use crate::executor::cuda::{CudaExecutor, CudaExecutorConfig};
+    let dir = ModelDir::open(model_dir)
+        .with_context(|| format!("opening model directory {}", model_dir.display()))?;
+    let mc = &dir.config;
+    let started = std::time::Instant::now();
+    let max_model_len = match args.max_model_len {
+        Some(n) if n as usize > mc.max_position_embeddings => bail!(
+            "--max-model-len {n} exceeds the model's max_position_embeddings ({})",
+            mc.max_position_embeddings
+        ),
+        Some(n) => n,
+        None => mc.max_position_embeddings as u32,
+    };
+    let (exec, start) = CudaExecutor::new(
+        &dir,
+        &CudaExecutorConfig {
+            max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_model_len,
+            block_size: args.block_size,
+            num_kv_blocks: args.num_kv_blocks,
+            gpu_memory_utilization: args.gpu_memory_utilization,
+            device: 0,
+        },
+    )
+    .with_context(|| format!("starting the CUDA backend for {}", model_dir.display()))?;
+    let num_kv_blocks = start.kv_blocks;
+    let kv_tokens = (num_kv_blocks.saturating_sub(1)) * args.block_size;
+    let max_model_len = match args.max_model_len {
+        Some(n) => n,
+        None => max_model_len.min(kv_tokens),
+    };
+    let cfg = EngineConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len,
+        block_size: args.block_size,
+        num_kv_blocks,
+        pipeline: if args.sync {
+            PipelineDepth::Sync
+        } else {
+            PipelineDepth::Async
+        },
+        max_logprobs: args.max_logprobs,
+        enable_prefix_caching: !args.no_prefix_caching,
+        policy: args.scheduling_policy,
+    };
+    cfg.validate()?;
+    tracing::info!(
+        model = %dir.name,
+        device = %start.device_name,
+        arch = start.arch,
+        load_s = format!("{:.2}", started.elapsed().as_secs_f64()),
+        weights_mib = start.weight_bytes >> 20,
+        activations_mib = start.activation_bytes >> 20,
+        kv_blocks = num_kv_blocks,
+        kv_tokens = start.kv_tokens,
+        kv_mib = start.kv_bytes >> 20,
+        kernels_cached = start.kernels_from_cache,
+        max_model_len,
+        pipeline = ?cfg.pipeline,
+        "CUDA engine configured"
+    );
+    let facts = ModelFacts {
+        vocab_size: mc.vocab_size as u32,
+        eos_token_ids: dir.generation.eos_token_ids.clone(),
+    };
+    let info = EngineInfo {
+        protocol_version: PROTOCOL_VERSION,
+        engine_version: env!("CARGO_PKG_VERSION").to_string(),
+        model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| dir.name.clone()),
+        max_model_len,
+        vocab_size: mc.vocab_size as u32,
+        eos_token_ids: facts.eos_token_ids.clone(),
+        limits: EngineLimits {
+            max_num_seqs: cfg.max_num_seqs,
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_logprobs: cfg.max_logprobs,
+            block_size: cfg.block_size,
+            num_kv_blocks: cfg.num_kv_blocks,
+        },
+    };
+    let engine = EngineCore::new(cfg, facts, exec)?;
+    Ok(BuiltEngine { engine, info })
+}
+
+/// Whether a CUDA device is usable: libcuda loads (cudarc's library-presence check, no panic)
+/// and reports a device.
+pub fn cuda_present() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::executor::cuda::cuda_present()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+/// Why `--device cuda` cannot run, in one line (`None`: it can).
+fn cuda_unavailable() -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::executor::cuda::cuda_unavailable_reason()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Some("this build has no CUDA backend (feature `cuda` off)".into())
+    }
 }
 
 /// The `engine-core` subcommand: runs until SIGTERM/SIGINT (exit 0) or a fatal error (non-zero).
 pub fn run_engine_core(args: EngineCoreArgs) -> anyhow::Result<()> {
-    match args.device {
-        Device::Cuda if !cuda_present() => bail!("--device cuda: no usable CUDA device (this build has no CUDA backend yet); use --device cpu"),
-        Device::Cuda => unreachable!("cuda_present() is false"),
-        Device::Auto | Device::Cpu => {}
+    let use_cuda = match args.device {
+        Device::Cuda => match cuda_unavailable() {
+            Some(why) => bail!("--device cuda: {why}; use --device cpu"),
+            None => true,
+        },
+        Device::Auto => cuda_present() && cuda_unavailable().is_none(),
+        Device::Cpu => false,
+    };
+    #[cfg(feature = "cuda")]
+    if use_cuda {
+        let model_dir = match &args.model {
+            Some(p) => p.clone(),
+            None => ensure_default_model()?,
+        };
+        let built = build_cuda_engine(&args, &model_dir)?;
+        return serve_built(built, &args);
     }
+    let _ = use_cuda;
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
@@ -234,6 +364,14 @@ pub fn run_engine_core(args: EngineCoreArgs) -> anyhow::Result<()> {
         None => ensure_default_model()?,
     };
     let built = build_cpu_engine(&args, &model_dir)?;
+    serve_built(built, &args)
+}
+
+/// Serves a built engine on its endpoint until a signal or a fatal error.
+fn serve_built<E: crate::executor::Executor + Send + 'static>(
+    built: BuiltEngine<E>,
+    args: &EngineCoreArgs,
+) -> anyhow::Result<()> {
     let endpoint = match &args.endpoint {
         Some(e) => e.clone(),
         None => default_engine_endpoint(&private_socket_dir(args.socket_dir.as_deref())?),

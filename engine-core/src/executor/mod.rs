@@ -12,6 +12,8 @@
 //! [`fault::FaultyExecutor`] which injects failures at any of the three calls.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod fault;
 pub mod null;
 

@@ -1,0 +1,436 @@
+//! The model on the GPU: bf16 weights (q|k|v and gate|up fused at load), persistent activation
+//! buffers sized for the largest step, the paged KV cache, and the forward pass as a sequence
+//! of our kernels and cuBLAS GEMMs on one stream.
+
+use std::ffi::c_void;
+
+use anyhow::{anyhow, bail, Context};
+use half::bf16;
+use harrier_kernels::cudarc::cublas::sys as cb;
+use harrier_kernels::cudarc::driver::{result as dr, sys};
+use harrier_kernels::Kernels;
+
+use super::layout::{self, Capacities, ScratchSizes};
+use super::{ck, DevBuf};
+use crate::model::{
+    Architecture, Checkpoint, LayerTensor, ModelConfig, ModelDir, WeightDtype, EMBED, FINAL_NORM,
+    LM_HEAD,
+};
+
+struct Layer {
+    input_norm: DevBuf,
+    qkv: DevBuf,
+    qk_norm: Option<(DevBuf, DevBuf)>,
+    o: DevBuf,
+    post_norm: DevBuf,
+    gate_up: DevBuf,
+    down: DevBuf,
+}
+
+struct Scratch {
+    x: DevBuf,
+    h: DevBuf,
+    qkv: DevBuf,
+    attn: DevBuf,
+    delta: DevBuf,
+    gate_up: DevBuf,
+    act: DevBuf,
+    logits: DevBuf,
+    final_h: DevBuf,
+}
+
+/// One step's device metadata (addresses inside the slot's buffer) and counts.
+pub(crate) struct StepMeta {
+    pub n_tokens: usize,
+    pub n_samples: usize,
+    pub tok_src: u64,
+    pub positions: u64,
+    pub slot_mapping: u64,
+    pub tok_seq: u64,
+    pub logit_rows: u64,
+    pub block_tables: u64,
+    pub bt_stride: usize,
+    pub pending: u64,
+}
+
+pub struct GpuModel {
+    pub config: ModelConfig,
+    pub weight_bytes: usize,
+    embed: DevBuf,
+    /// `None` when tied to the embedding.
+    lm_head: Option<DevBuf>,
+    final_norm: DevBuf,
+    layers: Vec<Layer>,
+    inv_freq: DevBuf,
+    scratch: Scratch,
+    /// Per layer K and V: `[num_blocks * block_size, nkv, hd]` bf16 each.
+    kv: Option<DevBuf>,
+    kv_layer_bytes: usize,
+    block_size: usize,
+    blas: cb::cublasHandle_t,
+    _workspace: DevBuf,
+}
+
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+fn upload<T: Copy>(host: &[T], stream: sys::CUstream) -> anyhow::Result<DevBuf> {
+    let b = DevBuf::new(std::mem::size_of_val(host))?;
+    // SAFETY: `b` holds exactly `host`; the copy is synchronised before `host` goes away by the
+    // caller (GpuModel::load synchronises the stream per tensor batch).
+    unsafe {
+        ck(dr::memcpy_htod_async(b.ptr, host, stream), "weight upload")?;
+        ck(dr::stream::synchronize(stream), "weight upload")?;
+    }
+    Ok(b)
+}
+
+/// A tensor's contents as bf16 (converted from f32/f16 when the checkpoint stores those).
+fn to_bf16(
+    ckpt: &Checkpoint,
+    name: &str,
+    shape: &[usize],
+    out: &mut Vec<bf16>,
+) -> anyhow::Result<()> {
+    let t = ckpt.get(name, shape)?;
+    match t.dtype {
+        WeightDtype::Bf16 => out.extend(
+            t.bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]])),
+        ),
+        _ => out.extend(t.to_f32().into_iter().map(bf16::from_f32)),
+    }
+    Ok(())
+}
+
+impl GpuModel {
+    pub(crate) fn load(
+        dir: &ModelDir,
+        stream: sys::CUstream,
+        caps: &Capacities,
+        sizes: &ScratchSizes,
+    ) -> anyhow::Result<GpuModel> {
+        let c = dir.config.clone();
+        let ckpt = Checkpoint::open(&dir.path)?;
+        ckpt.check(&c)?;
+        let mut buf: Vec<bf16> = Vec::new();
+        let mut total = 0usize;
+        let mut one = |names: &[(String, Vec<usize>)]| -> anyhow::Result<DevBuf> {
+            buf.clear();
+            for (n, s) in names {
+                to_bf16(&ckpt, n, s, &mut buf).with_context(|| format!("tensor {n}"))?;
+            }
+            total += buf.len() * 2;
+            upload(&buf, stream)
+        };
+        let lt = |t: LayerTensor, l: usize| (t.name(l), t.shape(&c));
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let qk_norm = match c.architecture {
+                Architecture::Qwen3 => Some((
+                    one(&[lt(LayerTensor::QNorm, l)])?,
+                    one(&[lt(LayerTensor::KNorm, l)])?,
+                )),
+                Architecture::Llama => None,
+            };
+            layers.push(Layer {
+                input_norm: one(&[lt(LayerTensor::InputNorm, l)])?,
+                qkv: one(&[
+                    lt(LayerTensor::QProj, l),
+                    lt(LayerTensor::KProj, l),
+                    lt(LayerTensor::VProj, l),
+                ])?,
+                qk_norm,
+                o: one(&[lt(LayerTensor::OProj, l)])?,
+                post_norm: one(&[lt(LayerTensor::PostNorm, l)])?,
+                gate_up: one(&[lt(LayerTensor::GateProj, l), lt(LayerTensor::UpProj, l)])?,
+                down: one(&[lt(LayerTensor::DownProj, l)])?,
+            });
+        }
+        let (v, h) = (c.vocab_size, c.hidden_size);
+        let embed = one(&[(EMBED.to_string(), vec![v, h])])?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(one(&[(LM_HEAD.to_string(), vec![v, h])])?)
+        };
+        let final_norm = one(&[(FINAL_NORM.to_string(), vec![h])])?;
+        let inv_freq = upload(&layout::inv_freq(&c), stream)?;
+        let _ = caps;
+        let scratch = Scratch {
+            x: DevBuf::new(sizes.x)?,
+            h: DevBuf::new(sizes.h)?,
+            qkv: DevBuf::new(sizes.qkv)?,
+            attn: DevBuf::new(sizes.attn)?,
+            delta: DevBuf::new(sizes.delta)?,
+            gate_up: DevBuf::new(sizes.gate_up)?,
+            act: DevBuf::new(sizes.act)?,
+            logits: DevBuf::new(sizes.logits)?,
+            final_h: DevBuf::new(sizes.final_h)?,
+        };
+        let workspace = DevBuf::new(WORKSPACE_BYTES)?;
+        let mut blas: cb::cublasHandle_t = std::ptr::null_mut();
+        // SAFETY: plain cuBLAS set-up calls on a fresh handle with our stream and workspace.
+        unsafe {
+            blas_ck(cb::cublasCreate_v2(&mut blas), "cublasCreate")?;
+            blas_ck(
+                cb::cublasSetStream_v2(blas, stream as cb::cudaStream_t),
+                "cublasSetStream",
+            )?;
+            blas_ck(
+                cb::cublasSetWorkspace_v2(blas, workspace.ptr as *mut c_void, WORKSPACE_BYTES),
+                "cublasSetWorkspace",
+            )?;
+        }
+        Ok(GpuModel {
+            config: c,
+            weight_bytes: total,
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            inv_freq,
+            scratch,
+            kv: None,
+            kv_layer_bytes: 0,
+            block_size: caps.block_size,
+            blas,
+            _workspace: workspace,
+        })
+    }
+
+    pub(crate) fn alloc_kv(&mut self, num_blocks: usize, block_size: usize) -> anyhow::Result<()> {
+        let c = &self.config;
+        let per = num_blocks * block_size * c.num_kv_heads * c.head_dim * 2;
+        self.kv_layer_bytes = per;
+        self.block_size = block_size;
+        self.kv = Some(DevBuf::new(per * 2 * c.num_layers).context("allocating the KV cache")?);
+        Ok(())
+    }
+
+    pub(crate) fn logits_ptr(&self) -> u64 {
+        self.scratch.logits.ptr
+    }
+
+    /// `y[rows, n] = x[rows, k] · w[n, k]ᵀ` (bf16 in, fp32 accumulation, bf16 or f32 out).
+    fn gemm(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        rows: usize,
+        n: usize,
+        k: usize,
+        f32_out: bool,
+    ) -> anyhow::Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let ctype = if f32_out {
+            cb::cudaDataType::CUDA_R_32F
+        } else {
+            cb::cudaDataType::CUDA_R_16BF
+        };
+        // SAFETY: x, w, y hold rows*k, n*k and rows*n elements (capacities checked by the
+        // executor); column-major view: yᵀ[n, rows] = w[k, n]ᵀ · xᵀ[k, rows].
+        unsafe {
+            blas_ck(
+                cb::cublasGemmEx(
+                    self.blas,
+                    cb::cublasOperation_t::CUBLAS_OP_T,
+                    cb::cublasOperation_t::CUBLAS_OP_N,
+                    n as i32,
+                    rows as i32,
+                    k as i32,
+                    &alpha as *const f32 as *const c_void,
+                    w as *const c_void,
+                    cb::cudaDataType::CUDA_R_16BF,
+                    k as i32,
+                    x as *const c_void,
+                    cb::cudaDataType::CUDA_R_16BF,
+                    k as i32,
+                    &beta as *const f32 as *const c_void,
+                    y as *mut c_void,
+                    ctype,
+                    n as i32,
+                    cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cb::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+                ),
+                "cublasGemmEx",
+            )
+        }
+    }
+
+    /// Enqueues the forward pass of one step on `stream`: logits of the sampled sequences land
+    /// in the logits buffer, rows `0..n_samples`.
+    ///
+    /// # Safety
+    /// `m`'s addresses must hold the step's metadata; the KV cache must be allocated.
+    pub(crate) unsafe fn forward(
+        &mut self,
+        k: &Kernels,
+        stream: sys::CUstream,
+        m: &StepMeta,
+    ) -> anyhow::Result<()> {
+        let c = &self.config;
+        let kv = self
+            .kv
+            .as_ref()
+            .ok_or_else(|| anyhow!("KV cache not allocated"))?;
+        let (hid, hd, nh, nkv, inter) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_heads,
+            c.num_kv_heads,
+            c.intermediate_size,
+        );
+        let qkv_dim = c.qkv_dim();
+        let t = m.n_tokens;
+        let s = &self.scratch;
+        let eps = c.rms_norm_eps;
+        let scale = 1.0 / (hd as f32).sqrt();
+        if t * hid * 2 > s.x.bytes || m.n_samples * c.vocab_size * 4 > s.logits.bytes {
+            bail!(
+                "step of {t} tokens / {} samples exceeds the buffers",
+                m.n_samples
+            );
+        }
+        // SAFETY (all launches below): buffers are sized for max_tokens rows (checked above) and
+        // the metadata addresses come from the slot (caller's contract).
+        unsafe {
+            k.embed_tokens(
+                stream,
+                s.x.ptr,
+                self.embed.ptr,
+                m.tok_src,
+                m.pending,
+                t as u32,
+                hid as i32,
+                c.vocab_size as i32,
+            )?;
+            for (li, w) in self.layers.iter().enumerate() {
+                let delta = if li == 0 { 0 } else { s.delta.ptr };
+                k.add_rmsnorm(
+                    stream,
+                    s.x.ptr,
+                    delta,
+                    w.input_norm.ptr,
+                    s.h.ptr,
+                    0,
+                    t as u32,
+                    hid as i32,
+                    eps,
+                )?;
+                self.gemm(s.h.ptr, w.qkv.ptr, s.qkv.ptr, t, qkv_dim, hid, false)?;
+                let kc = kv.at(2 * li * self.kv_layer_bytes);
+                let vc = kv.at((2 * li + 1) * self.kv_layer_bytes);
+                let (qn, kn) = w
+                    .qk_norm
+                    .as_ref()
+                    .map(|(a, b)| (a.ptr, b.ptr))
+                    .unwrap_or((0, 0));
+                k.rope_kv_write(
+                    stream,
+                    s.qkv.ptr,
+                    qkv_dim as i32,
+                    nh as i32,
+                    nkv as i32,
+                    hd as i32,
+                    m.positions,
+                    self.inv_freq.ptr,
+                    qn,
+                    kn,
+                    eps,
+                    m.slot_mapping,
+                    kc,
+                    vc,
+                    t as u32,
+                )?;
+                k.paged_attention(
+                    stream,
+                    s.attn.ptr,
+                    s.qkv.ptr,
+                    qkv_dim as i32,
+                    kc,
+                    vc,
+                    m.tok_seq,
+                    m.positions,
+                    m.block_tables,
+                    m.bt_stride as i32,
+                    nh as i32,
+                    nkv as i32,
+                    hd as i32,
+                    self.block_size as i32,
+                    scale,
+                    0,
+                    t as u32,
+                )?;
+                self.gemm(s.attn.ptr, w.o.ptr, s.delta.ptr, t, hid, nh * hd, false)?;
+                k.add_rmsnorm(
+                    stream,
+                    s.x.ptr,
+                    s.delta.ptr,
+                    w.post_norm.ptr,
+                    s.h.ptr,
+                    0,
+                    t as u32,
+                    hid as i32,
+                    eps,
+                )?;
+                self.gemm(
+                    s.h.ptr,
+                    w.gate_up.ptr,
+                    s.gate_up.ptr,
+                    t,
+                    2 * inter,
+                    hid,
+                    false,
+                )?;
+                k.silu_mul(stream, s.act.ptr, s.gate_up.ptr, inter as i32, t as u32)?;
+                self.gemm(s.act.ptr, w.down.ptr, s.delta.ptr, t, hid, inter, false)?;
+            }
+            if m.n_samples > 0 {
+                k.add_rmsnorm(
+                    stream,
+                    s.x.ptr,
+                    s.delta.ptr,
+                    self.final_norm.ptr,
+                    s.final_h.ptr,
+                    m.logit_rows,
+                    m.n_samples as u32,
+                    hid as i32,
+                    eps,
+                )?;
+                let head = self.lm_head.as_ref().unwrap_or(&self.embed).ptr;
+                self.gemm(
+                    s.final_h.ptr,
+                    head,
+                    s.logits.ptr,
+                    m.n_samples,
+                    c.vocab_size,
+                    hid,
+                    true,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn blas_ck(s: cb::cublasStatus_t, what: &str) -> anyhow::Result<()> {
+    if s == cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(anyhow!("cuBLAS error in {what}: {s:?}"))
+    }
+}
+
+impl Drop for GpuModel {
+    fn drop(&mut self) {
+        // SAFETY: created in `load`, destroyed once.
+        unsafe {
+            let _ = cb::cublasDestroy_v2(self.blas);
+        }
+    }
+}

@@ -1,0 +1,428 @@
+//! `harrier-cuda-tool`: device-side checks and measurements of the CUDA executor, driven
+//! straight through the executor seam (scripts/gpu/cuda_check.sh runs it on the GPU machine).
+//!
+//! - `parity --model DIR --prompts FILE --steps N --out DIR`: greedy decode of every prompt
+//!   (all prompts in one batch), writing `tokens.json` and `logits.bin` (f32 [prompt][step][vocab]).
+//! - `bench --model DIR [--batches 1,8,32,128] [--context 512] [--steps 64] [--json FILE]`:
+//!   copy bandwidth, bf16 GEMM rate, decode step time (pipelined and synchronous, GPU idle gap
+//!   between steps), prefill tokens/s (8 x 2048).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use harrier_engine::batch::{ExecBatch, RowId, RowInit, SeqInput, StepOutput};
+use harrier_engine::executor::cuda::{layout, CudaExecutor, CudaExecutorConfig};
+use harrier_engine::executor::Executor;
+use harrier_engine::model::ModelDir;
+use harrier_engine::pipeline::SlotId;
+use harrier_kernels::cudarc::cublas::sys as cb;
+use harrier_kernels::cudarc::driver::{result as dr, sys};
+use harrier_shared::protocol::SamplingParams;
+
+fn args() -> (String, HashMap<String, String>) {
+    let mut it = std::env::args().skip(1);
+    let cmd = it.next().unwrap_or_default();
+    let mut m = HashMap::new();
+    while let Some(k) = it.next() {
+        let v = it.next().unwrap_or_default();
+        m.insert(k.trim_start_matches("--").to_string(), v);
+    }
+    (cmd, m)
+}
+
+/// Sequences driven through the executor: row r = sequence r, blocks handed out in order.
+struct Driver {
+    exec: CudaExecutor,
+    bs: u32,
+    next_block: u32,
+    lens: Vec<u32>,
+    blocks: Vec<u32>,
+}
+
+impl Driver {
+    fn new(
+        dir: &ModelDir,
+        max_seqs: u32,
+        max_tokens: u32,
+        max_len: u32,
+        kv_blocks: Option<u32>,
+    ) -> anyhow::Result<Driver> {
+        let cfg = CudaExecutorConfig {
+            max_num_seqs: max_seqs,
+            max_num_batched_tokens: max_tokens,
+            max_model_len: max_len,
+            block_size: 16,
+            num_kv_blocks: kv_blocks,
+            gpu_memory_utilization: 0.9,
+            device: 0,
+        };
+        let (exec, info) = CudaExecutor::new(dir, &cfg)?;
+        eprintln!("{info:?}");
+        Ok(Driver {
+            exec,
+            bs: 16,
+            next_block: 0,
+            lens: Vec::new(),
+            blocks: Vec::new(),
+        })
+    }
+
+    fn alloc(&mut self, seq: usize, upto: u32, b: &mut ExecBatch) -> (u32, u32) {
+        let start = b.new_blocks.len() as u32;
+        while self.blocks[seq] * self.bs < upto {
+            b.new_blocks.push(self.next_block);
+            self.next_block += 1;
+            self.blocks[seq] += 1;
+        }
+        (start, b.new_blocks.len() as u32 - start)
+    }
+
+    /// Prefill batch of `prompts` (rows 0..n), each sampled.
+    fn prefill(&mut self, prompts: &[Vec<u32>], params: &SamplingParams) -> ExecBatch {
+        let mut b = ExecBatch::default();
+        self.lens = vec![0; prompts.len()];
+        self.blocks = vec![0; prompts.len()];
+        self.next_block = 0;
+        for (i, p) in prompts.iter().enumerate() {
+            b.row_inits.push(RowInit {
+                row: RowId(i as u32),
+                sampling: params.clone(),
+                seed: 1234 + i as u64,
+                min_tokens_mask: vec![],
+                prompt: p.clone(),
+                output: vec![],
+            });
+            let (bs_, bl) = self.alloc(i, p.len() as u32, &mut b);
+            let hs = b.host_tokens.len() as u32;
+            b.host_tokens.extend_from_slice(p);
+            b.seqs.push(SeqInput {
+                row: RowId(i as u32),
+                position: 0,
+                num_tokens: p.len() as u32,
+                host_start: hs,
+                host_len: p.len() as u32,
+                blocks_start: bs_,
+                blocks_len: bl,
+                sample: true,
+            });
+            self.lens[i] = p.len() as u32;
+        }
+        b
+    }
+
+    /// One decode step for every sequence (input: the pending token).
+    fn decode(&mut self) -> ExecBatch {
+        let mut b = ExecBatch::default();
+        for i in 0..self.lens.len() {
+            let pos = self.lens[i];
+            let (bs_, bl) = self.alloc(i, pos + 1, &mut b);
+            b.seqs.push(SeqInput {
+                row: RowId(i as u32),
+                position: pos,
+                num_tokens: 1,
+                host_start: 0,
+                host_len: 0,
+                blocks_start: bs_,
+                blocks_len: bl,
+                sample: true,
+            });
+            self.lens[i] += 1;
+        }
+        b
+    }
+
+    fn step_sync(&mut self, b: &ExecBatch, slot: u8, out: &mut StepOutput) -> anyhow::Result<()> {
+        let h = self.exec.launch_forward(b, SlotId(slot))?;
+        let f = self.exec.finalize_sampling(h)?;
+        self.exec.wait(f, out)?;
+        Ok(())
+    }
+
+    /// `n` decode steps, 2 in flight (pipelined) or 1 (sync). Returns seconds.
+    fn decode_steps(&mut self, n: usize, pipelined: bool) -> anyhow::Result<f64> {
+        let mut out = StepOutput::default();
+        let t0 = Instant::now();
+        if !pipelined {
+            for i in 0..n {
+                let b = self.decode();
+                self.step_sync(&b, (i % 2) as u8, &mut out)?;
+            }
+        } else {
+            let mut inflight = std::collections::VecDeque::new();
+            for i in 0..n {
+                let b = self.decode();
+                let h = self.exec.launch_forward(&b, SlotId((i % 2) as u8))?;
+                inflight.push_back(self.exec.finalize_sampling(h)?);
+                if inflight.len() == 2 {
+                    self.exec.wait(inflight.pop_front().unwrap(), &mut out)?;
+                }
+            }
+            while let Some(f) = inflight.pop_front() {
+                self.exec.wait(f, &mut out)?;
+            }
+        }
+        Ok(t0.elapsed().as_secs_f64())
+    }
+}
+
+fn parity(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
+    let prompts: Vec<Vec<u32>> = serde_json::from_str(&std::fs::read_to_string(
+        a.get("prompts").context("--prompts")?,
+    )?)?;
+    let steps: usize = a.get("steps").map(|s| s.parse()).transpose()?.unwrap_or(16);
+    let out_dir = std::path::PathBuf::from(a.get("out").context("--out")?);
+    std::fs::create_dir_all(&out_dir)?;
+    let maxp = prompts.iter().map(|p| p.len()).max().unwrap_or(1) as u32;
+    let total: u32 = prompts.iter().map(|p| p.len() as u32).sum();
+    let mut d = Driver::new(
+        &dir,
+        prompts.len() as u32,
+        total.max(64),
+        maxp + steps as u32 + 16,
+        Some(4096),
+    )?;
+    let vocab = dir.config.vocab_size;
+    let mut logits = vec![0f32; prompts.len() * steps * vocab];
+    let mut tokens = vec![Vec::new(); prompts.len()];
+    let mut out = StepOutput::default();
+    let greedy = SamplingParams::greedy(steps as u32);
+    for step in 0..steps {
+        let b = if step == 0 {
+            d.prefill(&prompts, &greedy)
+        } else {
+            d.decode()
+        };
+        d.step_sync(&b, (step % 2) as u8, &mut out)?;
+        for (i, &t) in out.tokens.iter().enumerate() {
+            tokens[i].push(t);
+            let row = d.exec.logits_row(i)?;
+            logits[(i * steps + step) * vocab..][..vocab].copy_from_slice(&row);
+        }
+    }
+    let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    std::fs::write(out_dir.join("logits.bin"), bytes)?;
+    std::fs::write(
+        out_dir.join("tokens.json"),
+        serde_json::to_string(
+            &serde_json::json!({"tokens": tokens, "vocab": vocab, "steps": steps}),
+        )?,
+    )?;
+    eprintln!(
+        "parity: {} prompts x {steps} steps written to {}",
+        prompts.len(),
+        out_dir.display()
+    );
+    Ok(())
+}
+
+/// Device-to-device copy bandwidth (read + write bytes / s) and bf16 GEMM FLOP/s.
+fn ceilings() -> anyhow::Result<(f64, f64)> {
+    let bytes = 1usize << 30;
+    // SAFETY: plain allocations, copies and GEMMs on the default stream, all checked.
+    unsafe {
+        let a = dr::malloc_sync(bytes)?;
+        let b = dr::malloc_sync(bytes)?;
+        let e0 = dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?;
+        let e1 = dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?;
+        let s = std::ptr::null_mut();
+        dr::memcpy_dtod_async(b, a, bytes, s)?;
+        dr::event::record(e0, s)?;
+        let reps = 20;
+        for _ in 0..reps {
+            dr::memcpy_dtod_async(b, a, bytes, s)?;
+        }
+        dr::event::record(e1, s)?;
+        dr::event::synchronize(e1)?;
+        let ms = dr::event::elapsed(e0, e1)? as f64;
+        let bw = 2.0 * bytes as f64 * reps as f64 / (ms / 1e3);
+        let n = 8192usize;
+        let mut h: cb::cublasHandle_t = std::ptr::null_mut();
+        cb::cublasCreate_v2(&mut h);
+        let (al, be) = (1.0f32, 0.0f32);
+        let gemm = || {
+            cb::cublasGemmEx(
+                h,
+                cb::cublasOperation_t::CUBLAS_OP_T,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                n as i32,
+                n as i32,
+                &al as *const f32 as *const c_void,
+                a as *const c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                n as i32,
+                (a + (n * n * 2) as u64) as *const c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                n as i32,
+                &be as *const f32 as *const c_void,
+                b as *mut c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                n as i32,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        };
+        dr::memset_d8_async(a, 0, bytes, s)?;
+        gemm();
+        dr::event::record(e0, s)?;
+        let greps = 20;
+        for _ in 0..greps {
+            let st = gemm();
+            if st != cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                bail!("gemm: {st:?}");
+            }
+        }
+        dr::event::record(e1, s)?;
+        dr::event::synchronize(e1)?;
+        let gms = dr::event::elapsed(e0, e1)? as f64;
+        let flops = 2.0 * (n as f64).powi(3) * greps as f64 / (gms / 1e3);
+        cb::cublasDestroy_v2(h);
+        dr::free_sync(a)?;
+        dr::free_sync(b)?;
+        Ok((bw, flops))
+    }
+}
+
+fn median(v: &mut [f32]) -> f32 {
+    if v.is_empty() {
+        return f32::NAN;
+    }
+    v.sort_by(f32::total_cmp);
+    v[v.len() / 2]
+}
+
+fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
+    let batches: Vec<u32> = a
+        .get("batches")
+        .map(|s| s.as_str())
+        .unwrap_or("1,8,32,128")
+        .split(',')
+        .map(|x| x.parse())
+        .collect::<Result<_, _>>()?;
+    let context: u32 = a
+        .get("context")
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(512);
+    let steps: usize = a.get("steps").map(|s| s.parse()).transpose()?.unwrap_or(64);
+    let prefill_n: u32 = a
+        .get("prefill-seqs")
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(8);
+    let prefill_len: u32 = a
+        .get("prefill-len")
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(2048);
+    let mc = dir.config.clone();
+    let ctx = harrier_kernels::cudarc::driver::CudaContext::new(0)?;
+    ctx.bind_to_thread()?;
+    let (bw, flops) = ceilings()?;
+    eprintln!(
+        "copy bandwidth {:.0} GB/s, bf16 GEMM {:.0} TFLOP/s",
+        bw / 1e9,
+        flops / 1e12
+    );
+    let wbytes = layout::weight_bytes(&mc) as f64;
+    let kv_tok = (layout::kv_bytes_per_block(&mc, 16) / 16) as f64;
+    let maxb = *batches.iter().max().unwrap_or(&1);
+    let max_len = context + 2 * steps as u32 + 16;
+    let mut d = Driver::new(
+        &dir,
+        maxb.max(prefill_n),
+        (prefill_n * prefill_len).max(maxb * context),
+        max_len.max(prefill_len + 16),
+        None,
+    )?;
+    let mut rows = Vec::new();
+    let greedy = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(100_000)
+    };
+    let mut rng = 12345u64;
+    let mut rand_tok = |v: usize| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % v as u64) as u32
+    };
+    for &bsz in &batches {
+        let prompts: Vec<Vec<u32>> = (0..bsz)
+            .map(|_| (0..context).map(|_| rand_tok(mc.vocab_size)).collect())
+            .collect();
+        let mut out = StepOutput::default();
+        // Prefill in chunks of whole prompts that fit the step capacity.
+        let b = d.prefill(&prompts, &greedy);
+        d.step_sync(&b, 0, &mut out)?;
+        let mut res = serde_json::Map::new();
+        for pipelined in [true, false] {
+            d.exec.record_gaps = true;
+            d.exec.gaps = Default::default();
+            d.decode_steps(4, pipelined)?; // warm-up
+            d.exec.gaps = Default::default();
+            let secs = d.decode_steps(steps, pipelined)?;
+            d.exec.record_gaps = false;
+            let ms = secs * 1e3 / steps as f64;
+            let gap = median(&mut d.exec.gaps.gaps_ms.clone());
+            let gpu = median(&mut d.exec.gaps.step_ms.clone());
+            let avg_ctx = d.lens.iter().map(|&l| l as f64).sum::<f64>() / d.lens.len() as f64;
+            let floor_ms = (wbytes + bsz as f64 * avg_ctx * kv_tok) / bw * 1e3;
+            let tag = if pipelined { "async" } else { "sync" };
+            eprintln!(
+                "decode batch {bsz:>4} {tag:>5}: {ms:7.3} ms/step wall, GPU {gpu:7.3} ms, idle gap {gap:6.3} ms, {:9.1} tok/s, floor {floor_ms:6.3} ms ({:.0}% of floor speed)",
+                bsz as f64 / (ms / 1e3),
+                100.0 * floor_ms / ms
+            );
+            res.insert(tag.into(), serde_json::json!({"ms_per_step": ms, "gpu_ms_per_step": gpu, "idle_gap_ms": gap, "tok_per_s": bsz as f64 / (ms / 1e3), "floor_ms": floor_ms, "pct_of_floor": 100.0 * floor_ms / ms}));
+        }
+        rows.push(serde_json::json!({"batch": bsz, "context": context, "results": res}));
+    }
+    // Prefill: prefill_n x prefill_len in one step.
+    let prompts: Vec<Vec<u32>> = (0..prefill_n)
+        .map(|_| (0..prefill_len).map(|_| rand_tok(mc.vocab_size)).collect())
+        .collect();
+    let mut out = StepOutput::default();
+    let b = d.prefill(&prompts, &greedy);
+    d.step_sync(&b, 0, &mut out)?; // warm-up
+    let reps = 3;
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        let b = d.prefill(&prompts, &greedy);
+        d.step_sync(&b, 0, &mut out)?;
+    }
+    let secs = t0.elapsed().as_secs_f64() / reps as f64;
+    let toks = (prefill_n * prefill_len) as f64;
+    let params = wbytes / 2.0;
+    let gemm_floor = 2.0 * params * toks / flops;
+    eprintln!(
+        "prefill {prefill_n} x {prefill_len}: {:.3} s, {:.0} tok/s; GEMM-only ceiling {:.3} s ({:.0}% of it)",
+        secs,
+        toks / secs,
+        gemm_floor,
+        100.0 * gemm_floor / secs
+    );
+    let report = serde_json::json!({
+        "model": dir.name, "copy_bw_gbs": bw / 1e9, "gemm_tflops": flops / 1e12, "weight_bytes": wbytes,
+        "decode": rows,
+        "prefill": {"seqs": prefill_n, "len": prefill_len, "secs": secs, "tok_per_s": toks / secs, "gemm_ceiling_secs": gemm_floor},
+    });
+    if let Some(p) = a.get("json") {
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
+    }
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let (cmd, a) = args();
+    match cmd.as_str() {
+        "parity" => parity(&a),
+        "bench" => bench(&a),
+        _ => bail!("usage: harrier-cuda-tool parity|bench --model DIR ..."),
+    }
+}
