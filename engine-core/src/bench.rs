@@ -326,12 +326,18 @@ fn host_over_ipc(requests: u32, steps: u32) -> anyhow::Result<Vec<f64>> {
         let mut stamps = Vec::with_capacity(steps as usize + 1);
         while stamps.len() <= steps as usize {
             match rx.recv().await {
-                Some(EngineMessage::Outputs(o)) if o.outputs.len() as u32 == requests => stamps.push(Instant::now()),
+                Some(EngineMessage::Outputs(o)) if o.outputs.len() as u32 == requests => {
+                    stamps.push(Instant::now())
+                }
                 Some(_) => {}
                 None => anyhow::bail!("the engine went away"),
             }
         }
-        let samples = stamps.windows(WINDOW + 1).step_by(WINDOW).map(|w| w[WINDOW].duration_since(w[0]).as_secs_f64() * 1e6 / WINDOW as f64).collect();
+        let samples = stamps
+            .windows(WINDOW + 1)
+            .step_by(WINDOW)
+            .map(|w| w[WINDOW].duration_since(w[0]).as_secs_f64() * 1e6 / WINDOW as f64)
+            .collect();
         anyhow::Ok(samples)
     })?;
     let _ = stop_tx.send(());

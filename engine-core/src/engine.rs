@@ -543,10 +543,22 @@ mod tests {
         }
         let l = log.lock().unwrap();
         let after = &l[before..];
-        let prefill = after.iter().position(|x| x.starts_with("launchP")).expect("prefill launched");
-        let waits = after[..prefill].iter().filter(|x| x.starts_with("wait")).count();
-        assert!(waits <= 2, "prefill began after {waits} completions: {after:?}");
-        assert!(after[..prefill].iter().all(|x| !x.starts_with("launch")), "no new decode launched while draining: {after:?}");
+        let prefill = after
+            .iter()
+            .position(|x| x.starts_with("launchP"))
+            .expect("prefill launched");
+        let waits = after[..prefill]
+            .iter()
+            .filter(|x| x.starts_with("wait"))
+            .count();
+        assert!(
+            waits <= 2,
+            "prefill began after {waits} completions: {after:?}"
+        );
+        assert!(
+            after[..prefill].iter().all(|x| !x.starts_with("launch")),
+            "no new decode launched while draining: {after:?}"
+        );
     }
 
     #[test]
