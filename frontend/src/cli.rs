@@ -1,0 +1,152 @@
+//! `harrier frontend`: one front-end process (HTTP server + engine client).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use harrier_shared::endpoint::{default_engine_endpoint, private_socket_dir, Endpoint};
+
+use crate::engine::{Engine, EngineOptions};
+use crate::metrics::Metrics;
+use crate::server::{bind_listener, serve, AppState, ServerConfig};
+use crate::text::{TextModel, TextSource};
+
+/// What the front end prints on stdout once it listens and the engine answered (the launcher
+/// waits for this line).
+pub const READY_MARKER: &str = "HARRIER_FRONTEND_READY";
+
+/// Options every front end has (shared with `harrier serve`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct HttpArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1", env = "HARRIER_HOST")]
+    pub host: IpAddr,
+    #[arg(long, default_value_t = 8000, env = "HARRIER_PORT")]
+    pub port: u16,
+    /// Require `Authorization: Bearer <key>` on every endpoint but /health.
+    #[arg(long, env = "HARRIER_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Seconds to let in-flight requests finish on SIGTERM/SIGINT.
+    #[arg(long, default_value_t = 30.0)]
+    pub drain_timeout: f64,
+    /// tokenizer.json to use instead of the model directory's.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Jinja chat template file to use instead of the model's.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// Largest accepted request body in bytes.
+    #[arg(long, default_value_t = 32 << 20)]
+    pub max_body_bytes: usize,
+    /// Largest accepted `n` (choices per prompt).
+    #[arg(long, default_value_t = 128)]
+    pub max_n: u32,
+    /// Concurrent tokenization / template jobs (default: the number of cores).
+    #[arg(long)]
+    pub tokenizer_threads: Option<usize>,
+}
+
+impl HttpArgs {
+    /// Rejects values clap accepts but that make no sense (an empty key would let an empty
+    /// bearer token in).
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            anyhow::bail!("--api-key / HARRIER_API_KEY is empty; unset it to serve without a key");
+        }
+        if !(self.drain_timeout.is_finite() && self.drain_timeout >= 0.0) {
+            anyhow::bail!("--drain-timeout must be a non-negative number of seconds");
+        }
+        if self.max_n == 0 || self.max_body_bytes == 0 {
+            anyhow::bail!("--max-n and --max-body-bytes must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct FrontendArgs {
+    /// Model directory (tokenizer.json, tokenizer_config.json). Default: the embedded `tiny`.
+    #[arg(long, env = "HARRIER_MODEL")]
+    pub model: Option<PathBuf>,
+    /// The engine core's address. Default: `engine.sock` in the private socket directory.
+    #[arg(long, env = "HARRIER_ENGINE_ENDPOINT")]
+    pub engine_endpoint: Option<Endpoint>,
+    #[arg(long, env = "HARRIER_SOCKET_DIR")]
+    pub socket_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub http: HttpArgs,
+    /// Set SO_REUSEPORT so several front ends can serve one port.
+    #[arg(long)]
+    pub reuse_port: bool,
+    /// This front end's number (names and metric labels).
+    #[arg(long, default_value_t = 0)]
+    pub frontend_index: u32,
+    /// Print a readiness line on stdout (used by `harrier serve`).
+    #[arg(long, hide = true)]
+    pub ready_line: bool,
+}
+
+/// Runs a front end until SIGTERM/SIGINT (then drains and exits 0).
+pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
+    args.http.validate()?;
+    let model_dir = match &args.model {
+        Some(m) => m.clone(),
+        None => harrier_engine::cli::ensure_default_model()?,
+    };
+    let endpoint = match &args.engine_endpoint {
+        Some(e) => e.clone(),
+        None => default_engine_endpoint(&private_socket_dir(args.socket_dir.as_deref())?),
+    };
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2);
+    let pool = args.http.tokenizer_threads.unwrap_or(threads);
+    // Load the tokenizer before any runtime thread exists.
+    let text = Arc::new(TextModel::load(
+        &TextSource {
+            model_dir: model_dir.clone(),
+            tokenizer: args.http.tokenizer.clone(),
+            chat_template: args.http.chat_template.clone(),
+        },
+        pool,
+    )?);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads.clamp(2, 8))
+        .enable_all()
+        .thread_name("harrier-frontend")
+        .build()?;
+    rt.block_on(async move {
+        let name = format!("frontend-{}", args.frontend_index);
+        let metrics = Arc::new(Metrics::new(&args.frontend_index.to_string()));
+        let engine = Engine::start(EngineOptions::new(endpoint.clone(), name), text.tokenizer.clone(), metrics.clone())?;
+        let mut shutdown = std::pin::pin!(harrier_engine::cli::shutdown_signal());
+        tracing::info!(%endpoint, "waiting for the engine core");
+        loop {
+            tokio::select! {
+                ok = engine.wait_connected(Duration::from_secs(10)) => if ok { break } else {
+                    tracing::info!(%endpoint, error = %engine.last_error(), "still waiting for the engine core");
+                },
+                _ = &mut shutdown => return Ok(()),
+            }
+        }
+        let addr = SocketAddr::new(args.http.host, args.http.port);
+        let std_listener = bind_listener(addr, args.reuse_port).with_context(|| format!("listening on {addr}"))?;
+        let listener = tokio::net::TcpListener::from_std(std_listener)?;
+        let local = listener.local_addr()?;
+        let cfg = ServerConfig { api_key: args.http.api_key.clone(), max_body_bytes: args.http.max_body_bytes, max_n: args.http.max_n };
+        let state = Arc::new(AppState::new(engine.clone(), text, metrics, cfg));
+        tracing::info!(url = %format!("http://{local}"), model = %model_dir.display(), "front end ready");
+        if args.ready_line {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "{READY_MARKER} http://{local}")?;
+            out.flush()?;
+        }
+        serve(listener, state, shutdown, Duration::from_secs_f64(args.http.drain_timeout.max(0.0))).await;
+        engine.close().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        Ok(())
+    })
+}
