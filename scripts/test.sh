@@ -17,3 +17,6 @@ cargo fmt --all -- --check
 
 echo "== cargo test (workspace)"
 cargo test --workspace --no-fail-fast
+
+echo "== the official openai Python client against a real harrier serve"
+scripts/test_openai_client.sh

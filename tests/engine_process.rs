@@ -201,6 +201,7 @@ fn malformed_frames_are_dropped_and_the_engine_keeps_serving() {
                 prompt_token_ids: vec![1],
                 sampling: seeded(2, 1),
                 arrival_time: 0.0,
+                cache_salt: None,
             },
         );
         let _ = raw

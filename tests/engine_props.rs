@@ -59,6 +59,7 @@ fn reference(spec: &Spec) -> (Vec<u32>, FinishReason) {
             prompt_token_ids: spec.prompt.clone(),
             sampling: spec.sampling.clone(),
             arrival_time: 0.0,
+            cache_salt: None,
         },
     );
     let mut tokens = Vec::new();
@@ -212,6 +213,7 @@ fn run_case(
                     prompt_token_ids: s.prompt.clone(),
                     sampling: s.sampling.clone(),
                     arrival_time: 0.0,
+                    cache_salt: None,
                 },
             );
         }

@@ -175,6 +175,7 @@ fn request(i: u32, prompt_len: u32, max_tokens: u32, vocab: u32) -> EngineCoreRe
             ..SamplingParams::greedy(max_tokens)
         },
         arrival_time: 0.0,
+        cache_salt: None,
     }
 }
 
@@ -442,6 +443,7 @@ pub fn run(args: &EngineBenchArgs) -> anyhow::Result<()> {
                             ..SamplingParams::greedy(16)
                         },
                         arrival_time: 0.0,
+                        cache_salt: None,
                     }
                 })
                 .collect();

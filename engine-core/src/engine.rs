@@ -207,6 +207,7 @@ impl<E: Executor> EngineCore<E> {
             prompt_token_ids,
             sampling,
             arrival_time: _,
+            cache_salt,
         } = req;
         let problem = if prompt_token_ids.is_empty() {
             Some("the prompt must contain at least one token".to_string())
@@ -250,14 +251,11 @@ impl<E: Executor> EngineCore<E> {
             .entry(origin)
             .or_default()
             .insert(request_id.clone(), id);
-        self.sched.add(Request::new(
-            id,
-            origin,
-            request_id,
-            prompt_token_ids,
-            sampling,
-            seed,
-        ));
+        let mut request = Request::new(id, origin, request_id, prompt_token_ids, sampling, seed);
+        // Salted requests hash their first block differently (never 0 = unsalted in practice).
+        request.cache_salt =
+            cache_salt.map_or(0, |s| xxhash_rust::xxh64::xxh64(s.as_bytes(), 0x5a17_5a17));
+        self.sched.add(request);
     }
 
     /// Aborts the front end's requests by id; unknown or finished ids are ignored.
@@ -499,6 +497,7 @@ mod tests {
                 ..SamplingParams::greedy(max_tokens)
             },
             arrival_time: 0.0,
+            cache_salt: None,
         }
     }
 

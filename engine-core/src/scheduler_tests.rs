@@ -471,3 +471,39 @@ fn prefill_first_policy_runs_prefills_alone() {
     assert_eq!(h.outputs_of(1).0, (1000..1010).collect::<Vec<_>>());
     assert_eq!(h.outputs_of(2).0, (1000..1010).collect::<Vec<_>>());
 }
+
+#[test]
+fn different_cache_salts_do_not_share_blocks() {
+    let mut h = Harness::new(cfg(4, 64, 64, 2));
+    h.add(1, 10, 3);
+    h.run(2);
+    let mut salted = Request::new(
+        RequestId(2),
+        Origin(0),
+        "r2".into(),
+        (0..10).map(|i| 100 + i).collect(),
+        SamplingParams::greedy(3),
+        0,
+    );
+    salted.cache_salt = 77;
+    h.s.add(salted);
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
+    assert_eq!(plan.entries[0].cached_blocks, 0, "another salt: no hit");
+    h.run(2);
+    let mut same = Request::new(
+        RequestId(3),
+        Origin(0),
+        "r3".into(),
+        (0..10).map(|i| 100 + i).collect(),
+        SamplingParams::greedy(3),
+        0,
+    );
+    same.cache_salt = 77;
+    h.s.add(same);
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
+    assert_eq!(plan.entries[0].cached_blocks, 2, "same salt: hit");
+}

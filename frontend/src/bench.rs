@@ -512,6 +512,7 @@ impl EngineTarget {
                 prompt_token_ids: prompt,
                 sampling,
                 arrival_time,
+                cache_salt: None,
             }))
             .await?;
         let mut s = Sample::default();

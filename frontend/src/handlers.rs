@@ -232,6 +232,7 @@ async fn generate(
                 prompt_token_ids: prompt.to_vec(),
                 sampling,
                 arrival_time,
+                cache_salt: v.cache_salt.clone(),
             });
             specs.push(ChoiceSpec {
                 engine_id,
@@ -249,6 +250,7 @@ async fn generate(
         events,
         guard,
         num_choices,
+        choices_per_prompt: n,
         prompt_tokens,
     };
     let meta = ResponseMeta {

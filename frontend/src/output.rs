@@ -46,6 +46,8 @@ pub struct ChoiceDelta {
     pub logprobs: Vec<TokenLogprob>,
     /// `stop`, `length` or `abort` on the choice's last delta.
     pub finish_reason: Option<&'static str>,
+    /// Prompt tokens served from the engine's prefix cache (on the choice's first output).
+    pub cached_tokens: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -191,7 +193,7 @@ impl Processor {
             new_token_ids,
             logprobs,
             finish,
-            num_cached_tokens: _,
+            num_cached_tokens,
         } = out;
         let Some(state) = self.choices.get_mut(&request_id) else {
             return;
@@ -273,6 +275,7 @@ impl Processor {
             num_tokens: n,
             logprobs,
             finish_reason,
+            cached_tokens: num_cached_tokens,
         });
         if state.tx.send(event).is_err() {
             // Nobody listens any more (the handler is gone): stop generating.

@@ -35,7 +35,17 @@ pub struct Generation {
     pub events: mpsc::UnboundedReceiver<Event>,
     pub guard: CancelGuard,
     pub num_choices: u32,
+    /// Choices per prompt (`n`): choice `i` belongs to prompt `i / n`.
+    pub choices_per_prompt: u32,
     pub prompt_tokens: u32,
+}
+
+impl Generation {
+    /// Cached prompt tokens are counted once per prompt (from its first choice), as
+    /// `prompt_tokens` is.
+    fn counts_cached(&self, index: u32) -> bool {
+        index.is_multiple_of(self.choices_per_prompt.max(1))
+    }
 }
 
 /// What every chunk of one response repeats.
@@ -237,6 +247,7 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
     }
     let mut open = gen.num_choices;
     let mut completion_tokens = 0u32;
+    let mut cached_tokens = 0u32;
     let mut offsets = vec![0usize; gen.num_choices as usize];
     while open > 0 {
         let event = tokio::select! {
@@ -246,6 +257,9 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
         let chunk_ok = match event {
             Some(Event::Delta(d)) => {
                 completion_tokens += d.num_tokens;
+                if gen.counts_cached(d.index) {
+                    cached_tokens += d.cached_tokens.unwrap_or(0);
+                }
                 let mut ok = true;
                 if !d.text.is_empty() || !d.logprobs.is_empty() {
                     ok = send(w.text(&d, &mut offsets[d.index as usize])).await;
@@ -272,7 +286,11 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
             return;
         }
     }
-    if meta.include_usage && !send(w.usage(Usage::new(gen.prompt_tokens, completion_tokens))).await
+    if meta.include_usage
+        && !send(w.usage(
+            Usage::new(gen.prompt_tokens, completion_tokens).with_cached_tokens(cached_tokens),
+        ))
+        .await
     {
         return;
     }
@@ -283,9 +301,13 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
 pub async fn collect(meta: &ResponseMeta, mut gen: Generation) -> Result<String, ApiError> {
     let mut acc = vec![ChoiceAcc::default(); gen.num_choices as usize];
     let mut open = gen.num_choices;
+    let mut cached_tokens = 0u32;
     while open > 0 {
         match gen.events.recv().await {
             Some(Event::Delta(d)) => {
+                if gen.counts_cached(d.index) {
+                    cached_tokens += d.cached_tokens.unwrap_or(0);
+                }
                 let a = &mut acc[d.index as usize];
                 a.text.push_str(&d.text);
                 a.tokens += d.num_tokens;
@@ -299,7 +321,8 @@ pub async fn collect(meta: &ResponseMeta, mut gen: Generation) -> Result<String,
             None => return Err(ApiError::internal("the request's output channel closed")),
         }
     }
-    let usage = Usage::new(gen.prompt_tokens, acc.iter().map(|a| a.tokens).sum());
+    let usage = Usage::new(gen.prompt_tokens, acc.iter().map(|a| a.tokens).sum())
+        .with_cached_tokens(cached_tokens);
     let body = match meta.kind {
         Kind::Completion => serde_json::to_string(&Completion {
             id: &meta.id,
@@ -392,6 +415,7 @@ mod tests {
                 events,
                 guard,
                 num_choices: n,
+                choices_per_prompt: n,
                 prompt_tokens: 5,
             },
             tx,
@@ -410,6 +434,16 @@ mod tests {
         }
     }
 
+    fn cached(e: Event, n: u32) -> Event {
+        match e {
+            Event::Delta(d) => Event::Delta(ChoiceDelta {
+                cached_tokens: Some(n),
+                ..d
+            }),
+            other => other,
+        }
+    }
+
     fn delta(index: u32, text: &str, finish: Option<&'static str>) -> Event {
         Event::Delta(ChoiceDelta {
             index,
@@ -417,6 +451,7 @@ mod tests {
             num_tokens: 1,
             logprobs: vec![],
             finish_reason: finish,
+            cached_tokens: None,
         })
     }
 
@@ -444,8 +479,8 @@ mod tests {
             meta(Kind::Chat, true),
             2,
             vec![
-                delta(0, "He", None),
-                delta(1, "Yo", Some("length")),
+                cached(delta(0, "He", None), 4),
+                cached(delta(1, "Yo", Some("length")), 4),
                 delta(0, "llo", Some("stop")),
             ],
         )
@@ -465,7 +500,9 @@ mod tests {
         assert_eq!(usage["choices"], serde_json::json!([]));
         assert_eq!(
             usage["usage"],
-            serde_json::json!({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8})
+            serde_json::json!({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                "prompt_tokens_details": {"cached_tokens": 4}}),
+            "cached prompt tokens count once per prompt, like prompt_tokens"
         );
         assert_eq!(out[8], "data: [DONE]\n\n");
         // Every chunk but the usage one has exactly one choice; finish reasons only on finals.

@@ -58,6 +58,8 @@ fn serve_end_to_end() {
         eprintln!("n and seeds: {:?}", t.elapsed());
         logprobs(&api).await;
         eprintln!("logprobs: {:?}", t.elapsed());
+        prefix_cache_and_salt(&api).await;
+        eprintln!("prefix cache: {:?}", t.elapsed());
         concurrent_streams(&api).await;
         eprintln!("32 concurrent streams: {:?}", t.elapsed());
         bad_input_table(&api).await;
@@ -135,6 +137,46 @@ fn chat(content: &str, max_tokens: u32, extra: Value) -> Value {
     v
 }
 
+/// A repeated long prompt is served from the prefix cache and says so in
+/// `usage.prompt_tokens_details.cached_tokens`; another `cache_salt` shares nothing.
+async fn prefix_cache_and_salt(api: &Api) {
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(12);
+    let cached = |v: &Value| {
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let (status, first) = api
+        .post_json(
+            "/v1/completions",
+            &completion(&prompt, 2, json!({"cache_salt": "e2e-a", "temperature": 0})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    let (_, second) = api
+        .post_json(
+            "/v1/completions",
+            &completion(&prompt, 2, json!({"cache_salt": "e2e-a", "temperature": 0})),
+        )
+        .await;
+    let prompt_tokens = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached(&second) >= 16 && cached(&second) < prompt_tokens,
+        "second request hits the cache: {second}"
+    );
+    assert_eq!(
+        first["choices"][0]["text"], second["choices"][0]["text"],
+        "cached KV gives the same greedy text"
+    );
+    let (_, other) = api
+        .post_json(
+            "/v1/completions",
+            &completion(&prompt, 2, json!({"cache_salt": "e2e-b", "temperature": 0})),
+        )
+        .await;
+    assert_eq!(cached(&other), 0, "another salt shares nothing: {other}");
+}
+
 async fn stream_equals_non_stream(api: &Api) {
     for (path, body) in [
         (
@@ -178,7 +220,15 @@ async fn stream_equals_non_stream(api: &Api) {
         );
         let usage_chunk = &st.chunks()[st.chunks().len() - 1];
         assert_eq!(usage_chunk["choices"], json!([]));
-        assert_eq!(usage_chunk["usage"], full["usage"]);
+        // The same request a second time may be served from the prefix cache: compare all
+        // but the cached count, which the streamed (second) run reports.
+        let strip = |u: &Value| {
+            let mut u = u.clone();
+            u.as_object_mut().unwrap().remove("prompt_tokens_details");
+            u
+        };
+        assert_eq!(strip(&usage_chunk["usage"]), strip(&full["usage"]));
+        assert!(usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
         // Shapes, as OpenAI sends them.
         if path == "/v1/chat/completions" {
             assert_eq!(full["object"], "chat.completion");

@@ -137,6 +137,7 @@ mod tests {
                 prompt_token_ids: vec![1, 2, 3, u32::MAX],
                 sampling: sampling(),
                 arrival_time: 1_700_000_000.125,
+                cache_salt: Some("tenant-7".into()),
             }),
             FrontendMessage::Abort(Abort {
                 request_ids: vec!["a".into(), "b".into()],

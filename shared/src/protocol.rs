@@ -91,6 +91,9 @@ pub struct EngineCoreRequest {
     pub sampling: SamplingParams,
     /// Seconds since the Unix epoch when the front end received the request.
     pub arrival_time: f64,
+    /// Only requests with the same salt share prefix-cache blocks (e.g. one salt per tenant).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

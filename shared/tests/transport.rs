@@ -49,6 +49,7 @@ fn request(id: &str, prompt: Vec<TokenId>) -> FrontendMessage {
         prompt_token_ids: prompt,
         sampling: SamplingParams::greedy(4),
         arrival_time: 0.0,
+        cache_salt: None,
     })
 }
 

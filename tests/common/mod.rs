@@ -153,6 +153,7 @@ impl Client {
             prompt_token_ids: prompt,
             sampling,
             arrival_time: 0.0,
+            cache_salt: None,
         };
         self.client
             .send(FrontendMessage::Request(req))

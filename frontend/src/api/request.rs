@@ -58,6 +58,8 @@ pub struct SamplingFields {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub user: Option<String>,
+    /// vLLM's `cache_salt`: only requests with the same salt share prefix-cache blocks.
+    pub cache_salt: Option<String>,
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     pub best_of: Option<i64>,
 }
@@ -179,6 +181,7 @@ pub struct Validated {
     pub n: u32,
     pub stream: bool,
     pub include_usage: bool,
+    pub cache_salt: Option<String>,
 }
 
 /// Limits the validation needs from the engine and the front end's options.
@@ -223,6 +226,7 @@ impl SamplingFields {
             stream,
             stream_options,
             user: _,
+            cache_salt,
             logit_bias,
             best_of,
         } = self;
@@ -341,6 +345,7 @@ impl SamplingFields {
             },
             n,
             stream,
+            cache_salt: cache_salt.clone(),
             include_usage: stream
                 && stream_options
                     .as_ref()

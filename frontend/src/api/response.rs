@@ -8,6 +8,13 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's `usage.prompt_tokens_details`: prompt tokens served from the prefix cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
 }
 
 impl Usage {
@@ -16,7 +23,13 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails::default(),
         }
+    }
+
+    pub fn with_cached_tokens(mut self, cached_tokens: u32) -> Self {
+        self.prompt_tokens_details.cached_tokens = cached_tokens;
+        self
     }
 }
 
@@ -248,7 +261,7 @@ mod tests {
     fn usage_and_logprob_maps() {
         assert_eq!(
             serde_json::to_value(Usage::new(3, 4)).unwrap(),
-            json!({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7})
+            json!({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}})
         );
         let m = OrderedMap(vec![("z".into(), -0.5), ("a".into(), -1.0)]);
         assert_eq!(serde_json::to_string(&m).unwrap(), r#"{"z":-0.5,"a":-1.0}"#);

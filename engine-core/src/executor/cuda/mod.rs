@@ -272,13 +272,13 @@ impl CudaExecutor {
             "cuStreamCreate",
         )?;
         let mc = dir.config.clone();
-        if mc.head_dim % 64 != 0 || mc.head_dim > harrier_kernels::MAX_HEAD_DIM {
+        if !mc.head_dim.is_multiple_of(64) || mc.head_dim > harrier_kernels::MAX_HEAD_DIM {
             bail!(
                 "head_dim {} is not supported by the CUDA kernels (a multiple of 64 up to 256)",
                 mc.head_dim
             );
         }
-        if mc.num_heads % mc.num_kv_heads != 0 {
+        if !mc.num_heads.is_multiple_of(mc.num_kv_heads) {
             bail!(
                 "num_heads {} is not a multiple of num_kv_heads {}",
                 mc.num_heads,
@@ -333,6 +333,7 @@ impl CudaExecutor {
         }
         // SAFETY: stream created above.
         ck(
+            // SAFETY: `compute` is a live stream owned by this executor.
             unsafe { dr::stream::synchronize(compute) },
             "synchronising after the upload",
         )?;
@@ -744,6 +745,7 @@ impl CudaExecutor {
         let s = &mut self.slots[slot];
         // SAFETY: event recorded by finalize_sampling.
         ck(
+            // SAFETY: `copy_done` is a live event owned by this slot, recorded on the copy stream.
             unsafe { dr::event::synchronize(s.copy_done) },
             "waiting for the step",
         )?;

@@ -213,6 +213,7 @@ impl GpuModel {
     }
 
     /// `y[rows, n] = x[rows, k] · w[n, k]ᵀ` (bf16 in, fp32 accumulation, bf16 or f32 out).
+    #[allow(clippy::too_many_arguments)] // a GEMM's shape and operands; a struct would only rename them
     fn gemm(
         &self,
         x: u64,
@@ -296,7 +297,7 @@ impl GpuModel {
                 m.n_samples
             );
         }
-        // SAFETY (all launches below): buffers are sized for max_tokens rows (checked above) and
+        // SAFETY: (all launches below) buffers are sized for max_tokens rows (checked above) and
         // the metadata addresses come from the slot (caller's contract).
         unsafe {
             k.embed_tokens(
