@@ -3,6 +3,9 @@
 //!
 //! - `parity --model DIR --prompts FILE --steps N --out DIR`: greedy decode of every prompt
 //!   (all prompts in one batch), writing `tokens.json` and `logits.bin` (f32 [prompt][step][vocab]).
+//! - `check-attention [--cases N]`: the paged attention kernel against an f64 reference on
+//!   fresh random inputs (random lengths, chunk sizes, shuffled block tables, GQA 1-8, head
+//!   dims 64 and 128, sliding windows), outputs poisoned with NaN before each launch.
 //! - `bench --model DIR [--batches 1,8,32,128] [--context 512] [--steps 64] [--json FILE]`:
 //!   copy bandwidth, bf16 GEMM rate, decode step time (pipelined and synchronous, GPU idle gap
 //!   between steps), prefill tokens/s (8 x 2048).
@@ -423,6 +426,157 @@ fn main() -> anyhow::Result<()> {
     match cmd.as_str() {
         "parity" => parity(&a),
         "bench" => bench(&a),
-        _ => bail!("usage: harrier-cuda-tool parity|bench --model DIR ..."),
+        "check-attention" => check_attention(&a),
+        _ => bail!("usage: harrier-cuda-tool parity|bench|check-attention ..."),
     }
+}
+
+/// splitmix64: a small deterministic generator for test inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    /// A bf16 value in [-1, 1) and its exact f64.
+    fn bf16(&mut self) -> (u16, f64) {
+        let v = half::bf16::from_f64((self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0);
+        (v.to_bits(), v.to_f64())
+    }
+}
+
+fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    use harrier_kernels::cudarc::driver::CudaContext;
+    let cases: usize = a.get("cases").map(|c| c.parse()).transpose()?.unwrap_or(48);
+    let ctx = CudaContext::new(0).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    // SAFETY: this tool orders its work on one stream and synchronises before reading.
+    unsafe { ctx.disable_event_tracking() };
+    ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let (major, minor) = ctx.compute_capability().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let k = harrier_kernels::Kernels::load(harrier_kernels::arch_name(major, minor)?)?;
+    let mut rng = Rng(0x5eed_a77e);
+    let mut worst = 0.0f64;
+    println!("| case | seqs | tokens | max ctx | heads/kv | head_dim | window | rel. error | unwritten |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for case in 0..cases {
+        let hd = [64usize, 128][case % 2];
+        let group = [1usize, 2, 4, 8][(case / 2) % 4];
+        let nkv = 1 + rng.below(3) as usize;
+        let nh = nkv * group;
+        let bs = 16usize;
+        let window = if case % 5 == 4 { 1 + rng.below(48) as i32 } else { 0 };
+        let seqs = 1 + rng.below(4) as usize;
+        // Per sequence: context length after the chunk, and the chunk (queries) at its end.
+        let lens: Vec<usize> = (0..seqs).map(|_| 1 + rng.below(400) as usize).collect();
+        let chunks: Vec<usize> = lens.iter().map(|&l| 1 + rng.below(l.min(9) as u64) as usize).collect();
+        let blocks_per: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+        let bt_stride = *blocks_per.iter().max().unwrap();
+        let num_blocks = blocks_per.iter().sum::<usize>() + 7;
+        // A random permutation of the blocks, dealt to the sequences.
+        let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
+        for i in (1..perm.len()).rev() {
+            perm.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let mut tables = vec![0i32; seqs * bt_stride];
+        let mut next = 0;
+        for s in 0..seqs {
+            for b in 0..blocks_per[s] {
+                tables[s * bt_stride + b] = perm[next];
+                next += 1;
+            }
+        }
+        let slots = num_blocks * bs;
+        let (kc, kf): (Vec<u16>, Vec<f64>) = (0..slots * nkv * hd).map(|_| rng.bf16()).unzip();
+        let (vc, vf): (Vec<u16>, Vec<f64>) = (0..slots * nkv * hd).map(|_| rng.bf16()).unzip();
+        let mut tok_seq = Vec::new();
+        let mut positions = Vec::new();
+        for s in 0..seqs {
+            for j in 0..chunks[s] {
+                tok_seq.push(s as i32);
+                positions.push((lens[s] - chunks[s] + j) as i32);
+            }
+        }
+        let t = tok_seq.len();
+        let q_stride = nh * hd + 2 * nkv * hd; // q inside a fused qkv row, as the model uses it
+        let (q, qf): (Vec<u16>, Vec<f64>) = (0..t * q_stride).map(|_| rng.bf16()).unzip();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut out = vec![0u16; t * nh * hd];
+        // SAFETY: every buffer is allocated with the byte size of its host twin, the block
+        // tables name blocks below `num_blocks`, and the stream is synchronised before reading.
+        unsafe {
+            let up = |v: &[u8]| -> anyhow::Result<u64> {
+                let d = dr::malloc_sync(v.len().max(4))?;
+                dr::memcpy_htod_sync(d, v)?;
+                Ok(d)
+            };
+            let bytes = |v: &[u16]| std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 2).to_vec();
+            let ibytes = |v: &[i32]| std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 4).to_vec();
+            let d_k = up(&bytes(&kc))?;
+            let d_v = up(&bytes(&vc))?;
+            let d_q = up(&bytes(&q))?;
+            let d_ts = up(&ibytes(&tok_seq))?;
+            let d_pos = up(&ibytes(&positions))?;
+            let d_bt = up(&ibytes(&tables))?;
+            let d_out = dr::malloc_sync(out.len() * 2)?;
+            dr::memset_d8_sync(d_out, 0xFF, out.len() * 2)?; // NaN poison
+            let stream = dr::stream::create(dr::stream::StreamKind::NonBlocking)?;
+            k.paged_attention(
+                stream, d_out, d_q, q_stride as i32, d_k, d_v, d_ts, d_pos, d_bt, bt_stride as i32, nh as i32, nkv as i32, hd as i32, bs as i32, scale, window, t as u32,
+            )?;
+            dr::stream::synchronize(stream)?;
+            dr::memcpy_dtoh_sync(&mut out, d_out)?;
+            for d in [d_k, d_v, d_q, d_ts, d_pos, d_bt, d_out] {
+                dr::free_sync(d)?;
+            }
+            dr::stream::destroy(stream)?;
+        }
+        // f64 reference over the same bf16 inputs.
+        let (mut num, mut den, mut unwritten) = (0.0f64, 0.0f64, 0usize);
+        for ti in 0..t {
+            let s = tok_seq[ti] as usize;
+            let pos = positions[ti] as usize;
+            let start = if window > 0 { (pos + 1).saturating_sub(window as usize) } else { 0 };
+            for h in 0..nh {
+                let kh = h / group;
+                let qv = &qf[ti * q_stride + h * hd..ti * q_stride + (h + 1) * hd];
+                let slot = |p: usize| tables[s * bt_stride + p / bs] as usize * bs + p % bs;
+                let scores: Vec<f64> = (start..=pos)
+                    .map(|p| {
+                        let base = (slot(p) * nkv + kh) * hd;
+                        qv.iter().zip(&kf[base..base + hd]).map(|(a, b)| a * b).sum::<f64>() * scale as f64
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = w.iter().sum();
+                for d in 0..hd {
+                    let r: f64 = (start..=pos).zip(&w).map(|(p, wi)| wi * vf[(slot(p) * nkv + kh) * hd + d]).sum::<f64>() / z;
+                    let got = half::bf16::from_bits(out[ti * nh * hd + h * hd + d]).to_f64();
+                    if got.is_nan() {
+                        unwritten += 1;
+                    }
+                    num += (got - r).powi(2);
+                    den += r * r;
+                }
+            }
+        }
+        let rel = (num / den.max(1e-30)).sqrt();
+        worst = worst.max(if rel.is_nan() { f64::INFINITY } else { rel });
+        println!("| {case} | {seqs} | {t} | {} | {nh}/{nkv} | {hd} | {window} | {rel:.2e} | {unwritten} |", lens.iter().max().unwrap());
+        if unwritten > 0 {
+            bail!("case {case}: {unwritten} output elements were not written");
+        }
+    }
+    println!("worst relative error over {cases} cases: {worst:.2e} (bf16 output rounding is ~2e-3)");
+    if worst > 1e-2 {
+        bail!("paged attention differs from the f64 reference: {worst:.2e}");
+    }
+    Ok(())
 }
