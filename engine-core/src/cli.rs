@@ -125,6 +125,83 @@ pub struct BuiltEngine<E: crate::executor::Executor = CpuExecutor> {
     pub info: EngineInfo,
 }
 
+/// The model's context length, or `--max-model-len` if it fits the model.
+fn model_len_limit(args: &EngineCoreArgs, mc: &crate::model::ModelConfig) -> anyhow::Result<u32> {
+    match args.max_model_len {
+        Some(n) if n as usize > mc.max_position_embeddings => bail!(
+            "--max-model-len {n} exceeds the model's max_position_embeddings ({})",
+            mc.max_position_embeddings
+        ),
+        Some(n) => Ok(n),
+        None => Ok(mc.max_position_embeddings as u32),
+    }
+}
+
+/// The validated engine configuration once the KV pool size is known. Without an explicit
+/// `--max-model-len` the context is capped by what the pool can hold.
+fn engine_config(
+    args: &EngineCoreArgs,
+    model_len: u32,
+    num_kv_blocks: u32,
+) -> anyhow::Result<EngineConfig> {
+    let kv_tokens = num_kv_blocks.saturating_sub(1) * args.block_size;
+    let cfg = EngineConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len: if args.max_model_len.is_some() {
+            model_len
+        } else {
+            model_len.min(kv_tokens)
+        },
+        block_size: args.block_size,
+        num_kv_blocks,
+        pipeline: if args.sync {
+            PipelineDepth::Sync
+        } else {
+            PipelineDepth::Async
+        },
+        max_logprobs: args.max_logprobs,
+        enable_prefix_caching: !args.no_prefix_caching,
+        policy: args.scheduling_policy,
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Wraps a backend into an engine and the handshake answer front ends receive.
+fn finish_engine<E: crate::executor::Executor>(
+    args: &EngineCoreArgs,
+    dir: &ModelDir,
+    cfg: EngineConfig,
+    exec: E,
+) -> anyhow::Result<BuiltEngine<E>> {
+    let mc = &dir.config;
+    let facts = ModelFacts {
+        vocab_size: mc.vocab_size as u32,
+        eos_token_ids: dir.generation.eos_token_ids.clone(),
+    };
+    let info = EngineInfo {
+        protocol_version: PROTOCOL_VERSION,
+        engine_version: env!("CARGO_PKG_VERSION").to_string(),
+        model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| dir.name.clone()),
+        max_model_len: cfg.max_model_len,
+        vocab_size: mc.vocab_size as u32,
+        eos_token_ids: facts.eos_token_ids.clone(),
+        limits: EngineLimits {
+            max_num_seqs: cfg.max_num_seqs,
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_logprobs: cfg.max_logprobs,
+            block_size: cfg.block_size,
+            num_kv_blocks: cfg.num_kv_blocks,
+        },
+    };
+    let engine = EngineCore::new(cfg, facts, exec)?;
+    Ok(BuiltEngine { engine, info })
+}
+
 /// Loads the model and builds the CPU engine described by `args`.
 pub fn build_cpu_engine(
     args: &EngineCoreArgs,
@@ -141,33 +218,8 @@ pub fn build_cpu_engine(
         Some(n) => n,
         None => ((args.kv_cache_mib << 20) / bytes_per_block).min(u32::MAX as u64) as u32,
     };
-    let kv_tokens = (num_kv_blocks.saturating_sub(1)) * args.block_size;
-    let max_model_len = match args.max_model_len {
-        Some(n) if n as usize > mc.max_position_embeddings => {
-            bail!(
-                "--max-model-len {n} exceeds the model's max_position_embeddings ({})",
-                mc.max_position_embeddings
-            )
-        }
-        Some(n) => n,
-        None => (mc.max_position_embeddings as u32).min(kv_tokens),
-    };
-    let cfg = EngineConfig {
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        max_model_len,
-        block_size: args.block_size,
-        num_kv_blocks,
-        pipeline: if args.sync {
-            PipelineDepth::Sync
-        } else {
-            PipelineDepth::Async
-        },
-        max_logprobs: args.max_logprobs,
-        enable_prefix_caching: !args.no_prefix_caching,
-        policy: args.scheduling_policy,
-    };
-    cfg.validate()?;
+    let cfg = engine_config(args, model_len_limit(args, mc)?, num_kv_blocks)?;
+    let (max_model_len, kv_tokens) = (cfg.max_model_len, (num_kv_blocks - 1) * args.block_size);
     tracing::info!(
         model = %dir.name,
         load_s = format!("{:.2}", started.elapsed().as_secs_f64()),
@@ -187,30 +239,7 @@ pub fn build_cpu_engine(
             max_rows: args.max_num_seqs,
         },
     )?;
-    let facts = ModelFacts {
-        vocab_size: mc.vocab_size as u32,
-        eos_token_ids: dir.generation.eos_token_ids.clone(),
-    };
-    let info = EngineInfo {
-        protocol_version: PROTOCOL_VERSION,
-        engine_version: env!("CARGO_PKG_VERSION").to_string(),
-        model_name: args
-            .served_model_name
-            .clone()
-            .unwrap_or_else(|| dir.name.clone()),
-        max_model_len,
-        vocab_size: mc.vocab_size as u32,
-        eos_token_ids: facts.eos_token_ids.clone(),
-        limits: EngineLimits {
-            max_num_seqs: cfg.max_num_seqs,
-            max_num_batched_tokens: cfg.max_num_batched_tokens,
-            max_logprobs: cfg.max_logprobs,
-            block_size: cfg.block_size,
-            num_kv_blocks: cfg.num_kv_blocks,
-        },
-    };
-    let engine = EngineCore::new(cfg, facts, exec)?;
-    Ok(BuiltEngine { engine, info })
+    finish_engine(args, &dir, cfg, exec)
 }
 
 /// Loads the model onto the GPU and builds the CUDA engine described by `args`.
@@ -224,14 +253,7 @@ pub fn build_cuda_engine(
         .with_context(|| format!("opening model directory {}", model_dir.display()))?;
     let mc = &dir.config;
     let started = std::time::Instant::now();
-    let max_model_len = match args.max_model_len {
-        Some(n) if n as usize > mc.max_position_embeddings => bail!(
-            "--max-model-len {n} exceeds the model's max_position_embeddings ({})",
-            mc.max_position_embeddings
-        ),
-        Some(n) => n,
-        None => mc.max_position_embeddings as u32,
-    };
+    let max_model_len = model_len_limit(args, mc)?;
     let (exec, start) = CudaExecutor::new(
         &dir,
         &CudaExecutorConfig {
@@ -246,27 +268,8 @@ pub fn build_cuda_engine(
     )
     .with_context(|| format!("starting the CUDA backend for {}", model_dir.display()))?;
     let num_kv_blocks = start.kv_blocks;
-    let kv_tokens = (num_kv_blocks.saturating_sub(1)) * args.block_size;
-    let max_model_len = match args.max_model_len {
-        Some(n) => n,
-        None => max_model_len.min(kv_tokens),
-    };
-    let cfg = EngineConfig {
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        max_model_len,
-        block_size: args.block_size,
-        num_kv_blocks,
-        pipeline: if args.sync {
-            PipelineDepth::Sync
-        } else {
-            PipelineDepth::Async
-        },
-        max_logprobs: args.max_logprobs,
-        enable_prefix_caching: !args.no_prefix_caching,
-        policy: args.scheduling_policy,
-    };
-    cfg.validate()?;
+    let cfg = engine_config(args, max_model_len, num_kv_blocks)?;
+    let max_model_len = cfg.max_model_len;
     tracing::info!(
         model = %dir.name,
         device = %start.device_name,
@@ -282,30 +285,7 @@ pub fn build_cuda_engine(
         pipeline = ?cfg.pipeline,
         "CUDA engine configured"
     );
-    let facts = ModelFacts {
-        vocab_size: mc.vocab_size as u32,
-        eos_token_ids: dir.generation.eos_token_ids.clone(),
-    };
-    let info = EngineInfo {
-        protocol_version: PROTOCOL_VERSION,
-        engine_version: env!("CARGO_PKG_VERSION").to_string(),
-        model_name: args
-            .served_model_name
-            .clone()
-            .unwrap_or_else(|| dir.name.clone()),
-        max_model_len,
-        vocab_size: mc.vocab_size as u32,
-        eos_token_ids: facts.eos_token_ids.clone(),
-        limits: EngineLimits {
-            max_num_seqs: cfg.max_num_seqs,
-            max_num_batched_tokens: cfg.max_num_batched_tokens,
-            max_logprobs: cfg.max_logprobs,
-            block_size: cfg.block_size,
-            num_kv_blocks: cfg.num_kv_blocks,
-        },
-    };
-    let engine = EngineCore::new(cfg, facts, exec)?;
-    Ok(BuiltEngine { engine, info })
+    finish_engine(args, &dir, cfg, exec)
 }
 
 /// Whether a CUDA device is usable: libcuda loads (cudarc's library-presence check, no panic)
