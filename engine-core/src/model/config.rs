@@ -286,8 +286,9 @@ impl ModelDir {
     }
 }
 
-fn read_json(path: &Path) -> Result<Map<String, Value>, ModelError> {
-    let bytes = std::fs::read(path).map_err(|e| {
+impl ModelError {
+    /// A failed read of `path`: missing files get their own variant.
+    pub(crate) fn io(path: &Path, e: std::io::Error) -> ModelError {
         if e.kind() == std::io::ErrorKind::NotFound {
             ModelError::MissingFile {
                 path: path.to_path_buf(),
@@ -298,7 +299,11 @@ fn read_json(path: &Path) -> Result<Map<String, Value>, ModelError> {
                 source: e,
             }
         }
-    })?;
+    }
+}
+
+fn read_json(path: &Path) -> Result<Map<String, Value>, ModelError> {
+    let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|e| ModelError::Json {
         path: path.to_path_buf(),
         source: e,

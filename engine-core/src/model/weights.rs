@@ -332,18 +332,7 @@ impl Checkpoint {
 }
 
 fn map_file(path: &Path) -> Result<Mmap, ModelError> {
-    let file = File::open(path).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            ModelError::MissingFile {
-                path: path.to_path_buf(),
-            }
-        } else {
-            ModelError::Io {
-                path: path.to_path_buf(),
-                source: e,
-            }
-        }
-    })?;
+    let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
     // SAFETY: the map is read-only and private to this process. Another process truncating or
     // rewriting a checkpoint while it is loaded is outside what we can guard against (every
     // mmap-based loader, transformers' included, shares this caveat).
