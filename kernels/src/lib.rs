@@ -38,6 +38,14 @@ pub const MASK_CAP: usize = 16;
 /// Largest head dimension `paged_attention` supports.
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// Threads of a `paged_attention` block: `ATT_WARPS` (harrier.cu) warps of 32.
+const ATT_THREADS: u32 = 16 * 32;
+
+/// Threads of an `add_rmsnorm` block (one block per row). 1,024 rather than 256: at batch 1
+/// the kernel is one block whose dependent loads are the whole cost (8.8 us per call on the
+/// H200 profile with 256).
+const NORM_THREADS: u32 = 1024;
+
 /// Per-row sampling state on the device; mirrors `struct RowParams` in the source.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -266,7 +274,7 @@ impl Kernels {
     ) -> anyhow::Result<()> {
         let mut p = params![resid, delta, w, out, rows, hidden, eps];
         // SAFETY: argument types match the kernel's.
-        unsafe { self.launch("add_rmsnorm", (n, 1, 1), 256, s, &mut p) }
+        unsafe { self.launch("add_rmsnorm", (n, 1, 1), NORM_THREADS, s, &mut p) }
     }
 
     /// Q/K norm (when the norm weights are not 0), RoPE and the KV cache write for `n` tokens.
@@ -381,7 +389,7 @@ impl Kernels {
             window
         ];
         // SAFETY: argument types match the kernel's.
-        unsafe { self.launch("paged_attention", (n, nh as u32, 1), 128, s, &mut p) }
+        unsafe { self.launch("paged_attention", (n, nh as u32, 1), ATT_THREADS, s, &mut p) }
     }
 
     /// `rows[init_rows[i]] = inits[i]`, `i < n`.
@@ -506,6 +514,17 @@ pub fn preload_nvrtc_from_env() -> anyhow::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attention_block_size_matches_the_source() {
+        let warps: u32 = SOURCE
+            .lines()
+            .find_map(|l| l.strip_prefix("#define ATT_WARPS "))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .expect("ATT_WARPS defined in harrier.cu");
+        assert_eq!(warps * 32, ATT_THREADS, "launch block must be ATT_WARPS warps");
+    }
 
     #[test]
     fn kernel_list_matches_source() {
