@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# End to end on the GPU machine: `harrier serve --device cuda` (engine core + 2 front ends)
+# on the llama-3.2-1b shape with the real Llama 3 tokenizer, streaming chat and completion
+# requests over HTTP, /health and /metrics, then SIGTERM and a clean exit.
+# Carry .gpu/harrier and .gpu/tokenizer.json (the release binary and the tokenizer).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-/tmp/harrier-serve-out}"; mkdir -p "$OUT"
+M=/tmp/harrier-e2e-1b
+.gpu/harrier gen-model --preset llama-3.2-1b --out "$M" --tokenizer .gpu/tokenizer.json 2>&1 | tail -1
+.gpu/harrier serve --model "$M" --device cuda --api-server-count 2 --port 8123 >"$OUT/serve.out" 2>"$OUT/serve.err" &
+PID=$!
+for _ in $(seq 1 240); do grep -q "Harrier is serving" "$OUT/serve.out" && break; sleep 0.5; done
+cat "$OUT/serve.out"; grep -i "CUDA engine configured" "$OUT/serve.err" | sed 's/\x1b\[[0-9;]*m//g'
+echo "== health: $(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8123/health)"
+echo "== streaming chat"
+curl -sN http://127.0.0.1:8123/v1/chat/completions -H 'Content-Type: application/json' -d '{
+  "model": "harrier-e2e-1b", "messages": [{"role": "user", "content": "Hello from the GPU!"}],
+  "max_tokens": 24, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}' | tee "$OUT/chat.sse" | tail -4
+echo "== completion (non-streaming, seeded, n=2)"
+curl -s http://127.0.0.1:8123/v1/completions -H 'Content-Type: application/json' -d '{
+  "model": "harrier-e2e-1b", "prompt": "The quick brown fox", "max_tokens": 16, "n": 2, "seed": 7, "temperature": 0.8}' | tee "$OUT/completion.json" | head -c 600; echo
+echo "== 32 concurrent streams"
+CURLS=()
+for i in $(seq 1 32); do
+  curl -sN http://127.0.0.1:8123/v1/completions -H 'Content-Type: application/json' -d "{\"model\": \"harrier-e2e-1b\", \"prompt\": \"Request $i:\", \"max_tokens\": 32, \"stream\": true}" > "$OUT/s$i.sse" &
+  CURLS+=($!)
+done
+wait "${CURLS[@]}"
+done_count=$(grep -l "data: \[DONE\]" "$OUT"/s*.sse | wc -l); echo "streams ending with [DONE]: $done_count/32"
+curl -s http://127.0.0.1:8123/metrics | grep -E "^harrier_(requests_total|generation_tokens_total|engine_kv)" | head -8
+kill -TERM "$PID"; wait "$PID"; echo "serve exit status: $?"
