@@ -187,14 +187,22 @@ extern "C" __global__ void silu_mul(bf16* out, const bf16* gu, int inter, long l
 // Paged attention, decode and prefill alike: token t (of sequence tok_seq[t], at position
 // positions[t]) attends causally to positions [start, positions[t]] of its sequence through its
 // block table (start = positions[t] - window + 1 with a sliding window, else 0). The new
-// chunk's K/V must already be in the cache (rope_kv_write). Grid (T, nh), 4 warps per block:
-// warps split the keys, lanes split head_dim (hd / 32 consecutive dims per lane), online
-// softmax per warp, merged at the end. q is read from the qkv rows (stride q_stride).
-#define ATT_WARPS 16  // keys are split across the warps: 16 cut the per-key latency chain 4x vs 4 (H200 profile)
+// chunk's K/V must already be in the cache (rope_kv_write). q is read from the qkv rows
+// (stride q_stride).
+//
+// Grid (T, nh), ATT_WARPS warps per block. Keys go in tiles of 32, tile i to warp
+// i % ATT_WARPS, one key per lane: each lane computes its key's full dot product with q
+// (q scaled, in shared memory; K rows read with 16-byte loads), the warp does one max and one
+// sum per tile (online softmax), then accumulates V with the lanes splitting head_dim
+// (coalesced rows, weights broadcast by shuffles). Warps merge their (max, sum, acc) at the end.
+// Measured on the H200 (1B shape, 500-token context, batch 1): 124 us per layer with one key
+// per warp step and a warp reduction per key, 36 us with 16 warps of that, lane-per-key below.
+#define ATT_WARPS 16
 extern "C" __global__ void paged_attention(bf16* out, const bf16* q, int q_stride, const bf16* k_cache,
                                            const bf16* v_cache, const int* tok_seq, const int* positions,
                                            const int* block_tables, int bt_stride, int nh, int nkv, int hd,
                                            int block_size, float scale, int window) {
+    __shared__ float sq[256];
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
     __shared__ float sm_acc[ATT_WARPS][256];
     int t = blockIdx.x, h = blockIdx.y;
@@ -204,28 +212,47 @@ extern "C" __global__ void paged_attention(bf16* out, const bf16* q, int q_strid
     int pos = positions[t];
     const int* bt = block_tables + (size_t)tok_seq[t] * bt_stride;
     int start = window > 0 ? max(0, pos - window + 1) : 0;
-    float qr[8], acc[8];
-    const bf16* qp = q + (size_t)t * q_stride + (size_t)h * hd + lane * nv;
+    const bf16* qp = q + (size_t)t * q_stride + (size_t)h * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) sq[d] = bf2f(qp[d]) * scale;
+    __syncthreads();
+    float acc[8];
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
-        qr[j] = j < nv ? bf2f(qp[j]) * scale : 0.0f;
-        acc[j] = 0.0f;
-    }
+    for (int j = 0; j < 8; j++) acc[j] = 0.0f;
     float m = NEG_INF, l = 0.0f;
-    for (int p = start + warp; p <= pos; p += ATT_WARPS) {
-        long long slot = (long long)bt[p / block_size] * block_size + p % block_size;
-        size_t base = (size_t)(slot * nkv + kh) * hd + lane * nv;
-        float s = 0.0f;
+    for (int base = start + warp * 32; base <= pos; base += ATT_WARPS * 32) {
+        int p = base + lane;
+        float s = NEG_INF;
+        int slot = 0;
+        if (p <= pos) {
+            slot = bt[p / block_size] * block_size + p % block_size;
+            const uint4* kp = (const uint4*)(k_cache + ((size_t)slot * nkv + kh) * hd);
+            float dot = 0.0f;
+            for (int c = 0; c < (hd >> 3); c++) {
+                uint4 w = kp[c];
+                const float* qc = sq + c * 8;
+                dot += qc[0] * __uint_as_float(w.x << 16) + qc[1] * __uint_as_float(w.x & 0xffff0000u);
+                dot += qc[2] * __uint_as_float(w.y << 16) + qc[3] * __uint_as_float(w.y & 0xffff0000u);
+                dot += qc[4] * __uint_as_float(w.z << 16) + qc[5] * __uint_as_float(w.z & 0xffff0000u);
+                dot += qc[6] * __uint_as_float(w.w << 16) + qc[7] * __uint_as_float(w.w & 0xffff0000u);
+            }
+            s = dot;
+        }
+        // Lane 0's key (p = base) is always valid, so the tile max is finite.
+        float m_new = fmaxf(m, warp_max(s));
+        float corr = __expf(m - m_new);
+        float pe = p <= pos ? __expf(s - m_new) : 0.0f;
+        l = l * corr + warp_sum(pe);
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            if (j < nv) s += qr[j] * bf2f(k_cache[base + j]);
-        s = warp_sum(s);
-        float m_new = fmaxf(m, s);
-        float corr = __expf(m - m_new), pe = __expf(s - m_new);
-        l = l * corr + pe;
+        for (int j = 0; j < 8; j++) acc[j] *= corr;
+        int n_keys = min(32, pos - base + 1);
+        for (int i = 0; i < n_keys; i++) {
+            float wgt = __shfl_sync(0xffffffffu, pe, i);
+            int slot_i = __shfl_sync(0xffffffffu, slot, i);
+            const bf16* vp = v_cache + ((size_t)slot_i * nkv + kh) * hd + lane * nv;
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            if (j < nv) acc[j] = acc[j] * corr + pe * bf2f(v_cache[base + j]);
+            for (int j = 0; j < 8; j++)
+                if (j < nv) acc[j] += wgt * bf2f(vp[j]);
+        }
         m = m_new;
     }
     if (lane == 0) {
