@@ -6,6 +6,9 @@
 //! - `check-attention [--cases N]`: the paged attention kernel against an f64 reference on
 //!   fresh random inputs (random lengths, chunk sizes, shuffled block tables, GQA 1-8, head
 //!   dims 64 and 128, sliding windows), outputs poisoned with NaN before each launch.
+//! - `check-sampling --model DIR`: the GPU sampler's distribution (temperature, top-k, top-p,
+//!   min-p) against the probabilities computed on the host from the same logits: 2,048 seeded
+//!   draws per setting, chi-square at p = 0.001, and no draw outside the kept set.
 //! - `bench --model DIR [--batches 1,8,32,128] [--context 512] [--steps 64] [--json FILE]`:
 //!   copy bandwidth, bf16 GEMM rate, decode step time (pipelined and synchronous, GPU idle gap
 //!   between steps), prefill tokens/s (8 x 2048).
@@ -82,8 +85,18 @@ impl Driver {
         (start, b.new_blocks.len() as u32 - start)
     }
 
-    /// Prefill batch of `prompts` (rows 0..n), each sampled.
+    /// Prefill batch of `prompts` (rows 0..n), each sampled; row i's seed is 1234 + i.
     fn prefill(&mut self, prompts: &[Vec<u32>], params: &SamplingParams) -> ExecBatch {
+        self.prefill_seeded(prompts, params, 1234)
+    }
+
+    /// As [`Self::prefill`] with row i's seed `seed_base + i`.
+    fn prefill_seeded(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+        seed_base: u64,
+    ) -> ExecBatch {
         let mut b = ExecBatch::default();
         self.lens = vec![0; prompts.len()];
         self.blocks = vec![0; prompts.len()];
@@ -92,7 +105,7 @@ impl Driver {
             b.row_inits.push(RowInit {
                 row: RowId(i as u32),
                 sampling: params.clone(),
-                seed: 1234 + i as u64,
+                seed: seed_base + i as u64,
                 min_tokens_mask: vec![],
                 prompt: p.clone(),
                 output: vec![],
@@ -427,6 +440,7 @@ fn main() -> anyhow::Result<()> {
         "parity" => parity(&a),
         "bench" => bench(&a),
         "check-attention" => check_attention(&a),
+        "check-sampling" => check_sampling(&a),
         _ => bail!("usage: harrier-cuda-tool parity|bench|check-attention ..."),
     }
 }
@@ -459,7 +473,9 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
     // SAFETY: this tool orders its work on one stream and synchronises before reading.
     unsafe { ctx.disable_event_tracking() };
     ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let (major, minor) = ctx.compute_capability().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let k = harrier_kernels::Kernels::load(harrier_kernels::arch_name(major, minor)?)?;
     let mut rng = Rng(0x5eed_a77e);
     let mut worst = 0.0f64;
@@ -471,11 +487,18 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let nkv = 1 + rng.below(3) as usize;
         let nh = nkv * group;
         let bs = 16usize;
-        let window = if case % 5 == 4 { 1 + rng.below(48) as i32 } else { 0 };
+        let window = if case % 5 == 4 {
+            1 + rng.below(48) as i32
+        } else {
+            0
+        };
         let seqs = 1 + rng.below(4) as usize;
         // Per sequence: context length after the chunk, and the chunk (queries) at its end.
         let lens: Vec<usize> = (0..seqs).map(|_| 1 + rng.below(400) as usize).collect();
-        let chunks: Vec<usize> = lens.iter().map(|&l| 1 + rng.below(l.min(9) as u64) as usize).collect();
+        let chunks: Vec<usize> = lens
+            .iter()
+            .map(|&l| 1 + rng.below(l.min(9) as u64) as usize)
+            .collect();
         let blocks_per: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
         let bt_stride = *blocks_per.iter().max().unwrap();
         let num_blocks = blocks_per.iter().sum::<usize>() + 7;
@@ -516,8 +539,12 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 dr::memcpy_htod_sync(d, v)?;
                 Ok(d)
             };
-            let bytes = |v: &[u16]| std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 2).to_vec();
-            let ibytes = |v: &[i32]| std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 4).to_vec();
+            let bytes = |v: &[u16]| {
+                std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 2).to_vec()
+            };
+            let ibytes = |v: &[i32]| {
+                std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 4).to_vec()
+            };
             let d_k = up(&bytes(&kc))?;
             let d_v = up(&bytes(&vc))?;
             let d_q = up(&bytes(&q))?;
@@ -528,7 +555,23 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             dr::memset_d8_sync(d_out, 0xFF, out.len() * 2)?; // NaN poison
             let stream = dr::stream::create(dr::stream::StreamKind::NonBlocking)?;
             k.paged_attention(
-                stream, d_out, d_q, q_stride as i32, d_k, d_v, d_ts, d_pos, d_bt, bt_stride as i32, nh as i32, nkv as i32, hd as i32, bs as i32, scale, window, t as u32,
+                stream,
+                d_out,
+                d_q,
+                q_stride as i32,
+                d_k,
+                d_v,
+                d_ts,
+                d_pos,
+                d_bt,
+                bt_stride as i32,
+                nh as i32,
+                nkv as i32,
+                hd as i32,
+                bs as i32,
+                scale,
+                window,
+                t as u32,
             )?;
             dr::stream::synchronize(stream)?;
             dr::memcpy_dtoh_sync(&mut out, d_out)?;
@@ -542,7 +585,11 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         for ti in 0..t {
             let s = tok_seq[ti] as usize;
             let pos = positions[ti] as usize;
-            let start = if window > 0 { (pos + 1).saturating_sub(window as usize) } else { 0 };
+            let start = if window > 0 {
+                (pos + 1).saturating_sub(window as usize)
+            } else {
+                0
+            };
             for h in 0..nh {
                 let kh = h / group;
                 let qv = &qf[ti * q_stride + h * hd..ti * q_stride + (h + 1) * hd];
@@ -550,14 +597,22 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 let scores: Vec<f64> = (start..=pos)
                     .map(|p| {
                         let base = (slot(p) * nkv + kh) * hd;
-                        qv.iter().zip(&kf[base..base + hd]).map(|(a, b)| a * b).sum::<f64>() * scale as f64
+                        qv.iter()
+                            .zip(&kf[base..base + hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                            * scale as f64
                     })
                     .collect();
                 let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
                 let z: f64 = w.iter().sum();
                 for d in 0..hd {
-                    let r: f64 = (start..=pos).zip(&w).map(|(p, wi)| wi * vf[(slot(p) * nkv + kh) * hd + d]).sum::<f64>() / z;
+                    let r: f64 = (start..=pos)
+                        .zip(&w)
+                        .map(|(p, wi)| wi * vf[(slot(p) * nkv + kh) * hd + d])
+                        .sum::<f64>()
+                        / z;
                     let got = half::bf16::from_bits(out[ti * nh * hd + h * hd + d]).to_f64();
                     if got.is_nan() {
                         unwritten += 1;
@@ -574,9 +629,177 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             bail!("case {case}: {unwritten} output elements were not written");
         }
     }
-    println!("worst relative error over {cases} cases: {worst:.2e} (bf16 output rounding is ~2e-3)");
+    println!(
+        "worst relative error over {cases} cases: {worst:.2e} (bf16 output rounding is ~2e-3)"
+    );
     if worst > 1e-2 {
         bail!("paged attention differs from the f64 reference: {worst:.2e}");
     }
+    Ok(())
+}
+
+/// Host-side target distribution of the sampler (same order as `sampling::RowSampler`):
+/// temperature, top-k (keep logits >= the k-th), softmax, top-p (smallest prefix of the
+/// sorted probabilities reaching p), min-p (keep p >= min_p * p_max), renormalise.
+fn target_probs(logits: &[f32], p: &SamplingParams) -> Vec<f64> {
+    let mut x: Vec<f64> = logits
+        .iter()
+        .map(|&l| l as f64 / p.temperature as f64)
+        .collect();
+    if let Some(k) = p.top_k {
+        let mut sorted = x.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let kth = sorted[(k as usize - 1).min(sorted.len() - 1)];
+        x.iter_mut()
+            .filter(|v| **v < kth)
+            .for_each(|v| *v = f64::NEG_INFINITY);
+    }
+    let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let mut pr: Vec<f64> = x.iter().map(|v| (v - m).exp()).collect();
+    let sum: f64 = pr.iter().sum();
+    pr.iter_mut().for_each(|v| *v /= sum);
+    if p.top_p < 1.0 {
+        let mut order: Vec<usize> = (0..pr.len()).filter(|&i| pr[i] > 0.0).collect();
+        order.sort_by(|&a, &b| pr[b].total_cmp(&pr[a]).then(a.cmp(&b)));
+        let mut cum = 0.0;
+        let mut keep = order.len();
+        for (i, &t) in order.iter().enumerate() {
+            cum += pr[t];
+            if cum >= p.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+        for &t in &order[keep..] {
+            pr[t] = 0.0;
+        }
+    }
+    if p.min_p > 0.0 {
+        let max = pr.iter().copied().fold(0.0, f64::max);
+        pr.iter_mut()
+            .filter(|v| **v < p.min_p as f64 * max)
+            .for_each(|v| *v = 0.0);
+    }
+    let sum: f64 = pr.iter().sum();
+    pr.iter_mut().for_each(|v| *v /= sum);
+    pr
+}
+
+fn check_sampling(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
+    let rows = 256usize;
+    let rounds = 8u64;
+    let prompt: Vec<u32> = (0..32).map(|i| (i * 7919 + 13) % 32_000).collect();
+    let prompts = vec![prompt; rows];
+    let mut d = Driver::new(&dir, rows as u32, (rows * 32) as u32, 64, Some(4096))?;
+    let mut out = StepOutput::default();
+    // Logits of the prompt (greedy pass); every row has the same prompt.
+    let b = d.prefill(&prompts, &SamplingParams::greedy(1));
+    d.step_sync(&b, 0, &mut out)?;
+    let logits = d.exec.logits_row(0)?;
+    let other = d.exec.logits_row(rows - 1)?;
+    let spread = logits
+        .iter()
+        .zip(&other)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    // A temperature scale that puts most of the mass on the top handful of tokens.
+    let mut sorted = logits.clone();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let t0 = ((sorted[0] - sorted[9]) / 2.5).max(1e-3);
+    println!(
+        "logits of row 0 vs row {}: max |diff| {spread:.2e}; temperature scale {t0:.4}",
+        rows - 1
+    );
+    let settings: Vec<(&str, SamplingParams)> = vec![
+        (
+            "temperature",
+            SamplingParams {
+                temperature: t0,
+                ..SamplingParams::default()
+            },
+        ),
+        (
+            "temperature + top-k 5",
+            SamplingParams {
+                temperature: 1.5 * t0,
+                top_k: Some(5),
+                ..SamplingParams::default()
+            },
+        ),
+        (
+            "temperature + top-p 0.6",
+            SamplingParams {
+                temperature: t0,
+                top_p: 0.6,
+                ..SamplingParams::default()
+            },
+        ),
+        (
+            "temperature + min-p 0.2",
+            SamplingParams {
+                temperature: 1.5 * t0,
+                min_p: 0.2,
+                ..SamplingParams::default()
+            },
+        ),
+    ];
+    println!(
+        "| setting | draws | bins | chi-square | critical (p=0.001) | draws outside the kept set |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut failed = Vec::new();
+    for (si, (name, params)) in settings.iter().enumerate() {
+        let probs = target_probs(&logits, params);
+        let mut counts = vec![0u64; probs.len()];
+        for r in 0..rounds {
+            let b = d.prefill_seeded(
+                &prompts,
+                params,
+                1_000_000 * (si as u64 + 1) + r * rows as u64,
+            );
+            d.step_sync(&b, (r % 2) as u8, &mut out)?;
+            for &t in &out.tokens {
+                counts[t as usize] += 1;
+            }
+        }
+        let n = (rows as u64 * rounds) as f64;
+        let outside: u64 = counts
+            .iter()
+            .zip(&probs)
+            .filter(|(_, &p)| p == 0.0)
+            .map(|(c, _)| *c)
+            .sum();
+        // Bins: tokens expected >= 5 times; the rest pooled.
+        let (mut chi2, mut bins, mut pool_e, mut pool_o) = (0.0f64, 0usize, 0.0f64, 0.0f64);
+        for (c, &p) in counts.iter().zip(&probs) {
+            let e = p * n;
+            if e >= 5.0 {
+                chi2 += (*c as f64 - e).powi(2) / e;
+                bins += 1;
+            } else if p > 0.0 {
+                pool_e += e;
+                pool_o += *c as f64;
+            }
+        }
+        if pool_e >= 5.0 {
+            chi2 += (pool_o - pool_e).powi(2) / pool_e;
+            bins += 1;
+        }
+        let df = (bins.max(2) - 1) as f64;
+        // Wilson-Hilferty: the chi-square quantile at p = 0.001 (z = 3.09).
+        let crit = df * (1.0 - 2.0 / (9.0 * df) + 3.09 * (2.0 / (9.0 * df)).sqrt()).powi(3);
+        println!(
+            "| {name} | {} | {bins} | {chi2:.1} | {crit:.1} | {outside} |",
+            n as u64
+        );
+        if chi2 > crit || outside > 0 || bins < 3 {
+            failed.push(*name);
+        }
+    }
+    if !failed.is_empty() {
+        bail!("GPU sampling distribution check failed for: {failed:?}");
+    }
+    println!("every setting matches the host-side target distribution");
     Ok(())
 }
