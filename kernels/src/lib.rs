@@ -523,7 +523,11 @@ mod tests {
             .and_then(|rest| rest.split_whitespace().next())
             .and_then(|n| n.parse().ok())
             .expect("ATT_WARPS defined in harrier.cu");
-        assert_eq!(warps * 32, ATT_THREADS, "launch block must be ATT_WARPS warps");
+        assert_eq!(
+            warps * 32,
+            ATT_THREADS,
+            "launch block must be ATT_WARPS warps"
+        );
     }
 
     #[test]
