@@ -29,6 +29,7 @@ use crate::executor::{ExecError, Executor, InFlightStep, LaunchHandle};
 use crate::pipeline::{PipelineState, SlotId, NUM_SLOTS};
 use crate::request::{Origin, Request, RequestId};
 use crate::scheduler::{Decision, OutputSink, Scheduler, SchedulerConfig, StepEntry, StepPlan};
+use crate::splitmix::SplitMix64;
 
 /// The backend failed after dispatch; the engine must exit (its requests were answered).
 #[derive(Debug, thiserror::Error)]
@@ -68,7 +69,8 @@ pub struct EngineCore<E: Executor> {
     /// Front-end request ids of unfinished requests, per front end.
     ids: HashMap<Origin, HashMap<String, RequestId>>,
     next_id: u64,
-    seed_state: u64,
+    /// Seeds for requests that gave none.
+    seeds: SplitMix64,
     steps_total: u64,
     last_step_us: u32,
     /// Launch nothing new (in-flight steps still complete).
@@ -108,7 +110,7 @@ impl<E: Executor> EngineCore<E> {
             sink: Vec::new(),
             ids: HashMap::new(),
             next_id: 0,
-            seed_state,
+            seeds: SplitMix64(seed_state),
             steps_total: 0,
             last_step_us: 0,
             paused: false,
@@ -243,10 +245,7 @@ impl<E: Executor> EngineCore<E> {
         }
         let id = RequestId(self.next_id);
         self.next_id += 1;
-        let seed = sampling.seed.unwrap_or_else(|| {
-            self.seed_state = self.seed_state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            splitmix64(self.seed_state)
-        });
+        let seed = sampling.seed.unwrap_or_else(|| self.seeds.next_u64());
         self.ids
             .entry(origin)
             .or_default()
@@ -409,13 +408,6 @@ impl<E: Executor> EngineCore<E> {
 
 fn fatal(e: ExecError) -> EngineFatal {
     EngineFatal(e.to_string())
-}
-
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 #[cfg(test)]

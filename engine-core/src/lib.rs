@@ -28,3 +28,4 @@ pub mod request;
 pub mod sampling;
 pub mod scheduler;
 pub mod server;
+pub mod splitmix;

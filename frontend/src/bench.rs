@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
+use harrier_engine::splitmix::SplitMix64;
 use harrier_shared::client::EngineClient;
 use harrier_shared::endpoint::Endpoint;
 use harrier_shared::protocol::{EngineCoreRequest, EngineMessage, FrontendMessage, SamplingParams};
@@ -78,23 +79,6 @@ fn parse_range(s: &str) -> Result<(u32, u32), String> {
         return Err("LO must be below HI".into());
     }
     Ok((a, b))
-}
-
-/// SplitMix64: small, seedable, good enough for prompts and arrival times.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 /// What one request measured.
@@ -186,7 +170,7 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
 }
 
 pub async fn bench(args: BenchServeArgs) -> anyhow::Result<BenchResult> {
-    let mut rng = Rng(args.seed ^ 0x5EED);
+    let mut rng = SplitMix64(args.seed ^ 0x5EED);
     let (lo, hi) = args.token_id_range;
     let prompts: Vec<Vec<u32>> = (0..args.num_prompts)
         .map(|_| {
@@ -219,7 +203,7 @@ pub async fn bench(args: BenchServeArgs) -> anyhow::Result<BenchResult> {
     let mut tasks = Vec::new();
     for prompt in prompts {
         if args.request_rate.is_finite() && args.request_rate > 0.0 {
-            let gap = -(1.0 - rng.uniform()).ln() / args.request_rate;
+            let gap = -(1.0 - rng.unit()).ln() / args.request_rate;
             tokio::time::sleep(Duration::from_secs_f64(gap)).await;
         }
         let permit = limit.clone().acquire_owned().await?;

@@ -48,10 +48,8 @@ impl NullExecutor {
 
     /// The token the null backend samples for a request with `seed` at output `index`.
     pub fn token_for(seed: u64, index: u32, vocab: u32) -> u32 {
-        let mut x = seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((x ^ (x >> 31)) % vocab as u64) as u32
+        (crate::splitmix::splitmix64(seed ^ crate::splitmix::splitmix64(index as u64))
+            % vocab as u64) as u32
     }
 }
 

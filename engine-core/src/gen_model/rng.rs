@@ -9,10 +9,8 @@
 //! The stream is part of the checkpoint format of generated models (committed parity fixtures
 //! depend on it): do not change it without regenerating the fixtures.
 
-const M0: u32 = 0xD251_1F53;
-const M1: u32 = 0xCD9E_8D57;
-const W0: u32 = 0x9E37_79B9;
-const W1: u32 = 0xBB67_AE85;
+use crate::sampling::philox::philox4x32_10;
+use crate::splitmix::splitmix64;
 
 /// The key of one tensor's stream.
 #[derive(Debug, Clone, Copy)]
@@ -31,34 +29,10 @@ impl StreamKey {
     }
 }
 
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-#[inline]
-fn mulhilo(a: u32, b: u32) -> (u32, u32) {
-    let p = a as u64 * b as u64;
-    ((p >> 32) as u32, p as u32)
-}
-
-/// Philox4x32 with 10 rounds.
+/// Philox4x32-10 (the same function the sampler uses) over this tensor's key.
 #[inline]
 pub fn philox(key: StreamKey, counter: u64) -> [u32; 4] {
-    let mut c = [counter as u32, (counter >> 32) as u32, 0, 0];
-    let [mut k0, mut k1] = key.0;
-    for round in 0..10 {
-        let (hi0, lo0) = mulhilo(M0, c[0]);
-        let (hi1, lo1) = mulhilo(M1, c[2]);
-        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0];
-        if round < 9 {
-            k0 = k0.wrapping_add(W0);
-            k1 = k1.wrapping_add(W1);
-        }
-    }
-    c
+    philox4x32_10([counter as u32, (counter >> 32) as u32, 0, 0], key.0)
 }
 
 #[inline]

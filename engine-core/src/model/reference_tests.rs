@@ -9,21 +9,15 @@ use serde_json::json;
 use super::{Architecture, Checkpoint, CpuModel, KvCache, LayerTensor, ModelConfig, ModelDir};
 use super::{RopeScaling, SeqChunk, WeightDtype};
 use crate::gen_model::{config_json, write_model, ModelSpec, SpecialIds, WeightInit};
+use crate::splitmix::SplitMix64;
 
 const TOL: f64 = 1e-4;
 
-/// splitmix64: the test's own small RNG.
-struct Rng(u64);
+/// The tests' generator, with `below` over `usize`.
+struct Rng(SplitMix64);
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
     fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        self.0.below(n as u64) as usize
     }
 }
 
@@ -302,7 +296,7 @@ fn random_tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
 
 fn run_case(case: &Case, seed: u64) {
     let c = &case.config;
-    let mut rng = Rng(seed);
+    let mut rng = Rng(SplitMix64(seed));
     let mut model = CpuModel::load(&case.model_dir).expect("load");
     let tokens = random_tokens(&mut rng, 41, c.vocab_size);
     let want = reference_logits(c, &case.model_dir, &tokens);

@@ -23,6 +23,7 @@ use harrier_engine::executor::cuda::{layout, CudaExecutor, CudaExecutorConfig};
 use harrier_engine::executor::Executor;
 use harrier_engine::model::ModelDir;
 use harrier_engine::pipeline::SlotId;
+use harrier_engine::splitmix::SplitMix64;
 use harrier_kernels::cudarc::cublas::sys as cb;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_shared::protocol::SamplingParams;
@@ -445,25 +446,10 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-/// splitmix64: a small deterministic generator for test inputs.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    /// A bf16 value in [-1, 1) and its exact f64.
-    fn bf16(&mut self) -> (u16, f64) {
-        let v = half::bf16::from_f64((self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0);
-        (v.to_bits(), v.to_f64())
-    }
+/// A bf16 value in [-1, 1) and its exact f64.
+fn random_bf16(rng: &mut SplitMix64) -> (u16, f64) {
+    let v = half::bf16::from_f64(rng.unit() * 2.0 - 1.0);
+    (v.to_bits(), v.to_f64())
 }
 
 fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
@@ -477,7 +463,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .compute_capability()
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let k = harrier_kernels::Kernels::load(harrier_kernels::arch_name(major, minor)?)?;
-    let mut rng = Rng(0x5eed_a77e);
+    let mut rng = SplitMix64(0x5eed_a77e);
     let mut worst = 0.0f64;
     println!("| case | seqs | tokens | max ctx | heads/kv | head_dim | window | rel. error | unwritten |");
     println!("|---|---|---|---|---|---|---|---|---|");
@@ -516,8 +502,10 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             }
         }
         let slots = num_blocks * bs;
-        let (kc, kf): (Vec<u16>, Vec<f64>) = (0..slots * nkv * hd).map(|_| rng.bf16()).unzip();
-        let (vc, vf): (Vec<u16>, Vec<f64>) = (0..slots * nkv * hd).map(|_| rng.bf16()).unzip();
+        let (kc, kf): (Vec<u16>, Vec<f64>) =
+            (0..slots * nkv * hd).map(|_| random_bf16(&mut rng)).unzip();
+        let (vc, vf): (Vec<u16>, Vec<f64>) =
+            (0..slots * nkv * hd).map(|_| random_bf16(&mut rng)).unzip();
         let mut tok_seq = Vec::new();
         let mut positions = Vec::new();
         for s in 0..seqs {
@@ -528,7 +516,8 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         }
         let t = tok_seq.len();
         let q_stride = nh * hd + 2 * nkv * hd; // q inside a fused qkv row, as the model uses it
-        let (q, qf): (Vec<u16>, Vec<f64>) = (0..t * q_stride).map(|_| rng.bf16()).unzip();
+        let (q, qf): (Vec<u16>, Vec<f64>) =
+            (0..t * q_stride).map(|_| random_bf16(&mut rng)).unzip();
         let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0u16; t * nh * hd];
         // SAFETY: every buffer is allocated with the byte size of its host twin, the block
