@@ -72,8 +72,6 @@ pub fn paged_attention(
     let group = num_heads / num_kv_heads;
     let scale = (head_dim as f64).powf(-0.5) as f32;
     let (k_cache, v_cache) = cache.layer(layer);
-    let block_size = cache.block_size();
-    let stride = cache.token_stride();
 
     let item = |idx: usize, out: &mut [f32]| {
         let (h, r) = (idx / rows, idx % rows);
@@ -81,23 +79,15 @@ pub fn paged_attention(
         let ctx = row_pos[r] as usize + 1;
         let kv_off = (h / group) * head_dim;
         let qv = &q[r * q_stride + h * head_dim..][..head_dim];
+        // Offsets of the K/V rows of positions 0..ctx, read through the block table.
+        let rows_of = || (0..ctx).map(|p| cache.slot_offset(seq.block_table, p) + kv_off);
         SCORES.with_borrow_mut(|scores| {
             scores.clear();
             let mut max = f32::NEG_INFINITY;
-            for (b, &blk) in seq
-                .block_table
-                .iter()
-                .enumerate()
-                .take(ctx.div_ceil(block_size))
-            {
-                let n = block_size.min(ctx - b * block_size);
-                let base = blk as usize * block_size * stride + kv_off;
-                for o in 0..n {
-                    let k = &k_cache[base + o * stride..][..head_dim];
-                    let s = dot(qv, k) * scale;
-                    max = max.max(s);
-                    scores.push(s);
-                }
+            for off in rows_of() {
+                let s = dot(qv, &k_cache[off..][..head_dim]) * scale;
+                max = max.max(s);
+                scores.push(s);
             }
             let mut sum = 0.0f32;
             for s in scores.iter_mut() {
@@ -106,23 +96,8 @@ pub fn paged_attention(
             }
             let inv = 1.0 / sum;
             out.fill(0.0);
-            let mut j = 0;
-            for (b, &blk) in seq
-                .block_table
-                .iter()
-                .enumerate()
-                .take(ctx.div_ceil(block_size))
-            {
-                let n = block_size.min(ctx - b * block_size);
-                let base = blk as usize * block_size * stride + kv_off;
-                for o in 0..n {
-                    axpy(
-                        scores[j] * inv,
-                        &v_cache[base + o * stride..][..head_dim],
-                        out,
-                    );
-                    j += 1;
-                }
+            for (off, &s) in rows_of().zip(scores.iter()) {
+                axpy(s * inv, &v_cache[off..][..head_dim], out);
             }
         });
     };
