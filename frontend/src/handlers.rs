@@ -49,12 +49,9 @@ fn check_model(requested: Option<&str>, info: &EngineInfo) -> Result<(), ApiErro
     }
 }
 
-pub async fn models(state: &AppState) -> Result<Response<RespBody>, ApiError> {
-    let info = state
-        .engine
-        .info()
-        .ok_or_else(|| ApiError::engine_unavailable(&state.engine.last_error()))?;
-    let card = ModelCard {
+/// The one model this server serves, as `/v1/models` lists it.
+fn model_card<'a>(state: &AppState, info: &'a EngineInfo) -> ModelCard<'a> {
+    ModelCard {
         id: &info.model_name,
         object: "model",
         created: state.started_unix,
@@ -62,7 +59,15 @@ pub async fn models(state: &AppState) -> Result<Response<RespBody>, ApiError> {
         root: &info.model_name,
         parent: None,
         max_model_len: info.max_model_len,
-    };
+    }
+}
+
+pub async fn models(state: &AppState) -> Result<Response<RespBody>, ApiError> {
+    let info = state
+        .engine
+        .info()
+        .ok_or_else(|| ApiError::engine_unavailable(&state.engine.last_error()))?;
+    let card = model_card(state, &info);
     let body = serde_json::to_string(&ModelList {
         object: "list",
         data: vec![card],
@@ -77,15 +82,7 @@ pub async fn model(state: &AppState, id: &str) -> Result<Response<RespBody>, Api
         .info()
         .ok_or_else(|| ApiError::engine_unavailable(&state.engine.last_error()))?;
     check_model(Some(id), &info)?;
-    let card = ModelCard {
-        id: &info.model_name,
-        object: "model",
-        created: state.started_unix,
-        owned_by: "harrier",
-        root: &info.model_name,
-        parent: None,
-        max_model_len: info.max_model_len,
-    };
+    let card = model_card(state, &info);
     Ok(json_response(
         StatusCode::OK,
         serde_json::to_string(&card).expect("json"),
