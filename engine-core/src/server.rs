@@ -310,13 +310,10 @@ fn engine_loop<E: Executor>(
             }
         }
         if stop {
-            let result = engine.shutdown();
-            flush(&mut engine, &events, &mut groups, &mut step_id);
-            return result;
+            return shut_down(&mut engine, &events, &mut groups, &mut step_id);
         }
         let progress = engine.step();
-        flush(&mut engine, &events, &mut groups, &mut step_id);
-        stats.send_replace(engine.stats());
+        stats.send_replace(flush(&mut engine, &events, &mut groups, &mut step_id));
         if engine.is_paused() && engine.is_drained() {
             for (origin, call_id) in pause_waiters.drain(..) {
                 let _ = events.send(EngineEvent::Reply(
@@ -333,12 +330,10 @@ fn engine_loop<E: Executor>(
             Progress::Idle => match input.recv() {
                 Ok(i) => {
                     if apply_input(&mut engine, i, &events, &mut pause_waiters) {
-                        let result = engine.shutdown();
-                        flush(&mut engine, &events, &mut groups, &mut step_id);
-                        return result;
+                        return shut_down(&mut engine, &events, &mut groups, &mut step_id);
                     }
                 }
-                Err(_) => return engine.shutdown(),
+                Err(_) => return shut_down(&mut engine, &events, &mut groups, &mut step_id),
             },
         }
     }
@@ -384,24 +379,36 @@ fn apply_input<E: Executor>(
     false
 }
 
-/// Sends this step's outputs: one message per front end.
+/// Graceful stop: commits in-flight steps, aborts every request, sends the last outputs.
+fn shut_down<E: Executor>(
+    engine: &mut EngineCore<E>,
+    events: &mpsc::UnboundedSender<EngineEvent>,
+    groups: &mut Vec<(Origin, Vec<RequestOutput>)>,
+    step_id: &mut u64,
+) -> Result<(), EngineFatal> {
+    let result = engine.shutdown();
+    flush(engine, events, groups, step_id);
+    result
+}
+
+/// Sends this step's outputs (one message per front end) and returns the stats they carry.
 fn flush<E: Executor>(
     engine: &mut EngineCore<E>,
     events: &mpsc::UnboundedSender<EngineEvent>,
     groups: &mut Vec<(Origin, Vec<RequestOutput>)>,
     step_id: &mut u64,
-) {
+) -> EngineStats {
     for (origin, out) in engine.take_outputs() {
         match groups.iter_mut().find(|(o, _)| *o == origin) {
             Some((_, v)) => v.push(out),
             None => groups.push((origin, vec![out])),
         }
     }
+    let stats = engine.stats();
     if groups.is_empty() {
-        return;
+        return stats;
     }
     *step_id += 1;
-    let stats = engine.stats();
     for (origin, outputs) in groups.drain(..) {
         let _ = events.send(EngineEvent::Outputs(
             origin,
@@ -412,4 +419,5 @@ fn flush<E: Executor>(
             },
         ));
     }
+    stats
 }
