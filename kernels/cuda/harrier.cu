@@ -26,13 +26,8 @@ __device__ __forceinline__ bf16 f2bf(float f) {
 // Rounds through bf16 (a bf16 tensor op's result).
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ double warp_sum_d(double v) {
+// float or double.
+template <typename T> __device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -45,24 +40,14 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Block-wide reductions (blockDim.x a multiple of 32, at most 1024). `sh` holds 32 values.
-__device__ float block_sum(float v, float* sh) {
+template <typename T> __device__ T block_sum(T v, T* sh) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     v = warp_sum(v);
     __syncthreads();
     if (lane == 0) sh[warp] = v;
     __syncthreads();
-    v = lane < nw ? sh[lane] : 0.0f;
+    v = lane < nw ? sh[lane] : (T)0;
     return warp_sum(v);
-}
-
-__device__ double block_sum_d(double v, double* sh) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum_d(v);
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    v = lane < nw ? sh[lane] : 0.0;
-    return warp_sum_d(v);
 }
 
 __device__ float block_max(float v, float* sh) {
@@ -433,7 +418,7 @@ extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sa
                 lg[i] = p;
                 sum += (double)p;
             }
-            sum = block_sum_d(sum, shd);
+            sum = block_sum(sum, shd);
             if (rp->top_p < 1.0f) {
                 // Keep the largest probabilities whose sum reaches top_p * sum: the largest key u
                 // with S(key >= u) >= target, then drop everything below it (ties at the
@@ -447,7 +432,7 @@ extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sa
                         float p = lg[i];
                         if (p > 0.0f && fkey(p) >= cand) s += (double)p;
                     }
-                    s = block_sum_d(s, shd);
+                    s = block_sum(s, shd);
                     if (s >= target) ans = cand;
                 }
                 for (int i = threadIdx.x; i < vocab; i += blockDim.x)
