@@ -10,6 +10,8 @@
 //! that the next token completes. When the choice ends for another reason the held text is
 //! flushed with [`StopMatcher::flush`].
 //!
+//! The match that ends the choice is the one complete first (smallest end, then earliest
+//! start, then list order), so the result does not depend on how the text is split.
 //! On a match the output is cut at the match start (or after the stop string with
 //! `include_stop_str_in_output`); text after it is never sent.
 //!
@@ -114,14 +116,17 @@ impl StopMatcher {
         text
     }
 
-    /// The earliest match at or after byte `start`; among matches at the same position the
-    /// stop listed first wins.
+    /// The match at or after byte `start` that is complete first (smallest end), then the one
+    /// starting first, then the stop listed first. "Complete first" is what makes the result
+    /// independent of how the text is split into deltas: a stop string that a later delta
+    /// would extend into a longer one at the same position has already ended the choice
+    /// when it arrived alone.
     fn find_earliest(&self, start: usize) -> Option<(usize, String)> {
         let window = &self.text[start..];
         self.stops
             .iter()
             .filter_map(|s| window.find(s.as_str()).map(|p| (start + p, s)))
-            .min_by_key(|(p, _)| *p)
+            .min_by_key(|(p, s)| (p + s.len(), *p))
             .map(|(p, s)| (p, s.clone()))
     }
 }
@@ -203,13 +208,24 @@ mod tests {
     }
 
     #[test]
-    fn earliest_match_wins_then_list_order() {
+    fn first_completed_match_wins_then_earliest_start_then_list_order() {
         let (out, matched) = run(&["xx abc def"], &["def", "abc"], false);
         assert_eq!(out.concat(), "xx ");
         assert_eq!(matched.as_deref(), Some("abc"));
-        let (out, matched) = run(&["xx abcdef"], &["abcd", "abc"], false);
-        assert_eq!(out.concat(), "xx ");
-        assert_eq!(matched.as_deref(), Some("abcd"));
+        // "abc" is complete before "abcd", however the text arrives.
+        for pieces in [&["xx abcdef"][..], &["xx abc", "def"][..]] {
+            let (out, matched) = run(pieces, &["abcd", "abc"], true);
+            assert_eq!(out.concat(), "xx abc");
+            assert_eq!(matched.as_deref(), Some("abc"));
+        }
+        // Same end: the longer (earlier-starting) one.
+        let (_, matched) = run(&["xbcd"], &["cd", "bcd"], false);
+        assert_eq!(matched.as_deref(), Some("bcd"));
+        // Found by the property test: "€é" and "€" both at 0; "€" completes first.
+        for pieces in [&["€é"][..], &["€", "é"][..]] {
+            let (out, matched) = run(pieces, &["€é", "€"], true);
+            assert_eq!((out.concat().as_str(), matched.as_deref()), ("€", Some("€")));
+        }
     }
 
     #[test]
@@ -271,13 +287,14 @@ mod props {
     use super::*;
     use proptest::prelude::*;
 
-    /// The naive reference: cut the whole text at the earliest match.
+    /// The naive reference: cut the whole text at the match that is complete first (then
+    /// the earliest start).
     fn reference(text: &str, stops: &[String], include: bool) -> (String, bool) {
         let best = stops
             .iter()
             .filter(|s| !s.is_empty())
             .filter_map(|s| text.find(s.as_str()).map(|p| (p, s)))
-            .min_by_key(|(p, _)| *p);
+            .min_by_key(|(p, s)| (p + s.len(), *p));
         match best {
             Some((p, s)) => (
                 text[..if include { p + s.len() } else { p }].to_string(),
