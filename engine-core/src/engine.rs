@@ -117,6 +117,11 @@ impl<E: Executor> EngineCore<E> {
         })
     }
 
+    /// The backend (tools compare backend settings on one loaded model).
+    pub fn executor_mut(&mut self) -> &mut E {
+        &mut self.exec
+    }
+
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
     }
@@ -169,6 +174,7 @@ impl<E: Executor> EngineCore<E> {
 
     pub fn stats(&self) -> EngineStats {
         let c = self.sched.counters();
+        let x = self.exec.counters();
         EngineStats {
             num_running: self.sched.num_running() as u32,
             num_waiting: self.sched.num_waiting() as u32,
@@ -181,6 +187,8 @@ impl<E: Executor> EngineCore<E> {
             prefix_cache_hits_total: c.prefix_cache_hits,
             prompt_tokens_total: c.prompt_tokens,
             generation_tokens_total: c.generation_tokens,
+            graph_replays_total: x.graph_replays,
+            eager_decode_steps_total: x.eager_decode_steps,
         }
     }
 

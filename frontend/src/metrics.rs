@@ -34,6 +34,8 @@ pub struct Metrics {
     engine_prefix_queries: IntGauge,
     engine_prefix_hits: IntGauge,
     engine_prefix_hit_rate: Gauge,
+    engine_graph_replays: IntGauge,
+    engine_eager_decode: IntGauge,
     engine_reconnects: IntCounter,
 }
 
@@ -155,6 +157,14 @@ impl Metrics {
                 "engine_prefix_cache_hit_rate",
                 "Prefix-cache hits / queries since the engine started"
             )),
+            engine_graph_replays: reg!(gauge(
+                "engine_cuda_graph_replays_total",
+                "Decode steps replayed from a CUDA graph (engine counter)"
+            )),
+            engine_eager_decode: reg!(gauge(
+                "engine_eager_decode_steps_total",
+                "Decode-only steps launched eagerly: too large for every graph, or graphs off (engine counter)"
+            )),
             engine_reconnects: reg!(IntCounter::new(
                 "engine_connections_total",
                 "Successful connections (handshakes) to an engine core"
@@ -177,7 +187,12 @@ impl Metrics {
             prefix_cache_hits_total,
             prompt_tokens_total: _,
             generation_tokens_total: _,
+            graph_replays_total,
+            eager_decode_steps_total,
         } = *s;
+        self.engine_graph_replays.set(graph_replays_total as i64);
+        self.engine_eager_decode
+            .set(eager_decode_steps_total as i64);
         self.engine_running.set(num_running.into());
         self.engine_waiting.set(num_waiting.into());
         self.engine_kv_used.set(kv_blocks_used.into());
@@ -233,6 +248,8 @@ mod tests {
             kv_blocks_total: 10,
             prefix_cache_queries_total: 4,
             prefix_cache_hits_total: 1,
+            graph_replays_total: 7,
+            eager_decode_steps_total: 2,
             ..Default::default()
         });
         let text = m.render();
@@ -243,6 +260,8 @@ mod tests {
         assert!(text.contains("harrier_engine_num_requests_running{frontend=\"0\"} 3"));
         assert!(text.contains("harrier_engine_kv_cache_usage_ratio{frontend=\"0\"} 0.5"));
         assert!(text.contains("harrier_engine_prefix_cache_hit_rate{frontend=\"0\"} 0.25"));
+        assert!(text.contains("harrier_engine_cuda_graph_replays_total{frontend=\"0\"} 7"));
+        assert!(text.contains("harrier_engine_eager_decode_steps_total{frontend=\"0\"} 2"));
         assert!(text.contains("harrier_time_to_first_token_seconds_bucket"));
         assert!(text.contains("# TYPE harrier_e2e_request_latency_seconds histogram"));
     }

@@ -703,6 +703,8 @@ async fn metrics(api: &Api) {
         "harrier_engine_prefix_cache_hit_rate",
         "harrier_engine_preemptions_total",
         "harrier_engine_step_seconds",
+        "harrier_engine_cuda_graph_replays_total",
+        "harrier_engine_eager_decode_steps_total",
         "harrier_engine_up",
     ] {
         assert!(text.contains(name), "missing {name}");

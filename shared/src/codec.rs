@@ -86,6 +86,8 @@ mod tests {
             prefix_cache_hits_total: 11,
             prompt_tokens_total: 12,
             generation_tokens_total: u64::MAX,
+            graph_replays_total: 13,
+            eager_decode_steps_total: 14,
         }
     }
 

@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this module.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Token id as the model sees it (model vocabularies may exceed the tokenizer's).
 pub type TokenId = u32;
@@ -322,6 +322,10 @@ pub struct EngineStats {
     pub prefix_cache_hits_total: u64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
+    /// Decode steps replayed from a CUDA graph.
+    pub graph_replays_total: u64,
+    /// Decode-only steps launched eagerly (too large for every graph, or graphs off).
+    pub eager_decode_steps_total: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

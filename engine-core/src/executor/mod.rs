@@ -57,6 +57,19 @@ pub enum ExecError {
     Fatal(anyhow::Error),
 }
 
+/// How a backend ran its steps, reported in the engine's stats and /metrics so that a silent
+/// fall back from CUDA graphs to eager launches is visible. Backends without graphs report
+/// zeros.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExecCounters {
+    /// Decode steps replayed from a captured graph.
+    pub graph_replays: u64,
+    /// Decode-only steps launched eagerly (larger than every bucket, or graphs off).
+    pub eager_decode_steps: u64,
+    /// Steps with prefill work, always eager.
+    pub eager_other_steps: u64,
+}
+
 pub trait Executor {
     /// Enqueues `batch` on `slot`. `slot` is free (no in-flight step uses it, I6).
     fn launch_forward(
@@ -70,6 +83,11 @@ pub trait Executor {
 
     /// Blocks until `step`'s outputs are on the host; fills `out` (cleared first).
     fn wait(&mut self, step: InFlightStep, out: &mut StepOutput) -> Result<(), ExecError>;
+
+    /// How steps ran so far.
+    fn counters(&self) -> ExecCounters {
+        ExecCounters::default()
+    }
 }
 
 impl<E: Executor + ?Sized> Executor for Box<E> {
@@ -85,5 +103,8 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
     }
     fn wait(&mut self, step: InFlightStep, out: &mut StepOutput) -> Result<(), ExecError> {
         (**self).wait(step, out)
+    }
+    fn counters(&self) -> ExecCounters {
+        (**self).counters()
     }
 }
