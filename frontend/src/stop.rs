@@ -224,7 +224,10 @@ mod tests {
         // Found by the property test: "€é" and "€" both at 0; "€" completes first.
         for pieces in [&["€é"][..], &["€", "é"][..]] {
             let (out, matched) = run(pieces, &["€é", "€"], true);
-            assert_eq!((out.concat().as_str(), matched.as_deref()), ("€", Some("€")));
+            assert_eq!(
+                (out.concat().as_str(), matched.as_deref()),
+                ("€", Some("€"))
+            );
         }
     }
 
