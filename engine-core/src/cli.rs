@@ -68,6 +68,26 @@ pub struct EngineCoreArgs {
     /// CUDA backend: fraction of the device's memory for weights, activations and KV cache.
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
+    /// CUDA backend: never capture or replay CUDA graphs (every step launches its kernels).
+    #[arg(long)]
+    pub enforce_eager: bool,
+    /// CUDA backend: decode batch sizes to capture graphs for, comma-separated (default: 1, 2,
+    /// 4, 8, 16, 24, 32, then steps of 16 up to --max-num-seqs). Larger batches run eagerly.
+    #[arg(long, value_delimiter = ',')]
+    pub cuda_graph_sizes: Option<Vec<usize>>,
+}
+
+impl EngineCoreArgs {
+    /// The decode graph sizes these options ask for (empty with --enforce-eager).
+    pub fn graph_sizes(&self) -> Vec<usize> {
+        if self.enforce_eager {
+            return Vec::new();
+        }
+        match &self.cuda_graph_sizes {
+            Some(v) => v.clone(),
+            None => crate::config::default_graph_sizes(self.max_num_seqs as usize),
+        }
+    }
 }
 
 impl EngineCoreArgs {
@@ -264,6 +284,7 @@ pub fn build_cuda_engine(
             num_kv_blocks: args.num_kv_blocks,
             gpu_memory_utilization: args.gpu_memory_utilization,
             device: 0,
+            graph_sizes: args.graph_sizes(),
         },
     )
     .with_context(|| format!("starting the CUDA backend for {}", model_dir.display()))?;
@@ -281,6 +302,10 @@ pub fn build_cuda_engine(
         kv_tokens = start.kv_tokens,
         kv_mib = start.kv_bytes >> 20,
         kernels_cached = start.kernels_from_cache,
+        cuda_graphs = start.graph_count,
+        graph_sizes = ?start.graph_sizes,
+        graph_capture_ms = format!("{:.0}", start.graph_capture_ms),
+        graph_mib = format!("{:.1}", start.graph_bytes as f64 / (1u64 << 20) as f64),
         max_model_len,
         pipeline = ?cfg.pipeline,
         "CUDA engine configured"

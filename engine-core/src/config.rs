@@ -95,6 +95,24 @@ impl EngineConfig {
     }
 }
 
+/// The default CUDA-graph batch sizes: 1, 2, 4, 8, 16, 24, 32, then steps of 16 up to
+/// `max_batch` (always included), as vLLM spaces its defaults. Small batches get dense buckets
+/// (padding 3 to 4 costs little); large ones are compute-heavy enough that 16 rows of padding
+/// are a small fraction.
+pub fn default_graph_sizes(max_batch: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = [1, 2, 4, 8, 16, 24, 32]
+        .into_iter()
+        .filter(|&s| s < max_batch)
+        .collect();
+    let mut n = 48;
+    while n < max_batch {
+        v.push(n);
+        n += 16;
+    }
+    v.push(max_batch);
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

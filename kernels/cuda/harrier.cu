@@ -108,7 +108,9 @@ extern "C" __global__ void add_rmsnorm(bf16* resid, const bf16* delta, const bf1
 // ---------------------------------------------------------------------------------------------
 // Per token: (Qwen3) per-head RMSNorm of q and k, RoPE (rotate-half, bf16 cos/sin as HF), q
 // rotated in place, k and v stored in the paged cache at slot_mapping[t]
-// (cache layout [num_blocks * block_size, nkv, hd]). One warp per head; hd <= 256, hd % 64 == 0.
+// (cache layout [num_blocks * block_size, nkv, hd]). One warp per head, the heads of a token
+// spread over gridDim.y blocks (at batch 1 one block looping over 48 heads took 7.5 us a layer);
+// hd <= 256, hd % 64 == 0.
 extern "C" __global__ void rope_kv_write(bf16* qkv, int qkv_stride, int nh, int nkv, int hd, const int* positions,
                                          const float* inv_freq, const bf16* q_norm, const bf16* k_norm, float eps,
                                          const int* slot_mapping, bf16* k_cache, bf16* v_cache) {
@@ -118,7 +120,7 @@ extern "C" __global__ void rope_kv_write(bf16* qkv, int qkv_stride, int nh, int 
     float pos = (float)positions[t];
     long long slot = slot_mapping[t];
     bf16* row = qkv + (size_t)t * qkv_stride;
-    for (int h = warp; h < nh + 2 * nkv; h += nw) {
+    for (int h = blockIdx.y * nw + warp; h < nh + 2 * nkv; h += nw * gridDim.y) {
         bf16* x = row + (size_t)h * hd;
         if (h >= nh + nkv) {
             int kh = h - nh - nkv;
@@ -169,49 +171,109 @@ extern "C" __global__ void silu_mul(bf16* out, const bf16* gu, int inter, long l
 }
 
 // ---------------------------------------------------------------------------------------------
-// Paged attention, decode and prefill alike: token t (of sequence tok_seq[t], at position
-// positions[t]) attends causally to positions [start, positions[t]] of its sequence through its
-// block table (start = positions[t] - window + 1 with a sliding window, else 0). The new
-// chunk's K/V must already be in the cache (rope_kv_write). q is read from the qkv rows
-// (stride q_stride).
+// n (2, 4 or 8) consecutive bf16 values at p (aligned to n * 2 bytes) as floats, one load.
+__device__ __forceinline__ void load_bf16s(const bf16* p, int n, float* out) {
+    if (n == 2) {
+        u32 a = *(const u32*)p;
+        out[0] = __uint_as_float(a << 16);
+        out[1] = __uint_as_float(a & 0xffff0000u);
+    } else if (n == 4) {
+        uint2 a = *(const uint2*)p;
+        out[0] = __uint_as_float(a.x << 16);
+        out[1] = __uint_as_float(a.x & 0xffff0000u);
+        out[2] = __uint_as_float(a.y << 16);
+        out[3] = __uint_as_float(a.y & 0xffff0000u);
+    } else {
+        uint4 a = *(const uint4*)p;
+        out[0] = __uint_as_float(a.x << 16);
+        out[1] = __uint_as_float(a.x & 0xffff0000u);
+        out[2] = __uint_as_float(a.y << 16);
+        out[3] = __uint_as_float(a.y & 0xffff0000u);
+        out[4] = __uint_as_float(a.z << 16);
+        out[5] = __uint_as_float(a.z & 0xffff0000u);
+        out[6] = __uint_as_float(a.w << 16);
+        out[7] = __uint_as_float(a.w & 0xffff0000u);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged attention, decode and prefill alike, optionally split over the context
+// (flash-decoding). Token t (of backend row tok_row[t], at position positions[t]) attends
+// causally to positions [start, positions[t]] of its sequence through the row's block table,
+// block_tables + tok_row[t] * bt_stride (start = positions[t] - window + 1 with a sliding
+// window, else 0). The new chunk's K/V must already be in the cache (rope_kv_write); q is
+// read from the qkv rows (stride q_stride).
 //
-// Grid (T, nh), ATT_WARPS warps per block. Keys go in tiles of 32, tile i to warp
-// i % ATT_WARPS, one key per lane: each lane computes its key's full dot product with q
-// (q scaled, in shared memory; K rows read with 16-byte loads), the warp does one max and one
-// sum per tile (online softmax), then accumulates V with the lanes splitting head_dim
-// (coalesced rows, weights broadcast by shuffles). Warps merge their (max, sum, acc) at the end.
-// Measured on the H200 (1B shape, 500-token context, batch 1): 124 us per layer with one key
-// per warp step and a warp reduction per key, 36 us with 16 warps of that, lane-per-key below.
+// The key range (n_tiles tiles of 32 keys) is cut into min(n_splits, ceil(n_tiles / 4))
+// splits of equal tile counts; block (t, h, s) computes split s for query head h. Its
+// ATT_WARPS warps take the split's tiles round-robin: each lane computes one key's dot product
+// with q (q scaled, in shared memory; K rows read with 16-byte loads), the warp does one max
+// and one sum per tile (online softmax), then accumulates V with the lanes splitting head_dim
+// (V rows of the 32 keys unrolled by 8 so their loads are in flight together). Warps merge
+// their (max, sum, acc) at the end. With n_splits == 1 the block writes the bf16 output;
+// otherwise its partial goes to part[t][h][s] ((max, sum, acc[hd]) floats) and
+// attention_combine merges the splits in order. Splits are for small decode batches, where one
+// block per (token, head) leaves most SMs idle; the host picks n_splits from the padded batch
+// size, and the cut depends only on the token's own length and n_splits, so a row's output is
+// the same in an eager step and in a graph replay of its bucket. A negative position marks a
+// padding row of a CUDA-graph batch: no keys, the output is zeros.
+//
+// Measured on the H200 (1B shape, batch 1): 124 us per layer at 500 keys with one key per warp
+// step and a warp reduction per key; 36 us with 16 warps of that; 21 us lane-per-key with a
+// dependent V load per key; 15 us with the V loads unrolled. A variant with one block per KV
+// head scoring all G query heads per key (K/V read once per group) ran 20-40% slower: fewer,
+// longer warps. Splitting with 4-warp blocks lost to 16 warps without splits from batch 8 on.
 #define ATT_WARPS 16
-extern "C" __global__ void paged_attention(bf16* out, const bf16* q, int q_stride, const bf16* k_cache,
-                                           const bf16* v_cache, const int* tok_seq, const int* positions,
-                                           const int* block_tables, int bt_stride, int nh, int nkv, int hd,
-                                           int block_size, float scale, int window) {
+extern "C" __global__ void paged_attention(bf16* out, float* part, int n_splits, const bf16* q, int q_stride,
+                                           const bf16* k_cache, const bf16* v_cache, const int* tok_row,
+                                           const int* positions, const int* block_tables, int bt_stride, int nh,
+                                           int nkv, int hd, int block_size, float scale, int window) {
     __shared__ float sq[256];
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
     __shared__ float sm_acc[ATT_WARPS][256];
-    int t = blockIdx.x, h = blockIdx.y;
+    int t = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    int kh = h / (nh / nkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int nv = hd >> 5;
-    int kh = h / (nh / nkv);
+    // The position, the row and q are loaded up front, together: everything after depends on
+    // them, so their latencies overlap instead of adding up.
     int pos = positions[t];
-    const int* bt = block_tables + (size_t)tok_seq[t] * bt_stride;
-    int start = window > 0 ? max(0, pos - window + 1) : 0;
+    int row = tok_row[t];
     const bf16* qp = q + (size_t)t * q_stride + (size_t)h * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) sq[d] = bf2f(qp[d]) * scale;
+    int start = window > 0 ? max(0, pos - window + 1) : 0;
+    int n_tiles = pos >= 0 ? (pos - start + 32) >> 5 : 0;
+    int splits = min(n_splits, (n_tiles + 3) >> 2);
+    int per = splits > 0 ? (n_tiles + splits - 1) / splits : 0;
+    int tile0 = s * per, tile1 = s < splits ? min(n_tiles, tile0 + per) : tile0;
+    float* pp = part + (((size_t)t * nh + h) * n_splits + s) * (hd + 2);
+    bf16* o = out + ((size_t)t * nh + h) * hd;
+    if (tile0 >= tile1) { // no keys here (a split past the context, or padding)
+        if (n_splits == 1) {
+            for (int d = threadIdx.x; d < hd; d += blockDim.x) o[d] = f2bf(0.0f);
+        } else if (threadIdx.x == 0) {
+            pp[0] = NEG_INF;
+            pp[1] = 0.0f;
+        }
+        return;
+    }
+    const int* bt = block_tables + (size_t)row * bt_stride;
     __syncthreads();
     float acc[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) acc[j] = 0.0f;
     float m = NEG_INF, l = 0.0f;
-    for (int base = start + warp * 32; base <= pos; base += ATT_WARPS * 32) {
+    for (int tile = tile0 + warp; tile < tile1; tile += ATT_WARPS) {
+        int base = start + tile * 32;
         int p = base + lane;
-        float s = NEG_INF;
+        bool valid = p <= pos;
         int slot = 0;
-        if (p <= pos) {
+        float sc = NEG_INF;
+        if (valid) {
             slot = bt[p / block_size] * block_size + p % block_size;
             const uint4* kp = (const uint4*)(k_cache + ((size_t)slot * nkv + kh) * hd);
             float dot = 0.0f;
+#pragma unroll 8
             for (int c = 0; c < (hd >> 3); c++) {
                 uint4 w = kp[c];
                 const float* qc = sq + c * 8;
@@ -220,25 +282,28 @@ extern "C" __global__ void paged_attention(bf16* out, const bf16* q, int q_strid
                 dot += qc[4] * __uint_as_float(w.z << 16) + qc[5] * __uint_as_float(w.z & 0xffff0000u);
                 dot += qc[6] * __uint_as_float(w.w << 16) + qc[7] * __uint_as_float(w.w & 0xffff0000u);
             }
-            s = dot;
+            sc = dot;
         }
-        // Lane 0's key (p = base) is always valid, so the tile max is finite.
-        float m_new = fmaxf(m, warp_max(s));
-        float corr = __expf(m - m_new);
-        float pe = p <= pos ? __expf(s - m_new) : 0.0f;
+        // Lane 0's key (p = base) is always valid: every tile max is finite.
+        float mn = fmaxf(m, warp_max(sc));
+        float corr = __expf(m - mn);
+        float pe = valid ? __expf(sc - mn) : 0.0f;
         l = l * corr + warp_sum(pe);
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[j] *= corr;
-        int n_keys = min(32, pos - base + 1);
-        for (int i = 0; i < n_keys; i++) {
-            float wgt = __shfl_sync(0xffffffffu, pe, i);
-            int slot_i = __shfl_sync(0xffffffffu, slot, i);
-            const bf16* vp = v_cache + ((size_t)slot_i * nkv + kh) * hd + lane * nv;
+        m = mn;
+        int slot0 = __shfl_sync(0xffffffffu, slot, 0);
+        int vslot = valid ? slot : slot0;
+#pragma unroll 8
+        for (int i = 0; i < 32; i++) {
+            float w = __shfl_sync(0xffffffffu, pe, i);
+            int si = __shfl_sync(0xffffffffu, vslot, i);
+            float v[8];
+            load_bf16s(v_cache + ((size_t)si * nkv + kh) * hd + lane * nv, nv, v);
 #pragma unroll
             for (int j = 0; j < 8; j++)
-                if (j < nv) acc[j] += wgt * bf2f(vp[j]);
+                if (j < nv) acc[j] += w * v[j];
         }
-        m = m_new;
     }
     if (lane == 0) {
         sm_m[warp] = m;
@@ -249,14 +314,46 @@ extern "C" __global__ void paged_attention(bf16* out, const bf16* q, int q_strid
         if (j < nv) sm_acc[warp][lane * nv + j] = acc[j];
     __syncthreads();
     float M = NEG_INF;
-    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm_m[w]);
+    for (int w = 0; w < ATT_WARPS; w++)
+        if (sm_l[w] > 0.0f) M = fmaxf(M, sm_m[w]);
     float L = 0.0f;
-    for (int w = 0; w < ATT_WARPS; w++) L += sm_l[w] * __expf(sm_m[w] - M);
-    bf16* o = out + (size_t)t * nh * hd + (size_t)h * hd;
+    for (int w = 0; w < ATT_WARPS; w++)
+        if (sm_l[w] > 0.0f) L += sm_l[w] * __expf(sm_m[w] - M);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float v = 0.0f;
-        for (int w = 0; w < ATT_WARPS; w++) v += sm_acc[w][d] * __expf(sm_m[w] - M);
-        o[d] = f2bf(v / L);
+        for (int w = 0; w < ATT_WARPS; w++)
+            if (sm_l[w] > 0.0f) v += sm_acc[w][d] * __expf(sm_m[w] - M);
+        if (n_splits == 1) {
+            o[d] = f2bf(L > 0.0f ? v / L : 0.0f);
+        } else {
+            if (d == 0) {
+                pp[0] = M;
+                pp[1] = L;
+            }
+            pp[2 + d] = v;
+        }
+    }
+}
+
+// Merges paged_attention's splits of token t, head h (block (t, h)), in split order;
+// splits with no keys (sum 0) are skipped.
+extern "C" __global__ void attention_combine(bf16* out, const float* part, int n_splits, int nh, int hd) {
+    int t = blockIdx.x, h = blockIdx.y;
+    const float* p = part + ((size_t)t * nh + h) * n_splits * (hd + 2);
+    float M = NEG_INF;
+    for (int s = 0; s < n_splits; s++)
+        if (p[s * (hd + 2) + 1] > 0.0f) M = fmaxf(M, p[s * (hd + 2)]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float L = 0.0f, v = 0.0f;
+        for (int s = 0; s < n_splits; s++) {
+            const float* ps = p + s * (hd + 2);
+            if (ps[1] > 0.0f) {
+                float e = __expf(ps[0] - M);
+                L += ps[1] * e;
+                v += ps[2 + d] * e;
+            }
+        }
+        out[((size_t)t * nh + h) * hd + d] = f2bf(L > 0.0f ? v / L : 0.0f);
     }
 }
 
@@ -316,6 +413,9 @@ __device__ __forceinline__ u32 fkey(float f) {
 __device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
     float best = NEG_INF;
     int bi = 0x7fffffff;
+    // Unrolled so that 8 loads are in flight per thread: one block scans the whole vocabulary
+    // (52 us for 128k logits with one dependent load at a time).
+#pragma unroll 8
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float x = v[i];
         if (x > best || (x == best && i < bi)) {
@@ -407,6 +507,7 @@ extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sa
             __syncthreads();
         }
         float mx = NEG_INF;
+#pragma unroll 8
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, lg[i]);
         mx = block_max(mx, shf);
         if (mx == NEG_INF) {
@@ -514,9 +615,85 @@ extern "C" __global__ void copy_f32(float* out, const float* in, long long n) {
         out[i] = in[i];
 }
 
-// Writes host-sampled tokens into the rows' pending slots (rows[i] <- tokens[i]) and advances
-// nothing else (the host sampler keeps its own counter for such rows).
-extern "C" __global__ void scatter_pending(int* pending, const int* rows, const int* tokens, int n) {
+// dst[index[i]] = values[i], i < n. Writes host-sampled tokens into the rows' pending slots
+// (index = rows) and new block-table entries into the per-row tables (index = row * stride + j).
+extern "C" __global__ void scatter_i32(int* dst, const int* index, const int* values, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) pending[rows[i]] = tokens[i];
+    if (i < n) dst[index[i]] = values[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small-batch GEMM (decode): y[m, n] = sum_k x[m, k] * w[n, k] for m < M <= GEMV_MAX_M, bf16 in,
+// fp32 accumulation, bf16 (or f32 when f32_out) out. Memory-bound on the weights, which are read
+// once with 16-byte streaming loads (no L1 allocation: x stays in L1). A warp computes
+// GEMV_ROWS adjacent outputs; each lane walks k in 8-element chunks, 32 chunks apart, then the
+// warp reduces. Each output's summation order depends only on k, never on M, so a row gets the
+// same result in a batch of 1 or 8 (CUDA-graph padding must not change real rows).
+// Needs K % 8 == 0 and 16-byte aligned rows.
+#define GEMV_MAX_M 8
+#define GEMV_WARPS 8
+#define GEMV_ROWS 2
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
+    float s = __uint_as_float(a.x << 16) * __uint_as_float(b.x << 16);
+    s += __uint_as_float(a.x & 0xffff0000u) * __uint_as_float(b.x & 0xffff0000u);
+    s += __uint_as_float(a.y << 16) * __uint_as_float(b.y << 16);
+    s += __uint_as_float(a.y & 0xffff0000u) * __uint_as_float(b.y & 0xffff0000u);
+    s += __uint_as_float(a.z << 16) * __uint_as_float(b.z << 16);
+    s += __uint_as_float(a.z & 0xffff0000u) * __uint_as_float(b.z & 0xffff0000u);
+    s += __uint_as_float(a.w << 16) * __uint_as_float(b.w << 16);
+    s += __uint_as_float(a.w & 0xffff0000u) * __uint_as_float(b.w & 0xffff0000u);
+    return s;
+}
+
+extern "C" __global__ void gemv_bf16(const bf16* x, const bf16* w, void* y, int M, int N, int K, int f32_out) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int n0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
+    if (n0 >= N) return;
+    int kc = K >> 3;
+    float acc[GEMV_ROWS][GEMV_MAX_M];
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++)
+#pragma unroll
+        for (int m = 0; m < GEMV_MAX_M; m++) acc[r][m] = 0.0f;
+    const uint4* wr[GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) wr[r] = (const uint4*)(w + (size_t)min(n0 + r, N - 1) * K);
+    const uint4* xr = (const uint4*)x;
+#pragma unroll 4
+    for (int c = lane; c < kc; c += 32) {
+        uint4 wv[GEMV_ROWS];
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; r++) wv[r] = ld_stream(wr[r] + c);
+#pragma unroll
+        for (int m = 0; m < GEMV_MAX_M; m++) {
+            if (m < M) {
+                uint4 xv = __ldg(xr + (size_t)m * kc + c);
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; r++) acc[r][m] += dot8(wv[r], xv);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) {
+#pragma unroll
+        for (int m = 0; m < GEMV_MAX_M; m++) {
+            if (m < M) {
+                float v = warp_sum(acc[r][m]);
+                if (lane == 0 && n0 + r < N) {
+                    size_t o = (size_t)m * N + n0 + r;
+                    if (f32_out) ((float*)y)[o] = v;
+                    else ((bf16*)y)[o] = f2bf(v);
+                }
+            }
+        }
+    }
 }

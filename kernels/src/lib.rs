@@ -29,8 +29,20 @@ pub const KERNELS: &[&str] = &[
     "apply_row_inits",
     "sample_tokens",
     "copy_f32",
-    "scatter_pending",
+    "scatter_i32",
+    "gemv_bf16",
+    "attention_combine",
 ];
+
+/// Largest batch `gemv_bf16` takes (`GEMV_MAX_M` in the source); larger ones go to cuBLAS.
+pub const GEMV_MAX_M: usize = 8;
+
+/// `gemv_bf16` blocks: `GEMV_WARPS` warps, each computing `GEMV_ROWS` outputs (as in the source).
+const GEMV_WARPS: u32 = 8;
+const GEMV_ROWS: u32 = 2;
+
+/// Warps of a `rope_kv_write` block (one warp per head; heads spread over gridDim.y).
+const ROPE_WARPS: u32 = 4;
 
 /// Capacity of a row's min_tokens mask on the device (longer masks sample on the host).
 pub const MASK_CAP: usize = 16;
@@ -316,7 +328,17 @@ impl Kernels {
             v_cache
         ];
         // SAFETY: argument types match the kernel's.
-        unsafe { self.launch("rope_kv_write", (n, 1, 1), 256, s, &mut p) }
+        let heads = (nh + 2 * nkv).max(1) as u32;
+        // SAFETY: argument types match the kernel's.
+        unsafe {
+            self.launch(
+                "rope_kv_write",
+                (n, heads.div_ceil(ROPE_WARPS), 1),
+                ROPE_WARPS * 32,
+                s,
+                &mut p,
+            )
+        }
     }
 
     /// `out = silu(gate) * up` over `rows` rows of `[gate | up]`.
@@ -346,7 +368,10 @@ impl Kernels {
         }
     }
 
-    /// Paged causal attention for `n` tokens.
+    /// Paged causal attention for `n` tokens, each token's context cut into up to `n_splits`
+    /// splits (of at least 4 tiles of 32 keys), merged by `attention_combine` when
+    /// `n_splits > 1` (partials in `part`: `n * nh * n_splits * (hd + 2)` floats; unused with
+    /// one split).
     ///
     /// # Safety
     /// Device addresses must be valid; block tables must name blocks inside the cache.
@@ -355,29 +380,34 @@ impl Kernels {
         &self,
         s: sys::CUstream,
         out: u64,
+        part: u64,
+        n_splits: u32,
         q: u64,
         q_stride: i32,
-        k_cache: u64,
-        v_cache: u64,
-        tok_seq: u64,
+        kv: (u64, u64),
+        tok_row: u64,
         positions: u64,
         block_tables: u64,
         bt_stride: i32,
-        nh: i32,
-        nkv: i32,
-        hd: i32,
-        block_size: i32,
+        (nh, nkv, hd, block_size): (i32, i32, i32, i32),
         scale: f32,
         window: i32,
         n: u32,
     ) -> anyhow::Result<()> {
+        if nkv <= 0 || nh % nkv != 0 || n_splits == 0 {
+            bail!("paged_attention: {nh} heads over {nkv} KV heads, {n_splits} splits");
+        }
+        let (k_cache, v_cache) = kv;
+        let ns = n_splits as i32;
         let mut p = params![
             out,
+            part,
+            ns,
             q,
             q_stride,
             k_cache,
             v_cache,
-            tok_seq,
+            tok_row,
             positions,
             block_tables,
             bt_stride,
@@ -388,8 +418,27 @@ impl Kernels {
             scale,
             window
         ];
-        // SAFETY: argument types match the kernel's.
-        unsafe { self.launch("paged_attention", (n, nh as u32, 1), ATT_THREADS, s, &mut p) }
+        // SAFETY: argument types match the kernels'.
+        unsafe {
+            self.launch(
+                "paged_attention",
+                (n, nh as u32, n_splits),
+                ATT_THREADS,
+                s,
+                &mut p,
+            )?;
+            if n_splits > 1 {
+                let mut p = params![out, part, ns, nh, hd];
+                self.launch(
+                    "attention_combine",
+                    (n, nh as u32, 1),
+                    (hd as u32).min(256),
+                    s,
+                    &mut p,
+                )?;
+            }
+        }
+        Ok(())
     }
 
     /// `rows[init_rows[i]] = inits[i]`, `i < n`.
@@ -455,25 +504,62 @@ impl Kernels {
         unsafe { self.launch("copy_f32", (blocks, 1, 1), 256, s, &mut p) }
     }
 
-    /// `pending[rows[i]] = tokens[i]`, `i < n`.
+    /// `dst[index[i]] = values[i]`, `i < n` (host-sampled tokens into `pending`, new entries
+    /// into the per-row block tables).
     ///
     /// # Safety
-    /// Device addresses must be valid.
-    pub unsafe fn scatter_pending(
+    /// Device addresses must be valid; every `index[i]` inside `dst`.
+    pub unsafe fn scatter_i32(
         &self,
         s: sys::CUstream,
-        pending: u64,
-        rows: u64,
-        tokens: u64,
+        dst: u64,
+        index: u64,
+        values: u64,
         n: i32,
     ) -> anyhow::Result<()> {
-        let mut p = params![pending, rows, tokens, n];
+        let mut p = params![dst, index, values, n];
         // SAFETY: argument types match the kernel's.
         unsafe {
             self.launch(
-                "scatter_pending",
-                ((n as u32).div_ceil(128), 1, 1),
+                "scatter_i32",
+                ((n.max(0) as u32).div_ceil(128), 1, 1),
                 128,
+                s,
+                &mut p,
+            )
+        }
+    }
+
+    /// `y[m, n] = x[m, :] · w[n, :]` for `m < rows <= GEMV_MAX_M` (bf16, fp32 accumulation; f32
+    /// or bf16 out). `k` must be a multiple of 8.
+    ///
+    /// # Safety
+    /// Device addresses must be valid for `rows * k`, `n * k` and `rows * n` elements, 16-byte
+    /// aligned.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv_bf16(
+        &self,
+        s: sys::CUstream,
+        x: u64,
+        w: u64,
+        y: u64,
+        rows: usize,
+        n: usize,
+        k: usize,
+        f32_out: bool,
+    ) -> anyhow::Result<()> {
+        if rows > GEMV_MAX_M || !k.is_multiple_of(8) {
+            bail!("gemv_bf16: {rows} rows (max {GEMV_MAX_M}), k {k} (a multiple of 8)");
+        }
+        let (m, nn, kk, f) = (rows as i32, n as i32, k as i32, f32_out as i32);
+        let mut p = params![x, w, y, m, nn, kk, f];
+        let blocks = (n as u32).div_ceil(GEMV_WARPS * GEMV_ROWS);
+        // SAFETY: argument types match the kernel's.
+        unsafe {
+            self.launch(
+                "gemv_bf16",
+                (if rows == 0 { 0 } else { blocks }, 1, 1),
+                GEMV_WARPS * 32,
                 s,
                 &mut p,
             )
@@ -543,6 +629,19 @@ mod tests {
             KERNELS.len()
         );
         assert!(SOURCE.contains(&format!("#define MASK_CAP {MASK_CAP}")));
+        assert!(SOURCE.contains(&format!("#define GEMV_MAX_M {GEMV_MAX_M}")));
+        let define = |name: &str| -> u32 {
+            SOURCE
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{name} defined in harrier.cu"))
+        };
+        assert_eq!(
+            (define("GEMV_WARPS"), define("GEMV_ROWS")),
+            (GEMV_WARPS, GEMV_ROWS)
+        );
         assert_eq!(std::mem::size_of::<RowParams>(), 40 + 4 * MASK_CAP);
     }
 

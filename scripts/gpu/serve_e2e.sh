@@ -28,5 +28,5 @@ for i in $(seq 1 32); do
 done
 wait "${CURLS[@]}"
 done_count=$(grep -l "data: \[DONE\]" "$OUT"/s*.sse | wc -l); echo "streams ending with [DONE]: $done_count/32"
-curl -s http://127.0.0.1:8123/metrics | grep -E "^harrier_(requests_total|generation_tokens_total|engine_kv)" | head -8
+curl -s http://127.0.0.1:8123/metrics | grep -E "^harrier_(requests_total|generation_tokens_total|engine_kv|engine_cuda_graph|engine_eager)" | head -10
 kill -TERM "$PID"; wait "$PID"; echo "serve exit status: $?"

@@ -1,21 +1,27 @@
 //! Host-side sizing of the CUDA executor: capacities, the per-slot metadata layout, scratch and
 //! KV-cache sizes. Pure arithmetic, unit tested on the CPU.
 //!
-//! Every decode input lives in a per-slot buffer at a fixed device address, refilled each step
-//! (the CUDA-graphs follow-up captures the decode step over exactly these buffers). The
+//! Every decode input lives in a per-slot buffer at a fixed device address, refilled each step,
+//! so a CUDA graph captured over these addresses replays any decode step of its size. The
 //! metadata of a step is one array of `i32` with sections at fixed offsets:
 //!
 //! ```text
 //!   tok_src[T]       token id from the host, or -1 - row: the row's pending (sampled) token
-//!   positions[T]     position of each token in its sequence
+//!   positions[T]     position of each token in its sequence (-1: a graph batch's padding row)
 //!   slot_mapping[T]  KV cache slot (block * block_size + offset) of each token
-//!   tok_seq[T]       sequence index of each token
+//!   tok_row[T]       backend row of each token (selects its block table)
 //!   logit_rows[S]    token row whose hidden state gives each sampled sequence's logits
 //!   sample_rows[S]   backend row of each sampled sequence
 //!   init_rows[S]     rows re-initialised before this step (parallel to the RowParams buffer)
-//!   block_tables[S * B]  each sequence's block table, `bt_stride` (<= B) entries apart
+//!   bt_index[U]      new block-table entries of this step: row * B + j ...
+//!   bt_value[U]      ... and the block id written there
 //! ```
-//! with T = max tokens per step, S = max sequences per step, B = max blocks per sequence.
+//! with T = max tokens per step, S = max sequences per step, B = max blocks per sequence and
+//! U = S * B (a step may hand a whole table to every row: prefix-cache hits arrive at once).
+//!
+//! Block tables live on the device per row (`(rows + 1) * B` words; the extra row belongs to
+//! padding), updated by scattering only the step's new entries: the host never re-sends a
+//! table, and a graph's attention reads the same address whatever the batch.
 
 use crate::model::ModelConfig;
 
@@ -53,11 +59,14 @@ pub struct MetaLayout {
     pub tok_src: usize,
     pub positions: usize,
     pub slot_mapping: usize,
-    pub tok_seq: usize,
+    pub tok_row: usize,
     pub logit_rows: usize,
     pub sample_rows: usize,
     pub init_rows: usize,
-    pub block_tables: usize,
+    pub bt_index: usize,
+    pub bt_value: usize,
+    /// Capacity of the two block-table update sections.
+    pub bt_cap: usize,
     /// Total words.
     pub len: usize,
 }
@@ -70,27 +79,102 @@ impl MetaLayout {
         let tok_src = 0;
         let positions = tok_src + t;
         let slot_mapping = positions + t;
-        let tok_seq = slot_mapping + t;
-        let logit_rows = tok_seq + t;
+        let tok_row = slot_mapping + t;
+        let logit_rows = tok_row + t;
         let sample_rows = logit_rows + s;
         let init_rows = sample_rows + s;
-        let block_tables = init_rows + s;
-        let len = block_tables + round(c.max_seqs * c.max_blocks_per_seq);
+        let bt_cap = c.max_seqs * c.max_blocks_per_seq;
+        let bt_index = init_rows + s;
+        let bt_value = bt_index + round(bt_cap);
+        let len = bt_value + round(bt_cap);
         Self {
             tok_src,
             positions,
             slot_mapping,
-            tok_seq,
+            tok_row,
             logit_rows,
             sample_rows,
             init_rows,
-            block_tables,
+            bt_index,
+            bt_value,
+            bt_cap,
             len,
         }
     }
 
     pub fn bytes(&self) -> usize {
         self.len * 4
+    }
+}
+
+/// Most context splits of one decode attention launch (`paged_attention`).
+pub const MAX_DECODE_SPLITS: usize = 32;
+
+/// Blocks a decode attention launch aims for: (token, head) pairs times splits. A decode batch
+/// with fewer (token, head) pairs splits each token's context so that one block per (token,
+/// head) does not leave most SMs idle (measured on the H200, 1B shape at 4,096 keys, batch 1:
+/// 1.69 ms per step split vs 2.53 unsplit; at batch 8, two splits were no faster than one, so
+/// 32-head models split only below batch 8; docs/benchmarks.md).
+pub const DECODE_TARGET_BLOCKS: usize = 256;
+
+/// Splits per token for a decode step of `batch` rows (the padded batch when a graph bucket
+/// holds it, so eager steps and replays cut the context the same way) and `num_heads` query
+/// heads; 1 means no split.
+pub fn decode_attention_splits(batch: usize, num_heads: usize) -> usize {
+    DECODE_TARGET_BLOCKS
+        .div_ceil((batch * num_heads).max(1))
+        .clamp(1, MAX_DECODE_SPLITS)
+}
+
+/// The batch sizes with a captured decode graph, and the padding decision as a table lookup.
+///
+/// A decode-only step of `n` sequences replays the graph of the smallest bucket `>= n`
+/// (padding rows fill the rest); `n` above the largest bucket runs eagerly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GraphBuckets {
+    sizes: Vec<usize>,
+    /// `by_batch[n]` = index in `sizes` of the bucket for `n` sequences (`n` in 1..=largest).
+    by_batch: Vec<u16>,
+}
+
+impl GraphBuckets {
+    /// Buckets from `sizes` (any order, duplicates and zeros ignored), capped at `max_batch`
+    /// (sizes above it are dropped; `max_batch` = min(max_num_seqs, max_num_batched_tokens)).
+    pub fn new(sizes: &[usize], max_batch: usize) -> Self {
+        let mut sizes: Vec<usize> = sizes
+            .iter()
+            .copied()
+            .filter(|&s| s >= 1 && s <= max_batch)
+            .collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let largest = sizes.last().copied().unwrap_or(0);
+        let mut by_batch = vec![0u16; largest + 1];
+        let mut i = 0;
+        for (n, b) in by_batch.iter_mut().enumerate().skip(1) {
+            while sizes[i] < n {
+                i += 1;
+            }
+            *b = i as u16;
+        }
+        Self { sizes, by_batch }
+    }
+
+    pub fn sizes(&self) -> &[usize] {
+        &self.sizes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sizes.is_empty()
+    }
+
+    /// `(bucket index, bucket size)` for a decode batch of `n`; `None`: run eagerly.
+    pub fn bucket_for(&self, n: usize) -> Option<(usize, usize)> {
+        if n == 0 || n >= self.by_batch.len() {
+            return None;
+        }
+        let i = self.by_batch[n] as usize;
+        Some((i, self.sizes[i]))
     }
 }
 
@@ -108,6 +192,8 @@ pub struct ScratchSizes {
     pub logits: usize,
     /// Final-normed rows that want logits, `max_seqs` rows.
     pub final_h: usize,
+    /// f32 partials of split decode attention: `max_seqs * nh * splits * (hd + 2)`.
+    pub attn_part: usize,
 }
 
 impl ScratchSizes {
@@ -123,6 +209,9 @@ impl ScratchSizes {
             act: t * m.intermediate_size * 2,
             logits: c.max_seqs * m.vocab_size * 4,
             final_h: c.max_seqs * m.hidden_size * 2,
+            // Splits only when batch * heads < DECODE_TARGET_BLOCKS, so batch * heads * splits
+            // < 2 * DECODE_TARGET_BLOCKS.
+            attn_part: 2 * DECODE_TARGET_BLOCKS * (m.head_dim + 2) * 4,
         }
     }
 
@@ -136,6 +225,7 @@ impl ScratchSizes {
             + self.act
             + self.logits
             + self.final_h
+            + self.attn_part
     }
 }
 
@@ -216,26 +306,88 @@ mod tests {
         let c = Capacities::new(2048, 256, 131_072, 16);
         assert_eq!(c.max_blocks_per_seq, 8192);
         let l = MetaLayout::new(&c);
+        assert_eq!(l.bt_cap, 256 * 8192);
         let sections = [
             (l.tok_src, 2048),
             (l.positions, 2048),
             (l.slot_mapping, 2048),
-            (l.tok_seq, 2048),
+            (l.tok_row, 2048),
             (l.logit_rows, 256),
             (l.sample_rows, 256),
             (l.init_rows, 256),
-            (l.block_tables, 256 * 8192),
+            (l.bt_index, l.bt_cap),
+            (l.bt_value, l.bt_cap),
         ];
         for w in sections.windows(2) {
             assert!(w[0].0 + w[0].1 <= w[1].0, "{sections:?}");
         }
-        assert!(l.block_tables + 256 * 8192 <= l.len);
+        assert!(l.bt_value + l.bt_cap <= l.len);
         for (off, _) in sections {
             assert_eq!(off % 64, 0);
         }
         // Odd capacities round up.
         let l = MetaLayout::new(&Capacities::new(3, 1, 17, 16));
-        assert_eq!((l.positions, l.block_tables), (64, 4 * 64 + 3 * 64));
+        assert_eq!((l.positions, l.bt_index), (64, 4 * 64 + 3 * 64));
+        assert_eq!((l.bt_cap, l.bt_value, l.len), (2, 8 * 64, 9 * 64));
+    }
+
+    #[test]
+    fn decode_attention_splits_by_batch() {
+        // 32 heads (1B/3B/8B): 8 splits at batch 1, 2 at batch 4, none from 8.
+        let s = |b| decode_attention_splits(b, 32);
+        assert_eq!([1, 2, 3, 4, 7, 8, 256].map(s), [8, 4, 3, 2, 2, 1, 1]);
+        // 16 heads (0.6B): 16 at batch 1; 4 heads: the cap.
+        assert_eq!(decode_attention_splits(1, 16), 16);
+        assert_eq!(decode_attention_splits(1, 4), MAX_DECODE_SPLITS);
+        // The partial buffer holds every split launch.
+        for heads in [4usize, 16, 32, 64] {
+            for b in 1..=256 {
+                let n = decode_attention_splits(b, heads);
+                if n > 1 {
+                    assert!(b * heads * n < 2 * DECODE_TARGET_BLOCKS, "{b} {heads}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn graph_buckets_pad_to_the_next_size() {
+        assert_eq!(
+            crate::config::default_graph_sizes(256),
+            [
+                1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224,
+                240, 256
+            ]
+        );
+        assert_eq!(
+            crate::config::default_graph_sizes(40),
+            [1, 2, 4, 8, 16, 24, 32, 40]
+        );
+        assert_eq!(
+            crate::config::default_graph_sizes(50),
+            [1, 2, 4, 8, 16, 24, 32, 48, 50]
+        );
+        assert_eq!(crate::config::default_graph_sizes(4), [1, 2, 4]);
+        let b = GraphBuckets::new(&crate::config::default_graph_sizes(256), 256);
+        let pad = |n| b.bucket_for(n).map(|(_, s)| s);
+        assert_eq!(
+            [1, 3, 5, 8, 9, 17, 33, 49, 255, 256].map(pad),
+            [1, 4, 8, 8, 16, 24, 48, 64, 256, 256].map(Some)
+        );
+        assert_eq!((pad(0), pad(257)), (None, None));
+        // Every batch gets the smallest bucket that holds it.
+        for n in 1..=256 {
+            let (i, s) = b.bucket_for(n).unwrap();
+            assert_eq!(b.sizes()[i], s);
+            assert!(s >= n && (i == 0 || b.sizes()[i - 1] < n), "{n} -> {s}");
+        }
+        // User sizes: unsorted, duplicates, zero and sizes above the cap dropped.
+        let b = GraphBuckets::new(&[8, 0, 2, 8, 300, 5], 64);
+        assert_eq!(b.sizes(), [2, 5, 8]);
+        assert_eq!(b.bucket_for(1), Some((0, 2)));
+        assert_eq!(b.bucket_for(9), None);
+        let none = GraphBuckets::new(&[], 64);
+        assert!(none.is_empty() && none.bucket_for(1).is_none());
     }
 
     #[test]
@@ -250,6 +402,7 @@ mod tests {
         assert_eq!(s.logits, 256 * 128_256 * 4);
         assert_eq!(s.gate_up, 2048 * 2 * 8192 * 2);
         assert!(s.total() > s.logits);
+        assert_eq!(s.attn_part, 2 * 256 * 66 * 4);
     }
 
     #[test]

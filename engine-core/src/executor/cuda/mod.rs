@@ -3,7 +3,8 @@
 //!
 //! ```text
 //!  engine thread                       compute stream (I1: every step's work)       copy stream
-//!  launch_forward(batch, slot)  ──►  H2D slot metadata, row inits, forward → logits
+//!  launch_forward(batch, slot)  ──►  H2D slot metadata, row inits, block-table updates,
+//!                                    forward → logits (graph replay or eager)
 //!  finalize_sampling(handle)    ──►  sample_tokens → slot.out_d, rows' pending     ─► wait(slot.step_done) (I3)
 //!                                    record slot.step_done                           D2H slot.out_d → slot.out_h
 //!                                                                                    record slot.copy_done
@@ -21,9 +22,16 @@
 //!   (`RowSampler`, the CPU backend's sampler) in `finalize_sampling`, which then synchronises
 //!   the stream for that step; everything else samples on the device with the same Philox
 //!   stream, so seeded output matches the CPU backend up to numeric ties.
+//! - Decode-only steps of up to the largest bucket replay a captured graph (`graphs`), padded
+//!   to the bucket with rows that read nothing and write their KV into a reserved scratch
+//!   block; everything else (prefill chunks, larger batches, `--enforce-eager`) runs eagerly.
+//!   Both paths enqueue the same kernels over the same buffers.
 //! - Every CUDA call is checked; an error after dispatch is `ExecError::Fatal`, and every later
 //!   call fails too.
 
+pub mod blas;
+pub mod graph_check;
+mod graphs;
 pub mod layout;
 mod model;
 
@@ -35,12 +43,13 @@ use harrier_kernels::cudarc::driver::{result as dr, sys, CudaContext};
 use harrier_kernels::{Kernels, RowParams, MASK_CAP};
 use harrier_shared::protocol::{TokenId, TokenLogprobs};
 
-use super::{ExecError, Executor, InFlightStep, LaunchHandle};
+use super::{ExecCounters, ExecError, Executor, InFlightStep, LaunchHandle};
 use crate::batch::{ExecBatch, StepOutput};
 use crate::model::{ModelConfig, ModelDir};
 use crate::pipeline::{SlotId, NUM_SLOTS};
 use crate::sampling::{RowSampler, SamplerScratch};
-use layout::{Capacities, MetaLayout};
+use graphs::{DecodeGraph, GraphAddrs};
+use layout::{Capacities, GraphBuckets, MetaLayout};
 pub use model::GpuModel;
 
 /// Whether the CUDA driver library can be loaded and reports at least one device.
@@ -164,7 +173,14 @@ pub struct CudaExecutorConfig {
     pub num_kv_blocks: Option<u32>,
     pub gpu_memory_utilization: f64,
     pub device: usize,
+    /// Batch sizes to capture decode graphs for (see [`GraphBuckets`]); empty: always eager.
+    pub graph_sizes: Vec<usize>,
 }
+
+/// Device memory set aside per captured graph when sizing the KV cache (the graphs are
+/// captured after the KV cache exists, since they embed its address). Start-up measures the
+/// real cost and warns if it is larger.
+const GRAPH_RESERVE_BYTES: usize = 2 << 20;
 
 /// One ping-pong slot's buffers and the host state of its step in flight.
 struct Slot {
@@ -181,11 +197,7 @@ struct Slot {
     step_done: sys::CUevent,
     copy_done: sys::CUevent,
     // The step in flight.
-    n_tokens: usize,
-    n_seqs: usize,
     n_samples: usize,
-    n_inits: usize,
-    bt_stride: usize,
     /// (index among samples, row) of host-sampled sequences.
     host_samples: Vec<(usize, u32)>,
     host_results: Vec<(usize, TokenId, Option<TokenLogprobs>)>,
@@ -214,10 +226,17 @@ pub struct CudaExecutor {
     model: GpuModel,
     caps: Capacities,
     layout: MetaLayout,
+    /// Usable KV blocks (the engine's); block `num_kv_blocks` is the padding rows' scratch.
     num_kv_blocks: u32,
     rows_d: DevBuf,
     pending_d: DevBuf,
+    /// Per-row block tables, `[max_rows + 1, max_blocks_per_seq]` (the last row: padding).
+    row_bt_d: DevBuf,
     slots: Vec<Slot>,
+    buckets: GraphBuckets,
+    /// Per slot, one graph per bucket (same order as `buckets.sizes()`); empty when eager.
+    graphs: Vec<Vec<DecodeGraph>>,
+    counters: ExecCounters,
     rows: Vec<Option<HostRow>>,
     scratch: SamplerScratch,
     next_step: u64,
@@ -226,6 +245,12 @@ pub struct CudaExecutor {
     last_done: Option<sys::CUevent>,
     pub record_gaps: bool,
     pub gaps: GapStats,
+    /// Replay captured graphs for decode steps (on when graphs were captured). Tools turn it
+    /// off to compare eager and graph runs on one executor.
+    pub use_graphs: bool,
+    /// Small decode batches split attention over the context (graphs are captured so); tools
+    /// turn it off to compare eager steps without splits.
+    pub split_decode_attention: bool,
     ctx: Arc<CudaContext>,
 }
 
@@ -244,6 +269,12 @@ pub struct CudaStartInfo {
     pub kv_tokens: u64,
     pub kv_bytes: usize,
     pub kernels_from_cache: bool,
+    /// Batch sizes with captured decode graphs (empty: eager only).
+    pub graph_sizes: Vec<usize>,
+    pub graph_count: usize,
+    pub graph_capture_ms: f64,
+    /// Device memory the captured graphs took (free memory before minus after).
+    pub graph_bytes: usize,
 }
 
 impl CudaExecutor {
@@ -297,6 +328,11 @@ impl CudaExecutor {
         let max_rows = caps.max_seqs;
         let rows_d = DevBuf::new(max_rows * std::mem::size_of::<RowParams>())?;
         let pending_d = DevBuf::new(max_rows * 4)?;
+        anyhow::ensure!(
+            (max_rows + 1) * caps.max_blocks_per_seq < i32::MAX as usize,
+            "max_num_seqs x max_model_len / block_size is too large for 32-bit block-table indices"
+        );
+        let row_bt_d = DevBuf::new((max_rows + 1) * caps.max_blocks_per_seq * 4)?;
         // SAFETY: fresh allocations of those sizes; zeroed on the compute stream.
         unsafe {
             ck(
@@ -305,6 +341,10 @@ impl CudaExecutor {
             )?;
             ck(
                 dr::memset_d8_async(pending_d.ptr, 0, pending_d.bytes, compute),
+                "memset",
+            )?;
+            ck(
+                dr::memset_d8_async(row_bt_d.ptr, 0, row_bt_d.bytes, compute),
                 "memset",
             )?;
         }
@@ -322,11 +362,7 @@ impl CudaExecutor {
                 step_start: new_event(true)?,
                 step_done: new_event(true)?,
                 copy_done: new_event(false)?,
-                n_tokens: 0,
-                n_seqs: 0,
                 n_samples: 0,
-                n_inits: 0,
-                bt_stride: 1,
                 host_samples: Vec::new(),
                 host_results: Vec::new(),
             });
@@ -338,44 +374,58 @@ impl CudaExecutor {
             "synchronising after the upload",
         )?;
         let bpb = layout::kv_bytes_per_block(&mc, caps.block_size);
+        let buckets = GraphBuckets::new(&cfg.graph_sizes, caps.max_seqs.min(caps.max_tokens));
+        let num_graphs = buckets.sizes().len() * NUM_SLOTS;
+        // One more block than the engine gets: the scratch block of graph padding rows.
         let num_kv_blocks = match cfg.num_kv_blocks {
-            Some(n) => n as usize,
+            Some(n) => n as usize + 1,
             None => {
-                // Everything but the KV cache is allocated now (weights, activations at their
-                // largest, slots, cuBLAS workspace): the KV cache gets the rest of the budget.
+                // Everything but the KV cache and the graphs is allocated now (weights,
+                // activations at their largest, slots, cuBLAS workspace): the KV cache gets the
+                // rest of the budget.
                 let (free, total) = ck(dr::mem_get_info(), "cuMemGetInfo")?;
-                layout::kv_blocks_for(total, total - free, cfg.gpu_memory_utilization, bpb)
+                let used = total - free + num_graphs * GRAPH_RESERVE_BYTES;
+                layout::kv_blocks_for(total, used, cfg.gpu_memory_utilization, bpb)
             }
         };
-        if num_kv_blocks < 2 {
+        if num_kv_blocks < 3 {
             bail!(
                 "no room for the KV cache ({num_kv_blocks} blocks of {bpb} bytes) with --gpu-memory-utilization {}",
                 cfg.gpu_memory_utilization
             );
         }
-        let num_kv_blocks = num_kv_blocks.min(u32::MAX as usize / caps.block_size) as u32;
+        let num_kv_blocks = num_kv_blocks.min(i32::MAX as usize / caps.block_size) as u32;
         model.alloc_kv(num_kv_blocks as usize, caps.block_size)?;
-        let info = CudaStartInfo {
+        let usable = num_kv_blocks - 1;
+        let mut info = CudaStartInfo {
             device_name,
             arch,
             weight_bytes: model.weight_bytes,
             activation_bytes: scratch_sizes.total(),
-            kv_blocks: num_kv_blocks,
-            kv_tokens: num_kv_blocks as u64 * caps.block_size as u64,
+            kv_blocks: usable,
+            kv_tokens: usable as u64 * caps.block_size as u64,
             kv_bytes: num_kv_blocks as usize * bpb,
             kernels_from_cache: kernels.from_cache,
+            graph_sizes: buckets.sizes().to_vec(),
+            graph_count: num_graphs,
+            graph_capture_ms: 0.0,
+            graph_bytes: 0,
         };
-        let exec = CudaExecutor {
+        let mut exec = CudaExecutor {
             compute,
             copy,
             kernels,
             model,
             caps,
             layout,
-            num_kv_blocks,
+            num_kv_blocks: usable,
             rows_d,
             pending_d,
+            row_bt_d,
             slots,
+            buckets,
+            graphs: (0..NUM_SLOTS).map(|_| Vec::new()).collect(),
+            counters: ExecCounters::default(),
             rows: (0..max_rows).map(|_| None).collect(),
             scratch: SamplerScratch::default(),
             next_step: 0,
@@ -383,9 +433,141 @@ impl CudaExecutor {
             last_done: None,
             record_gaps: false,
             gaps: GapStats::default(),
+            use_graphs: true,
+            split_decode_attention: true,
             ctx,
         };
+        if !exec.buckets.is_empty() {
+            let (free_before, _) = ck(dr::mem_get_info(), "cuMemGetInfo")?;
+            let t0 = std::time::Instant::now();
+            exec.capture_graphs()
+                .context("capturing the decode graphs")?;
+            info.graph_capture_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let (free_after, _) = ck(dr::mem_get_info(), "cuMemGetInfo")?;
+            info.graph_bytes = free_before.saturating_sub(free_after);
+            if info.graph_bytes > num_graphs * GRAPH_RESERVE_BYTES && cfg.num_kv_blocks.is_none() {
+                tracing::warn!(
+                    graph_mib = info.graph_bytes >> 20,
+                    reserved_mib = (num_graphs * GRAPH_RESERVE_BYTES) >> 20,
+                    "the decode graphs took more memory than the KV sizing set aside"
+                );
+            }
+        }
         Ok((exec, info))
+    }
+
+    /// The addresses a graph of `slot` runs over.
+    fn graph_addrs(&self, slot: usize) -> GraphAddrs {
+        GraphAddrs {
+            meta: self.slots[slot].meta_d.ptr,
+            row_block_tables: self.row_bt_d.ptr,
+            pending: self.pending_d.ptr,
+            logits: self.model.logits_ptr(),
+        }
+    }
+
+    /// The forward pass's view of `slot`'s metadata for `n_tokens` tokens and `n_samples`
+    /// sampled rows.
+    fn step_meta(
+        &self,
+        slot: usize,
+        n_tokens: usize,
+        n_samples: usize,
+        decode_splits: Option<usize>,
+    ) -> model::StepMeta {
+        let (d, l) = (&self.slots[slot].meta_d, &self.layout);
+        model::StepMeta {
+            n_tokens,
+            n_samples,
+            tok_src: d.at(l.tok_src * 4),
+            positions: d.at(l.positions * 4),
+            slot_mapping: d.at(l.slot_mapping * 4),
+            tok_row: d.at(l.tok_row * 4),
+            logit_rows: d.at(l.logit_rows * 4),
+            row_block_tables: self.row_bt_d.ptr,
+            bt_stride: self.caps.max_blocks_per_seq,
+            pending: self.pending_d.ptr,
+            decode_splits,
+        }
+    }
+
+    /// Fills `range` of the slot's token rows with padding: token 0, position -1 (attention
+    /// reads nothing), KV written into the scratch block, the padding row's block table, and
+    /// logits from the row itself.
+    fn fill_padding(&mut self, slot: usize, range: std::ops::Range<usize>) {
+        let (l, bs) = (self.layout, self.caps.block_size);
+        let scratch = self.num_kv_blocks as usize * bs;
+        let pad_row = self.caps.max_seqs as i32;
+        let meta = self.slots[slot].meta_h.as_mut_slice();
+        for i in range {
+            meta[l.tok_src + i] = 0;
+            meta[l.positions + i] = -1;
+            meta[l.slot_mapping + i] = (scratch + i % bs) as i32;
+            meta[l.tok_row + i] = pad_row;
+            meta[l.logit_rows + i] = i as i32;
+        }
+    }
+
+    /// Uploads the slot's token and sequence sections (one copy: they are adjacent).
+    ///
+    /// # Safety
+    /// The slot's pinned buffer must not be rewritten before the copy runs (I6).
+    unsafe fn upload_head(&self, slot: usize) -> anyhow::Result<()> {
+        let s = &self.slots[slot];
+        let n = self.layout.bt_index;
+        // SAFETY: `meta_h` and `meta_d` hold `layout.len >= n` words.
+        ck(
+            unsafe { dr::memcpy_htod_async(s.meta_d.ptr, &s.meta_h.as_slice()[..n], self.compute) },
+            "metadata H2D",
+        )
+    }
+
+    /// Captures a graph per (slot, bucket). Each bucket first runs once eagerly over padding
+    /// rows (cuBLAS settles its choices outside the capture), then is captured.
+    fn capture_graphs(&mut self) -> anyhow::Result<()> {
+        let st = self.compute;
+        let sizes = self.buckets.sizes().to_vec();
+        for slot in 0..NUM_SLOTS {
+            let largest = *sizes.last().expect("non-empty buckets");
+            self.fill_padding(slot, 0..largest);
+            // SAFETY: the upload is synchronised before the pinned buffer changes again.
+            unsafe {
+                self.upload_head(slot)?;
+                ck(dr::stream::synchronize(st), "sync")?;
+            }
+            for &size in &sizes {
+                let m = self.step_meta(slot, size, size, self.decode_splits(size));
+                let addrs = self.graph_addrs(slot);
+                let (model, kernels) = (&mut self.model, &self.kernels);
+                // SAFETY: the metadata holds `size` padding rows; only kernel launches and
+                // cuBLAS calls are enqueued under capture.
+                let g = unsafe {
+                    model.forward(kernels, st, &m)?;
+                    ck(dr::stream::synchronize(st), "warm-up forward")?;
+                    DecodeGraph::capture(st, size, addrs, || model.forward(kernels, st, &m))?
+                };
+                self.graphs[slot].push(g);
+            }
+        }
+        // SAFETY: our stream.
+        ck(unsafe { dr::stream::synchronize(st) }, "sync after capture")
+    }
+
+    /// Small-batch GEMMs through our `gemv_bf16` (default) or cuBLAS. Affects eager steps
+    /// only: captured graphs keep what they were captured with.
+    pub fn set_custom_gemv(&mut self, on: bool) {
+        self.model.blas.use_gemv = on;
+    }
+
+    /// Split decode attention for a decode step of `batch` (padded) rows, if it splits.
+    fn decode_splits(&self, batch: usize) -> Option<usize> {
+        let n = layout::decode_attention_splits(batch, self.model.config.num_heads);
+        (n > 1 && self.split_decode_attention).then_some(n)
+    }
+
+    /// How steps ran so far (graph replays, eager fallbacks).
+    pub fn exec_counters(&self) -> ExecCounters {
+        self.counters
     }
 
     pub fn num_kv_blocks(&self) -> u32 {
@@ -547,53 +729,50 @@ impl CudaExecutor {
                 host_sampler: host.then(|| RowSampler::new(init)),
             });
         }
-        // Per-token and per-sequence metadata.
-        let bt_stride = batch
-            .seqs
-            .iter()
-            .map(|s| {
-                let r = self.rows[s.row.0 as usize]
-                    .as_ref()
-                    .map(|r| r.block_table.len())
-                    .unwrap_or(0);
-                r + s.blocks_len as usize
-            })
-            .max()
-            .unwrap_or(1)
-            .max(1);
+        // Per-token and per-sequence metadata; new block-table entries.
         let bs = caps.block_size;
+        let stride = caps.max_blocks_per_seq;
+        let decode_only =
+            !batch.seqs.is_empty() && batch.seqs.iter().all(|q| q.num_tokens == 1 && q.sample);
+        let graph = if decode_only && self.use_graphs && !self.graphs[slot].is_empty() {
+            self.buckets.bucket_for(batch.seqs.len())
+        } else {
+            None
+        };
         let s = &mut self.slots[slot];
         let meta = s.meta_h.as_mut_slice();
         let mut t = 0usize;
         let mut n_samples = 0usize;
+        let mut n_bt = 0usize;
         s.host_samples.clear();
         s.host_results.clear();
-        for (si, seq) in batch.seqs.iter().enumerate() {
-            let row = self.rows[seq.row.0 as usize].as_mut().expect("validated");
-            row.block_table.extend_from_slice(
-                &batch.new_blocks
-                    [seq.blocks_start as usize..(seq.blocks_start + seq.blocks_len) as usize],
-            );
+        for seq in &batch.seqs {
+            let r = seq.row.0 as usize;
+            let row = self.rows[r].as_mut().expect("validated");
+            let new = &batch.new_blocks
+                [seq.blocks_start as usize..(seq.blocks_start + seq.blocks_len) as usize];
+            for &b in new {
+                meta[l.bt_index + n_bt] = (r * stride + row.block_table.len()) as i32;
+                meta[l.bt_value + n_bt] = b as i32;
+                row.block_table.push(b);
+                n_bt += 1;
+            }
             for j in 0..seq.num_tokens as usize {
                 let pos = seq.position as usize + j;
                 meta[l.tok_src + t] = if j < seq.host_len as usize {
                     batch.host_tokens[seq.host_start as usize + j] as i32
                 } else {
-                    -1 - seq.row.0 as i32
+                    -1 - r as i32
                 };
                 meta[l.positions + t] = pos as i32;
                 meta[l.slot_mapping + t] =
                     (row.block_table[pos / bs] as usize * bs + pos % bs) as i32;
-                meta[l.tok_seq + t] = si as i32;
+                meta[l.tok_row + t] = r as i32;
                 t += 1;
             }
-            let bt =
-                &mut meta[l.block_tables + si * bt_stride..l.block_tables + (si + 1) * bt_stride];
-            bt[..row.block_table.len()].copy_from_slice(bytemuck_u32(&row.block_table));
-            bt[row.block_table.len()..].fill(0);
             if seq.sample {
                 meta[l.logit_rows + n_samples] = (t - 1) as i32;
-                meta[l.sample_rows + n_samples] = seq.row.0 as i32;
+                meta[l.sample_rows + n_samples] = r as i32;
                 if row.host_sampler.is_some() {
                     s.host_samples.push((n_samples, seq.row.0));
                 }
@@ -601,13 +780,12 @@ impl CudaExecutor {
                 n_samples += 1;
             }
         }
-        let n_seqs = batch.seqs.len();
-        s.n_tokens = t;
-        s.n_seqs = n_seqs;
         s.n_samples = n_samples;
-        s.n_inits = n_inits;
-        s.bt_stride = bt_stride;
+        if let Some((_, size)) = graph {
+            self.fill_padding(slot, t..size);
+        }
         let st = self.compute;
+        let s = &self.slots[slot];
         // SAFETY: all device addresses are our allocations with the layout's capacities; the
         // pinned source buffers belong to this slot and are not rewritten before the step is
         // committed (I6).
@@ -615,24 +793,23 @@ impl CudaExecutor {
             if self.record_gaps {
                 ck(dr::event::record(s.step_start, st), "event record")?;
             }
-            let meta = s.meta_h.as_slice();
-            let up = |off: usize, n: usize| -> anyhow::Result<()> {
-                if n > 0 {
-                    ck(
-                        dr::memcpy_htod_async(s.meta_d.at(off * 4), &meta[off..off + n], st),
-                        "metadata H2D",
-                    )?;
-                }
-                Ok(())
-            };
-            up(l.tok_src, t)?;
-            up(l.positions, t)?;
-            up(l.slot_mapping, t)?;
-            up(l.tok_seq, t)?;
-            up(l.logit_rows, n_samples)?;
-            up(l.sample_rows, n_samples)?;
-            up(l.init_rows, n_inits)?;
-            up(l.block_tables, n_seqs * bt_stride)?;
+            self.upload_head(slot)?;
+            if n_bt > 0 {
+                let meta = s.meta_h.as_slice();
+                // bt_index and bt_value are adjacent: one copy of both up to the last entry.
+                let (a, b) = (l.bt_index, l.bt_value + n_bt);
+                ck(
+                    dr::memcpy_htod_async(s.meta_d.at(a * 4), &meta[a..b], st),
+                    "block-table H2D",
+                )?;
+                self.kernels.scatter_i32(
+                    st,
+                    self.row_bt_d.ptr,
+                    s.meta_d.at(l.bt_index * 4),
+                    s.meta_d.at(l.bt_value * 4),
+                    n_bt as i32,
+                )?;
+            }
             if n_inits > 0 {
                 ck(
                     dr::memcpy_htod_async(s.inits_d.ptr, &s.inits_h.as_slice()[..n_inits], st),
@@ -646,20 +823,25 @@ impl CudaExecutor {
                     n_inits as i32,
                 )?;
             }
-            if t > 0 {
-                let m = model::StepMeta {
-                    n_tokens: t,
-                    n_samples,
-                    tok_src: s.meta_d.at(l.tok_src * 4),
-                    positions: s.meta_d.at(l.positions * 4),
-                    slot_mapping: s.meta_d.at(l.slot_mapping * 4),
-                    tok_seq: s.meta_d.at(l.tok_seq * 4),
-                    logit_rows: s.meta_d.at(l.logit_rows * 4),
-                    block_tables: s.meta_d.at(l.block_tables * 4),
-                    bt_stride,
-                    pending: self.pending_d.ptr,
+            if let Some((i, _)) = graph {
+                let size = self.buckets.sizes()[i];
+                self.graphs[slot][i].replay(st, size, self.graph_addrs(slot))?;
+                self.counters.graph_replays += 1;
+            } else if t > 0 {
+                let splits = if decode_only {
+                    // The padded batch when a bucket holds it: the same cut as its graph.
+                    let n = batch.seqs.len();
+                    self.decode_splits(self.buckets.bucket_for(n).map_or(n, |(_, b)| b))
+                } else {
+                    None
                 };
+                let m = self.step_meta(slot, t, n_samples, splits);
                 self.model.forward(&self.kernels, st, &m)?;
+                if decode_only {
+                    self.counters.eager_decode_steps += 1;
+                } else {
+                    self.counters.eager_other_steps += 1;
+                }
             }
         }
         Ok(())
@@ -710,7 +892,7 @@ impl CudaExecutor {
                     dr::memcpy_htod_async(s.host_tok_d.ptr, &s.host_tok_h.as_slice()[..2 * n], st),
                     "host tokens H2D",
                 )?;
-                self.kernels.scatter_pending(
+                self.kernels.scatter_i32(
                     st,
                     self.pending_d.ptr,
                     s.host_tok_d.ptr,
@@ -775,12 +957,6 @@ impl CudaExecutor {
     }
 }
 
-fn bytemuck_u32(v: &[u32]) -> &[i32] {
-    // SAFETY: u32 and i32 have the same size and alignment; block ids are < 2^31 (checked
-    // against the cache size).
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const i32, v.len()) }
-}
-
 impl Executor for CudaExecutor {
     fn launch_forward(
         &mut self,
@@ -814,6 +990,10 @@ impl Executor for CudaExecutor {
         }
         Ok(())
     }
+
+    fn counters(&self) -> ExecCounters {
+        self.counters
+    }
 }
 
 impl Drop for CudaExecutor {
@@ -823,6 +1003,7 @@ impl Drop for CudaExecutor {
             unsafe {
                 let _ = dr::stream::synchronize(self.compute);
                 let _ = dr::stream::synchronize(self.copy);
+                self.graphs.clear();
                 for s in &self.slots {
                     let _ = dr::event::destroy(s.step_start);
                     let _ = dr::event::destroy(s.step_done);

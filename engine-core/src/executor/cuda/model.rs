@@ -2,14 +2,12 @@
 //! buffers sized for the largest step, the paged KV cache, and the forward pass as a sequence
 //! of our kernels and cuBLAS GEMMs on one stream.
 
-use std::ffi::c_void;
-
 use anyhow::{anyhow, bail, Context};
 use half::bf16;
-use harrier_kernels::cudarc::cublas::sys as cb;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::Kernels;
 
+use super::blas::Blas;
 use super::layout::{self, Capacities, ScratchSizes};
 use super::{ck, DevBuf};
 use crate::model::{
@@ -37,20 +35,26 @@ struct Scratch {
     act: DevBuf,
     logits: DevBuf,
     final_h: DevBuf,
+    attn_part: DevBuf,
 }
 
-/// One step's device metadata (addresses inside the slot's buffer) and counts.
+/// One step's device metadata (addresses inside the slot's buffer), the per-row block tables
+/// and counts. For a graph step the counts are the bucket's (padding included).
 pub(crate) struct StepMeta {
     pub n_tokens: usize,
     pub n_samples: usize,
     pub tok_src: u64,
     pub positions: u64,
     pub slot_mapping: u64,
-    pub tok_seq: u64,
+    pub tok_row: u64,
     pub logit_rows: u64,
-    pub block_tables: u64,
+    /// `[rows + 1, bt_stride]` block ids.
+    pub row_block_tables: u64,
     pub bt_stride: usize,
     pub pending: u64,
+    /// Attention splits of a decode step; `None`: one (steps with prefill work, or batches
+    /// that fill the GPU without splits).
+    pub decode_splits: Option<usize>,
 }
 
 pub struct GpuModel {
@@ -67,11 +71,8 @@ pub struct GpuModel {
     kv: Option<DevBuf>,
     kv_layer_bytes: usize,
     block_size: usize,
-    blas: cb::cublasHandle_t,
-    _workspace: DevBuf,
+    pub blas: Blas,
 }
-
-const WORKSPACE_BYTES: usize = 32 << 20;
 
 fn upload<T: Copy>(host: &[T], stream: sys::CUstream) -> anyhow::Result<DevBuf> {
     let b = DevBuf::new(std::mem::size_of_val(host))?;
@@ -167,21 +168,9 @@ impl GpuModel {
             act: DevBuf::new(sizes.act)?,
             logits: DevBuf::new(sizes.logits)?,
             final_h: DevBuf::new(sizes.final_h)?,
+            attn_part: DevBuf::new(sizes.attn_part)?,
         };
-        let workspace = DevBuf::new(WORKSPACE_BYTES)?;
-        let mut blas: cb::cublasHandle_t = std::ptr::null_mut();
-        // SAFETY: plain cuBLAS set-up calls on a fresh handle with our stream and workspace.
-        unsafe {
-            blas_ck(cb::cublasCreate_v2(&mut blas), "cublasCreate")?;
-            blas_ck(
-                cb::cublasSetStream_v2(blas, stream as cb::cudaStream_t),
-                "cublasSetStream",
-            )?;
-            blas_ck(
-                cb::cublasSetWorkspace_v2(blas, workspace.ptr as *mut c_void, WORKSPACE_BYTES),
-                "cublasSetWorkspace",
-            )?;
-        }
+        let blas = Blas::new(stream)?;
         Ok(GpuModel {
             config: c,
             weight_bytes: total,
@@ -195,7 +184,6 @@ impl GpuModel {
             kv_layer_bytes: 0,
             block_size: caps.block_size,
             blas,
-            _workspace: workspace,
         })
     }
 
@@ -210,57 +198,6 @@ impl GpuModel {
 
     pub(crate) fn logits_ptr(&self) -> u64 {
         self.scratch.logits.ptr
-    }
-
-    /// `y[rows, n] = x[rows, k] · w[n, k]ᵀ` (bf16 in, fp32 accumulation, bf16 or f32 out).
-    #[allow(clippy::too_many_arguments)] // a GEMM's shape and operands; a struct would only rename them
-    fn gemm(
-        &self,
-        x: u64,
-        w: u64,
-        y: u64,
-        rows: usize,
-        n: usize,
-        k: usize,
-        f32_out: bool,
-    ) -> anyhow::Result<()> {
-        if rows == 0 {
-            return Ok(());
-        }
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let ctype = if f32_out {
-            cb::cudaDataType::CUDA_R_32F
-        } else {
-            cb::cudaDataType::CUDA_R_16BF
-        };
-        // SAFETY: x, w, y hold rows*k, n*k and rows*n elements (capacities checked by the
-        // executor); column-major view: yᵀ[n, rows] = w[k, n]ᵀ · xᵀ[k, rows].
-        unsafe {
-            blas_ck(
-                cb::cublasGemmEx(
-                    self.blas,
-                    cb::cublasOperation_t::CUBLAS_OP_T,
-                    cb::cublasOperation_t::CUBLAS_OP_N,
-                    n as i32,
-                    rows as i32,
-                    k as i32,
-                    &alpha as *const f32 as *const c_void,
-                    w as *const c_void,
-                    cb::cudaDataType::CUDA_R_16BF,
-                    k as i32,
-                    x as *const c_void,
-                    cb::cudaDataType::CUDA_R_16BF,
-                    k as i32,
-                    &beta as *const f32 as *const c_void,
-                    y as *mut c_void,
-                    ctype,
-                    n as i32,
-                    cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cb::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-                ),
-                "cublasGemmEx",
-            )
-        }
     }
 
     /// Enqueues the forward pass of one step on `stream`: logits of the sampled sequences land
@@ -323,7 +260,15 @@ impl GpuModel {
                     hid as i32,
                     eps,
                 )?;
-                self.gemm(s.h.ptr, w.qkv.ptr, s.qkv.ptr, t, qkv_dim, hid, false)?;
+                self.blas.gemm(
+                    k,
+                    stream,
+                    (s.h.ptr, w.qkv.ptr, s.qkv.ptr),
+                    t,
+                    qkv_dim,
+                    hid,
+                    false,
+                )?;
                 let kc = kv.at(2 * li * self.kv_layer_bytes);
                 let vc = kv.at((2 * li + 1) * self.kv_layer_bytes);
                 let (qn, kn) = w
@@ -351,23 +296,29 @@ impl GpuModel {
                 k.paged_attention(
                     stream,
                     s.attn.ptr,
+                    s.attn_part.ptr,
+                    m.decode_splits.unwrap_or(1) as u32,
                     s.qkv.ptr,
                     qkv_dim as i32,
-                    kc,
-                    vc,
-                    m.tok_seq,
+                    (kc, vc),
+                    m.tok_row,
                     m.positions,
-                    m.block_tables,
+                    m.row_block_tables,
                     m.bt_stride as i32,
-                    nh as i32,
-                    nkv as i32,
-                    hd as i32,
-                    self.block_size as i32,
+                    (nh as i32, nkv as i32, hd as i32, self.block_size as i32),
                     scale,
                     0,
                     t as u32,
                 )?;
-                self.gemm(s.attn.ptr, w.o.ptr, s.delta.ptr, t, hid, nh * hd, false)?;
+                self.blas.gemm(
+                    k,
+                    stream,
+                    (s.attn.ptr, w.o.ptr, s.delta.ptr),
+                    t,
+                    hid,
+                    nh * hd,
+                    false,
+                )?;
                 k.add_rmsnorm(
                     stream,
                     s.x.ptr,
@@ -379,17 +330,25 @@ impl GpuModel {
                     hid as i32,
                     eps,
                 )?;
-                self.gemm(
-                    s.h.ptr,
-                    w.gate_up.ptr,
-                    s.gate_up.ptr,
+                self.blas.gemm(
+                    k,
+                    stream,
+                    (s.h.ptr, w.gate_up.ptr, s.gate_up.ptr),
                     t,
                     2 * inter,
                     hid,
                     false,
                 )?;
                 k.silu_mul(stream, s.act.ptr, s.gate_up.ptr, inter as i32, t as u32)?;
-                self.gemm(s.act.ptr, w.down.ptr, s.delta.ptr, t, hid, inter, false)?;
+                self.blas.gemm(
+                    k,
+                    stream,
+                    (s.act.ptr, w.down.ptr, s.delta.ptr),
+                    t,
+                    hid,
+                    inter,
+                    false,
+                )?;
             }
             if m.n_samples > 0 {
                 k.add_rmsnorm(
@@ -404,10 +363,10 @@ impl GpuModel {
                     eps,
                 )?;
                 let head = self.lm_head.as_ref().unwrap_or(&self.embed).ptr;
-                self.gemm(
-                    s.final_h.ptr,
-                    head,
-                    s.logits.ptr,
+                self.blas.gemm(
+                    k,
+                    stream,
+                    (s.final_h.ptr, head, s.logits.ptr),
                     m.n_samples,
                     c.vocab_size,
                     hid,
@@ -416,22 +375,5 @@ impl GpuModel {
             }
         }
         Ok(())
-    }
-}
-
-fn blas_ck(s: cb::cublasStatus_t, what: &str) -> anyhow::Result<()> {
-    if s == cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        Ok(())
-    } else {
-        Err(anyhow!("cuBLAS error in {what}: {s:?}"))
-    }
-}
-
-impl Drop for GpuModel {
-    fn drop(&mut self) {
-        // SAFETY: created in `load`, destroyed once.
-        unsafe {
-            let _ = cb::cublasDestroy_v2(self.blas);
-        }
     }
 }
