@@ -33,6 +33,7 @@ pub mod blas;
 pub mod graph_check;
 mod graphs;
 pub mod layout;
+mod meta;
 mod model;
 
 use std::ffi::c_void;
@@ -50,6 +51,7 @@ use crate::pipeline::{SlotId, NUM_SLOTS};
 use crate::sampling::{RowSampler, SamplerScratch};
 use graphs::{DecodeGraph, GraphAddrs};
 use layout::{Capacities, GraphBuckets, MetaLayout};
+use meta::HostRow;
 pub use model::GpuModel;
 
 /// Whether the CUDA driver library can be loaded and reports at least one device.
@@ -201,15 +203,6 @@ struct Slot {
     /// (index among samples, row) of host-sampled sequences.
     host_samples: Vec<(usize, u32)>,
     host_results: Vec<(usize, TokenId, Option<TokenLogprobs>)>,
-}
-
-/// Host mirror of a row.
-struct HostRow {
-    block_table: Vec<u32>,
-    /// A sample was launched for this row: its pending token exists on the device.
-    has_pending: bool,
-    /// `Some` when this row samples on the host.
-    host_sampler: Option<RowSampler>,
 }
 
 /// GPU time between consecutive steps (end of step t's sampling to start of step t+1's inputs).
@@ -495,17 +488,14 @@ impl CudaExecutor {
     /// reads nothing), KV written into the scratch block, the padding row's block table, and
     /// logits from the row itself.
     fn fill_padding(&mut self, slot: usize, range: std::ops::Range<usize>) {
-        let (l, bs) = (self.layout, self.caps.block_size);
-        let scratch = self.num_kv_blocks as usize * bs;
-        let pad_row = self.caps.max_seqs as i32;
-        let meta = self.slots[slot].meta_h.as_mut_slice();
-        for i in range {
-            meta[l.tok_src + i] = 0;
-            meta[l.positions + i] = -1;
-            meta[l.slot_mapping + i] = (scratch + i % bs) as i32;
-            meta[l.tok_row + i] = pad_row;
-            meta[l.logit_rows + i] = i as i32;
-        }
+        meta::fill_padding(
+            self.slots[slot].meta_h.as_mut_slice(),
+            &self.layout,
+            range,
+            self.num_kv_blocks as usize,
+            self.caps.block_size,
+            self.caps.max_seqs,
+        );
     }
 
     /// Uploads the slot's token and sequence sections (one copy: they are adjacent).
@@ -723,63 +713,27 @@ impl CudaExecutor {
             s.inits_h.as_mut_slice()[n_inits] = rp;
             s.meta_h.as_mut_slice()[l.init_rows + n_inits] = init.row.0 as i32;
             n_inits += 1;
-            self.rows[init.row.0 as usize] = Some(HostRow {
-                block_table: Vec::new(),
-                has_pending: false,
-                host_sampler: host.then(|| RowSampler::new(init)),
-            });
+            self.rows[init.row.0 as usize] =
+                Some(HostRow::new(host.then(|| RowSampler::new(init))));
         }
         // Per-token and per-sequence metadata; new block-table entries.
-        let bs = caps.block_size;
-        let stride = caps.max_blocks_per_seq;
-        let decode_only =
-            !batch.seqs.is_empty() && batch.seqs.iter().all(|q| q.num_tokens == 1 && q.sample);
+        let decode_only = meta::is_decode_only(batch);
         let graph = if decode_only && self.use_graphs && !self.graphs[slot].is_empty() {
             self.buckets.bucket_for(batch.seqs.len())
         } else {
             None
         };
         let s = &mut self.slots[slot];
-        let meta = s.meta_h.as_mut_slice();
-        let mut t = 0usize;
-        let mut n_samples = 0usize;
-        let mut n_bt = 0usize;
-        s.host_samples.clear();
         s.host_results.clear();
-        for seq in &batch.seqs {
-            let r = seq.row.0 as usize;
-            let row = self.rows[r].as_mut().expect("validated");
-            let new = &batch.new_blocks
-                [seq.blocks_start as usize..(seq.blocks_start + seq.blocks_len) as usize];
-            for &b in new {
-                meta[l.bt_index + n_bt] = (r * stride + row.block_table.len()) as i32;
-                meta[l.bt_value + n_bt] = b as i32;
-                row.block_table.push(b);
-                n_bt += 1;
-            }
-            for j in 0..seq.num_tokens as usize {
-                let pos = seq.position as usize + j;
-                meta[l.tok_src + t] = if j < seq.host_len as usize {
-                    batch.host_tokens[seq.host_start as usize + j] as i32
-                } else {
-                    -1 - r as i32
-                };
-                meta[l.positions + t] = pos as i32;
-                meta[l.slot_mapping + t] =
-                    (row.block_table[pos / bs] as usize * bs + pos % bs) as i32;
-                meta[l.tok_row + t] = r as i32;
-                t += 1;
-            }
-            if seq.sample {
-                meta[l.logit_rows + n_samples] = (t - 1) as i32;
-                meta[l.sample_rows + n_samples] = r as i32;
-                if row.host_sampler.is_some() {
-                    s.host_samples.push((n_samples, seq.row.0));
-                }
-                row.has_pending = true;
-                n_samples += 1;
-            }
-        }
+        let counts = meta::fill_step(
+            s.meta_h.as_mut_slice(),
+            &l,
+            &caps,
+            batch,
+            &mut self.rows,
+            &mut s.host_samples,
+        );
+        let (t, n_samples, n_bt) = (counts.tokens, counts.samples, counts.bt_updates);
         s.n_samples = n_samples;
         if let Some((_, size)) = graph {
             self.fill_padding(slot, t..size);

@@ -1,0 +1,274 @@
+//! A step's metadata, filled on the host into the slot's pinned buffer (pure: no CUDA calls,
+//! unit tested on the CPU). The section layout is [`MetaLayout`]'s.
+
+use std::ops::Range;
+
+use super::layout::{Capacities, MetaLayout};
+use crate::batch::ExecBatch;
+use crate::sampling::RowSampler;
+
+/// Host mirror of a backend row.
+pub(crate) struct HostRow {
+    /// The row's block table as the device holds it (entries are appended, never rewritten,
+    /// until the row is re-initialised).
+    pub block_table: Vec<u32>,
+    /// A sample was launched for this row: its pending token exists on the device.
+    pub has_pending: bool,
+    /// `Some` when this row samples on the host.
+    pub host_sampler: Option<RowSampler>,
+}
+
+impl HostRow {
+    pub fn new(host_sampler: Option<RowSampler>) -> Self {
+        Self {
+            block_table: Vec::new(),
+            has_pending: false,
+            host_sampler,
+        }
+    }
+}
+
+/// How much of each section [`fill_step`] wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StepCounts {
+    pub tokens: usize,
+    pub samples: usize,
+    /// New block-table entries (`bt_index` / `bt_value`).
+    pub bt_updates: usize,
+}
+
+/// Whether every sequence of `batch` decodes one token and samples it: a step a captured
+/// decode graph can run.
+pub(crate) fn is_decode_only(batch: &ExecBatch) -> bool {
+    !batch.seqs.is_empty() && batch.seqs.iter().all(|q| q.num_tokens == 1 && q.sample)
+}
+
+/// Writes `batch`'s token and sequence sections and its new block-table entries
+/// (`row * max_blocks_per_seq + index`, block) into `meta`, appends the new blocks to the
+/// rows' mirrors and marks sampled rows as having a pending token. `host_samples` gets
+/// (sample index, row) of the rows that sample on the host. The batch must have been
+/// validated: every row initialised, every table long enough for its positions.
+pub(crate) fn fill_step(
+    meta: &mut [i32],
+    l: &MetaLayout,
+    caps: &Capacities,
+    batch: &ExecBatch,
+    rows: &mut [Option<HostRow>],
+    host_samples: &mut Vec<(usize, u32)>,
+) -> StepCounts {
+    let (bs, stride) = (caps.block_size, caps.max_blocks_per_seq);
+    let mut n = StepCounts {
+        tokens: 0,
+        samples: 0,
+        bt_updates: 0,
+    };
+    host_samples.clear();
+    for seq in &batch.seqs {
+        let r = seq.row.0 as usize;
+        let row = rows[r].as_mut().expect("validated: the row is initialised");
+        let new = &batch.new_blocks
+            [seq.blocks_start as usize..(seq.blocks_start + seq.blocks_len) as usize];
+        for &b in new {
+            meta[l.bt_index + n.bt_updates] = (r * stride + row.block_table.len()) as i32;
+            meta[l.bt_value + n.bt_updates] = b as i32;
+            row.block_table.push(b);
+            n.bt_updates += 1;
+        }
+        for j in 0..seq.num_tokens as usize {
+            let t = n.tokens;
+            let pos = seq.position as usize + j;
+            meta[l.tok_src + t] = if j < seq.host_len as usize {
+                batch.host_tokens[seq.host_start as usize + j] as i32
+            } else {
+                -1 - r as i32
+            };
+            meta[l.positions + t] = pos as i32;
+            meta[l.slot_mapping + t] = (row.block_table[pos / bs] as usize * bs + pos % bs) as i32;
+            meta[l.tok_row + t] = r as i32;
+            n.tokens += 1;
+        }
+        if seq.sample {
+            meta[l.logit_rows + n.samples] = (n.tokens - 1) as i32;
+            meta[l.sample_rows + n.samples] = r as i32;
+            if row.host_sampler.is_some() {
+                host_samples.push((n.samples, seq.row.0));
+            }
+            row.has_pending = true;
+            n.samples += 1;
+        }
+    }
+    n
+}
+
+/// Fills token rows `range` with graph padding: token 0, position -1 (attention reads
+/// nothing and writes zeros), a KV slot in `scratch_block` (never a request's block), the
+/// padding row's block table, and logits from the row itself.
+pub(crate) fn fill_padding(
+    meta: &mut [i32],
+    l: &MetaLayout,
+    range: Range<usize>,
+    scratch_block: usize,
+    block_size: usize,
+    pad_row: usize,
+) {
+    for i in range {
+        meta[l.tok_src + i] = 0;
+        meta[l.positions + i] = -1;
+        meta[l.slot_mapping + i] = (scratch_block * block_size + i % block_size) as i32;
+        meta[l.tok_row + i] = pad_row as i32;
+        meta[l.logit_rows + i] = i as i32;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::{RowId, RowInit, SeqInput};
+    use harrier_shared::protocol::SamplingParams;
+
+    fn seq(
+        row: u32,
+        position: u32,
+        num_tokens: u32,
+        host: (u32, u32),
+        blocks: (u32, u32),
+    ) -> SeqInput {
+        SeqInput {
+            row: RowId(row),
+            position,
+            num_tokens,
+            host_start: host.0,
+            host_len: host.1,
+            blocks_start: blocks.0,
+            blocks_len: blocks.1,
+            sample: true,
+        }
+    }
+
+    fn setup() -> (Capacities, MetaLayout, Vec<i32>) {
+        // 4-token blocks, 16 blocks per sequence, 4 rows.
+        let caps = Capacities::new(64, 4, 64, 4);
+        let l = MetaLayout::new(&caps);
+        (caps, l, vec![i32::MIN; l.len])
+    }
+
+    #[test]
+    fn prefill_and_decodes_fill_every_section() {
+        let (caps, l, mut meta) = setup();
+        let penalty = SamplingParams {
+            repetition_penalty: 1.2,
+            ..SamplingParams::greedy(8)
+        };
+        let init = RowInit {
+            row: RowId(1),
+            sampling: penalty,
+            seed: 0,
+            min_tokens_mask: vec![],
+            prompt: vec![1],
+            output: vec![],
+        };
+        let mut rows: Vec<Option<HostRow>> = vec![
+            Some(HostRow::new(None)),
+            Some(HostRow::new(Some(RowSampler::new(&init)))),
+            Some(HostRow::new(None)),
+            None,
+        ];
+        rows[1].as_mut().unwrap().block_table = vec![1, 2];
+        rows[2].as_mut().unwrap().block_table = vec![4, 6];
+        let batch = ExecBatch {
+            // Row 0: prefill of 6 host tokens into new blocks 7 and 3; row 1: decode at 5
+            // (block 2); row 2: decode at 8 into its new third block 5.
+            seqs: vec![
+                seq(0, 0, 6, (0, 6), (0, 2)),
+                seq(1, 5, 1, (0, 0), (2, 0)),
+                seq(2, 8, 1, (0, 0), (2, 1)),
+            ],
+            host_tokens: vec![10, 11, 12, 13, 14, 15],
+            new_blocks: vec![7, 3, 5],
+            ..Default::default()
+        };
+        assert!(!is_decode_only(&batch));
+        let mut host = vec![(9, 9)];
+        let n = fill_step(&mut meta, &l, &caps, &batch, &mut rows, &mut host);
+        assert_eq!(
+            n,
+            StepCounts {
+                tokens: 8,
+                samples: 3,
+                bt_updates: 3
+            }
+        );
+        let sec = |off: usize, len: usize| meta[off..off + len].to_vec();
+        assert_eq!(sec(l.tok_src, 8), [10, 11, 12, 13, 14, 15, -2, -3]);
+        assert_eq!(sec(l.positions, 8), [0, 1, 2, 3, 4, 5, 5, 8]);
+        assert_eq!(sec(l.slot_mapping, 8), [28, 29, 30, 31, 12, 13, 9, 20]);
+        assert_eq!(sec(l.tok_row, 8), [0, 0, 0, 0, 0, 0, 1, 2]);
+        assert_eq!(sec(l.logit_rows, 3), [5, 6, 7]);
+        assert_eq!(sec(l.sample_rows, 3), [0, 1, 2]);
+        assert_eq!(sec(l.bt_index, 3), [0, 1, 2 * 16 + 2]);
+        assert_eq!(sec(l.bt_value, 3), [7, 3, 5]);
+        assert_eq!(host, [(1, 1)], "cleared, then the host-sampled row");
+        assert_eq!(rows[0].as_ref().unwrap().block_table, [7, 3]);
+        assert_eq!(rows[2].as_ref().unwrap().block_table, [4, 6, 5]);
+        assert!(rows.iter().take(3).all(|r| r.as_ref().unwrap().has_pending));
+        // Nothing past the counts was touched.
+        assert_eq!(meta[l.tok_src + 8], i32::MIN);
+        assert_eq!(meta[l.bt_index + 3], i32::MIN);
+    }
+
+    #[test]
+    fn decode_steps_and_unsampled_chunks() {
+        let (caps, l, mut meta) = setup();
+        let mut rows: Vec<Option<HostRow>> = (0..4).map(|_| Some(HostRow::new(None))).collect();
+        rows[3].as_mut().unwrap().block_table = vec![8];
+        let decode = ExecBatch {
+            seqs: vec![seq(3, 2, 1, (0, 0), (0, 0))],
+            ..Default::default()
+        };
+        assert!(is_decode_only(&decode));
+        let mut host = Vec::new();
+        let n = fill_step(&mut meta, &l, &caps, &decode, &mut rows, &mut host);
+        assert_eq!(
+            n,
+            StepCounts {
+                tokens: 1,
+                samples: 1,
+                bt_updates: 0
+            }
+        );
+        assert_eq!((meta[l.tok_src], meta[l.slot_mapping]), (-4, 34));
+        // A prefill chunk that does not sample (more of the prompt follows).
+        let mut chunk = ExecBatch {
+            seqs: vec![seq(0, 0, 3, (0, 3), (0, 1))],
+            host_tokens: vec![1, 2, 3],
+            new_blocks: vec![11],
+            ..Default::default()
+        };
+        chunk.seqs[0].sample = false;
+        assert!(!is_decode_only(&chunk));
+        let n = fill_step(&mut meta, &l, &caps, &chunk, &mut rows, &mut host);
+        assert_eq!(
+            n,
+            StepCounts {
+                tokens: 3,
+                samples: 0,
+                bt_updates: 1
+            }
+        );
+        assert!(!rows[0].as_ref().unwrap().has_pending);
+        assert!(!is_decode_only(&ExecBatch::default()));
+    }
+
+    #[test]
+    fn padding_rows_touch_only_the_scratch_block() {
+        let (_, l, mut meta) = setup();
+        fill_padding(&mut meta, &l, 3..6, 9, 4, 4);
+        assert_eq!(&meta[l.positions + 3..l.positions + 6], [-1, -1, -1]);
+        assert_eq!(&meta[l.slot_mapping + 3..l.slot_mapping + 6], [39, 36, 37]);
+        assert_eq!(&meta[l.tok_row + 3..l.tok_row + 6], [4, 4, 4]);
+        assert_eq!(&meta[l.logit_rows + 3..l.logit_rows + 6], [3, 4, 5]);
+        assert_eq!(&meta[l.tok_src + 3..l.tok_src + 6], [0, 0, 0]);
+        assert_eq!(meta[l.positions + 2], i32::MIN);
+        assert_eq!(meta[l.positions + 6], i32::MIN);
+    }
+}
