@@ -15,20 +15,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/harrier-graphs-out}"
-H=.gpu/harrier
-T=.gpu/harrier-cuda-tool
+W=/tmp/harrier-graphs-work
 STAGES="${STAGES:-attention graphs bench}"
 BENCH_MODELS="${BENCH_MODELS:-llama-3.2-1b}"
 BATCHES="${BATCHES:-1,8,32,128,256}"
-mkdir -p "$OUT"
-W=/tmp/harrier-graphs-work
-mkdir -p "$W"
-export HARRIER_HOME="$W/home"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-
-gen() { # preset
-    [[ -f "$W/$1/config.json" ]] || "$H" gen-model --preset "$1" --out "$W/$1" --dtype bf16 --no-tokenizer >/dev/null 2>>"$OUT/gen.log" || echo "gen-model $1 failed" >&2
-}
+. scripts/gpu/common.sh
 
 for st in $STAGES; do
     case "$st" in

@@ -478,17 +478,26 @@ fn random_bf16(rng: &mut SplitMix64) -> (u16, f64) {
     (v.to_bits(), v.to_f64())
 }
 
-fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
-    use harrier_kernels::cudarc::driver::CudaContext;
-    let cases: usize = a.get("cases").map(|c| c.parse()).transpose()?.unwrap_or(48);
-    let ctx = CudaContext::new(0).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    // SAFETY: this tool orders its work on one stream and synchronises before reading.
+/// A context on device 0, bound to this thread, and the kernels loaded into it.
+fn kernels_on_device0() -> anyhow::Result<(
+    std::sync::Arc<harrier_kernels::cudarc::driver::CudaContext>,
+    harrier_kernels::Kernels,
+)> {
+    let ctx = harrier_kernels::cudarc::driver::CudaContext::new(0)
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    // SAFETY: the tool orders its work on one stream and synchronises before reading.
     unsafe { ctx.disable_event_tracking() };
     ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let (major, minor) = ctx
         .compute_capability()
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let k = harrier_kernels::Kernels::load(harrier_kernels::arch_name(major, minor)?)?;
+    Ok((ctx, k))
+}
+
+fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    let cases: usize = a.get("cases").map(|c| c.parse()).transpose()?.unwrap_or(48);
+    let (_ctx, k) = kernels_on_device0()?;
     let mut rng = SplitMix64(0x5eed_a77e);
     let mut worst = 0.0f64;
     println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten |");
@@ -585,29 +594,12 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             let d_part = dr::malloc_sync(part_bytes)?;
             dr::memset_d8_sync(d_part, 0xFF, part_bytes)?;
             let stream = dr::stream::create(dr::stream::StreamKind::NonBlocking)?;
-            k.paged_attention(
-                stream,
-                d_out,
-                d_part,
-                1,
-                d_q,
-                q_stride as i32,
-                (d_k, d_v),
-                d_ts,
-                d_pos,
-                d_bt,
-                bt_stride as i32,
-                (nh as i32, nkv as i32, hd as i32, bs as i32),
-                scale,
-                window,
-                t as u32,
-            )?;
-            {
+            for (d, splits) in [(d_out, 1), (d_out_dec, n_splits as u32)] {
                 k.paged_attention(
                     stream,
-                    d_out_dec,
+                    d,
                     d_part,
-                    n_splits as u32,
+                    splits,
                     d_q,
                     q_stride as i32,
                     (d_k, d_v),
@@ -873,17 +865,9 @@ fn check_sampling(a: &HashMap<String, String>) -> anyhow::Result<()> {
 
 /// `gemv_bf16` vs cuBLAS on the model's GEMM shapes: agreement and speed, one shape at a time.
 fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
-    use harrier_kernels::cudarc::driver::CudaContext;
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
     let c = dir.config.clone();
-    let ctx = CudaContext::new(0).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    // SAFETY: this tool orders its work on one stream and synchronises before reading.
-    unsafe { ctx.disable_event_tracking() };
-    ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let (major, minor) = ctx
-        .compute_capability()
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let k = harrier_kernels::Kernels::load(harrier_kernels::arch_name(major, minor)?)?;
+    let (_ctx, k) = kernels_on_device0()?;
     let shapes = [
         ("qkv", c.qkv_dim(), c.hidden_size),
         ("o", c.hidden_size, c.num_heads * c.head_dim),
