@@ -409,3 +409,28 @@ pub async fn shutdown_signal() {
         _ = int.recv() => {},
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn graph_sizes_follow_the_options() {
+        let mut a = EngineCoreArgs::defaults();
+        a.max_num_seqs = 64;
+        assert_eq!(a.graph_sizes(), [1, 2, 4, 8, 16, 24, 32, 48, 64]);
+        a.cuda_graph_sizes = Some(vec![4, 1]);
+        assert_eq!(a.graph_sizes(), [4, 1]);
+        a.enforce_eager = true;
+        assert!(a.graph_sizes().is_empty());
+        // The flags parse as documented.
+        #[derive(clap::Parser)]
+        struct Wrapper {
+            #[command(flatten)]
+            args: EngineCoreArgs,
+        }
+        let w = <Wrapper as clap::Parser>::parse_from(["h", "--cuda-graph-sizes", "1,2,8"]);
+        assert_eq!(w.args.cuda_graph_sizes, Some(vec![1, 2, 8]));
+        assert!(!w.args.enforce_eager);
+    }
+}
