@@ -120,6 +120,114 @@ pub(crate) fn fill_padding(
     }
 }
 
+/// What a step may use: capacities, the vocabulary and the engine's KV blocks.
+pub(crate) struct Limits {
+    pub caps: Capacities,
+    pub vocab: u32,
+    pub kv_blocks: u32,
+}
+
+const MARK_SEEN: u8 = 1;
+const MARK_REINIT: u8 = 2;
+
+/// Everything that can refuse a batch, before any state changes. `marks` (one per row, all
+/// zero) is scratch for the duplicate-row and re-initialised-row checks, so a step allocates
+/// nothing; it is zero again on return.
+pub(crate) fn validate(
+    batch: &ExecBatch,
+    lim: &Limits,
+    rows: &[Option<HostRow>],
+    marks: &mut [u8],
+) -> Result<(), String> {
+    let result = check_batch(batch, lim, rows, marks);
+    for r in batch
+        .row_inits
+        .iter()
+        .map(|i| i.row.0 as usize)
+        .chain(batch.seqs.iter().map(|s| s.row.0 as usize))
+    {
+        if let Some(m) = marks.get_mut(r) {
+            *m = 0;
+        }
+    }
+    result
+}
+
+fn check_batch(
+    batch: &ExecBatch,
+    lim: &Limits,
+    rows: &[Option<HostRow>],
+    marks: &mut [u8],
+) -> Result<(), String> {
+    batch.check()?;
+    let c = &lim.caps;
+    let t = batch.num_tokens();
+    if t > c.max_tokens {
+        return Err(format!(
+            "{t} tokens exceed the step capacity {}",
+            c.max_tokens
+        ));
+    }
+    if batch.seqs.len() > c.max_seqs {
+        return Err(format!(
+            "{} sequences exceed max_num_seqs {}",
+            batch.seqs.len(),
+            c.max_seqs
+        ));
+    }
+    if batch.row_inits.len() > c.max_seqs {
+        return Err("too many row inits".into());
+    }
+    if let Some(&tok) = batch.host_tokens.iter().find(|&&x| x >= lim.vocab) {
+        return Err(format!(
+            "token id {tok} outside the vocabulary ({})",
+            lim.vocab
+        ));
+    }
+    if let Some(&b) = batch.new_blocks.iter().find(|&&b| b >= lim.kv_blocks) {
+        return Err(format!(
+            "block {b} outside the cache ({} blocks)",
+            lim.kv_blocks
+        ));
+    }
+    for init in &batch.row_inits {
+        let r = init.row.0 as usize;
+        if r >= rows.len() {
+            return Err(format!("row {r} out of range"));
+        }
+        marks[r] |= MARK_REINIT;
+    }
+    for s in &batch.seqs {
+        let r = s.row.0 as usize;
+        if r >= rows.len() {
+            return Err(format!("row {r} out of range"));
+        }
+        if marks[r] & MARK_SEEN != 0 {
+            return Err(format!("row {r} appears twice in one step"));
+        }
+        marks[r] |= MARK_SEEN;
+        let (have, pending) = match (&rows[r], marks[r] & MARK_REINIT != 0) {
+            (_, true) => (0, false),
+            (Some(row), false) => (row.block_table.len(), row.has_pending),
+            (None, false) => return Err(format!("step names uninitialised row {r}")),
+        };
+        if s.uses_pending_token() && !pending {
+            return Err(format!("decode on row {r} without a sampled token"));
+        }
+        let blocks = have + s.blocks_len as usize;
+        if blocks > c.max_blocks_per_seq {
+            return Err(format!("row {r}: {blocks} blocks exceed max_model_len"));
+        }
+        let end = (s.position + s.num_tokens) as usize;
+        if end.div_ceil(c.block_size) > blocks {
+            return Err(format!(
+                "row {r}: block table of {blocks} blocks too short for position {end}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,5 +378,78 @@ mod tests {
         assert_eq!(&meta[l.tok_src + 3..l.tok_src + 6], [0, 0, 0]);
         assert_eq!(meta[l.positions + 2], i32::MIN);
         assert_eq!(meta[l.positions + 6], i32::MIN);
+    }
+
+    fn init(row: u32) -> RowInit {
+        RowInit {
+            row: RowId(row),
+            sampling: SamplingParams::greedy(4),
+            seed: 0,
+            min_tokens_mask: vec![],
+            prompt: vec![1],
+            output: vec![],
+        }
+    }
+
+    #[test]
+    fn validate_refuses_what_the_kernels_cannot_run() {
+        let caps = Capacities::new(16, 4, 16, 4); // 4 blocks of 4 per sequence
+        let lim = Limits {
+            caps,
+            vocab: 100,
+            kv_blocks: 10,
+        };
+        let mut rows: Vec<Option<HostRow>> = vec![None, Some(HostRow::new(None)), None, None];
+        rows[1].as_mut().unwrap().block_table = vec![3];
+        rows[1].as_mut().unwrap().has_pending = true;
+        let mut marks = vec![0u8; 4];
+        let prefill = |row: u32, len: u32, blocks: u32| ExecBatch {
+            row_inits: vec![init(row)],
+            seqs: vec![seq(row, 0, len, (0, len), (0, blocks))],
+            host_tokens: vec![5; len as usize],
+            new_blocks: (0..blocks).collect(),
+            ..Default::default()
+        };
+        let decode = |row: u32, pos: u32| seq(row, pos, 1, (0, 0), (0, 0));
+        let mut check = |b: &ExecBatch| {
+            let r = validate(b, &lim, &rows, &mut marks);
+            assert!(marks.iter().all(|&m| m == 0), "marks cleared: {marks:?}");
+            r
+        };
+        // Accepted: a prefill on a fresh row, a decode on a live one, both in one step.
+        let mut both = prefill(0, 5, 2);
+        both.seqs.push(decode(1, 3));
+        assert_eq!(check(&both), Ok(()));
+        let err = |b: &ExecBatch, what: &str| {
+            let e = validate(b, &lim, &rows, &mut vec![0u8; 4]).unwrap_err();
+            assert!(e.contains(what), "{e}");
+        };
+        err(&prefill(0, 17, 4), "step capacity");
+        err(&prefill(0, 5, 1), "too short for position 5");
+        err(&prefill(0, 5, 5), "exceed max_model_len");
+        let mut b = prefill(0, 2, 1);
+        b.host_tokens[1] = 100;
+        err(&b, "outside the vocabulary");
+        let mut b = prefill(0, 2, 1);
+        b.new_blocks[0] = 10;
+        err(&b, "outside the cache");
+        err(&prefill(4, 2, 1), "out of range");
+        let twice = ExecBatch {
+            seqs: vec![decode(1, 3), decode(1, 3)],
+            ..Default::default()
+        };
+        err(&twice, "twice");
+        let fresh = ExecBatch {
+            seqs: vec![decode(2, 0)],
+            ..Default::default()
+        };
+        err(&fresh, "uninitialised row 2");
+        // A re-initialised row has no pending token and an empty table.
+        let mut reinit = prefill(1, 1, 0);
+        reinit.seqs[0] = decode(1, 3);
+        err(&reinit, "without a sampled token");
+        // Errors leave the marks clear too.
+        assert!(check(&twice).is_err());
+        assert!(check(&reinit).is_err());
     }
 }

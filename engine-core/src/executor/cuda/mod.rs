@@ -226,6 +226,8 @@ pub struct CudaExecutor {
     /// Per-row block tables, `[max_rows + 1, max_blocks_per_seq]` (the last row: padding).
     row_bt_d: DevBuf,
     slots: Vec<Slot>,
+    /// Per-row scratch of `meta::validate` (all zero between calls).
+    row_marks: Vec<u8>,
     buckets: GraphBuckets,
     /// Per slot, one graph per bucket (same order as `buckets.sizes()`); empty when eager.
     graphs: Vec<Vec<DecodeGraph>>,
@@ -416,6 +418,7 @@ impl CudaExecutor {
             pending_d,
             row_bt_d,
             slots,
+            row_marks: vec![0; max_rows],
             buckets,
             graphs: (0..NUM_SLOTS).map(|_| Vec::new()).collect(),
             counters: ExecCounters::default(),
@@ -612,72 +615,14 @@ impl CudaExecutor {
         }
     }
 
-    /// Everything that can refuse a batch, before any state changes.
-    fn validate(&self, batch: &ExecBatch) -> Result<(), String> {
-        batch.check()?;
-        let c = &self.caps;
-        let t = batch.num_tokens();
-        if t > c.max_tokens {
-            return Err(format!(
-                "{t} tokens exceed the step capacity {}",
-                c.max_tokens
-            ));
-        }
-        if batch.seqs.len() > c.max_seqs {
-            return Err(format!(
-                "{} sequences exceed max_num_seqs {}",
-                batch.seqs.len(),
-                c.max_seqs
-            ));
-        }
-        if batch.row_inits.len() > c.max_seqs {
-            return Err("too many row inits".into());
-        }
-        let vocab = self.model.config.vocab_size as u32;
-        if let Some(&tok) = batch.host_tokens.iter().find(|&&x| x >= vocab) {
-            return Err(format!("token id {tok} outside the vocabulary ({vocab})"));
-        }
-        if let Some(&b) = batch.new_blocks.iter().find(|&&b| b >= self.num_kv_blocks) {
-            return Err(format!(
-                "block {b} outside the cache ({} blocks)",
-                self.num_kv_blocks
-            ));
-        }
-        for init in &batch.row_inits {
-            if init.row.0 as usize >= self.rows.len() {
-                return Err(format!("row {} out of range", init.row.0));
-            }
-        }
-        let mut seen = std::collections::HashSet::new();
-        for s in &batch.seqs {
-            let r = s.row.0 as usize;
-            if r >= self.rows.len() {
-                return Err(format!("row {r} out of range"));
-            }
-            if !seen.insert(r) {
-                return Err(format!("row {r} appears twice in one step"));
-            }
-            let reinit = batch.row_inits.iter().any(|i| i.row.0 as usize == r);
-            let (have, pending) = match (&self.rows[r], reinit) {
-                (_, true) => (0, false),
-                (Some(row), false) => (row.block_table.len(), row.has_pending),
-                (None, false) => return Err(format!("step names uninitialised row {r}")),
-            };
-            if s.uses_pending_token() && !pending {
-                return Err(format!("decode on row {r} without a sampled token"));
-            }
-            let blocks = have + s.blocks_len as usize;
-            if blocks > c.max_blocks_per_seq {
-                return Err(format!("row {r}: {blocks} blocks exceed max_model_len"));
-            }
-            let end = (s.position + s.num_tokens) as usize;
-            if end.div_ceil(c.block_size) > blocks {
-                return Err(format!(
-                    "row {r}: block table of {blocks} blocks too short for position {end}"
-                ));
-            }
-        }
-        Ok(())
+    /// Everything that can refuse a batch, before any state changes (`meta::validate`).
+    fn validate(&mut self, batch: &ExecBatch) -> Result<(), String> {
+        let lim = meta::Limits {
+            caps: self.caps,
+            vocab: self.model.config.vocab_size as u32,
+            kv_blocks: self.num_kv_blocks,
+        };
+        meta::validate(batch, &lim, &self.rows, &mut self.row_marks)
     }
 
     fn launch_inner(&mut self, batch: &ExecBatch, slot: usize) -> anyhow::Result<()> {
