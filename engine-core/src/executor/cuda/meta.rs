@@ -408,7 +408,6 @@ mod tests {
             seqs: vec![seq(row, 0, len, (0, len), (0, blocks))],
             host_tokens: vec![5; len as usize],
             new_blocks: (0..blocks).collect(),
-            ..Default::default()
         };
         let decode = |row: u32, pos: u32| seq(row, pos, 1, (0, 0), (0, 0));
         let mut check = |b: &ExecBatch| {
@@ -421,7 +420,7 @@ mod tests {
         both.seqs.push(decode(1, 3));
         assert_eq!(check(&both), Ok(()));
         let err = |b: &ExecBatch, what: &str| {
-            let e = validate(b, &lim, &rows, &mut vec![0u8; 4]).unwrap_err();
+            let e = validate(b, &lim, &rows, &mut [0u8; 4]).unwrap_err();
             assert!(e.contains(what), "{e}");
         };
         err(&prefill(0, 17, 4), "step capacity");
