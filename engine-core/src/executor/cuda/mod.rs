@@ -371,6 +371,19 @@ impl CudaExecutor {
         let bpb = layout::kv_bytes_per_block(&mc, caps.block_size);
         let buckets = GraphBuckets::new(&cfg.graph_sizes, caps.max_seqs.min(caps.max_tokens));
         let num_graphs = buckets.sizes().len() * NUM_SLOTS;
+        let dropped: Vec<usize> = cfg
+            .graph_sizes
+            .iter()
+            .copied()
+            .filter(|s| !buckets.sizes().contains(s))
+            .collect();
+        if !dropped.is_empty() {
+            tracing::warn!(
+                ?dropped,
+                max = caps.max_seqs.min(caps.max_tokens),
+                "CUDA graph sizes above min(max_num_seqs, max_num_batched_tokens) (or 0) ignored"
+            );
+        }
         // One more block than the engine gets: the scratch block of graph padding rows.
         let num_kv_blocks = match cfg.num_kv_blocks {
             Some(n) => n as usize + 1,
