@@ -106,6 +106,19 @@ def chat_stream(client, model):
         assert cut.choices[0].finish_reason == "stop"
 
 
+@check("logit_bias steers the tokens")
+def logit_bias(client, model):
+    # Llama 3 token 15 is "0": +100 makes it the greedy choice at every step.
+    r = client.completions.create(model=model, prompt="Count:", max_tokens=4, temperature=0,
+                                  logit_bias={"15": 100})
+    assert r.choices[0].text == "0000", r.choices[0].text
+    try:
+        client.completions.create(model=model, prompt="x", max_tokens=2, logit_bias={"15": 101})
+        raise AssertionError("expected BadRequestError")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "logit_bias", e.body
+
+
 @check("errors map to openai exceptions")
 def errors(client, model):
     try:
@@ -144,6 +157,7 @@ def main():
     completion_stream(client, model)
     chat(client, model)
     chat_stream(client, model)
+    logit_bias(client, model)
     errors(client, model)
     if args.api_key != "EMPTY":
         auth(args.base_url, model)

@@ -376,3 +376,47 @@ fn prefix_caching_on_and_off_give_the_same_tokens() {
         assert_eq!(on[id].finish, Some(FinishReason::Length));
     }
 }
+
+#[test]
+fn logit_bias_steers_greedy_and_leaves_batch_mates_alone() {
+    let model = micro_model();
+    let prompt: Vec<u32> = (0..12).map(|t| (t * 29 + 5) % 1000).collect();
+    let server = server(model.path(), false, 4);
+    rt().block_on(async {
+        let mut c = Client::connect(&server.endpoint).await;
+        let plain = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(8)
+        };
+        c.submit("plain", prompt.clone(), plain.clone()).await;
+        c.wait_all(&["plain".into()], Duration::from_secs(60)).await;
+        let reference = c.results["plain"].tokens.clone();
+        // +100 on one token makes it the greedy choice at every step; -100 on the reference's
+        // first token moves the first choice away from it. A plain batch mate is unchanged.
+        let forced = (reference[0] + 1) % 1000;
+        c.submit(
+            "forced",
+            prompt.clone(),
+            SamplingParams {
+                logit_bias: vec![(forced, 100.0)],
+                ..plain.clone()
+            },
+        )
+        .await;
+        c.submit(
+            "banned",
+            prompt.clone(),
+            SamplingParams {
+                logit_bias: vec![(reference[0], -100.0)],
+                ..plain.clone()
+            },
+        )
+        .await;
+        c.submit("mate", prompt.clone(), plain.clone()).await;
+        let ids = ["forced".into(), "banned".into(), "mate".into()];
+        c.wait_all(&ids, Duration::from_secs(60)).await;
+        assert_eq!(c.results["forced"].tokens, vec![forced; 8]);
+        assert_ne!(c.results["banned"].tokens[0], reference[0]);
+        assert_eq!(c.results["mate"].tokens, reference);
+    });
+}

@@ -106,6 +106,7 @@ mod tests {
             stop_token_ids: vec![7, 8, u32::MAX],
             ignore_eos: true,
             logprobs: Some(5),
+            logit_bias: vec![(3, -100.0), (u32::MAX, 2.5)],
         }
     }
 

@@ -128,6 +128,10 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Return the log-probability of each sampled token and this many top alternatives.
     pub logprobs: Option<u32>,
+    /// OpenAI `logit_bias`: (token id, bias in [-100, 100]) added to the logits before
+    /// sampling; sorted by token id, each id once.
+    #[serde(default)]
+    pub logit_bias: Vec<(TokenId, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -146,6 +150,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -180,6 +185,7 @@ impl SamplingParams {
             stop_token_ids: _,
             ignore_eos: _,
             logprobs,
+            logit_bias,
         } = self;
         let bad = |param: &'static str, message: String| Err(ParamError { param, message });
         if !(temperature.is_finite() && *temperature >= 0.0) {
@@ -227,6 +233,30 @@ impl SamplingParams {
                 format!("min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})"),
             );
         }
+        if logit_bias.len() > MAX_LOGIT_BIAS {
+            return bad(
+                "logit_bias",
+                format!(
+                    "at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {}",
+                    logit_bias.len()
+                ),
+            );
+        }
+        if let Some((t, b)) = logit_bias
+            .iter()
+            .find(|(_, b)| !(b.is_finite() && (-100.0..=100.0).contains(b)))
+        {
+            return bad(
+                "logit_bias",
+                format!("logit_bias values must be in [-100, 100], got {b} for token {t}"),
+            );
+        }
+        if logit_bias.windows(2).any(|w| w[0].0 >= w[1].0) {
+            return bad(
+                "logit_bias",
+                "logit_bias must be sorted by token id, each id once".into(),
+            );
+        }
         if let Some(n) = logprobs {
             if *n > max_logprobs {
                 return bad(
@@ -238,6 +268,9 @@ impl SamplingParams {
         Ok(())
     }
 }
+
+/// Most `logit_bias` entries one request may carry.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 /// A sampling parameter out of range.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -360,4 +393,28 @@ pub enum UtilityResult {
     /// The call (pause, resume, reset) took effect.
     Done,
     Error(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logit_bias_is_checked() {
+        let with = |b: Vec<(TokenId, f32)>| {
+            SamplingParams {
+                logit_bias: b,
+                ..SamplingParams::default()
+            }
+            .validate(20)
+            .map_err(|e| e.param)
+        };
+        assert_eq!(with(vec![(1, -100.0), (5, 100.0)]), Ok(()));
+        assert_eq!(with(vec![(1, 100.5)]), Err("logit_bias"));
+        assert_eq!(with(vec![(1, f32::NAN)]), Err("logit_bias"));
+        assert_eq!(with(vec![(5, 1.0), (1, 1.0)]), Err("logit_bias"));
+        assert_eq!(with(vec![(1, 1.0), (1, 2.0)]), Err("logit_bias"));
+        let many = (0..=MAX_LOGIT_BIAS as u32).map(|t| (t, 0.0)).collect();
+        assert_eq!(with(many), Err("logit_bias"));
+    }
 }

@@ -3,10 +3,11 @@
 //!
 //! Order, as vLLM applies it:
 //! 1. logprobs, if asked, from the *raw* model logits (log-softmax; top-n; rank of the sample);
-//! 2. penalties: repetition (prompt and output tokens, HF's divide-or-multiply), then
+//! 2. `logit_bias` added to the named tokens' logits;
+//! 3. penalties: repetition (prompt and output tokens, HF's divide-or-multiply), then
 //!    frequency and presence (OpenAI's, over output tokens);
-//! 3. while fewer than `min_tokens` tokens were generated, EOS and stop ids are masked;
-//! 4. greedy (`temperature == 0`): argmax, ties to the lowest id. Otherwise: temperature,
+//! 4. while fewer than `min_tokens` tokens were generated, EOS and stop ids are masked;
+//! 5. greedy (`temperature == 0`): argmax, ties to the lowest id. Otherwise: temperature,
 //!    top-k, softmax, top-p, min-p, then inverse-CDF sampling in token-id order with the
 //!    uniform `philox(seed, n)` for the request's `n`-th generated token.
 //!
@@ -103,6 +104,11 @@ impl RowSampler {
         if want_logprobs.is_some() {
             scratch.raw.clear();
             scratch.raw.extend_from_slice(logits);
+        }
+        for &(t, bias) in &self.params.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += bias;
+            }
         }
         self.apply_penalties(logits);
         if self.generated < self.params.min_tokens {
@@ -355,6 +361,41 @@ mod tests {
     }
 
     const LOGITS: [f32; 5] = [1.0, 2.0, 0.5, -1.0, 1.5];
+
+    #[test]
+    fn logit_bias_shifts_the_distribution_and_the_greedy_choice() {
+        // Greedy: -100 on the argmax moves the choice; ids past the vocabulary are ignored.
+        let greedy = SamplingParams {
+            logit_bias: vec![(1, -100.0), (99, 5.0)],
+            ..SamplingParams::greedy(10)
+        };
+        assert_eq!(sample(&mut row(greedy, 0), &[0.0, 2.0, 1.5, 1.0]), 2);
+        // Sampling: the bias is added before the softmax, so +ln(4) makes token 0 four
+        // times likelier relative to the rest.
+        let b = 4f64.ln();
+        let mut biased = LOGITS.map(|l| l as f64);
+        biased[0] += b;
+        let expected = softmax(&biased);
+        let chi2 = chi_square(
+            SamplingParams {
+                logit_bias: vec![(0, b as f32)],
+                ..SamplingParams::default()
+            },
+            &LOGITS,
+            &expected,
+        );
+        assert!(chi2 < 18.5, "chi2 {chi2} (4 dof, p=0.001)");
+        // Logprobs stay those of the raw logits.
+        let p = SamplingParams {
+            logprobs: Some(1),
+            logit_bias: vec![(0, 100.0)],
+            ..SamplingParams::greedy(10)
+        };
+        let logits = [0.0f32, 2.0, 1.0];
+        let (tok, lp) = row(p, 0).sample(&mut logits.to_vec(), &mut SamplerScratch::default());
+        let lp = lp.expect("logprobs");
+        assert_eq!((tok, lp.top[0].0, lp.rank), (0, 1, 3));
+    }
 
     #[test]
     fn temperature_distribution() {

@@ -246,12 +246,7 @@ impl SamplingFields {
                 ));
             }
         }
-        if logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-            return Err(ApiError::invalid(
-                "logit_bias",
-                "`logit_bias` is not supported.",
-            ));
-        }
+        let logit_bias = parse_logit_bias(logit_bias.as_ref(), limits.vocab_size)?;
         let top_k = match top_k {
             None | Some(-1) => None,
             Some(k) if *k < -1 => {
@@ -325,6 +320,7 @@ impl SamplingFields {
             stop_token_ids,
             ignore_eos: ignore_eos.unwrap_or(false),
             logprobs,
+            logit_bias,
         };
         // f64 -> f32 may overflow to inf; validate() rejects non-finite values.
         let mut check = sampling.clone();
@@ -483,6 +479,46 @@ pub enum PromptInput {
     Ids(Vec<TokenId>),
 }
 
+/// OpenAI `logit_bias`: `{"token id": bias}` with ids inside the vocabulary and biases in
+/// [-100, 100] (range checked again by `SamplingParams::validate`), sorted by id.
+fn parse_logit_bias(
+    map: Option<&serde_json::Map<String, serde_json::Value>>,
+    vocab_size: u32,
+) -> Result<Vec<(TokenId, f32)>, ApiError> {
+    let Some(map) = map else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let id: TokenId = key
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&id| id < vocab_size)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("`logit_bias` keys must be token ids in 0..{vocab_size}, got {key:?}."),
+                )
+            })?;
+        let bias = value.as_f64().ok_or_else(|| {
+            ApiError::invalid(
+                "logit_bias",
+                format!("`logit_bias` values must be numbers, got {value} for {key:?}."),
+            )
+        })?;
+        out.push((id, bias as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    if out.windows(2).any(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            "`logit_bias` names a token id twice.",
+        ));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,6 +539,19 @@ mod tests {
 
     fn chat(body: &str) -> Result<Validated, ApiError> {
         parse_json::<ChatRequest>(body.as_bytes()).and_then(|r| r.validate(LIMITS))
+    }
+
+    #[test]
+    fn logit_bias_maps_to_sorted_ids() {
+        let v = completion(r#"{"prompt": "x", "logit_bias": {"17": -100, "3": 2.5, "999": 100}}"#)
+            .unwrap();
+        assert_eq!(
+            v.sampling.logit_bias,
+            [(3, 2.5), (17, -100.0), (999, 100.0)]
+        );
+        let v =
+            chat(r#"{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {}}"#).unwrap();
+        assert_eq!(v.sampling.logit_bias, [(7, 1.0)]);
     }
 
     #[test]
@@ -718,7 +767,27 @@ mod tests {
                 Some("echo"),
             ),
             (
-                r#"{"prompt": "x", "logit_bias": {"5": 1}}"#,
+                r#"{"prompt": "x", "logit_bias": {"abc": 1}}"#,
+                StatusCode::BAD_REQUEST,
+                Some("logit_bias"),
+            ),
+            (
+                r#"{"prompt": "x", "logit_bias": {"1000": 1}}"#,
+                StatusCode::BAD_REQUEST,
+                Some("logit_bias"),
+            ),
+            (
+                r#"{"prompt": "x", "logit_bias": {"5": 101}}"#,
+                StatusCode::BAD_REQUEST,
+                Some("logit_bias"),
+            ),
+            (
+                r#"{"prompt": "x", "logit_bias": {"5": "high"}}"#,
+                StatusCode::BAD_REQUEST,
+                Some("logit_bias"),
+            ),
+            (
+                r#"{"prompt": "x", "logit_bias": {"5": 1, " 5": 2}}"#,
                 StatusCode::BAD_REQUEST,
                 Some("logit_bias"),
             ),

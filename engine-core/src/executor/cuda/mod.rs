@@ -18,7 +18,7 @@
 //!   slot only after committing its step, so the pinned buffers are never overwritten early).
 //! - Activations, logits and the KV cache are shared: all work is on one compute stream, so
 //!   step t+1's forward runs after step t's sampling.
-//! - Sampling with penalties, logprobs or a long min_tokens mask runs on the host
+//! - Sampling with penalties, logit_bias, logprobs or a long min_tokens mask runs on the host
 //!   (`RowSampler`, the CPU backend's sampler) in `finalize_sampling`, which then synchronises
 //!   the stream for that step; everything else samples on the device with the same Philox
 //!   stream, so seeded output matches the CPU backend up to numeric ties.
@@ -650,6 +650,7 @@ impl CudaExecutor {
                 || p.frequency_penalty != 0.0
                 || p.presence_penalty != 0.0
                 || p.logprobs.is_some()
+                || !p.logit_bias.is_empty()
                 || init.min_tokens_mask.len() > MASK_CAP;
             let mut rp = RowParams {
                 temperature: if p.is_greedy() { 0.0 } else { p.temperature },
