@@ -550,8 +550,12 @@ mod tests {
             [(3, 2.5), (17, -100.0), (999, 100.0)]
         );
         let v =
-            chat(r#"{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {}}"#).unwrap();
+            chat(r#"{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"7": 1}}"#)
+                .unwrap();
         assert_eq!(v.sampling.logit_bias, [(7, 1.0)]);
+        let v =
+            chat(r#"{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {}}"#).unwrap();
+        assert!(v.sampling.logit_bias.is_empty());
     }
 
     #[test]
