@@ -24,7 +24,7 @@ mod cpu;
 mod kv_cache;
 mod linear;
 mod ops;
-mod rope;
+pub(crate) mod rope;
 mod weights;
 
 #[cfg(test)]

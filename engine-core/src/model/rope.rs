@@ -17,19 +17,27 @@ pub struct Rope {
     inv_freq: Vec<f32>,
 }
 
+/// The inverse frequencies of `config` (Llama 3 scaled when it says so), `head_dim / 2` of
+/// them. The CUDA backend uploads these same values.
+pub fn inv_freq(config: &ModelConfig) -> Vec<f32> {
+    let dim = config.head_dim;
+    let base = config.rope_theta;
+    let mut inv_freq: Vec<f32> = (0..dim / 2)
+        .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
+        .collect();
+    if let Some(s) = &config.rope_scaling {
+        for f in &mut inv_freq {
+            *f = llama3_scale(*f, s);
+        }
+    }
+    inv_freq
+}
+
 impl Rope {
     pub fn new(config: &ModelConfig) -> Rope {
-        let dim = config.head_dim;
-        let base = config.rope_theta;
-        let mut inv_freq: Vec<f32> = (0..dim / 2)
-            .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
-            .collect();
-        if let Some(s) = &config.rope_scaling {
-            for f in &mut inv_freq {
-                *f = llama3_scale(*f, s);
-            }
+        Rope {
+            inv_freq: inv_freq(config),
         }
-        Rope { inv_freq }
     }
 
     /// Fills `cos` and `sin` (each `head_dim / 2` long) for `position`.
@@ -77,6 +85,26 @@ pub fn apply(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn inv_freq_matches_the_formula() {
+        let m = crate::gen_model::Preset::from_name("llama-3.2-1b")
+            .unwrap()
+            .config();
+        let f = inv_freq(&m);
+        assert_eq!(f.len(), m.head_dim / 2);
+        assert_eq!(f[0], 1.0);
+        // Llama 3 scaling divides the lowest frequencies by the factor (32 for 3.2).
+        let raw = 1.0
+            / m.rope_theta
+                .powf((m.head_dim - 2) as f32 / m.head_dim as f32);
+        assert!(
+            (f[f.len() - 1] - raw / 32.0).abs() < 1e-12,
+            "{} {}",
+            f[f.len() - 1],
+            raw / 32.0
+        );
+    }
 
     #[test]
     fn llama3_scaling_bands() {

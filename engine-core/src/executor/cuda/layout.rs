@@ -262,35 +262,6 @@ pub fn kv_blocks_for(total: usize, used: usize, utilization: f64, bytes_per_bloc
     budget.saturating_sub(used) / bytes_per_block.max(1)
 }
 
-/// Llama's inverse frequencies (with Llama 3 scaling), as `model/rope.rs` and transformers.
-pub fn inv_freq(m: &ModelConfig) -> Vec<f32> {
-    let dim = m.head_dim;
-    let base = m.rope_theta;
-    (0..dim / 2)
-        .map(|i| {
-            let f = 1.0 / base.powf((2 * i) as f32 / dim as f32);
-            match &m.rope_scaling {
-                None => f,
-                Some(s) => {
-                    let old = s.original_max_position_embeddings as f32;
-                    let low = old / s.low_freq_factor;
-                    let high = old / s.high_freq_factor;
-                    let wavelen = 2.0 * std::f32::consts::PI / f;
-                    if wavelen < high {
-                        f
-                    } else if wavelen > low {
-                        f / s.factor
-                    } else {
-                        let smooth = (old / wavelen - s.low_freq_factor)
-                            / (s.high_freq_factor - s.low_freq_factor);
-                        (1.0 - smooth) * f / s.factor + smooth * f
-                    }
-                }
-            }
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -412,24 +383,6 @@ mod tests {
         assert_eq!(
             kv_blocks_for(80 << 30, 10 << 30, 0.9, 1 << 20),
             ((72usize << 30) - (10 << 30)) >> 20
-        );
-    }
-
-    #[test]
-    fn inv_freq_matches_the_formula() {
-        let m = llama1b();
-        let f = inv_freq(&m);
-        assert_eq!(f.len(), m.head_dim / 2);
-        assert_eq!(f[0], 1.0);
-        // Llama 3 scaling divides the lowest frequencies by the factor (32 for 3.2).
-        let raw = 1.0
-            / m.rope_theta
-                .powf((m.head_dim - 2) as f32 / m.head_dim as f32);
-        assert!(
-            (f[f.len() - 1] - raw / 32.0).abs() < 1e-12,
-            "{} {}",
-            f[f.len() - 1],
-            raw / 32.0
         );
     }
 }

@@ -8,7 +8,7 @@ use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::Kernels;
 
 use super::blas::Blas;
-use super::layout::{self, Capacities, ScratchSizes};
+use super::layout::{Capacities, ScratchSizes};
 use super::{ck, DevBuf};
 use crate::model::{
     Architecture, Checkpoint, LayerTensor, ModelConfig, ModelDir, WeightDtype, EMBED, FINAL_NORM,
@@ -156,7 +156,7 @@ impl GpuModel {
             Some(one(&[(LM_HEAD.to_string(), vec![v, h])])?)
         };
         let final_norm = one(&[(FINAL_NORM.to_string(), vec![h])])?;
-        let inv_freq = upload(&layout::inv_freq(&c), stream)?;
+        let inv_freq = upload(&crate::model::rope::inv_freq(&c), stream)?;
         let _ = caps;
         let scratch = Scratch {
             x: DevBuf::new(sizes.x)?,
