@@ -234,6 +234,8 @@ pub struct CudaExecutor {
     counters: ExecCounters,
     rows: Vec<Option<HostRow>>,
     scratch: SamplerScratch,
+    /// One row of logits on the host, for host-sampled rows (reused: no per-step allocation).
+    host_logits: Vec<f32>,
     next_step: u64,
     failed: Option<String>,
     /// Step-timing events of the last completed step, for gap measurement.
@@ -437,6 +439,7 @@ impl CudaExecutor {
             counters: ExecCounters::default(),
             rows: (0..max_rows).map(|_| None).collect(),
             scratch: SamplerScratch::default(),
+            host_logits: Vec::new(),
             next_step: 0,
             failed: None,
             last_done: None,
@@ -781,12 +784,13 @@ impl CudaExecutor {
             if !s.host_samples.is_empty() {
                 // Host sampling: the CPU backend's sampler on this step's raw logits.
                 ck(dr::stream::synchronize(st), "sync for host sampling")?;
-                let mut logits = vec![0f32; vocab];
+                let logits = &mut self.host_logits;
+                logits.resize(vocab, 0.0);
                 let n = s.host_samples.len();
                 for (i, &(k, row)) in s.host_samples.iter().enumerate() {
                     ck(
                         dr::memcpy_dtoh_sync(
-                            &mut logits,
+                            logits.as_mut_slice(),
                             self.model.logits_ptr() + (k * vocab * 4) as u64,
                         ),
                         "logits D2H",
@@ -795,7 +799,7 @@ impl CudaExecutor {
                         .as_mut()
                         .and_then(|r| r.host_sampler.as_mut())
                         .expect("host row");
-                    let (tok, lp) = sampler.sample(&mut logits, &mut self.scratch);
+                    let (tok, lp) = sampler.sample(logits.as_mut_slice(), &mut self.scratch);
                     s.host_results.push((k, tok, lp));
                     let h = s.host_tok_h.as_mut_slice();
                     h[i] = row as i32;
