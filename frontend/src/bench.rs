@@ -323,7 +323,22 @@ fn print_report(r: &BenchResult) {
 
 trait Target: Send + Sync {
     fn describe(&self) -> String;
-    fn run(&self, prompt: Vec<u32>, output_len: u32) -> futures::future::BoxFuture<'_, Sample>;
+    /// One request.
+    fn try_run(
+        &self,
+        prompt: Vec<u32>,
+        output_len: u32,
+    ) -> futures::future::BoxFuture<'_, anyhow::Result<Sample>>;
+    /// One request; a failure becomes the sample's `error`.
+    fn run(&self, prompt: Vec<u32>, output_len: u32) -> futures::future::BoxFuture<'_, Sample> {
+        let request = self.try_run(prompt, output_len);
+        Box::pin(async move {
+            request.await.unwrap_or_else(|e| Sample {
+                error: format!("{e:#}"),
+                ..Default::default()
+            })
+        })
+    }
 }
 
 struct HttpTarget {
@@ -421,15 +436,12 @@ impl Target for HttpTarget {
         format!("http://{}{}", self.base.host, self.base.prefix)
     }
 
-    fn run(&self, prompt: Vec<u32>, output_len: u32) -> futures::future::BoxFuture<'_, Sample> {
-        Box::pin(async move {
-            self.request(prompt, output_len)
-                .await
-                .unwrap_or_else(|e| Sample {
-                    error: format!("{e:#}"),
-                    ..Default::default()
-                })
-        })
+    fn try_run(
+        &self,
+        prompt: Vec<u32>,
+        output_len: u32,
+    ) -> futures::future::BoxFuture<'_, anyhow::Result<Sample>> {
+        Box::pin(self.request(prompt, output_len))
     }
 }
 
@@ -530,15 +542,12 @@ impl Target for EngineTarget {
         format!("engine {}", self.endpoint)
     }
 
-    fn run(&self, prompt: Vec<u32>, output_len: u32) -> futures::future::BoxFuture<'_, Sample> {
-        Box::pin(async move {
-            self.request(prompt, output_len)
-                .await
-                .unwrap_or_else(|e| Sample {
-                    error: format!("{e:#}"),
-                    ..Default::default()
-                })
-        })
+    fn try_run(
+        &self,
+        prompt: Vec<u32>,
+        output_len: u32,
+    ) -> futures::future::BoxFuture<'_, anyhow::Result<Sample>> {
+        Box::pin(self.request(prompt, output_len))
     }
 }
 
