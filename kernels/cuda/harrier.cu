@@ -409,6 +409,18 @@ __device__ __forceinline__ u32 fkey(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// (best, bi) of the whole warp in every lane: the largest value, ties to the lowest index.
+__device__ __forceinline__ void warp_argmax(float& best, int& bi) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ob > best || (ob == best && oi < bi)) {
+            best = ob;
+            bi = oi;
+        }
+    }
+}
+
 // Argmax over v[0..n), ties to the lowest index, NaN never wins.
 __device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
     float best = NEG_INF;
@@ -423,14 +435,7 @@ __device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
             bi = i;
         }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ob = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ob > best || (ob == best && oi < bi)) {
-            best = ob;
-            bi = oi;
-        }
-    }
+    warp_argmax(best, bi);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     __syncthreads();
     if (lane == 0) {
@@ -441,14 +446,7 @@ __device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
     if (warp == 0) {
         best = lane < nw ? shv[lane] : NEG_INF;
         bi = lane < nw ? shi[lane] : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ob > best || (ob == best && oi < bi)) {
-                best = ob;
-                bi = oi;
-            }
-        }
+        warp_argmax(best, bi);
         if (lane == 0) shi[0] = bi;
     }
     __syncthreads();
