@@ -680,11 +680,15 @@ impl CudaExecutor {
         }
         // Per-token and per-sequence metadata; new block-table entries.
         let decode_only = meta::is_decode_only(batch);
-        let graph = if decode_only && self.use_graphs && !self.graphs[slot].is_empty() {
-            self.buckets.bucket_for(batch.seqs.len())
+        let n_seqs = batch.seqs.len();
+        // A decode step's bucket: its graph, and the padded size that fixes its attention
+        // splits whether it replays or not.
+        let bucket = if decode_only {
+            self.buckets.bucket_for(n_seqs)
         } else {
             None
         };
+        let graph = bucket.filter(|_| self.use_graphs && !self.graphs[slot].is_empty());
         let s = &mut self.slots[slot];
         s.host_results.clear();
         let counts = meta::fill_step(
@@ -739,15 +743,12 @@ impl CudaExecutor {
                     n_inits as i32,
                 )?;
             }
-            if let Some((i, _)) = graph {
-                let size = self.buckets.sizes()[i];
+            if let Some((i, size)) = graph {
                 self.graphs[slot][i].replay(st, size, self.graph_addrs(slot))?;
                 self.counters.graph_replays += 1;
             } else if t > 0 {
                 let splits = if decode_only {
-                    // The padded batch when a bucket holds it: the same cut as its graph.
-                    let n = batch.seqs.len();
-                    self.decode_splits(self.buckets.bucket_for(n).map_or(n, |(_, b)| b))
+                    self.decode_splits(bucket.map_or(n_seqs, |(_, b)| b))
                 } else {
                     None
                 };
