@@ -75,6 +75,19 @@ pub struct EngineCoreArgs {
     /// 4, 8, 16, 24, 32, then steps of 16 up to --max-num-seqs). Larger batches run eagerly.
     #[arg(long, value_delimiter = ',')]
     pub cuda_graph_sizes: Option<Vec<usize>>,
+    /// CUDA backend: storage type of weights, activations and KV cache. `auto` is bfloat16
+    /// (the serving type); float32 is exact fp32 (twice the memory; for accuracy checks).
+    /// The CPU backend always computes in fp32.
+    #[arg(long, value_enum, default_value_t = ModelDtype::Auto)]
+    pub dtype: ModelDtype,
+}
+
+/// `--dtype` values (vLLM's spelling).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelDtype {
+    Auto,
+    Bfloat16,
+    Float32,
 }
 
 impl EngineCoreArgs {
@@ -285,6 +298,10 @@ pub fn build_cuda_engine(
             gpu_memory_utilization: args.gpu_memory_utilization,
             device: 0,
             graph_sizes: args.graph_sizes(),
+            dtype: match args.dtype {
+                ModelDtype::Auto | ModelDtype::Bfloat16 => harrier_kernels::Dtype::Bf16,
+                ModelDtype::Float32 => harrier_kernels::Dtype::F32,
+            },
         },
     )
     .with_context(|| format!("starting the CUDA backend for {}", model_dir.display()))?;
@@ -295,6 +312,7 @@ pub fn build_cuda_engine(
         model = %dir.name,
         device = %start.device_name,
         arch = start.arch,
+        dtype = start.dtype.name(),
         load_s = format!("{:.2}", started.elapsed().as_secs_f64()),
         weights_mib = start.weight_bytes >> 20,
         activations_mib = start.activation_bytes >> 20,

@@ -1,9 +1,12 @@
 // Harrier's CUDA kernels, compiled at engine start with NVRTC (see kernels/src/lib.rs).
 //
-// Conventions: bf16 storage (as raw 16-bit words, converted here; no CUDA headers needed),
-// fp32 arithmetic. Where the rounding points of Hugging Face's bf16 modules are cheap to
-// reproduce (RMSNorm, RoPE, SiLU-and-mul, residual adds) they are reproduced, so bf16 parity
-// with transformers is as close as the GEMMs allow. Every kernel is `extern "C"`.
+// Conventions: `elem` is the storage type of weights, activations and the KV cache: bf16 (raw
+// 16-bit words, converted here; no CUDA headers needed) by default, fp32 when compiled with
+// -DHARRIER_F32 (the fp32 model, for exact parity checks). Arithmetic is fp32 either way.
+// In bf16, where the rounding points of Hugging Face's bf16 modules are cheap to reproduce
+// (RMSNorm, RoPE, SiLU-and-mul, residual adds, attention probabilities) they are reproduced
+// (`rnd`), so bf16 parity with transformers is as close as the GEMMs allow; in fp32 `rnd` is
+// the identity. Every kernel is `extern "C"`.
 //
 // Index types: token rows `t < T`, sequences `s < S`, backend rows `row < max_rows`.
 
@@ -25,6 +28,18 @@ __device__ __forceinline__ bf16 f2bf(float f) {
 
 // Rounds through bf16 (a bf16 tensor op's result).
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
+
+#ifdef HARRIER_F32
+typedef float elem;
+__device__ __forceinline__ float e2f(elem x) { return x; }
+__device__ __forceinline__ elem f2e(float f) { return f; }
+__device__ __forceinline__ float rnd(float f) { return f; }
+#else
+typedef bf16 elem;
+__device__ __forceinline__ float e2f(elem x) { return bf2f(x); }
+__device__ __forceinline__ elem f2e(float f) { return f2bf(f); }
+__device__ __forceinline__ float rnd(float f) { return rbf(f); }
+#endif
 
 // float or double.
 template <typename T> __device__ __forceinline__ T warp_sum(T v) {
@@ -63,14 +78,14 @@ __device__ float block_max(float v, float* sh) {
 // ---------------------------------------------------------------------------------------------
 // Embedding: out[t] = table[token(t)], where token(t) = tok_src[t] if >= 0 (from the host), else
 // pending[-tok_src[t] - 1] (the row's last sampled token, written on the device by sampling).
-extern "C" __global__ void embed_tokens(bf16* out, const bf16* table, const int* tok_src, const int* pending,
+extern "C" __global__ void embed_tokens(elem* out, const elem* table, const int* tok_src, const int* pending,
                                         int hidden, int vocab) {
     int t = blockIdx.x;
     int s = tok_src[t];
     int tok = s >= 0 ? s : pending[-s - 1];
     if (tok < 0 || tok >= vocab) tok = 0;
-    const bf16* row = table + (size_t)tok * hidden;
-    bf16* o = out + (size_t)t * hidden;
+    const elem* row = table + (size_t)tok * hidden;
+    elem* o = out + (size_t)t * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = row[i];
 }
 
@@ -80,28 +95,28 @@ extern "C" __global__ void embed_tokens(bf16* out, const bf16* table, const int*
 //   out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
 // Block i handles row src = rows ? rows[i] : i and writes out row i (rows: the final norm over
 // the rows that want logits).
-extern "C" __global__ void add_rmsnorm(bf16* resid, const bf16* delta, const bf16* w, bf16* out, const int* rows,
+extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const elem* w, elem* out, const int* rows,
                                        int hidden, float eps) {
     __shared__ float sh[32];
     int i = blockIdx.x;
     int src = rows ? rows[i] : i;
-    bf16* x = resid + (size_t)src * hidden;
-    const bf16* d = delta ? delta + (size_t)src * hidden : 0;
+    elem* x = resid + (size_t)src * hidden;
+    const elem* d = delta ? delta + (size_t)src * hidden : 0;
     float ss = 0.0f;
     for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-        float v = bf2f(x[j]);
+        float v = e2f(x[j]);
         if (d) {
-            v = rbf(v + bf2f(d[j]));
-            x[j] = f2bf(v);
+            v = rnd(v + e2f(d[j]));
+            x[j] = f2e(v);
         }
         ss += v * v;
     }
     ss = block_sum(ss, sh);
     float inv = rsqrtf(ss / (float)hidden + eps);
-    bf16* o = out + (size_t)i * hidden;
+    elem* o = out + (size_t)i * hidden;
     for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-        float v = bf2f(x[j]);
-        o[j] = f2bf(bf2f(w[j]) * rbf(v * inv));
+        float v = e2f(x[j]);
+        o[j] = f2e(e2f(w[j]) * rnd(v * inv));
     }
 }
 
@@ -111,68 +126,88 @@ extern "C" __global__ void add_rmsnorm(bf16* resid, const bf16* delta, const bf1
 // (cache layout [num_blocks * block_size, nkv, hd]). One warp per head, the heads of a token
 // spread over gridDim.y blocks (at batch 1 one block looping over 48 heads took 7.5 us a layer);
 // hd <= 256, hd % 64 == 0.
-extern "C" __global__ void rope_kv_write(bf16* qkv, int qkv_stride, int nh, int nkv, int hd, const int* positions,
-                                         const float* inv_freq, const bf16* q_norm, const bf16* k_norm, float eps,
-                                         const int* slot_mapping, bf16* k_cache, bf16* v_cache) {
+extern "C" __global__ void rope_kv_write(elem* qkv, int qkv_stride, int nh, int nkv, int hd, const int* positions,
+                                         const float* inv_freq, const elem* q_norm, const elem* k_norm, float eps,
+                                         const int* slot_mapping, elem* k_cache, elem* v_cache) {
     int t = blockIdx.x;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     int half = hd >> 1;
     float pos = (float)positions[t];
     long long slot = slot_mapping[t];
-    bf16* row = qkv + (size_t)t * qkv_stride;
+    elem* row = qkv + (size_t)t * qkv_stride;
     for (int h = blockIdx.y * nw + warp; h < nh + 2 * nkv; h += nw * gridDim.y) {
-        bf16* x = row + (size_t)h * hd;
+        elem* x = row + (size_t)h * hd;
         if (h >= nh + nkv) {
             int kh = h - nh - nkv;
-            bf16* dst = v_cache + (size_t)(slot * nkv + kh) * hd;
+            elem* dst = v_cache + (size_t)(slot * nkv + kh) * hd;
             for (int i = lane; i < hd; i += 32) dst[i] = x[i];
             continue;
         }
         bool is_q = h < nh;
-        const bf16* nw_ = is_q ? q_norm : k_norm;
+        const elem* nw_ = is_q ? q_norm : k_norm;
         float inv = 1.0f;
         if (nw_) {
             float ss = 0.0f;
             for (int i = lane; i < hd; i += 32) {
-                float v = bf2f(x[i]);
+                float v = e2f(x[i]);
                 ss += v * v;
             }
             ss = warp_sum(ss);
             inv = rsqrtf(ss / (float)hd + eps);
         }
-        bf16* dst = is_q ? x : k_cache + (size_t)(slot * nkv + (h - nh)) * hd;
+        elem* dst = is_q ? x : k_cache + (size_t)(slot * nkv + (h - nh)) * hd;
         for (int i = lane; i < half; i += 32) {
-            float a = bf2f(x[i]), b = bf2f(x[i + half]);
+            float a = e2f(x[i]), b = e2f(x[i + half]);
             if (nw_) {
-                a = rbf(bf2f(nw_[i]) * rbf(a * inv));
-                b = rbf(bf2f(nw_[i + half]) * rbf(b * inv));
+                a = rnd(e2f(nw_[i]) * rnd(a * inv));
+                b = rnd(e2f(nw_[i + half]) * rnd(b * inv));
             }
             float ang = pos * inv_freq[i];
-            float c = rbf(cosf(ang)), s = rbf(sinf(ang));
-            float o1 = rbf(rbf(a * c) + rbf(-b * s));
-            float o2 = rbf(rbf(b * c) + rbf(a * s));
-            dst[i] = f2bf(o1);
-            dst[i + half] = f2bf(o2);
+            float c = rnd(cosf(ang)), s = rnd(sinf(ang));
+            float o1 = rnd(rnd(a * c) + rnd(-b * s));
+            float o2 = rnd(rnd(b * c) + rnd(a * s));
+            dst[i] = f2e(o1);
+            dst[i + half] = f2e(o2);
         }
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // out[r, i] = bf16(bf16(silu(gate)) * up), rows of gu = [gate | up].
-extern "C" __global__ void silu_mul(bf16* out, const bf16* gu, int inter, long long total) {
+extern "C" __global__ void silu_mul(elem* out, const elem* gu, int inter, long long total) {
     for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < total; k += (long long)gridDim.x * blockDim.x) {
         long long r = k / inter;
         int i = (int)(k - r * inter);
-        float g = bf2f(gu[r * 2 * inter + i]);
-        float u = bf2f(gu[r * 2 * inter + inter + i]);
-        float a = rbf(g / (1.0f + expf(-g)));
-        out[k] = f2bf(a * u);
+        float g = e2f(gu[r * 2 * inter + i]);
+        float u = e2f(gu[r * 2 * inter + inter + i]);
+        float a = rnd(g / (1.0f + expf(-g)));
+        out[k] = f2e(a * u);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// n (2, 4 or 8) consecutive bf16 values at p (aligned to n * 2 bytes) as floats, one load.
-__device__ __forceinline__ void load_bf16s(const bf16* p, int n, float* out) {
+// n (2, 4 or 8) consecutive elements at p (aligned to n elements) as floats, vector loads.
+__device__ __forceinline__ void load_elems(const elem* p, int n, float* out) {
+#ifdef HARRIER_F32
+    if (n == 2) {
+        float2 a = *(const float2*)p;
+        out[0] = a.x;
+        out[1] = a.y;
+    } else {
+        float4 a = *(const float4*)p;
+        out[0] = a.x;
+        out[1] = a.y;
+        out[2] = a.z;
+        out[3] = a.w;
+        if (n == 8) {
+            float4 b = *(const float4*)(p + 4);
+            out[4] = b.x;
+            out[5] = b.y;
+            out[6] = b.z;
+            out[7] = b.w;
+        }
+    }
+#else
     if (n == 2) {
         u32 a = *(const u32*)p;
         out[0] = __uint_as_float(a << 16);
@@ -194,6 +229,7 @@ __device__ __forceinline__ void load_bf16s(const bf16* p, int n, float* out) {
         out[6] = __uint_as_float(a.w << 16);
         out[7] = __uint_as_float(a.w & 0xffff0000u);
     }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -210,7 +246,7 @@ __device__ __forceinline__ void load_bf16s(const bf16* p, int n, float* out) {
 // with q (q scaled, in shared memory; K rows read with 16-byte loads), the warp does one max
 // and one sum per tile (online softmax), then accumulates V with the lanes splitting head_dim
 // (V rows of the 32 keys unrolled by 8 so their loads are in flight together). Warps merge
-// their (max, sum, acc) at the end. With n_splits == 1 the block writes the bf16 output;
+// their (max, sum, acc) at the end. With n_splits == 1 the block writes the output;
 // otherwise its partial goes to part[t][h][s] ((max, sum, acc[hd]) floats) and
 // attention_combine merges the splits in order. Splits are for small decode batches, where one
 // block per (token, head) leaves most SMs idle; the host picks n_splits from the padded batch
@@ -224,8 +260,8 @@ __device__ __forceinline__ void load_bf16s(const bf16* p, int n, float* out) {
 // head scoring all G query heads per key (K/V read once per group) ran 20-40% slower: fewer,
 // longer warps. Splitting with 4-warp blocks lost to 16 warps without splits from batch 8 on.
 #define ATT_WARPS 16
-extern "C" __global__ void paged_attention(bf16* out, float* part, int n_splits, const bf16* q, int q_stride,
-                                           const bf16* k_cache, const bf16* v_cache, const int* tok_row,
+extern "C" __global__ void paged_attention(elem* out, float* part, int n_splits, const elem* q, int q_stride,
+                                           const elem* k_cache, const elem* v_cache, const int* tok_row,
                                            const int* positions, const int* block_tables, int bt_stride, int nh,
                                            int nkv, int hd, int block_size, float scale, int window) {
     __shared__ float sq[256];
@@ -239,18 +275,18 @@ extern "C" __global__ void paged_attention(bf16* out, float* part, int n_splits,
     // them, so their latencies overlap instead of adding up.
     int pos = positions[t];
     int row = tok_row[t];
-    const bf16* qp = q + (size_t)t * q_stride + (size_t)h * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) sq[d] = bf2f(qp[d]) * scale;
+    const elem* qp = q + (size_t)t * q_stride + (size_t)h * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) sq[d] = e2f(qp[d]) * scale;
     int start = window > 0 ? max(0, pos - window + 1) : 0;
     int n_tiles = pos >= 0 ? (pos - start + 32) >> 5 : 0;
     int splits = min(n_splits, (n_tiles + 3) >> 2);
     int per = splits > 0 ? (n_tiles + splits - 1) / splits : 0;
     int tile0 = s * per, tile1 = s < splits ? min(n_tiles, tile0 + per) : tile0;
     float* pp = part + (((size_t)t * nh + h) * n_splits + s) * (hd + 2);
-    bf16* o = out + ((size_t)t * nh + h) * hd;
+    elem* o = out + ((size_t)t * nh + h) * hd;
     if (tile0 >= tile1) { // no keys here (a split past the context, or padding)
         if (n_splits == 1) {
-            for (int d = threadIdx.x; d < hd; d += blockDim.x) o[d] = f2bf(0.0f);
+            for (int d = threadIdx.x; d < hd; d += blockDim.x) o[d] = f2e(0.0f);
         } else if (threadIdx.x == 0) {
             pp[0] = NEG_INF;
             pp[1] = 0.0f;
@@ -271,16 +307,17 @@ extern "C" __global__ void paged_attention(bf16* out, float* part, int n_splits,
         float sc = NEG_INF;
         if (valid) {
             slot = bt[p / block_size] * block_size + p % block_size;
-            const uint4* kp = (const uint4*)(k_cache + ((size_t)slot * nkv + kh) * hd);
+            const elem* kp = k_cache + ((size_t)slot * nkv + kh) * hd;
             float dot = 0.0f;
 #pragma unroll 8
             for (int c = 0; c < (hd >> 3); c++) {
-                uint4 w = kp[c];
+                float kv[8];
+                load_elems(kp + c * 8, 8, kv);
                 const float* qc = sq + c * 8;
-                dot += qc[0] * __uint_as_float(w.x << 16) + qc[1] * __uint_as_float(w.x & 0xffff0000u);
-                dot += qc[2] * __uint_as_float(w.y << 16) + qc[3] * __uint_as_float(w.y & 0xffff0000u);
-                dot += qc[4] * __uint_as_float(w.z << 16) + qc[5] * __uint_as_float(w.z & 0xffff0000u);
-                dot += qc[6] * __uint_as_float(w.w << 16) + qc[7] * __uint_as_float(w.w & 0xffff0000u);
+                dot += qc[0] * kv[0] + qc[1] * kv[1];
+                dot += qc[2] * kv[2] + qc[3] * kv[3];
+                dot += qc[4] * kv[4] + qc[5] * kv[5];
+                dot += qc[6] * kv[6] + qc[7] * kv[7];
             }
             sc = dot;
         }
@@ -294,12 +331,15 @@ extern "C" __global__ void paged_attention(bf16* out, float* part, int n_splits,
         m = mn;
         int slot0 = __shfl_sync(0xffffffffu, slot, 0);
         int vslot = valid ? slot : slot0;
+        // The V product takes the probabilities rounded to the storage type, as FlashAttention
+        // and PyTorch's bf16 attention do (P is a bf16 GEMM operand); the sum l stays fp32.
+        float pv = rnd(pe);
 #pragma unroll 8
         for (int i = 0; i < 32; i++) {
-            float w = __shfl_sync(0xffffffffu, pe, i);
+            float w = __shfl_sync(0xffffffffu, pv, i);
             int si = __shfl_sync(0xffffffffu, vslot, i);
             float v[8];
-            load_bf16s(v_cache + ((size_t)si * nkv + kh) * hd + lane * nv, nv, v);
+            load_elems(v_cache + ((size_t)si * nkv + kh) * hd + lane * nv, nv, v);
 #pragma unroll
             for (int j = 0; j < 8; j++)
                 if (j < nv) acc[j] += w * v[j];
@@ -324,7 +364,7 @@ extern "C" __global__ void paged_attention(bf16* out, float* part, int n_splits,
         for (int w = 0; w < ATT_WARPS; w++)
             if (sm_l[w] > 0.0f) v += sm_acc[w][d] * __expf(sm_m[w] - M);
         if (n_splits == 1) {
-            o[d] = f2bf(L > 0.0f ? v / L : 0.0f);
+            o[d] = f2e(L > 0.0f ? v / L : 0.0f);
         } else {
             if (d == 0) {
                 pp[0] = M;
@@ -337,7 +377,7 @@ extern "C" __global__ void paged_attention(bf16* out, float* part, int n_splits,
 
 // Merges paged_attention's splits of token t, head h (block (t, h)), in split order;
 // splits with no keys (sum 0) are skipped.
-extern "C" __global__ void attention_combine(bf16* out, const float* part, int n_splits, int nh, int hd) {
+extern "C" __global__ void attention_combine(elem* out, const float* part, int n_splits, int nh, int hd) {
     int t = blockIdx.x, h = blockIdx.y;
     const float* p = part + ((size_t)t * nh + h) * n_splits * (hd + 2);
     float M = NEG_INF;
@@ -353,7 +393,7 @@ extern "C" __global__ void attention_combine(bf16* out, const float* part, int n
                 v += ps[2 + d] * e;
             }
         }
-        out[((size_t)t * nh + h) * hd + d] = f2bf(L > 0.0f ? v / L : 0.0f);
+        out[((size_t)t * nh + h) * hd + d] = f2e(L > 0.0f ? v / L : 0.0f);
     }
 }
 
@@ -369,7 +409,11 @@ struct RowParams {
     u32 seed_lo, seed_hi;
     u32 generated;      // draws so far (the Philox counter of the next draw)
     u32 min_tokens;
-    int host_sampled;   // 1: sampled on the host (penalties, logprobs); the kernel skips the row
+    int host_sampled;   // 1: sampled on the host (logit_bias, logprobs); the kernel skips the row
+    int penalties;      // 1: the row's seen bits and output counts are kept (init_penalty_rows)
+    float repetition_penalty;  // 1: off
+    float frequency_penalty;
+    float presence_penalty;
     int mask_len;
     int mask[MASK_CAP];
 };
@@ -377,6 +421,34 @@ struct RowParams {
 extern "C" __global__ void apply_row_inits(RowParams* rows, const RowParams* inits, const int* init_rows, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) rows[init_rows[i]] = inits[i];
+}
+
+// Penalty state of the rows with penalties, on the device so that the host stays off the path
+// between two steps: `seen` ([max_rows][ceil(vocab / 32)] bits: prompt tokens) and `counts`
+// ([max_rows][vocab], output-token counts saturating at 65535, bumped by sample_tokens).
+// init_penalty_rows resets row rows[i] (block i): clears both, sets the bits of its prompt
+// tokens tokens[offs[2i], offs[2i+1]) and counts its earlier output tokens (a resumed request)
+// tokens[offs[2i+1], offs[2i+2]).
+extern "C" __global__ void init_penalty_rows(unsigned short* counts, u32* seen, int vocab, const int* rows,
+                                             const int* offs, const int* tokens) {
+    int row = rows[blockIdx.x];
+    int words = (vocab + 31) >> 5;
+    unsigned short* c = counts + (size_t)row * vocab;
+    u32* sb = seen + (size_t)row * words;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) c[i] = 0;
+    for (int i = threadIdx.x; i < words; i += blockDim.x) sb[i] = 0;
+    __syncthreads();
+    int p0 = offs[2 * blockIdx.x], p1 = offs[2 * blockIdx.x + 1], o1 = offs[2 * blockIdx.x + 2];
+    for (int i = p0 + threadIdx.x; i < p1; i += blockDim.x) {
+        int tok = tokens[i];
+        if (tok >= 0 && tok < vocab) atomicOr(&sb[tok >> 5], 1u << (tok & 31));
+    }
+    if (threadIdx.x == 0) { // one thread: counts are 16-bit (rare path: a resumed request)
+        for (int i = p1; i < o1; i++) {
+            int tok = tokens[i];
+            if (tok >= 0 && tok < vocab && c[tok] < 65535) c[tok]++;
+        }
+    }
 }
 
 // Philox4x32-10 (Random123), as engine-core/src/sampling/philox.rs.
@@ -456,12 +528,15 @@ __device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
 }
 
 // Samples one token per block (the k-th sampled sequence, row sample_rows[k]) from logits
-// (f32 [n, vocab], modified in place), in the CPU sampler's order: min_tokens mask; greedy
+// (f32 [n, vocab], modified in place), in the CPU sampler's order: penalties (repetition over
+// prompt and output tokens, HF's divide-or-multiply; then frequency and presence over output
+// counts; the same float operations, unfused, as the CPU sampler); min_tokens mask; greedy
 // argmax, or temperature, top-k, softmax, top-p, min-p and inverse-CDF sampling in token-id
-// order with philox(seed, generated). Writes out_tokens[k] and pending[row]; advances the row.
-// blockDim.x = 1024.
+// order with philox(seed, generated). Writes out_tokens[k] and pending[row]; advances the row
+// (and its output counts when it has penalties). blockDim.x = 1024.
 extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sample_rows, RowParams* rows,
-                                         int* out_tokens, int* pending) {
+                                         int* out_tokens, int* pending, unsigned short* counts,
+                                         const u32* seen) {
     __shared__ float shf[32];
     __shared__ int shi[32];
     __shared__ double shd[32];
@@ -473,6 +548,22 @@ extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sa
     if (rp->host_sampled) return;
     float* lg = logits + (size_t)k * vocab;
     u32 gen = rp->generated;
+    int penalties = rp->penalties;
+    if (penalties) {
+        const unsigned short* c = counts + (size_t)row * vocab;
+        const u32* sb = seen + (size_t)row * ((vocab + 31) >> 5);
+        float rep = rp->repetition_penalty, fp = rp->frequency_penalty, pp = rp->presence_penalty;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            u32 n = c[i];
+            bool prompt = (sb[i >> 5] >> (i & 31)) & 1u;
+            if (n == 0 && !prompt) continue;
+            float l = lg[i];
+            if (rep != 1.0f) l = l > 0.0f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+            if (n > 0) l = __fsub_rn(l, __fadd_rn(__fmul_rn(fp, (float)n), pp));
+            lg[i] = l;
+        }
+        __syncthreads();
+    }
     if (gen < rp->min_tokens) {
         __syncthreads();
         if (threadIdx.x < rp->mask_len && threadIdx.x < MASK_CAP) {
@@ -604,6 +695,10 @@ extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sa
         out_tokens[k] = token;
         pending[row] = token;
         rp->generated = gen + 1;
+        if (penalties) {
+            unsigned short* c = counts + (size_t)row * vocab + token;
+            if (*c < 65535) *c = *c + 1;
+        }
     }
 }
 
@@ -620,6 +715,7 @@ extern "C" __global__ void scatter_i32(int* dst, const int* index, const int* va
     if (i < n) dst[index[i]] = values[i];
 }
 
+#ifndef HARRIER_F32
 // ---------------------------------------------------------------------------------------------
 // Small-batch GEMM (decode): y[m, n] = sum_k x[m, k] * w[n, k] for m < M <= GEMV_MAX_M, bf16 in,
 // fp32 accumulation, bf16 (or f32 when f32_out) out. Memory-bound on the weights, which are read
@@ -695,3 +791,4 @@ extern "C" __global__ void gemv_bf16(const bf16* x, const bf16* w, void* y, int 
         }
     }
 }
+#endif  // HARRIER_F32

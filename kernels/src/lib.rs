@@ -6,6 +6,8 @@
 //! orders its streams with its own events; nothing here allocates or synchronises.
 //!
 //! No CUDA headers are needed: bf16 values are handled as raw 16-bit words in the source.
+//! The source compiles for one storage type ([`Dtype`]): bf16 (serving) or fp32 (the exact
+//! model, `-DHARRIER_F32`, for parity checks against an fp32 reference).
 
 pub use cudarc;
 
@@ -32,7 +34,56 @@ pub const KERNELS: &[&str] = &[
     "scatter_i32",
     "gemv_bf16",
     "attention_combine",
+    "init_penalty_rows",
 ];
+
+/// Kernels that only exist in the bf16 build.
+const BF16_ONLY: &[&str] = &["gemv_bf16"];
+
+/// The storage type of weights, activations and the KV cache (arithmetic is fp32 either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Dtype {
+    /// bfloat16, with Hugging Face's bf16 rounding points (the serving type).
+    #[default]
+    Bf16,
+    /// float32 throughout (twice the memory and bandwidth; for exact parity checks).
+    F32,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+
+    /// The name `--dtype` takes (as vLLM and transformers spell it).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bfloat16",
+            Dtype::F32 => "float32",
+        }
+    }
+
+    /// Whether `kernel` exists in this build of the source.
+    pub fn has_kernel(self, kernel: &str) -> bool {
+        self == Dtype::Bf16 || !BF16_ONLY.contains(&kernel)
+    }
+}
+
+impl std::str::FromStr for Dtype {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> anyhow::Result<Dtype> {
+        match s {
+            "bfloat16" | "bf16" | "auto" => Ok(Dtype::Bf16),
+            "float32" | "fp32" | "float" => Ok(Dtype::F32),
+            _ => bail!("unknown dtype {s:?} (expected bfloat16 or float32)"),
+        }
+    }
+}
 
 /// Largest batch `gemv_bf16` takes (`GEMV_MAX_M` in the source); larger ones go to cuBLAS.
 pub const GEMV_MAX_M: usize = 8;
@@ -71,6 +122,10 @@ pub struct RowParams {
     pub generated: u32,
     pub min_tokens: u32,
     pub host_sampled: i32,
+    pub penalties: i32,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
     pub mask_len: i32,
     pub mask: [i32; MASK_CAP],
 }
@@ -95,8 +150,8 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// Compiles [`SOURCE`] to PTX for `arch` (for example `"sm_90"`).
-pub fn compile_ptx(arch: &'static str) -> anyhow::Result<String> {
+/// Compiles [`SOURCE`] to PTX for `arch` (for example `"sm_90"`) and storage type `dtype`.
+pub fn compile_ptx(arch: &'static str, dtype: Dtype) -> anyhow::Result<String> {
     if !nvrtc_present() {
         bail!("libnvrtc could not be loaded (put its folder on LD_LIBRARY_PATH)");
     }
@@ -104,11 +159,14 @@ pub fn compile_ptx(arch: &'static str) -> anyhow::Result<String> {
         arch: Some(arch),
         fmad: Some(true),
         name: Some("harrier.cu".into()),
-        options: vec!["--std=c++17".into()],
+        options: match dtype {
+            Dtype::Bf16 => vec!["--std=c++17".into()],
+            Dtype::F32 => vec!["--std=c++17".into(), "-DHARRIER_F32".into()],
+        },
         ..Default::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
-        .map_err(|e| anyhow!("NVRTC failed for {arch}: {e:?}"))?;
+        .map_err(|e| anyhow!("NVRTC failed for {arch} ({}): {e:?}", dtype.name()))?;
     Ok(ptx.to_src())
 }
 
@@ -128,8 +186,9 @@ pub fn cache_dir() -> PathBuf {
     home.join("kernel-cache")
 }
 
-/// The cache file name for `arch`: a hash of the source, the architecture and the NVRTC version.
-pub fn cache_key(arch: &str) -> String {
+/// The cache file name for `arch` and `dtype`: a hash of the source, the architecture, the
+/// storage type and the NVRTC version.
+pub fn cache_key(arch: &str, dtype: Dtype) -> String {
     let (mut maj, mut min) = (0i32, 0i32);
     if nvrtc_present() {
         // SAFETY: the library is present; the out-pointers are valid.
@@ -138,7 +197,11 @@ pub fn cache_key(arch: &str) -> String {
         }
     }
     let h = xxhash_rust::xxh64::xxh64(
-        format!("{SOURCE}\u{0}{arch}\u{0}{maj}.{min}\u{0}v1").as_bytes(),
+        format!(
+            "{SOURCE}\u{0}{arch}\u{0}{}\u{0}{maj}.{min}\u{0}v1",
+            dtype.name()
+        )
+        .as_bytes(),
         0,
     );
     format!("harrier-{arch}-{h:016x}.ptx")
@@ -146,14 +209,14 @@ pub fn cache_key(arch: &str) -> String {
 
 /// PTX for `arch`, from the disk cache or compiled (and then cached; a cache write failure is
 /// only logged by the caller through the returned flag).
-pub fn ptx_for(arch: &'static str) -> anyhow::Result<(String, bool)> {
-    let path = cache_dir().join(cache_key(arch));
+pub fn ptx_for(arch: &'static str, dtype: Dtype) -> anyhow::Result<(String, bool)> {
+    let path = cache_dir().join(cache_key(arch, dtype));
     if let Ok(s) = std::fs::read_to_string(&path) {
         if s.contains(".entry") {
             return Ok((s, true));
         }
     }
-    let ptx = compile_ptx(arch)?;
+    let ptx = compile_ptx(arch, dtype)?;
     let _ = std::fs::create_dir_all(path.parent().unwrap_or(&path));
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     if std::fs::write(&tmp, &ptx).is_ok() {
@@ -170,7 +233,9 @@ fn ck<T>(r: Result<T, dr::DriverError>, what: &str) -> anyhow::Result<T> {
 /// The loaded module and its functions. Must be used with its context current.
 pub struct Kernels {
     module: sys::CUmodule,
+    /// In [`KERNELS`] order; null for kernels this dtype's build lacks.
     f: Vec<sys::CUfunction>,
+    pub dtype: Dtype,
     /// Whether the PTX came from the disk cache.
     pub from_cache: bool,
 }
@@ -194,10 +259,10 @@ macro_rules! params {
 }
 
 impl Kernels {
-    /// Compiles (or reads from the cache) and loads every kernel for `arch` into the current
-    /// context.
-    pub fn load(arch: &'static str) -> anyhow::Result<Kernels> {
-        let (ptx, from_cache) = ptx_for(arch)?;
+    /// Compiles (or reads from the cache) and loads every kernel for `arch` and `dtype` into
+    /// the current context.
+    pub fn load(arch: &'static str, dtype: Dtype) -> anyhow::Result<Kernels> {
+        let (ptx, from_cache) = ptx_for(arch, dtype)?;
         let c = std::ffi::CString::new(ptx).context("PTX contains a NUL byte")?;
         // SAFETY: `c` is a NUL-terminated PTX image; a context is current (caller's contract).
         let module = ck(
@@ -207,9 +272,14 @@ impl Kernels {
         let mut k = Kernels {
             module,
             f: Vec::new(),
+            dtype,
             from_cache,
         };
         for name in KERNELS {
+            if !dtype.has_kernel(name) {
+                k.f.push(std::ptr::null_mut());
+                continue;
+            }
             let n = std::ffi::CString::new(*name).expect("kernel names have no NUL");
             // SAFETY: `module` is loaded; `n` is NUL-terminated.
             let f = ck(unsafe { dr::module::get_function(module, n) }, name)?;
@@ -238,6 +308,9 @@ impl Kernels {
     ) -> anyhow::Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
+        }
+        if !self.dtype.has_kernel(name) {
+            bail!("{name} does not exist in the {} build", self.dtype.name());
         }
         // SAFETY: forwarded from the caller.
         ck(
@@ -466,7 +539,8 @@ impl Kernels {
         }
     }
 
-    /// Samples `n` tokens from `logits` (modified), into `out_tokens` and the rows' pending slots.
+    /// Samples `n` tokens from `logits` (modified), into `out_tokens` and the rows' pending
+    /// slots; rows with penalties read `penalty.1` (seen bits) and bump `penalty.0` (counts).
     ///
     /// # Safety
     /// Device addresses must be valid.
@@ -480,11 +554,44 @@ impl Kernels {
         rows: u64,
         out_tokens: u64,
         pending: u64,
+        penalty: (u64, u64),
         n: u32,
     ) -> anyhow::Result<()> {
-        let mut p = params![logits, vocab, sample_rows, rows, out_tokens, pending];
+        let (counts, seen) = penalty;
+        let mut p = params![
+            logits,
+            vocab,
+            sample_rows,
+            rows,
+            out_tokens,
+            pending,
+            counts,
+            seen
+        ];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("sample_tokens", (n, 1, 1), 1024, s, &mut p) }
+    }
+
+    /// Resets the penalty state (`counts`, `seen`) of `n` rows `rows[i]` from their prompt and
+    /// earlier output tokens (`offs`: `2n + 1` offsets into `tokens`, see `init_penalty_rows`).
+    ///
+    /// # Safety
+    /// Device addresses must be valid; rows inside the state arrays.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn init_penalty_rows(
+        &self,
+        s: sys::CUstream,
+        counts: u64,
+        seen: u64,
+        vocab: i32,
+        rows: u64,
+        offs: u64,
+        tokens: u64,
+        n: u32,
+    ) -> anyhow::Result<()> {
+        let mut p = params![counts, seen, vocab, rows, offs, tokens];
+        // SAFETY: argument types match the kernel's.
+        unsafe { self.launch("init_penalty_rows", (n, 1, 1), 256, s, &mut p) }
     }
 
     /// `out[i] = in[i]` for `n` floats.
@@ -642,12 +749,23 @@ mod tests {
             (define("GEMV_WARPS"), define("GEMV_ROWS")),
             (GEMV_WARPS, GEMV_ROWS)
         );
-        assert_eq!(std::mem::size_of::<RowParams>(), 40 + 4 * MASK_CAP);
+        assert_eq!(std::mem::size_of::<RowParams>(), 56 + 4 * MASK_CAP);
+        assert!(BF16_ONLY.iter().all(|k| KERNELS.contains(k)));
     }
 
     #[test]
     fn cache_key_depends_on_arch() {
-        assert_ne!(cache_key("sm_80"), cache_key("sm_90"));
+        assert_ne!(
+            cache_key("sm_80", Dtype::Bf16),
+            cache_key("sm_90", Dtype::Bf16)
+        );
+        assert_ne!(
+            cache_key("sm_90", Dtype::Bf16),
+            cache_key("sm_90", Dtype::F32)
+        );
+        assert_eq!("float32".parse::<Dtype>().unwrap(), Dtype::F32);
+        assert_eq!("auto".parse::<Dtype>().unwrap(), Dtype::Bf16);
+        assert!("fp8".parse::<Dtype>().is_err());
         assert_eq!(arch_name(9, 0).unwrap(), "sm_90");
         assert!(arch_name(7, 5).is_err());
     }
@@ -668,12 +786,18 @@ mod tests {
             nvrtc_present(),
             "libnvrtc preloaded but cudarc cannot load it"
         );
-        for arch in ["sm_90", "sm_80"] {
-            let ptx = compile_ptx(arch).unwrap_or_else(|e| panic!("{e:#}"));
+        for (arch, dtype) in [
+            ("sm_90", Dtype::Bf16),
+            ("sm_80", Dtype::Bf16),
+            ("sm_90", Dtype::F32),
+            ("sm_80", Dtype::F32),
+        ] {
+            let ptx = compile_ptx(arch, dtype).unwrap_or_else(|e| panic!("{e:#}"));
             for k in KERNELS {
-                assert!(
+                assert_eq!(
                     ptx.contains(&format!(".entry {k}(")),
-                    "{k} missing from the {arch} PTX"
+                    dtype.has_kernel(k),
+                    "{k} in the {arch} {dtype:?} PTX"
                 );
             }
             let target = format!(".target {arch}");

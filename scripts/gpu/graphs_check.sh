@@ -2,6 +2,9 @@
 # CUDA graphs on the GPU machine, in one device call:
 #   gemv:      check-gemv: our gemv_bf16 vs cuBLAS on the 1B shapes at 1-8 rows;
 #   parity:    bf16 parity against transformers (cuda_parity.py), 1B and 0.6B shapes;
+#   parity32:  the same with --dtype float32 on both sides (bar: < 1e-4, identical greedy);
+#   penalties: check-penalties: device penalties vs the host sampler, resumed rows included;
+#   sampling:  check-sampling: chi-square of the GPU sampler's distributions;
 #   attention: check-attention (f64 reference, now with graph padding rows: must read nothing
 #              and write zeros);
 #   graphs:    check-graphs on the llama-3.2-1b and qwen3-0.6b shapes: greedy tokens with graphs
@@ -66,12 +69,18 @@ for st in $STAGES; do
             python3 scripts/gpu/ncu_summary.py "$OUT/ncu_$b.csv" 40 "batch $b" | tee "$OUT/ncu_$b.txt"
         done
         ;;
-    parity)
+    parity | parity32)
+        dt=bfloat16
+        [[ $st == parity32 ]] && dt=float32
         for m in llama-3.2-1b qwen3-0.6b; do
             gen "$m"
-            timeout 240 python3 scripts/gpu/cuda_parity.py --tool "$T" --model "$W/$m" --work "$W/parity-$m" \
-                --json "$OUT/parity_$m.json" 2>>"$OUT/parity.log" | cut -c1-600
+            timeout 240 python3 scripts/gpu/cuda_parity.py --tool "$T" --model "$W/$m" --work "$W/$st-$m" \
+                --dtype $dt --json "$OUT/${st}_$m.json" 2>>"$OUT/parity.log" | cut -c1-420
         done
+        ;;
+    penalties | sampling)
+        gen llama-3.2-1b
+        timeout 200 "$T" check-$st --model "$W/llama-3.2-1b" 2>>"$OUT/checks.log" | tee "$OUT/$st.txt"
         ;;
     graphs)
         for m in llama-3.2-1b qwen3-0.6b; do

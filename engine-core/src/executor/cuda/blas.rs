@@ -1,5 +1,8 @@
-//! The bf16 GEMM `y[rows, n] = x[rows, k] · w[n, k]ᵀ` (fp32 accumulation) and how it is run:
-//! cuBLAS, except single-row products of small matrices, which go to our `gemv_bf16`.
+//! The GEMM `y[rows, n] = x[rows, k] · w[n, k]ᵀ` (bf16 or f32 operands, fp32 accumulation)
+//! and how it is run: cuBLAS, except single-row bf16 products of small matrices, which go to
+//! our `gemv_bf16`. The handle disallows reduced-precision split-K reductions (cuBLAS may
+//! otherwise reduce bf16 split-K partials in bf16); f32 GEMMs never use TF32 (the default
+//! math mode), so the f32 model is exact fp32.
 //!
 //! Measured on the H200 (`harrier-cuda-tool check-gemv`, docs/benchmarks.md, 1B shapes):
 //! at one row our GEMV takes 6.4 / 6.0 us for q|k|v (3072 x 2048) and o (2048 x 2048) where
@@ -14,7 +17,7 @@ use std::ffi::c_void;
 use anyhow::anyhow;
 use harrier_kernels::cudarc::cublas::sys as cb;
 use harrier_kernels::cudarc::driver::sys;
-use harrier_kernels::Kernels;
+use harrier_kernels::{Dtype, Kernels};
 
 use super::DevBuf;
 
@@ -27,8 +30,11 @@ const GEMV_MAX_ELEMS: usize = 8 << 20;
 pub struct Blas {
     handle: cb::cublasHandle_t,
     _workspace: DevBuf,
-    /// Use `gemv_bf16` where the rule above says so (tools turn it off to compare).
+    /// Use `gemv_bf16` where the rule above says so (tools turn it off to compare; always
+    /// off for f32).
     pub use_gemv: bool,
+    /// Operand type of every GEMM (x, w, and y unless f32 out).
+    dtype: Dtype,
 }
 
 fn blas_ck(s: cb::cublasStatus_t, what: &str) -> anyhow::Result<()> {
@@ -40,8 +46,8 @@ fn blas_ck(s: cb::cublasStatus_t, what: &str) -> anyhow::Result<()> {
 }
 
 impl Blas {
-    /// A handle enqueuing on `stream` (the context must be current).
-    pub fn new(stream: sys::CUstream) -> anyhow::Result<Blas> {
+    /// A handle enqueuing on `stream` (the context must be current), for `dtype` operands.
+    pub fn new(stream: sys::CUstream, dtype: Dtype) -> anyhow::Result<Blas> {
         let workspace = DevBuf::new(WORKSPACE_BYTES)?;
         let mut handle: cb::cublasHandle_t = std::ptr::null_mut();
         // SAFETY: plain cuBLAS set-up calls on a fresh handle with our stream and workspace.
@@ -50,7 +56,8 @@ impl Blas {
             let b = Blas {
                 handle,
                 _workspace: workspace,
-                use_gemv: true,
+                use_gemv: dtype == Dtype::Bf16,
+                dtype,
             };
             blas_ck(
                 cb::cublasSetStream_v2(handle, stream as cb::cudaStream_t),
@@ -60,11 +67,19 @@ impl Blas {
                 cb::cublasSetWorkspace_v2(handle, b._workspace.ptr as *mut c_void, WORKSPACE_BYTES),
                 "cublasSetWorkspace",
             )?;
+            blas_ck(
+                cb::cublasSetMathMode(
+                    handle,
+                    cb::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
+                ),
+                "cublasSetMathMode",
+            )?;
             Ok(b)
         }
     }
 
-    /// `y[rows, n] = x[rows, k] · w[n, k]ᵀ` on `stream` (the handle's): bf16 or f32 out.
+    /// `y[rows, n] = x[rows, k] · w[n, k]ᵀ` on `stream` (the handle's): the operand type or
+    /// f32 out.
     ///
     /// # Safety
     /// x, w, y must hold rows*k, n*k and rows*n elements, rows 16-byte aligned.
@@ -82,7 +97,12 @@ impl Blas {
         if rows == 0 {
             return Ok(());
         }
-        if self.use_gemv && rows == 1 && n * k <= GEMV_MAX_ELEMS && k.is_multiple_of(8) {
+        if self.use_gemv
+            && self.dtype == Dtype::Bf16
+            && rows == 1
+            && n * k <= GEMV_MAX_ELEMS
+            && k.is_multiple_of(8)
+        {
             // SAFETY: forwarded.
             return unsafe { kernels.gemv_bf16(stream, x, w, y, rows, n, k, f32_out) };
         }
@@ -106,10 +126,14 @@ impl Blas {
         f32_out: bool,
     ) -> anyhow::Result<()> {
         let (alpha, beta) = (1.0f32, 0.0f32);
+        let otype = match self.dtype {
+            Dtype::Bf16 => cb::cudaDataType::CUDA_R_16BF,
+            Dtype::F32 => cb::cudaDataType::CUDA_R_32F,
+        };
         let ctype = if f32_out {
             cb::cudaDataType::CUDA_R_32F
         } else {
-            cb::cudaDataType::CUDA_R_16BF
+            otype
         };
         // SAFETY: caller's contract on the operands; scalars live across the call.
         unsafe {
@@ -123,10 +147,10 @@ impl Blas {
                     k as i32,
                     &alpha as *const f32 as *const c_void,
                     w as *const c_void,
-                    cb::cudaDataType::CUDA_R_16BF,
+                    otype,
                     k as i32,
                     x as *const c_void,
-                    cb::cudaDataType::CUDA_R_16BF,
+                    otype,
                     k as i32,
                     &beta as *const f32 as *const c_void,
                     y as *mut c_void,

@@ -178,7 +178,8 @@ impl GraphBuckets {
     }
 }
 
-/// Bytes of each persistent activation buffer for `max_tokens` rows (bf16 unless noted).
+/// Bytes of each persistent activation buffer for `max_tokens` rows (elements of the model's
+/// storage type, `elem` bytes each, unless noted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScratchSizes {
     pub x: usize,
@@ -194,24 +195,30 @@ pub struct ScratchSizes {
     pub final_h: usize,
     /// f32 partials of split decode attention: `max_seqs * nh * splits * (hd + 2)`.
     pub attn_part: usize,
+    /// Penalty state of every row: u16 output counts `[max_seqs, vocab]` and prompt bits
+    /// `[max_seqs, ceil(vocab / 32)]` u32 (see `init_penalty_rows` in harrier.cu).
+    pub penalty_counts: usize,
+    pub penalty_seen: usize,
 }
 
 impl ScratchSizes {
-    pub fn new(m: &ModelConfig, c: &Capacities) -> Self {
+    pub fn new(m: &ModelConfig, c: &Capacities, elem: usize) -> Self {
         let t = c.max_tokens;
         Self {
-            x: t * m.hidden_size * 2,
-            h: t * m.hidden_size * 2,
-            qkv: t * m.qkv_dim() * 2,
-            attn: t * m.num_heads * m.head_dim * 2,
-            delta: t * m.hidden_size * 2,
-            gate_up: t * 2 * m.intermediate_size * 2,
-            act: t * m.intermediate_size * 2,
+            x: t * m.hidden_size * elem,
+            h: t * m.hidden_size * elem,
+            qkv: t * m.qkv_dim() * elem,
+            attn: t * m.num_heads * m.head_dim * elem,
+            delta: t * m.hidden_size * elem,
+            gate_up: t * 2 * m.intermediate_size * elem,
+            act: t * m.intermediate_size * elem,
             logits: c.max_seqs * m.vocab_size * 4,
-            final_h: c.max_seqs * m.hidden_size * 2,
+            final_h: c.max_seqs * m.hidden_size * elem,
             // Splits only when batch * heads < DECODE_TARGET_BLOCKS, so batch * heads * splits
             // < 2 * DECODE_TARGET_BLOCKS.
             attn_part: 2 * DECODE_TARGET_BLOCKS * (m.head_dim + 2) * 4,
+            penalty_counts: c.max_seqs * m.vocab_size * 2,
+            penalty_seen: c.max_seqs * m.vocab_size.div_ceil(32) * 4,
         }
     }
 
@@ -226,16 +233,19 @@ impl ScratchSizes {
             + self.logits
             + self.final_h
             + self.attn_part
+            + self.penalty_counts
+            + self.penalty_seen
     }
 }
 
-/// Bytes of one KV block (K and V of every layer), bf16.
-pub fn kv_bytes_per_block(m: &ModelConfig, block_size: usize) -> usize {
-    m.num_layers * 2 * block_size * m.num_kv_heads * m.head_dim * 2
+/// Bytes of one KV block (K and V of every layer), `elem` bytes per element.
+pub fn kv_bytes_per_block(m: &ModelConfig, block_size: usize, elem: usize) -> usize {
+    m.num_layers * 2 * block_size * m.num_kv_heads * m.head_dim * elem
 }
 
-/// Bytes of the bf16 weights as uploaded (fused q|k|v and gate|up; lm_head only when untied).
-pub fn weight_bytes(m: &ModelConfig) -> usize {
+/// Bytes of the weights as uploaded, `elem` bytes per element (fused q|k|v and gate|up;
+/// lm_head only when untied).
+pub fn weight_bytes(m: &ModelConfig, elem: usize) -> usize {
     let (h, i) = (m.hidden_size, m.intermediate_size);
     let per_layer = m.qkv_dim() * h
         + m.num_heads * m.head_dim * h
@@ -252,7 +262,7 @@ pub fn weight_bytes(m: &ModelConfig) -> usize {
     } else {
         m.vocab_size * h
     };
-    2 * (m.num_layers * per_layer + embed + head + h)
+    elem * (m.num_layers * per_layer + embed + head + h)
 }
 
 /// KV blocks that fit: `total * utilization - used` bytes (used: everything allocated so far,
@@ -365,15 +375,29 @@ mod tests {
     fn sizes_of_the_1b_shape() {
         let m = llama1b();
         // Llama 3.2 1B: 1.236e9 parameters incl. the tied embedding -> ~2.47 GB in bf16.
-        let w = weight_bytes(&m);
+        let w = weight_bytes(&m, 2);
         assert!((2_400_000_000..2_520_000_000).contains(&w), "{w}");
+        assert_eq!(weight_bytes(&m, 4), 2 * w);
         // 16 layers * 2 * 16 tokens * 8 heads * 64 dims * 2 bytes = 512 KiB per block.
-        assert_eq!(kv_bytes_per_block(&m, 16), 16 * 2 * 16 * 8 * 64 * 2);
-        let s = ScratchSizes::new(&m, &Capacities::new(2048, 256, 4096, 16));
+        assert_eq!(kv_bytes_per_block(&m, 16, 2), 16 * 2 * 16 * 8 * 64 * 2);
+        assert_eq!(kv_bytes_per_block(&m, 16, 4), 16 * 2 * 16 * 8 * 64 * 4);
+        let caps = Capacities::new(2048, 256, 4096, 16);
+        let s = ScratchSizes::new(&m, &caps, 2);
         assert_eq!(s.logits, 256 * 128_256 * 4);
         assert_eq!(s.gate_up, 2048 * 2 * 8192 * 2);
         assert!(s.total() > s.logits);
         assert_eq!(s.attn_part, 2 * 256 * 66 * 4);
+        // Penalty state: 2 bytes per (row, token) plus one bit.
+        assert_eq!(s.penalty_counts, 256 * 128_256 * 2);
+        assert_eq!(s.penalty_seen, 256 * 4008 * 4);
+        // fp32 doubles the activations, not the f32 logits, partials or penalty state.
+        let s4 = ScratchSizes::new(&m, &caps, 4);
+        assert_eq!(s4.gate_up, 2 * s.gate_up);
+        assert_eq!(s4.final_h, 2 * s.final_h);
+        assert_eq!(
+            (s4.logits, s4.attn_part, s4.penalty_counts),
+            (s.logits, s.attn_part, s.penalty_counts)
+        );
     }
 
     #[test]

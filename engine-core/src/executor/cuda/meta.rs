@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use super::layout::{Capacities, MetaLayout};
-use crate::batch::ExecBatch;
+use crate::batch::{ExecBatch, RowInit};
 use crate::sampling::RowSampler;
 
 /// Host mirror of a backend row.
@@ -35,6 +35,30 @@ pub(crate) struct StepCounts {
     pub samples: usize,
     /// New block-table entries (`bt_index` / `bt_value`).
     pub bt_updates: usize,
+}
+
+/// Stages the `i`-th penalty row init of a step for `init_penalty_rows`, in the slot's penalty
+/// buffer laid out as `[rows (max_rows) | offsets (2 max_rows + 1) | tokens]`: rows[i] = the
+/// row, offsets[2i..2i+3] = where its prompt tokens start, where its earlier output tokens
+/// start, and where they end (relative to the token section, starting at `tokens_before`).
+/// The caller checked that the tokens fit.
+pub(crate) fn stage_penalty_row(
+    pen: &mut [i32],
+    max_rows: usize,
+    i: usize,
+    tokens_before: usize,
+    init: &RowInit,
+) {
+    let (offs, base) = (max_rows, 3 * max_rows + 1);
+    let (np, no) = (init.prompt.len(), init.output.len());
+    pen[i] = init.row.0 as i32;
+    pen[offs + 2 * i] = tokens_before as i32;
+    pen[offs + 2 * i + 1] = (tokens_before + np) as i32;
+    pen[offs + 2 * i + 2] = (tokens_before + np + no) as i32;
+    let dst = &mut pen[base + tokens_before..base + tokens_before + np + no];
+    for (d, &t) in dst.iter_mut().zip(init.prompt.iter().chain(&init.output)) {
+        *d = t as i32;
+    }
 }
 
 /// Whether every sequence of `batch` decodes one token and samples it: a step a captured
@@ -258,6 +282,26 @@ mod tests {
         let caps = Capacities::new(64, 4, 64, 4);
         let l = MetaLayout::new(&caps);
         (caps, l, vec![i32::MIN; l.len])
+    }
+
+    #[test]
+    fn penalty_rows_are_staged_back_to_back() {
+        let init = |row: u32, prompt: Vec<u32>, output: Vec<u32>| RowInit {
+            row: RowId(row),
+            sampling: SamplingParams::greedy(8),
+            seed: 0,
+            min_tokens_mask: vec![],
+            prompt,
+            output,
+        };
+        let max_rows = 3;
+        let mut pen = vec![-7; 3 * max_rows + 1 + 8];
+        stage_penalty_row(&mut pen, max_rows, 0, 0, &init(2, vec![5, 6, 7], vec![]));
+        stage_penalty_row(&mut pen, max_rows, 1, 3, &init(0, vec![9], vec![4, 4]));
+        // rows | offsets (prompt start, output start, end; shared ends) | tokens.
+        assert_eq!(&pen[..max_rows], &[2, 0, -7]);
+        assert_eq!(&pen[max_rows..3 * max_rows + 1], &[0, 3, 3, 4, 6, -7, -7]);
+        assert_eq!(&pen[3 * max_rows + 1..], &[5, 6, 7, 9, 4, 4, -7, -7]);
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! The CUDA backend: our NVRTC-compiled kernels (`harrier-kernels`), cuBLAS bf16 GEMMs, and the
-//! executor seam over two ping-pong slots.
+//! The CUDA backend: our NVRTC-compiled kernels (`harrier-kernels`), cuBLAS GEMMs, and the
+//! executor seam over two ping-pong slots. The model runs in bf16 (serving) or f32
+//! (`--dtype float32`: exact fp32, for parity checks).
 //!
 //! ```text
 //!  engine thread                       compute stream (I1: every step's work)       copy stream
@@ -18,10 +19,14 @@
 //!   slot only after committing its step, so the pinned buffers are never overwritten early).
 //! - Activations, logits and the KV cache are shared: all work is on one compute stream, so
 //!   step t+1's forward runs after step t's sampling.
-//! - Sampling with penalties, logit_bias, logprobs or a long min_tokens mask runs on the host
-//!   (`RowSampler`, the CPU backend's sampler) in `finalize_sampling`, which then synchronises
-//!   the stream for that step; everything else samples on the device with the same Philox
-//!   stream, so seeded output matches the CPU backend up to numeric ties.
+//! - Sampling runs on the device (`sample_tokens`) with the CPU sampler's order and Philox
+//!   stream, so seeded output matches the CPU backend up to numeric ties. Repetition,
+//!   frequency and presence penalties are applied there from per-row device state (prompt bits
+//!   and output counts, reset by `init_penalty_rows` from the row init and bumped by the sampler
+//!   itself, so the host stays off the path between steps). Rows with logit_bias, logprobs, a
+//!   min_tokens mask longer than `MASK_CAP` or more penalty tokens than one step's staging holds
+//!   run on the host (`RowSampler`, the CPU backend's sampler) in `finalize_sampling`, which then
+//!   synchronises the stream for that step.
 //! - Decode-only steps of up to the largest bucket replay a captured graph (`graphs`), padded
 //!   to the bucket with rows that read nothing and write their KV into a reserved scratch
 //!   block; everything else (prefill chunks, larger batches, `--enforce-eager`) runs eagerly.
@@ -41,7 +46,7 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context};
 use harrier_kernels::cudarc::driver::{result as dr, sys, CudaContext};
-use harrier_kernels::{Kernels, RowParams, MASK_CAP};
+use harrier_kernels::{Dtype, Kernels, RowParams, MASK_CAP};
 use harrier_shared::protocol::{TokenId, TokenLogprobs};
 
 use super::{ExecCounters, ExecError, Executor, InFlightStep, LaunchHandle};
@@ -177,7 +182,13 @@ pub struct CudaExecutorConfig {
     pub device: usize,
     /// Batch sizes to capture decode graphs for (see [`GraphBuckets`]); empty: always eager.
     pub graph_sizes: Vec<usize>,
+    /// Storage type of weights, activations and the KV cache.
+    pub dtype: Dtype,
 }
+
+/// Prompt and output tokens of penalty rows one step can stage for `init_penalty_rows`
+/// (1 MiB of pinned memory per slot); a row init that does not fit samples on the host.
+const PENALTY_TOKENS_PER_STEP: usize = 1 << 18;
 
 /// Device memory set aside per captured graph when sizing the KV cache (the graphs are
 /// captured after the KV cache exists, since they embed its address). Start-up measures the
@@ -195,6 +206,9 @@ struct Slot {
     /// Host-sampled tokens (row, token) uploaded to the rows' pending slots.
     host_tok_h: HostBuf<i32>,
     host_tok_d: DevBuf,
+    /// Penalty row inits: `[rows (max_rows) | offsets (2 max_rows + 1) | tokens]`.
+    pen_h: HostBuf<i32>,
+    pen_d: DevBuf,
     step_start: sys::CUevent,
     step_done: sys::CUevent,
     copy_done: sys::CUevent,
@@ -225,6 +239,9 @@ pub struct CudaExecutor {
     pending_d: DevBuf,
     /// Per-row block tables, `[max_rows + 1, max_blocks_per_seq]` (the last row: padding).
     row_bt_d: DevBuf,
+    /// Penalty state: u16 output counts `[max_rows, vocab]`, prompt bits `[max_rows, words]`.
+    pen_counts_d: DevBuf,
+    pen_seen_d: DevBuf,
     slots: Vec<Slot>,
     /// Per-row scratch of `meta::validate` (all zero between calls).
     row_marks: Vec<u8>,
@@ -260,6 +277,7 @@ unsafe impl Send for CudaExecutor {}
 pub struct CudaStartInfo {
     pub device_name: String,
     pub arch: &'static str,
+    pub dtype: Dtype,
     pub weight_bytes: usize,
     pub activation_bytes: usize,
     pub kv_blocks: u32,
@@ -290,7 +308,7 @@ impl CudaExecutor {
         let (major, minor) = ck(ctx.compute_capability(), "compute capability")?;
         let arch = harrier_kernels::arch_name(major, minor)?;
         let device_name = ctx.name().unwrap_or_else(|_| "?".into());
-        let kernels = Kernels::load(arch).context("compiling/loading the kernels")?;
+        let kernels = Kernels::load(arch, cfg.dtype).context("compiling/loading the kernels")?;
         let compute = ck(
             dr::stream::create(dr::stream::StreamKind::NonBlocking),
             "cuStreamCreate",
@@ -319,8 +337,9 @@ impl CudaExecutor {
             cfg.max_model_len as usize,
             cfg.block_size as usize,
         );
-        let scratch_sizes = layout::ScratchSizes::new(&mc, &caps);
-        let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes)?;
+        let elem = cfg.dtype.size();
+        let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
+        let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype)?;
         let layout = MetaLayout::new(&caps);
         let max_rows = caps.max_seqs;
         let rows_d = DevBuf::new(max_rows * std::mem::size_of::<RowParams>())?;
@@ -330,6 +349,8 @@ impl CudaExecutor {
             "max_num_seqs x max_model_len / block_size is too large for 32-bit block-table indices"
         );
         let row_bt_d = DevBuf::new((max_rows + 1) * caps.max_blocks_per_seq * 4)?;
+        let pen_counts_d = DevBuf::new(scratch_sizes.penalty_counts)?;
+        let pen_seen_d = DevBuf::new(scratch_sizes.penalty_seen)?;
         // SAFETY: fresh allocations of those sizes; zeroed on the compute stream.
         unsafe {
             ck(
@@ -356,6 +377,8 @@ impl CudaExecutor {
                 out_h: HostBuf::new(max_rows)?,
                 host_tok_h: HostBuf::new(2 * max_rows)?,
                 host_tok_d: DevBuf::new(2 * max_rows * 4)?,
+                pen_h: HostBuf::new(3 * max_rows + 1 + PENALTY_TOKENS_PER_STEP)?,
+                pen_d: DevBuf::new((3 * max_rows + 1 + PENALTY_TOKENS_PER_STEP) * 4)?,
                 step_start: new_event(true)?,
                 step_done: new_event(true)?,
                 copy_done: new_event(false)?,
@@ -370,7 +393,7 @@ impl CudaExecutor {
             unsafe { dr::stream::synchronize(compute) },
             "synchronising after the upload",
         )?;
-        let bpb = layout::kv_bytes_per_block(&mc, caps.block_size);
+        let bpb = layout::kv_bytes_per_block(&mc, caps.block_size, elem);
         let buckets = GraphBuckets::new(&cfg.graph_sizes, caps.max_seqs.min(caps.max_tokens));
         let num_graphs = buckets.sizes().len() * NUM_SLOTS;
         let dropped: Vec<usize> = cfg
@@ -410,6 +433,7 @@ impl CudaExecutor {
         let mut info = CudaStartInfo {
             device_name,
             arch,
+            dtype: cfg.dtype,
             weight_bytes: model.weight_bytes,
             activation_bytes: scratch_sizes.total(),
             kv_blocks: usable,
@@ -432,6 +456,8 @@ impl CudaExecutor {
             rows_d,
             pending_d,
             row_bt_d,
+            pen_counts_d,
+            pen_seen_d,
             slots,
             row_marks: vec![0; max_rows],
             buckets,
@@ -645,16 +671,23 @@ impl CudaExecutor {
         ck(self.ctx.bind_to_thread(), "bind")?;
         let caps = self.caps;
         let l = self.layout;
-        // Row (re)initialisations: host mirror and device parameters.
+        // Row (re)initialisations: host mirror, device parameters, device penalty state.
         let mut n_inits = 0;
+        let (mut n_pen, mut pen_tokens) = (0usize, 0usize);
+        let max_rows = caps.max_seqs;
+        let pen_base = 3 * max_rows + 1;
         for init in &batch.row_inits {
             let p = &init.sampling;
-            let host = p.repetition_penalty != 1.0
+            let penalties = p.repetition_penalty != 1.0
                 || p.frequency_penalty != 0.0
-                || p.presence_penalty != 0.0
+                || p.presence_penalty != 0.0;
+            let need = init.prompt.len() + init.output.len();
+            let staged = penalties && pen_tokens + need <= PENALTY_TOKENS_PER_STEP;
+            let host = (penalties && !staged)
                 || p.logprobs.is_some()
                 || !p.logit_bias.is_empty()
                 || init.min_tokens_mask.len() > MASK_CAP;
+            let on_device_penalties = staged && !host;
             let mut rp = RowParams {
                 temperature: if p.is_greedy() { 0.0 } else { p.temperature },
                 top_p: p.top_p,
@@ -665,6 +698,10 @@ impl CudaExecutor {
                 generated: init.output.len() as u32,
                 min_tokens: p.min_tokens,
                 host_sampled: host as i32,
+                penalties: on_device_penalties as i32,
+                repetition_penalty: p.repetition_penalty,
+                frequency_penalty: p.frequency_penalty,
+                presence_penalty: p.presence_penalty,
                 mask_len: init.min_tokens_mask.len().min(MASK_CAP) as i32,
                 mask: [-1; MASK_CAP],
             };
@@ -675,6 +712,11 @@ impl CudaExecutor {
             s.inits_h.as_mut_slice()[n_inits] = rp;
             s.meta_h.as_mut_slice()[l.init_rows + n_inits] = init.row.0 as i32;
             n_inits += 1;
+            if on_device_penalties {
+                meta::stage_penalty_row(s.pen_h.as_mut_slice(), max_rows, n_pen, pen_tokens, init);
+                n_pen += 1;
+                pen_tokens += need;
+            }
             self.rows[init.row.0 as usize] =
                 Some(HostRow::new(host.then(|| RowSampler::new(init))));
         }
@@ -743,6 +785,26 @@ impl CudaExecutor {
                     n_inits as i32,
                 )?;
             }
+            if n_pen > 0 {
+                ck(
+                    dr::memcpy_htod_async(
+                        s.pen_d.ptr,
+                        &s.pen_h.as_slice()[..pen_base + pen_tokens],
+                        st,
+                    ),
+                    "penalty rows H2D",
+                )?;
+                self.kernels.init_penalty_rows(
+                    st,
+                    self.pen_counts_d.ptr,
+                    self.pen_seen_d.ptr,
+                    self.model.config.vocab_size as i32,
+                    s.pen_d.ptr,
+                    s.pen_d.at(max_rows * 4),
+                    s.pen_d.at(pen_base * 4),
+                    n_pen as u32,
+                )?;
+            }
             if let Some((i, size)) = graph {
                 self.graphs[slot][i].replay(st, size, self.graph_addrs(slot))?;
                 self.counters.graph_replays += 1;
@@ -780,6 +842,7 @@ impl CudaExecutor {
                 self.rows_d.ptr,
                 s.out_d.ptr,
                 self.pending_d.ptr,
+                (self.pen_counts_d.ptr, self.pen_seen_d.ptr),
                 s.n_samples as u32,
             )?;
             if !s.host_samples.is_empty() {

@@ -1,11 +1,12 @@
-//! The model on the GPU: bf16 weights (q|k|v and gate|up fused at load), persistent activation
-//! buffers sized for the largest step, the paged KV cache, and the forward pass as a sequence
-//! of our kernels and cuBLAS GEMMs on one stream.
+//! The model on the GPU: weights in the storage type (bf16, or f32 for exact checks; q|k|v
+//! and gate|up fused at load), persistent activation buffers sized for the largest step, the
+//! paged KV cache, and the forward pass as a sequence of our kernels and cuBLAS GEMMs on one
+//! stream.
 
 use anyhow::{anyhow, bail, Context};
 use half::bf16;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
-use harrier_kernels::Kernels;
+use harrier_kernels::{Dtype, Kernels};
 
 use super::blas::Blas;
 use super::layout::{Capacities, ScratchSizes};
@@ -59,6 +60,7 @@ pub(crate) struct StepMeta {
 
 pub struct GpuModel {
     pub config: ModelConfig,
+    pub dtype: Dtype,
     pub weight_bytes: usize,
     embed: DevBuf,
     /// `None` when tied to the embedding.
@@ -67,7 +69,7 @@ pub struct GpuModel {
     layers: Vec<Layer>,
     inv_freq: DevBuf,
     scratch: Scratch,
-    /// Per layer K and V: `[num_blocks * block_size, nkv, hd]` bf16 each.
+    /// Per layer K and V: `[num_blocks * block_size, nkv, hd]` elements each.
     kv: Option<DevBuf>,
     kv_layer_bytes: usize,
     block_size: usize,
@@ -85,23 +87,56 @@ fn upload<T: Copy>(host: &[T], stream: sys::CUstream) -> anyhow::Result<DevBuf> 
     Ok(b)
 }
 
-/// A tensor's contents as bf16 (converted from f32/f16 when the checkpoint stores those).
-fn to_bf16(
-    ckpt: &Checkpoint,
-    name: &str,
-    shape: &[usize],
-    out: &mut Vec<bf16>,
-) -> anyhow::Result<()> {
-    let t = ckpt.get(name, shape)?;
-    match t.dtype {
-        WeightDtype::Bf16 => out.extend(
-            t.bytes
-                .chunks_exact(2)
-                .map(|b| bf16::from_le_bytes([b[0], b[1]])),
-        ),
-        _ => out.extend(t.to_f32().into_iter().map(bf16::from_f32)),
+/// Host staging of converted weights, one buffer per storage type.
+enum Staging {
+    Bf16(Vec<bf16>),
+    F32(Vec<f32>),
+}
+
+impl Staging {
+    fn new(dtype: Dtype) -> Staging {
+        match dtype {
+            Dtype::Bf16 => Staging::Bf16(Vec::new()),
+            Dtype::F32 => Staging::F32(Vec::new()),
+        }
     }
-    Ok(())
+
+    fn clear(&mut self) {
+        match self {
+            Staging::Bf16(v) => v.clear(),
+            Staging::F32(v) => v.clear(),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Staging::Bf16(v) => v.len() * 2,
+            Staging::F32(v) => v.len() * 4,
+        }
+    }
+
+    /// Appends a tensor's contents, converted to the storage type (bf16 checkpoints are copied
+    /// as they are; f32/f16 ones are rounded to bf16, or widened to f32).
+    fn push(&mut self, ckpt: &Checkpoint, name: &str, shape: &[usize]) -> anyhow::Result<()> {
+        let t = ckpt.get(name, shape)?;
+        match (self, t.dtype) {
+            (Staging::Bf16(out), WeightDtype::Bf16) => out.extend(
+                t.bytes
+                    .chunks_exact(2)
+                    .map(|b| bf16::from_le_bytes([b[0], b[1]])),
+            ),
+            (Staging::Bf16(out), _) => out.extend(t.to_f32().into_iter().map(bf16::from_f32)),
+            (Staging::F32(out), _) => out.extend(t.to_f32()),
+        }
+        Ok(())
+    }
+
+    fn upload(&self, stream: sys::CUstream) -> anyhow::Result<DevBuf> {
+        match self {
+            Staging::Bf16(v) => upload(v, stream),
+            Staging::F32(v) => upload(v, stream),
+        }
+    }
 }
 
 impl GpuModel {
@@ -110,19 +145,21 @@ impl GpuModel {
         stream: sys::CUstream,
         caps: &Capacities,
         sizes: &ScratchSizes,
+        dtype: Dtype,
     ) -> anyhow::Result<GpuModel> {
         let c = dir.config.clone();
         let ckpt = Checkpoint::open(&dir.path)?;
         ckpt.check(&c)?;
-        let mut buf: Vec<bf16> = Vec::new();
+        let mut buf = Staging::new(dtype);
         let mut total = 0usize;
         let mut one = |names: &[(String, Vec<usize>)]| -> anyhow::Result<DevBuf> {
             buf.clear();
             for (n, s) in names {
-                to_bf16(&ckpt, n, s, &mut buf).with_context(|| format!("tensor {n}"))?;
+                buf.push(&ckpt, n, s)
+                    .with_context(|| format!("tensor {n}"))?;
             }
-            total += buf.len() * 2;
-            upload(&buf, stream)
+            total += buf.bytes();
+            buf.upload(stream)
         };
         let lt = |t: LayerTensor, l: usize| (t.name(l), t.shape(&c));
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -170,9 +207,10 @@ impl GpuModel {
             final_h: DevBuf::new(sizes.final_h)?,
             attn_part: DevBuf::new(sizes.attn_part)?,
         };
-        let blas = Blas::new(stream)?;
+        let blas = Blas::new(stream, dtype)?;
         Ok(GpuModel {
             config: c,
+            dtype,
             weight_bytes: total,
             embed,
             lm_head,
@@ -189,7 +227,7 @@ impl GpuModel {
 
     pub(crate) fn alloc_kv(&mut self, num_blocks: usize, block_size: usize) -> anyhow::Result<()> {
         let c = &self.config;
-        let per = num_blocks * block_size * c.num_kv_heads * c.head_dim * 2;
+        let per = num_blocks * block_size * c.num_kv_heads * c.head_dim * self.dtype.size();
         self.kv_layer_bytes = per;
         self.block_size = block_size;
         self.kv = Some(DevBuf::new(per * 2 * c.num_layers).context("allocating the KV cache")?);
@@ -228,7 +266,9 @@ impl GpuModel {
         let s = &self.scratch;
         let eps = c.rms_norm_eps;
         let scale = 1.0 / (hd as f32).sqrt();
-        if t * hid * 2 > s.x.bytes || m.n_samples * c.vocab_size * 4 > s.logits.bytes {
+        if t * hid * self.dtype.size() > s.x.bytes
+            || m.n_samples * c.vocab_size * 4 > s.logits.bytes
+        {
             bail!(
                 "step of {t} tokens / {} samples exceeds the buffers",
                 m.n_samples

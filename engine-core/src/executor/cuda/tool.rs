@@ -10,6 +10,11 @@
 //! - `check-sampling --model DIR`: the GPU sampler's distribution (temperature, top-k, top-p,
 //!   min-p) against the probabilities computed on the host from the same logits: 2,048 seeded
 //!   draws per setting, chi-square at p = 0.001, and no draw outside the kept set.
+//! - `check-penalties --model DIR`: repetition/frequency/presence penalties applied on the
+//!   device against the same rows sampled on the host (`RowSampler`, the CPU backend's
+//!   sampler; logprobs send a row there) in one batch: greedy rows must give identical tokens,
+//!   seeded rows identical up to numeric ties; then every row is re-initialised as a resumed
+//!   request (prompt + its outputs recomputed, outputs counted again) and decodes on.
 //! - `bench --model DIR [--batches 1,8,32,128] [--context 512] [--steps 64] [--json FILE]`:
 //!   copy bandwidth, bf16 GEMM rate, decode step time (CUDA graphs and eager, each pipelined
 //!   and synchronous, GPU idle gap between steps), graph capture time and memory, prefill
@@ -33,6 +38,7 @@ use harrier_engine::model::ModelDir;
 use harrier_engine::pipeline::SlotId;
 use harrier_engine::splitmix::SplitMix64;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
+use harrier_kernels::Dtype;
 use harrier_shared::protocol::SamplingParams;
 
 fn args() -> (String, HashMap<String, String>) {
@@ -64,6 +70,7 @@ impl Driver {
         max_len: u32,
         kv_blocks: Option<u32>,
         graph_sizes: &[usize],
+        dtype: Dtype,
     ) -> anyhow::Result<Driver> {
         let cfg = CudaExecutorConfig {
             max_num_seqs: max_seqs,
@@ -74,6 +81,7 @@ impl Driver {
             gpu_memory_utilization: 0.9,
             device: 0,
             graph_sizes: graph_sizes.to_vec(),
+            dtype,
         };
         let (exec, info) = CudaExecutor::new(dir, &cfg)?;
         eprintln!("{info:?}");
@@ -223,6 +231,10 @@ fn parity(a: &HashMap<String, String>) -> anyhow::Result<()> {
         maxp + steps as u32 + 16,
         Some(4096),
         &graph_sizes(a, prompts.len()),
+        a.get("dtype")
+            .map(|d| d.parse())
+            .transpose()?
+            .unwrap_or_default(),
     )?;
     let vocab = dir.config.vocab_size;
     let mut logits = vec![0f32; prompts.len() * steps * vocab];
@@ -279,7 +291,7 @@ fn ceilings() -> anyhow::Result<(f64, f64)> {
         let ms = dr::event::elapsed(e0, e1)? as f64;
         let bw = 2.0 * bytes as f64 * reps as f64 / (ms / 1e3);
         let n = 8192usize;
-        let blas = Blas::new(s)?;
+        let blas = Blas::new(s, Dtype::Bf16)?;
         let gemm = || blas.cublas(a + (n * n * 2) as u64, a, b, n, n, n, false);
         dr::memset_d8_async(a, 0, bytes, s)?;
         gemm()?;
@@ -341,8 +353,8 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         bw / 1e9,
         flops / 1e12
     );
-    let wbytes = layout::weight_bytes(&mc) as f64;
-    let kv_tok = (layout::kv_bytes_per_block(&mc, 16) / 16) as f64;
+    let wbytes = layout::weight_bytes(&mc, 2) as f64;
+    let kv_tok = (layout::kv_bytes_per_block(&mc, 16, 2) / 16) as f64;
     let maxb = *batches.iter().max().unwrap_or(&1);
     // Up to six modes of warm-up + measured steps per batch.
     let max_len = context + 6 * (steps as u32 + 4) + 16;
@@ -353,6 +365,7 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         max_len.max(prefill_len + 16),
         None,
         &graph_sizes(a, maxb as usize),
+        Dtype::Bf16,
     )?;
     let mut rows = Vec::new();
     let greedy = SamplingParams {
@@ -464,10 +477,11 @@ fn main() -> anyhow::Result<()> {
         "bench" => bench(&a),
         "check-attention" => check_attention(&a),
         "check-sampling" => check_sampling(&a),
+        "check-penalties" => check_penalties(&a),
         "check-graphs" => graph_check::check_graphs(a.get("model").context("--model")?.as_ref()),
         "check-gemv" => check_gemv(&a),
         _ => bail!(
-            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-graphs|check-gemv ..."
+            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-gemv ..."
         ),
     }
 }
@@ -491,7 +505,7 @@ fn kernels_on_device0() -> anyhow::Result<(
     let (major, minor) = ctx
         .compute_capability()
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let k = harrier_kernels::Kernels::load(harrier_kernels::arch_name(major, minor)?)?;
+    let k = harrier_kernels::Kernels::load(harrier_kernels::arch_name(major, minor)?, Dtype::Bf16)?;
     Ok((ctx, k))
 }
 
@@ -750,7 +764,15 @@ fn check_sampling(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let rounds = 8u64;
     let prompt: Vec<u32> = (0..32).map(|i| (i * 7919 + 13) % 32_000).collect();
     let prompts = vec![prompt; rows];
-    let mut d = Driver::new(&dir, rows as u32, (rows * 32) as u32, 64, Some(4096), &[])?;
+    let mut d = Driver::new(
+        &dir,
+        rows as u32,
+        (rows * 32) as u32,
+        64,
+        Some(4096),
+        &[],
+        Dtype::Bf16,
+    )?;
     let mut out = StepOutput::default();
     // Logits of the prompt (greedy pass); every row has the same prompt.
     let b = d.prefill(&prompts, &SamplingParams::greedy(1));
@@ -863,6 +885,141 @@ fn check_sampling(a: &HashMap<String, String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Penalties on the device vs the host sampler, same rows twice in one batch (see the header).
+fn check_penalties(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
+    let vocab = dir.config.vocab_size as u64;
+    let steps: usize = a.get("steps").map(|s| s.parse()).transpose()?.unwrap_or(48);
+    let mut rng = SplitMix64(11);
+    // Prompts with repeats (a few tokens drawn from a small set), 8 settings.
+    let settings: Vec<SamplingParams> = (0..8)
+        .map(|i| SamplingParams {
+            temperature: if i % 2 == 0 { 0.0 } else { 0.9 },
+            repetition_penalty: [1.3, 1.0, 0.8, 1.5][i / 2],
+            frequency_penalty: [0.0, 0.7, 0.3, -0.4][i / 2],
+            presence_penalty: [0.0, 0.5, 0.0, 0.6][i / 2],
+            max_tokens: steps as u32 + 32,
+            ..SamplingParams::default()
+        })
+        .collect();
+    let n = settings.len();
+    let prompts: Vec<Vec<u32>> = (0..n)
+        .map(|i| {
+            let pool: Vec<u32> = (0..6).map(|_| (rng.below(vocab)) as u32).collect();
+            (0..20 + 5 * i)
+                .map(|_| {
+                    if rng.below(2) == 0 {
+                        pool[rng.below(6) as usize]
+                    } else {
+                        (rng.below(vocab)) as u32
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    // Rows 0..n: device; n..2n: the same on the host (logprobs); 2n..3n: no penalties (device).
+    let all: Vec<Vec<u32>> = (0..3).flat_map(|_| prompts.clone()).collect();
+    let params_of = |r: usize| -> SamplingParams {
+        let p = settings[r % n].clone();
+        match r / n {
+            0 => p,
+            1 => SamplingParams {
+                logprobs: Some(0),
+                ..p
+            },
+            _ => SamplingParams {
+                repetition_penalty: 1.0,
+                frequency_penalty: 0.0,
+                presence_penalty: 0.0,
+                ..p
+            },
+        }
+    };
+    let rows = all.len();
+    let max_len = 64 + 2 * steps as u32 + 64;
+    let mut d = Driver::new(
+        &dir,
+        rows as u32,
+        (rows as u32) * max_len,
+        max_len,
+        Some(4096),
+        &[],
+        Dtype::Bf16,
+    )?;
+    let mut out = StepOutput::default();
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); rows];
+    let fix_inits = |b: &mut ExecBatch, outputs: &[Vec<u32>]| {
+        for (r, init) in b.row_inits.iter_mut().enumerate() {
+            init.sampling = params_of(r);
+            init.seed = 4321 + (r % n) as u64;
+            init.prompt = prompts[r % n].clone();
+            init.output = outputs[r].clone();
+        }
+    };
+    let mut run = |d: &mut Driver, first: ExecBatch, count: usize, tokens: &mut Vec<Vec<u32>>| {
+        for step in 0..count {
+            let b = if step == 0 { first.clone() } else { d.decode() };
+            d.step_sync(&b, (step % 2) as u8, &mut out)?;
+            for (r, &t) in out.tokens.iter().enumerate() {
+                tokens[r].push(t);
+            }
+        }
+        anyhow::Ok(())
+    };
+    let mut b = d.prefill(&all, &SamplingParams::greedy(1));
+    fix_inits(&mut b, &vec![Vec::new(); rows]);
+    run(&mut d, b, steps, &mut tokens)?;
+    // Resume: every row recomputes prompt + outputs, its init carries the outputs so far.
+    let resumed: Vec<Vec<u32>> = (0..rows)
+        .map(|r| [all[r].clone(), tokens[r].clone()].concat())
+        .collect();
+    let mut b = d.prefill(&resumed, &SamplingParams::greedy(1));
+    fix_inits(&mut b, &tokens);
+    run(&mut d, b, steps / 2, &mut tokens)?;
+    println!("| setting | rep | freq | pres | device == host | first difference | differs from no penalties |");
+    println!("|---|---|---|---|---|---|---|");
+    let (mut greedy_bad, mut seeded_bad, mut no_effect) = (0, 0, 0);
+    for i in 0..n {
+        let (dev, host, plain) = (&tokens[i], &tokens[n + i], &tokens[2 * n + i]);
+        let same = dev == host;
+        let first = dev.iter().zip(host).position(|(a, b)| a != b);
+        let p = &settings[i];
+        if !same {
+            if p.temperature == 0.0 {
+                greedy_bad += 1;
+            } else {
+                seeded_bad += 1;
+            }
+        }
+        if dev == plain {
+            no_effect += 1;
+        }
+        println!(
+            "| {} | {} | {} | {} | {same} | {} | {} |",
+            if p.temperature == 0.0 {
+                "greedy"
+            } else {
+                "seeded t=0.9"
+            },
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+            first.map_or("-".into(), |f| f.to_string()),
+            dev != plain
+        );
+    }
+    // Greedy rows must agree exactly; a seeded row may split at a numeric tie of the inverse
+    // CDF (device and host sum probabilities in different orders): at most one of four.
+    if greedy_bad > 0 || seeded_bad > 1 || no_effect == n {
+        bail!("penalty check failed: {greedy_bad} greedy and {seeded_bad} seeded rows differ from the host sampler; {no_effect} of {n} rows unaffected by penalties");
+    }
+    println!(
+        "device penalties match the host sampler ({} steps, resumed after {steps})",
+        steps + steps / 2
+    );
+    Ok(())
+}
+
 /// `gemv_bf16` vs cuBLAS on the model's GEMM shapes: agreement and speed, one shape at a time.
 fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
@@ -885,7 +1042,7 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
     // SAFETY: buffers allocated with the sizes used; the stream is synchronised before reads.
     unsafe {
         let st = dr::stream::create(dr::stream::StreamKind::NonBlocking)?;
-        let blas = Blas::new(st)?;
+        let blas = Blas::new(st, Dtype::Bf16)?;
         let e0 = dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?;
         let e1 = dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?;
         for (name, n, kk) in shapes {
