@@ -252,7 +252,8 @@ __device__ __forceinline__ void load_elems(const elem* p, int n, float* out) {
 // block per (token, head) leaves most SMs idle; the host picks n_splits from the padded batch
 // size, and the cut depends only on the token's own length and n_splits, so a row's output is
 // the same in an eager step and in a graph replay of its bucket. A negative position marks a
-// padding row of a CUDA-graph batch: no keys, the output is zeros.
+// padding row of a CUDA-graph batch: no keys, the output is zeros. With tok_list, block x
+// handles token tok_list[x] (the tokens prefill_attention's tiles leave; one split then).
 //
 // Measured on the H200 (1B shape, batch 1): 124 us per layer at 500 keys with one key per warp
 // step and a warp reduction per key; 36 us with 16 warps of that; 21 us lane-per-key with a
@@ -263,11 +264,12 @@ __device__ __forceinline__ void load_elems(const elem* p, int n, float* out) {
 extern "C" __global__ void paged_attention(elem* out, float* part, int n_splits, const elem* q, int q_stride,
                                            const elem* k_cache, const elem* v_cache, const int* tok_row,
                                            const int* positions, const int* block_tables, int bt_stride, int nh,
-                                           int nkv, int hd, int block_size, float scale, int window) {
+                                           int nkv, int hd, int block_size, float scale, int window,
+                                           const int* tok_list) {
     __shared__ float sq[256];
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
     __shared__ float sm_acc[ATT_WARPS][256];
-    int t = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    int t = tok_list ? tok_list[blockIdx.x] : blockIdx.x, h = blockIdx.y, s = blockIdx.z;
     int kh = h / (nh / nkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int nv = hd >> 5;
@@ -396,6 +398,196 @@ extern "C" __global__ void attention_combine(elem* out, const float* part, int n
         out[((size_t)t * nh + h) * hd + d] = f2e(L > 0.0f ? v / L : 0.0f);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tiled causal attention for prefill chunks (bf16 only: tensor-core mma.sync m16n8k16, sm_80+).
+// Block (tile, h): the tile's tokens tiles[2 tile] .. + tiles[2 tile + 1] (at most PF_QT) are
+// consecutive tokens of one sequence at consecutive positions (the host cuts them so); query
+// head h. Each of the PF_WARPS warps owns 16 query rows. The block walks the keys
+// [start, last query position] in tiles of PF_KT: the tile's K rows and V rows (transposed)
+// go to shared memory once for all 64 queries; each warp computes S = Q K^T with mma, masks
+// causally (and by the sliding window), runs the online softmax in fp32 on the accumulator
+// fragments, rounds P to bf16 (the A operand of O += P V, as FlashAttention) and accumulates O
+// in fp32. l sums the unrounded P. Head dims 64 and 128 (the host uses paged_attention for
+// others). The per-token kernel reads every key once per query token; this one once per 64.
+#ifndef HARRIER_F32
+#define PF_WARPS 4
+#define PF_QT (16 * PF_WARPS)
+#define PF_KT 64
+#define PF_MAX_HD 128
+
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
+
+// c += a (16x16 bf16, row-major fragments) * b (16x8 bf16, column fragments), fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int HD>
+__device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q, int q_stride, const bf16* k_cache,
+                                                       const bf16* v_cache, const int* tiles, const int* tok_row,
+                                                       const int* positions, const int* block_tables, int bt_stride,
+                                                       int nh, int nkv, int block_size, float scale, int window,
+                                                       bf16 (*sK)[PF_MAX_HD + 8], bf16 (*sVt)[PF_KT + 8], int* sSlot) {
+    const int tile = blockIdx.x, h = blockIdx.y;
+    const int kh = h / (nh / nkv);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, tg = lane & 3;
+    const int t0 = tiles[2 * tile], cnt = tiles[2 * tile + 1];
+    const int row = tok_row[t0];
+    const int pos0 = positions[t0];
+    const int last = pos0 + cnt - 1;
+    const int* bt = block_tables + (size_t)row * bt_stride;
+    const int qa = warp * 16 + g, qb = qa + 8;  // this lane's two query rows
+    const bool va = qa < cnt, vb = qb < cnt;
+    const int pa = pos0 + qa, pb = pos0 + qb;
+    const bool warp_active = warp * 16 < cnt;
+    const int warp_last = min(pos0 + warp * 16 + 15, last);
+    // Q as A fragments (k = head dim), rows past the tile zero.
+    u32 qf[HD / 16][4];
+    {
+        const bf16* ra = q + (size_t)(t0 + (va ? qa : 0)) * q_stride + (size_t)h * HD;
+        const bf16* rb = q + (size_t)(t0 + (vb ? qb : 0)) * q_stride + (size_t)h * HD;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            int c = kk * 16 + tg * 2;
+            qf[kk][0] = va ? *(const u32*)(ra + c) : 0u;
+            qf[kk][1] = vb ? *(const u32*)(rb + c) : 0u;
+            qf[kk][2] = va ? *(const u32*)(ra + c + 8) : 0u;
+            qf[kk][3] = vb ? *(const u32*)(rb + c + 8) : 0u;
+        }
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
+    const int kstart = window > 0 ? max(0, pos0 - window + 1) : 0;
+    for (int kb = kstart; kb <= last; kb += PF_KT) {
+        __syncthreads();  // the previous tile is consumed
+        if (threadIdx.x < PF_KT) {
+            int p = kb + threadIdx.x;
+            sSlot[threadIdx.x] = p <= last ? bt[p / block_size] * block_size + p % block_size : -1;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < PF_KT * (HD / 8); i += blockDim.x) {
+            int key = i / (HD / 8), c = (i % (HD / 8)) * 8;
+            int slot = sSlot[key];
+            uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
+            if (slot >= 0) {
+                kv = *(const uint4*)(k_cache + ((size_t)slot * nkv + kh) * HD + c);
+                vv = *(const uint4*)(v_cache + ((size_t)slot * nkv + kh) * HD + c);
+            }
+            *(uint4*)&sK[key][c] = kv;
+            const bf16* vp = (const bf16*)&vv;
+#pragma unroll
+            for (int j = 0; j < 8; j++) sVt[c + j][key] = vp[j];
+        }
+        __syncthreads();
+        // Warp-uniform skips: no queries, or every key after the warp's last query, or (window)
+        // every key before its first query's window.
+        if (!warp_active || kb > warp_last) continue;
+        if (window > 0 && kb + PF_KT - 1 < pos0 + warp * 16 - window + 1) continue;
+        float sc[PF_KT / 8][4];
+#pragma unroll
+        for (int nb = 0; nb < PF_KT / 8; nb++) {
+            sc[nb][0] = sc[nb][1] = sc[nb][2] = sc[nb][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                const bf16* kr = &sK[nb * 8 + g][kk * 16 + tg * 2];
+                mma_bf16(sc[nb], qf[kk], *(const u32*)kr, *(const u32*)(kr + 8));
+            }
+        }
+        float mxa = NEG_INF, mxb = NEG_INF;
+#pragma unroll
+        for (int nb = 0; nb < PF_KT / 8; nb++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int kp = kb + nb * 8 + tg * 2 + e;
+                bool oka = va && kp <= pa && (window <= 0 || kp > pa - window);
+                bool okb = vb && kp <= pb && (window <= 0 || kp > pb - window);
+                float x = oka ? sc[nb][e] * scale : NEG_INF;
+                float y = okb ? sc[nb][2 + e] * scale : NEG_INF;
+                sc[nb][e] = x;
+                sc[nb][2 + e] = y;
+                mxa = fmaxf(mxa, x);
+                mxb = fmaxf(mxb, y);
+            }
+        }
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+        float mna = fmaxf(ma, mxa), mnb = fmaxf(mb, mxb);
+        float ca = mna == NEG_INF ? 1.0f : __expf(ma - mna);
+        float cb = mnb == NEG_INF ? 1.0f : __expf(mb - mnb);
+        float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < PF_KT / 8; nb++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float x = sc[nb][e] == NEG_INF ? 0.0f : __expf(sc[nb][e] - mna);
+                float y = sc[nb][2 + e] == NEG_INF ? 0.0f : __expf(sc[nb][2 + e] - mnb);
+                sc[nb][e] = x;
+                sc[nb][2 + e] = y;
+                sa += x;
+                sb += y;
+            }
+        }
+        sa += __shfl_xor_sync(0xffffffffu, sa, 1);
+        sa += __shfl_xor_sync(0xffffffffu, sa, 2);
+        sb += __shfl_xor_sync(0xffffffffu, sb, 1);
+        sb += __shfl_xor_sync(0xffffffffu, sb, 2);
+        la = la * ca + sa;
+        lb = lb * cb + sb;
+        ma = mna;
+        mb = mnb;
+#pragma unroll
+        for (int i = 0; i < HD / 8; i++) {
+            o[i][0] *= ca;
+            o[i][1] *= ca;
+            o[i][2] *= cb;
+            o[i][3] *= cb;
+        }
+        // P (accumulator layout of two key blocks) is the A fragment of one k-step.
+#pragma unroll
+        for (int kk = 0; kk < PF_KT / 16; kk++) {
+            u32 pf[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]), pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
+                         pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+            for (int i = 0; i < HD / 8; i++) {
+                const bf16* vr = &sVt[i * 8 + g][kk * 16 + tg * 2];
+                mma_bf16(o[i], pf, *(const u32*)vr, *(const u32*)(vr + 8));
+            }
+        }
+    }
+    float ia = la > 0.0f ? 1.0f / la : 0.0f, ib = lb > 0.0f ? 1.0f / lb : 0.0f;
+#pragma unroll
+    for (int i = 0; i < HD / 8; i++) {
+        int d = i * 8 + tg * 2;
+        if (va) *(u32*)(out + ((size_t)(t0 + qa) * nh + h) * HD + d) = pack_bf16(o[i][0] * ia, o[i][1] * ia);
+        if (vb) *(u32*)(out + ((size_t)(t0 + qb) * nh + h) * HD + d) = pack_bf16(o[i][2] * ib, o[i][3] * ib);
+    }
+}
+
+extern "C" __global__ void prefill_attention(bf16* out, const bf16* q, int q_stride, const bf16* k_cache,
+                                             const bf16* v_cache, const int* tiles, const int* tok_row,
+                                             const int* positions, const int* block_tables, int bt_stride, int nh,
+                                             int nkv, int hd, int block_size, float scale, int window) {
+    __shared__ __align__(16) bf16 sK[PF_KT][PF_MAX_HD + 8];
+    __shared__ __align__(16) bf16 sVt[PF_MAX_HD][PF_KT + 8];
+    __shared__ int sSlot[PF_KT];
+    if (hd == 64)
+        prefill_attention_tile<64>(out, q, q_stride, k_cache, v_cache, tiles, tok_row, positions, block_tables,
+                                   bt_stride, nh, nkv, block_size, scale, window, sK, sVt, sSlot);
+    else
+        prefill_attention_tile<128>(out, q, q_stride, k_cache, v_cache, tiles, tok_row, positions, block_tables,
+                                    bt_stride, nh, nkv, block_size, scale, window, sK, sVt, sSlot);
+}
+#endif  // HARRIER_F32
 
 // ---------------------------------------------------------------------------------------------
 // Row state for sampling. A row init (written by the host into the slot's metadata) is

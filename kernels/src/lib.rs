@@ -35,10 +35,22 @@ pub const KERNELS: &[&str] = &[
     "gemv_bf16",
     "attention_combine",
     "init_penalty_rows",
+    "prefill_attention",
 ];
 
 /// Kernels that only exist in the bf16 build.
-const BF16_ONLY: &[&str] = &["gemv_bf16"];
+const BF16_ONLY: &[&str] = &["gemv_bf16", "prefill_attention"];
+
+/// Query tokens per `prefill_attention` tile (`PF_QT` in the source).
+pub const PREFILL_TILE: usize = 64;
+
+/// Threads of a `prefill_attention` block (`PF_WARPS` warps).
+const PREFILL_THREADS: u32 = 4 * 32;
+
+/// Whether `prefill_attention` handles head dimension `hd`.
+pub fn prefill_attention_supports(hd: usize) -> bool {
+    hd == 64 || hd == 128
+}
 
 /// The storage type of weights, activations and the KV cache (arithmetic is fp32 either way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -465,10 +477,11 @@ impl Kernels {
         (nh, nkv, hd, block_size): (i32, i32, i32, i32),
         scale: f32,
         window: i32,
+        tok_list: u64,
         n: u32,
     ) -> anyhow::Result<()> {
-        if nkv <= 0 || nh % nkv != 0 || n_splits == 0 {
-            bail!("paged_attention: {nh} heads over {nkv} KV heads, {n_splits} splits");
+        if nkv <= 0 || nh % nkv != 0 || n_splits == 0 || (tok_list != 0 && n_splits > 1) {
+            bail!("paged_attention: {nh} heads over {nkv} KV heads, {n_splits} splits, list {tok_list:#x}");
         }
         let (k_cache, v_cache) = kv;
         let ns = n_splits as i32;
@@ -489,7 +502,8 @@ impl Kernels {
             hd,
             block_size,
             scale,
-            window
+            window,
+            tok_list
         ];
         // SAFETY: argument types match the kernels'.
         unsafe {
@@ -512,6 +526,65 @@ impl Kernels {
             }
         }
         Ok(())
+    }
+
+    /// Tiled causal attention for `n_tiles` prefill tiles (`tiles`: `[n_tiles][2]` first token,
+    /// count; a tile's tokens are consecutive tokens of one sequence at consecutive positions,
+    /// at most [`PREFILL_TILE`]), same cache and output layout as [`Kernels::paged_attention`].
+    /// bf16 only; head dims 64 and 128.
+    ///
+    /// # Safety
+    /// Device addresses must be valid; block tables must name blocks inside the cache.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn prefill_attention(
+        &self,
+        s: sys::CUstream,
+        out: u64,
+        q: u64,
+        q_stride: i32,
+        kv: (u64, u64),
+        tiles: u64,
+        tok_row: u64,
+        positions: u64,
+        block_tables: u64,
+        bt_stride: i32,
+        (nh, nkv, hd, block_size): (i32, i32, i32, i32),
+        scale: f32,
+        window: i32,
+        n_tiles: u32,
+    ) -> anyhow::Result<()> {
+        if nkv <= 0 || nh % nkv != 0 || !prefill_attention_supports(hd as usize) {
+            bail!("prefill_attention: {nh} heads over {nkv} KV heads, head dim {hd}");
+        }
+        let (k_cache, v_cache) = kv;
+        let mut p = params![
+            out,
+            q,
+            q_stride,
+            k_cache,
+            v_cache,
+            tiles,
+            tok_row,
+            positions,
+            block_tables,
+            bt_stride,
+            nh,
+            nkv,
+            hd,
+            block_size,
+            scale,
+            window
+        ];
+        // SAFETY: argument types match the kernel's.
+        unsafe {
+            self.launch(
+                "prefill_attention",
+                (n_tiles, nh as u32, 1),
+                PREFILL_THREADS,
+                s,
+                &mut p,
+            )
+        }
     }
 
     /// `rows[init_rows[i]] = inits[i]`, `i < n`.
@@ -751,6 +824,8 @@ mod tests {
         );
         assert_eq!(std::mem::size_of::<RowParams>(), 56 + 4 * MASK_CAP);
         assert!(BF16_ONLY.iter().all(|k| KERNELS.contains(k)));
+        assert_eq!(define("PF_WARPS") * 32, PREFILL_THREADS);
+        assert_eq!(16 * define("PF_WARPS") as usize, PREFILL_TILE);
     }
 
     #[test]

@@ -15,9 +15,14 @@
 //!   init_rows[S]     rows re-initialised before this step (parallel to the RowParams buffer)
 //!   bt_index[U]      new block-table entries of this step: row * B + j ...
 //!   bt_value[U]      ... and the block id written there
+//!   pf_tiles[2P]     prefill attention tiles: (first token, count) of up to 64 consecutive
+//!                    tokens of one sequence (steps with prefill chunks only)
+//!   att_list[T]      the tokens the tiles leave, for the per-token attention kernel
 //! ```
-//! with T = max tokens per step, S = max sequences per step, B = max blocks per sequence and
-//! U = S * B (a step may hand a whole table to every row: prefix-cache hits arrive at once).
+//! with T = max tokens per step, S = max sequences per step, B = max blocks per sequence,
+//! U = S * B (a step may hand a whole table to every row: prefix-cache hits arrive at once) and
+//! P = [`prefill_tile_cap`]. The head (up to `bt_index`) is uploaded every step; the last two
+//! sections only by steps with tiles.
 //!
 //! Block tables live on the device per row (`(rows + 1) * B` words; the extra row belongs to
 //! padding), updated by scattering only the step's new entries: the host never re-sends a
@@ -67,6 +72,8 @@ pub struct MetaLayout {
     pub bt_value: usize,
     /// Capacity of the two block-table update sections.
     pub bt_cap: usize,
+    pub pf_tiles: usize,
+    pub att_list: usize,
     /// Total words.
     pub len: usize,
 }
@@ -86,7 +93,9 @@ impl MetaLayout {
         let bt_cap = c.max_seqs * c.max_blocks_per_seq;
         let bt_index = init_rows + s;
         let bt_value = bt_index + round(bt_cap);
-        let len = bt_value + round(bt_cap);
+        let pf_tiles = bt_value + round(bt_cap);
+        let att_list = pf_tiles + round(2 * prefill_tile_cap(c));
+        let len = att_list + t;
         Self {
             tok_src,
             positions,
@@ -98,6 +107,8 @@ impl MetaLayout {
             bt_index,
             bt_value,
             bt_cap,
+            pf_tiles,
+            att_list,
             len,
         }
     }
@@ -105,6 +116,27 @@ impl MetaLayout {
     pub fn bytes(&self) -> usize {
         self.len * 4
     }
+}
+
+/// Fewest tokens of one sequence in a step that go to the tiled prefill attention kernel
+/// (`prefill_attention`, 64 queries per tile); shorter runs (decodes, small chunks) use the
+/// per-token kernel.
+pub const PREFILL_TILE_MIN: usize = 8;
+
+/// Tiles one step can have: full tiles of the token budget plus one partial tile per sequence
+/// with at least [`PREFILL_TILE_MIN`] tokens.
+pub fn prefill_tile_cap(c: &Capacities) -> usize {
+    c.max_tokens.div_ceil(harrier_kernels::PREFILL_TILE)
+        + c.max_seqs.min(c.max_tokens / PREFILL_TILE_MIN)
+}
+
+/// Cuts a sequence's `count` tokens starting at step token `first` into prefill tiles
+/// (`(first token, count)` pairs of at most 64), or `None` when it is too short for them.
+pub fn prefill_tiles(first: usize, count: usize) -> Option<impl Iterator<Item = (usize, usize)>> {
+    let tile = harrier_kernels::PREFILL_TILE;
+    (count >= PREFILL_TILE_MIN).then(|| {
+        (0..count.div_ceil(tile)).map(move |i| (first + i * tile, tile.min(count - i * tile)))
+    })
 }
 
 /// Most context splits of one decode attention launch (`paged_attention`).
@@ -298,18 +330,37 @@ mod tests {
             (l.init_rows, 256),
             (l.bt_index, l.bt_cap),
             (l.bt_value, l.bt_cap),
+            (l.pf_tiles, 2 * prefill_tile_cap(&c)),
+            (l.att_list, 2048),
         ];
         for w in sections.windows(2) {
             assert!(w[0].0 + w[0].1 <= w[1].0, "{sections:?}");
         }
-        assert!(l.bt_value + l.bt_cap <= l.len);
+        assert_eq!(prefill_tile_cap(&c), 32 + 256);
+        assert_eq!(l.att_list + 2048, l.len);
         for (off, _) in sections {
             assert_eq!(off % 64, 0);
         }
         // Odd capacities round up.
         let l = MetaLayout::new(&Capacities::new(3, 1, 17, 16));
         assert_eq!((l.positions, l.bt_index), (64, 4 * 64 + 3 * 64));
-        assert_eq!((l.bt_cap, l.bt_value, l.len), (2, 8 * 64, 9 * 64));
+        assert_eq!((l.bt_cap, l.bt_value), (2, 8 * 64));
+        assert_eq!((l.pf_tiles, l.att_list, l.len), (9 * 64, 10 * 64, 11 * 64));
+    }
+
+    #[test]
+    fn prefill_tiles_cover_long_runs_only() {
+        assert!(prefill_tiles(5, PREFILL_TILE_MIN - 1).is_none());
+        let t: Vec<_> = prefill_tiles(3, 8).unwrap().collect();
+        assert_eq!(t, [(3, 8)]);
+        let t: Vec<_> = prefill_tiles(10, 130).unwrap().collect();
+        assert_eq!(t, [(10, 64), (74, 64), (138, 2)]);
+        let t: Vec<_> = prefill_tiles(0, 128).unwrap().collect();
+        assert_eq!(t, [(0, 64), (64, 64)]);
+        // The capacity holds the worst case: every sequence just long enough, plus full tiles.
+        let c = Capacities::new(100, 20, 64, 16);
+        let worst = 100 / PREFILL_TILE_MIN; // 12 sequences of 8 tokens
+        assert!(prefill_tile_cap(&c) >= worst);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::layout::{Capacities, MetaLayout};
+use super::layout::{prefill_tiles, Capacities, MetaLayout};
 use crate::batch::{ExecBatch, RowInit};
 use crate::sampling::RowSampler;
 
@@ -35,6 +35,10 @@ pub(crate) struct StepCounts {
     pub samples: usize,
     /// New block-table entries (`bt_index` / `bt_value`).
     pub bt_updates: usize,
+    /// Prefill attention tiles (`pf_tiles`) and the tokens they leave (`att_list`); both 0
+    /// unless tiling was asked for and some sequence has a long enough run.
+    pub pf_tiles: usize,
+    pub att_listed: usize,
 }
 
 /// Stages the `i`-th penalty row init of a step for `init_penalty_rows`, in the slot's penalty
@@ -70,8 +74,10 @@ pub(crate) fn is_decode_only(batch: &ExecBatch) -> bool {
 /// Writes `batch`'s token and sequence sections and its new block-table entries
 /// (`row * max_blocks_per_seq + index`, block) into `meta`, appends the new blocks to the
 /// rows' mirrors and marks sampled rows as having a pending token. `host_samples` gets
-/// (sample index, row) of the rows that sample on the host. The batch must have been
-/// validated: every row initialised, every table long enough for its positions.
+/// (sample index, row) of the rows that sample on the host. With `tiled`, runs of a
+/// sequence's tokens long enough for the tiled prefill attention kernel are cut into tiles and
+/// the other tokens listed for the per-token kernel (see [`prefill_tiles`]). The batch must
+/// have been validated: every row initialised, every table long enough for its positions.
 pub(crate) fn fill_step(
     meta: &mut [i32],
     l: &MetaLayout,
@@ -79,12 +85,15 @@ pub(crate) fn fill_step(
     batch: &ExecBatch,
     rows: &mut [Option<HostRow>],
     host_samples: &mut Vec<(usize, u32)>,
+    tiled: bool,
 ) -> StepCounts {
     let (bs, stride) = (caps.block_size, caps.max_blocks_per_seq);
     let mut n = StepCounts {
         tokens: 0,
         samples: 0,
         bt_updates: 0,
+        pf_tiles: 0,
+        att_listed: 0,
     };
     host_samples.clear();
     for seq in &batch.seqs {
@@ -97,6 +106,23 @@ pub(crate) fn fill_step(
             meta[l.bt_value + n.bt_updates] = b as i32;
             row.block_table.push(b);
             n.bt_updates += 1;
+        }
+        let first = n.tokens;
+        match prefill_tiles(first, seq.num_tokens as usize).filter(|_| tiled) {
+            Some(tiles) => {
+                for (t0, count) in tiles {
+                    meta[l.pf_tiles + 2 * n.pf_tiles] = t0 as i32;
+                    meta[l.pf_tiles + 2 * n.pf_tiles + 1] = count as i32;
+                    n.pf_tiles += 1;
+                }
+            }
+            None if tiled => {
+                for t in first..first + seq.num_tokens as usize {
+                    meta[l.att_list + n.att_listed] = t as i32;
+                    n.att_listed += 1;
+                }
+            }
+            None => {}
         }
         for j in 0..seq.num_tokens as usize {
             let t = n.tokens;
@@ -120,6 +146,10 @@ pub(crate) fn fill_step(
             row.has_pending = true;
             n.samples += 1;
         }
+    }
+    if n.pf_tiles == 0 {
+        // No tiles: the per-token kernel takes every token, unlisted.
+        n.att_listed = 0;
     }
     n
 }
@@ -341,13 +371,15 @@ mod tests {
         };
         assert!(!is_decode_only(&batch));
         let mut host = vec![(9, 9)];
-        let n = fill_step(&mut meta, &l, &caps, &batch, &mut rows, &mut host);
+        let n = fill_step(&mut meta, &l, &caps, &batch, &mut rows, &mut host, true);
         assert_eq!(
             n,
             StepCounts {
                 tokens: 8,
                 samples: 3,
-                bt_updates: 3
+                bt_updates: 3,
+                pf_tiles: 0,
+                att_listed: 0,
             }
         );
         let sec = |off: usize, len: usize| meta[off..off + len].to_vec();
@@ -379,13 +411,15 @@ mod tests {
         };
         assert!(is_decode_only(&decode));
         let mut host = Vec::new();
-        let n = fill_step(&mut meta, &l, &caps, &decode, &mut rows, &mut host);
+        let n = fill_step(&mut meta, &l, &caps, &decode, &mut rows, &mut host, true);
         assert_eq!(
             n,
             StepCounts {
                 tokens: 1,
                 samples: 1,
-                bt_updates: 0
+                bt_updates: 0,
+                pf_tiles: 0,
+                att_listed: 0,
             }
         );
         assert_eq!((meta[l.tok_src], meta[l.slot_mapping]), (-4, 34));
@@ -398,17 +432,65 @@ mod tests {
         };
         chunk.seqs[0].sample = false;
         assert!(!is_decode_only(&chunk));
-        let n = fill_step(&mut meta, &l, &caps, &chunk, &mut rows, &mut host);
+        let n = fill_step(&mut meta, &l, &caps, &chunk, &mut rows, &mut host, true);
         assert_eq!(
             n,
             StepCounts {
                 tokens: 3,
                 samples: 0,
-                bt_updates: 1
+                bt_updates: 1,
+                pf_tiles: 0,
+                att_listed: 0,
             }
         );
         assert!(!rows[0].as_ref().unwrap().has_pending);
         assert!(!is_decode_only(&ExecBatch::default()));
+    }
+
+    #[test]
+    fn long_runs_become_prefill_tiles_and_the_rest_is_listed() {
+        let (caps, l, mut meta) = setup();
+        let fresh = || -> Vec<Option<HostRow>> {
+            let mut rows: Vec<Option<HostRow>> = (0..4).map(|_| Some(HostRow::new(None))).collect();
+            rows[1].as_mut().unwrap().block_table = vec![1, 2];
+            rows[2].as_mut().unwrap().block_table = vec![4, 6, 5];
+            rows
+        };
+        // t=0: row 1 decodes; t=1..=10: row 0 prefills 10 tokens; t=11: row 2 decodes.
+        let batch = ExecBatch {
+            seqs: vec![
+                seq(1, 5, 1, (0, 0), (0, 0)),
+                seq(0, 0, 10, (0, 10), (0, 3)),
+                seq(2, 8, 1, (0, 0), (3, 0)),
+            ],
+            host_tokens: (100..110).collect(),
+            new_blocks: vec![7, 3, 9],
+            ..Default::default()
+        };
+        let mut host = Vec::new();
+        let mut rows = fresh();
+        let n = fill_step(&mut meta, &l, &caps, &batch, &mut rows, &mut host, true);
+        assert_eq!((n.tokens, n.pf_tiles, n.att_listed), (12, 1, 2));
+        assert_eq!(&meta[l.pf_tiles..l.pf_tiles + 2], [1, 10]);
+        assert_eq!(&meta[l.att_list..l.att_list + 2], [0, 11]);
+        assert_eq!(
+            &meta[l.positions + 1..l.positions + 11],
+            (0..10).collect::<Vec<i32>>()
+        );
+        // Without tiling (f32 model, other head dims) nothing is tiled or listed.
+        let mut rows = fresh();
+        let n = fill_step(&mut meta, &l, &caps, &batch, &mut rows, &mut host, false);
+        assert_eq!((n.tokens, n.pf_tiles, n.att_listed), (12, 0, 0));
+        // Short runs only: no tiles, so no list either (every token unlisted).
+        let short = ExecBatch {
+            seqs: vec![seq(0, 0, 7, (0, 7), (0, 2))],
+            host_tokens: (0..7).collect(),
+            new_blocks: vec![7, 3],
+            ..Default::default()
+        };
+        let mut rows = fresh();
+        let n = fill_step(&mut meta, &l, &caps, &short, &mut rows, &mut host, true);
+        assert_eq!((n.tokens, n.pf_tiles, n.att_listed), (7, 0, 0));
     }
 
     #[test]

@@ -265,6 +265,9 @@ pub struct CudaExecutor {
     /// Small decode batches split attention over the context (graphs are captured so); tools
     /// turn it off to compare eager steps without splits.
     pub split_decode_attention: bool,
+    /// Prefill runs of 8+ tokens use the tiled `prefill_attention` kernel (bf16 models with
+    /// head dim 64 or 128); tools turn it off to compare with the per-token kernel.
+    pub tiled_prefill: bool,
     ctx: Arc<CudaContext>,
 }
 
@@ -473,6 +476,8 @@ impl CudaExecutor {
             gaps: GapStats::default(),
             use_graphs: true,
             split_decode_attention: true,
+            tiled_prefill: cfg.dtype == Dtype::Bf16
+                && harrier_kernels::prefill_attention_supports(mc.head_dim),
             ctx,
         };
         if !exec.buckets.is_empty() {
@@ -512,6 +517,7 @@ impl CudaExecutor {
         n_tokens: usize,
         n_samples: usize,
         decode_splits: Option<usize>,
+        (n_pf_tiles, n_att_listed): (usize, usize),
     ) -> model::StepMeta {
         let (d, l) = (&self.slots[slot].meta_d, &self.layout);
         model::StepMeta {
@@ -526,6 +532,10 @@ impl CudaExecutor {
             bt_stride: self.caps.max_blocks_per_seq,
             pending: self.pending_d.ptr,
             decode_splits,
+            pf_tiles: d.at(l.pf_tiles * 4),
+            n_pf_tiles,
+            att_list: d.at(l.att_list * 4),
+            n_att_listed,
         }
     }
 
@@ -571,7 +581,7 @@ impl CudaExecutor {
                 ck(dr::stream::synchronize(st), "sync")?;
             }
             for &size in &sizes {
-                let m = self.step_meta(slot, size, size, self.decode_splits(size));
+                let m = self.step_meta(slot, size, size, self.decode_splits(size), (0, 0));
                 let addrs = self.graph_addrs(slot);
                 let (model, kernels) = (&mut self.model, &self.kernels);
                 // SAFETY: the metadata holds `size` padding rows; only kernel launches and
@@ -740,6 +750,7 @@ impl CudaExecutor {
             batch,
             &mut self.rows,
             &mut s.host_samples,
+            self.tiled_prefill,
         );
         let (t, n_samples, n_bt) = (counts.tokens, counts.samples, counts.bt_updates);
         s.n_samples = n_samples;
@@ -785,6 +796,15 @@ impl CudaExecutor {
                     n_inits as i32,
                 )?;
             }
+            if counts.pf_tiles > 0 {
+                // Tiles and the listed tokens: one copy from the tiles up to the list's end.
+                let meta = s.meta_h.as_slice();
+                let (a, b) = (l.pf_tiles, l.att_list + counts.att_listed);
+                ck(
+                    dr::memcpy_htod_async(s.meta_d.at(a * 4), &meta[a..b], st),
+                    "prefill tiles H2D",
+                )?;
+            }
             if n_pen > 0 {
                 ck(
                     dr::memcpy_htod_async(
@@ -814,7 +834,13 @@ impl CudaExecutor {
                 } else {
                     None
                 };
-                let m = self.step_meta(slot, t, n_samples, splits);
+                let m = self.step_meta(
+                    slot,
+                    t,
+                    n_samples,
+                    splits,
+                    (counts.pf_tiles, counts.att_listed),
+                );
                 self.model.forward(&self.kernels, st, &m)?;
                 if decode_only {
                     self.counters.eager_decode_steps += 1;

@@ -56,6 +56,12 @@ pub(crate) struct StepMeta {
     /// Attention splits of a decode step; `None`: one (steps with prefill work, or batches
     /// that fill the GPU without splits).
     pub decode_splits: Option<usize>,
+    /// Prefill attention tiles (`[n][2]`) and the tokens they leave (per-token kernel); with
+    /// no tiles the per-token kernel takes every token.
+    pub pf_tiles: u64,
+    pub n_pf_tiles: usize,
+    pub att_list: u64,
+    pub n_att_listed: usize,
 }
 
 pub struct GpuModel {
@@ -333,6 +339,30 @@ impl GpuModel {
                     vc,
                     t as u32,
                 )?;
+                let dims = (nh as i32, nkv as i32, hd as i32, self.block_size as i32);
+                if m.n_pf_tiles > 0 {
+                    k.prefill_attention(
+                        stream,
+                        s.attn.ptr,
+                        s.qkv.ptr,
+                        qkv_dim as i32,
+                        (kc, vc),
+                        m.pf_tiles,
+                        m.tok_row,
+                        m.positions,
+                        m.row_block_tables,
+                        m.bt_stride as i32,
+                        dims,
+                        scale,
+                        0,
+                        m.n_pf_tiles as u32,
+                    )?;
+                }
+                let (list, n_att) = if m.n_pf_tiles > 0 {
+                    (m.att_list, m.n_att_listed)
+                } else {
+                    (0, t)
+                };
                 k.paged_attention(
                     stream,
                     s.attn.ptr,
@@ -345,10 +375,11 @@ impl GpuModel {
                     m.positions,
                     m.row_block_tables,
                     m.bt_stride as i32,
-                    (nh as i32, nkv as i32, hd as i32, self.block_size as i32),
+                    dims,
                     scale,
                     0,
-                    t as u32,
+                    list,
+                    n_att as u32,
                 )?;
                 self.blas.gemm(
                     k,

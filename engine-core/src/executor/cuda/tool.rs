@@ -4,7 +4,8 @@
 //! - `parity --model DIR --prompts FILE --steps N --out DIR`: greedy decode of every prompt
 //!   (all prompts in one batch), writing `tokens.json` and `logits.bin` (f32 [prompt][step][vocab]).
 //! - `check-attention [--cases N]`: the paged attention kernel, with one split and with 1-32
-//!   splits, against an f64 reference on fresh random inputs (random lengths, chunk sizes, shuffled
+//!   splits, and the tiled prefill kernel (with the per-token kernel over the tokens its tiles
+//!   leave, as the executor runs them), against an f64 reference on fresh random inputs (random lengths, chunk sizes, shuffled
 //!   block tables, GQA 1-8, head dims 64 and 128, sliding windows, padding rows, random split
 //!   sizes and counts), outputs and partials poisoned with NaN before each launch.
 //! - `check-sampling --model DIR`: the GPU sampler's distribution (temperature, top-k, top-p,
@@ -438,30 +439,45 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .map(|_| (0..prefill_len).map(|_| rand_tok(mc.vocab_size)).collect())
         .collect();
     let mut out = StepOutput::default();
-    let b = d.prefill(&prompts, &greedy);
-    d.step_sync(&b, 0, &mut out)?; // warm-up
-    let reps = 3;
-    let t0 = Instant::now();
-    for _ in 0..reps {
-        let b = d.prefill(&prompts, &greedy);
-        d.step_sync(&b, 0, &mut out)?;
-    }
-    let secs = t0.elapsed().as_secs_f64() / reps as f64;
     let toks = (prefill_n * prefill_len) as f64;
     let params = wbytes / 2.0;
     let gemm_floor = 2.0 * params * toks / flops;
-    eprintln!(
-        "prefill {prefill_n} x {prefill_len}: {:.3} s, {:.0} tok/s; GEMM-only ceiling {:.3} s ({:.0}% of it)",
-        secs,
-        toks / secs,
-        gemm_floor,
-        100.0 * gemm_floor / secs
-    );
+    // The tiled prefill attention kernel (when the model has it), then the per-token kernel
+    // alone, side by side.
+    let modes: &[(&str, bool)] = if d.exec.tiled_prefill {
+        &[("tiled attention", true), ("per-token attention", false)]
+    } else {
+        &[("per-token attention", false)]
+    };
+    let mut prefill = serde_json::Map::new();
+    for &(mode, tiled) in modes {
+        d.exec.tiled_prefill = tiled;
+        let b = d.prefill(&prompts, &greedy);
+        d.step_sync(&b, 0, &mut out)?; // warm-up
+        let reps = 3;
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            let b = d.prefill(&prompts, &greedy);
+            d.step_sync(&b, 0, &mut out)?;
+        }
+        let secs = t0.elapsed().as_secs_f64() / reps as f64;
+        eprintln!(
+            "prefill {prefill_n} x {prefill_len} ({mode}): {:.3} s, {:.0} tok/s; GEMM-only ceiling {:.3} s ({:.0}% of it)",
+            secs,
+            toks / secs,
+            gemm_floor,
+            100.0 * gemm_floor / secs
+        );
+        prefill.insert(
+            mode.into(),
+            serde_json::json!({"seqs": prefill_n, "len": prefill_len, "secs": secs, "tok_per_s": toks / secs, "gemm_ceiling_secs": gemm_floor}),
+        );
+    }
     let report = serde_json::json!({
         "model": dir.name, "copy_bw_gbs": bw / 1e9, "gemm_tflops": flops / 1e12, "weight_bytes": wbytes,
         "decode": rows,
         "graphs": {"sizes": d.info.graph_sizes, "count": d.info.graph_count, "capture_ms": d.info.graph_capture_ms, "bytes": d.info.graph_bytes},
-        "prefill": {"seqs": prefill_n, "len": prefill_len, "secs": secs, "tok_per_s": toks / secs, "gemm_ceiling_secs": gemm_floor},
+        "prefill": prefill,
     });
     if let Some(p) = a.get("json") {
         std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
@@ -514,8 +530,8 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let (_ctx, k) = kernels_on_device0()?;
     let mut rng = SplitMix64(0x5eed_a77e);
     let mut worst = 0.0f64;
-    println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in 0..cases {
         let hd = [64usize, 128][case % 2];
         let group = [1usize, 2, 4, 8][(case / 2) % 4];
@@ -531,9 +547,12 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         // Per sequence: context length after the chunk, and the chunk (queries) at its end.
         let max_ctx = if case % 6 == 5 { 3000 } else { 400 };
         let lens: Vec<usize> = (0..seqs).map(|_| 1 + rng.below(max_ctx) as usize).collect();
+        // Every third case has long chunks (prefill): the tiled kernel's tiles of 64 and their
+        // partial ends; the others decode-sized ones.
+        let chunk_max = if case % 3 == 1 { 160 } else { 9 };
         let chunks: Vec<usize> = lens
             .iter()
-            .map(|&l| 1 + rng.below(l.min(9) as u64) as usize)
+            .map(|&l| 1 + rng.below(l.min(chunk_max) as u64) as usize)
             .collect();
         let blocks_per: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
         let bt_stride = *blocks_per.iter().max().unwrap();
@@ -577,6 +596,19 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0u16; t * nh * hd];
         let mut out_dec = vec![0u16; t * nh * hd];
+        let mut out_tiled = vec![0u16; t * nh * hd];
+        // The executor's cut: runs of 8+ tokens of a sequence in tiles, the rest listed.
+        let (mut tiles, mut list) = (Vec::new(), Vec::new());
+        let mut first = 0;
+        for &count in &chunks {
+            match layout::prefill_tiles(first, count) {
+                Some(ts) => ts.for_each(|(a, b)| tiles.extend([a as i32, b as i32])),
+                None => list.extend((first..first + count).map(|x| x as i32)),
+            }
+            first += count;
+        }
+        list.extend((first..first + padding).map(|x| x as i32));
+        let n_tiles = tiles.len() / 2;
         // Once with one split, once with 1 (direct output) to 32: short tokens use fewer,
         // so some blocks have no keys.
         let n_splits = [1usize, 2, 3, 8, 16, 32][rng.below(6) as usize];
@@ -604,6 +636,10 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             dr::memset_d8_sync(d_out, 0xFF, out.len() * 2)?; // NaN poison
             let d_out_dec = dr::malloc_sync(out.len() * 2)?;
             dr::memset_d8_sync(d_out_dec, 0xFF, out.len() * 2)?;
+            let d_out_tiled = dr::malloc_sync(out.len() * 2)?;
+            dr::memset_d8_sync(d_out_tiled, 0xFF, out.len() * 2)?;
+            let d_tiles = up(&ibytes(&tiles))?;
+            let d_list = up(&ibytes(&list))?;
             let part_bytes = t * nh * n_splits * (hd + 2) * 4;
             let d_part = dr::malloc_sync(part_bytes)?;
             dr::memset_d8_sync(d_part, 0xFF, part_bytes)?;
@@ -624,13 +660,70 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     (nh as i32, nkv as i32, hd as i32, bs as i32),
                     scale,
                     window,
+                    0,
                     t as u32,
                 )?;
             }
+            let dims = (nh as i32, nkv as i32, hd as i32, bs as i32);
+            if n_tiles > 0 {
+                k.prefill_attention(
+                    stream,
+                    d_out_tiled,
+                    d_q,
+                    q_stride as i32,
+                    (d_k, d_v),
+                    d_tiles,
+                    d_ts,
+                    d_pos,
+                    d_bt,
+                    bt_stride as i32,
+                    dims,
+                    scale,
+                    window,
+                    n_tiles as u32,
+                )?;
+            }
+            let (l_ptr, l_n) = if n_tiles > 0 {
+                (d_list, list.len())
+            } else {
+                (0, t)
+            };
+            k.paged_attention(
+                stream,
+                d_out_tiled,
+                d_part,
+                1,
+                d_q,
+                q_stride as i32,
+                (d_k, d_v),
+                d_ts,
+                d_pos,
+                d_bt,
+                bt_stride as i32,
+                dims,
+                scale,
+                window,
+                l_ptr,
+                l_n as u32,
+            )?;
             dr::stream::synchronize(stream)?;
             dr::memcpy_dtoh_sync(&mut out, d_out)?;
             dr::memcpy_dtoh_sync(&mut out_dec, d_out_dec)?;
-            for d in [d_k, d_v, d_q, d_ts, d_pos, d_bt, d_out, d_out_dec, d_part] {
+            dr::memcpy_dtoh_sync(&mut out_tiled, d_out_tiled)?;
+            for d in [
+                d_k,
+                d_v,
+                d_q,
+                d_ts,
+                d_pos,
+                d_bt,
+                d_out,
+                d_out_dec,
+                d_part,
+                d_out_tiled,
+                d_tiles,
+                d_list,
+            ] {
                 dr::free_sync(d)?;
             }
             dr::stream::destroy(stream)?;
@@ -638,9 +731,14 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         // f64 reference over the same bf16 inputs.
         let (mut num, mut den, mut unwritten) = (0.0f64, 0.0f64, 0usize);
         let (mut num_dec, mut unwritten_dec) = (0.0f64, 0usize);
+        let (mut num_til, mut unwritten_til) = (0.0f64, 0usize);
         for ti in 0..t {
             if positions[ti] < 0 {
-                for (kernel, o) in [("1 split", &out), ("n splits", &out_dec)] {
+                for (kernel, o) in [
+                    ("1 split", &out),
+                    ("n splits", &out_dec),
+                    ("tiled", &out_tiled),
+                ] {
                     let row = &o[ti * nh * hd..(ti + 1) * nh * hd];
                     if let Some(bad) = row.iter().find(|&&x| x != 0) {
                         bail!("case {case}: {kernel} kernel: padding row {ti} holds {bad:#06x}, not zero");
@@ -689,17 +787,23 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                         unwritten_dec += 1;
                     }
                     num_dec += (got - r).powi(2);
+                    let got = half::bf16::from_bits(out_tiled[ti * nh * hd + h * hd + d]).to_f64();
+                    if got.is_nan() {
+                        unwritten_til += 1;
+                    }
+                    num_til += (got - r).powi(2);
                 }
             }
         }
         let rel = (num / den.max(1e-30)).sqrt();
         let rel_dec = (num_dec / den.max(1e-30)).sqrt();
-        for r in [rel, rel_dec] {
+        let rel_til = (num_til / den.max(1e-30)).sqrt();
+        for r in [rel, rel_dec, rel_til] {
             worst = worst.max(if r.is_nan() { f64::INFINITY } else { r });
         }
-        println!("| {case} | {seqs} | {} (+{padding}) | {} | {nh}/{nkv} | {hd} | {window} | {rel:.2e} | {unwritten} | {n_splits} | {rel_dec:.2e} | {unwritten_dec} |", t - padding, lens.iter().max().unwrap());
-        if unwritten + unwritten_dec > 0 {
-            bail!("case {case}: {unwritten} + {unwritten_dec} (n splits) output elements were not written");
+        println!("| {case} | {seqs} | {} (+{padding}) | {} | {nh}/{nkv} | {hd} | {window} | {rel:.2e} | {unwritten} | {n_splits} | {rel_dec:.2e} | {unwritten_dec} | {n_tiles} | {rel_til:.2e} | {unwritten_til} |", t - padding, lens.iter().max().unwrap());
+        if unwritten + unwritten_dec + unwritten_til > 0 {
+            bail!("case {case}: {unwritten} + {unwritten_dec} (n splits) + {unwritten_til} (tiled) output elements were not written");
         }
     }
     println!(
