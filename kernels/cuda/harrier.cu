@@ -377,6 +377,143 @@ extern "C" __global__ void paged_attention(elem* out, float* part, int n_splits,
     }
 }
 
+// Decode attention with the G = nh / nkv query heads of a KV head together: block (x, kh) takes
+// token t = tok_list ? tok_list[x] : x and its G heads kh * G .. kh * G + G - 1, so each key's
+// K and V rows are read once per group instead of once per head (large decode batches are
+// bound by that traffic). GQA_WARPS warps take 32-key tiles round-robin: a lane scores its key
+// against the G queries (in shared memory), the warp runs G online softmaxes, then the lanes
+// split head_dim (NV = hd / 32 values each) and accumulate P V for the G heads from one V row
+// load per key; warps merge at the end. No context splits. Same semantics as paged_attention
+// (causal, sliding window, position -1 writes zeros, P rounded to the storage type).
+#define GQA_WARPS 8
+#define GQA_MAX_ELEMS 1024  // G * hd
+
+template <int G, int NV>
+__device__ __forceinline__ void gqa_attention(elem* out, const elem* q, int q_stride, const elem* k_cache,
+                                              const elem* v_cache, const int* tok_row, const int* positions,
+                                              const int* block_tables, int bt_stride, int nh, int nkv,
+                                              int block_size, float scale, int window, const int* tok_list, float* sq,
+                                              float* sm_m, float* sm_l, float* sm_acc) {
+    constexpr int HD = NV * 32;
+    const int t = tok_list ? tok_list[blockIdx.x] : blockIdx.x, kh = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int pos = positions[t];
+    const int row = tok_row[t];
+    const elem* qp = q + (size_t)t * q_stride + (size_t)kh * G * HD;
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) sq[i] = e2f(qp[i]) * scale;
+    elem* o = out + ((size_t)t * nh + (size_t)kh * G) * HD;
+    if (pos < 0) {  // graph padding row
+        for (int i = threadIdx.x; i < G * HD; i += blockDim.x) o[i] = f2e(0.0f);
+        return;
+    }
+    const int start = window > 0 ? max(0, pos - window + 1) : 0;
+    const int n_tiles = (pos - start + 32) >> 5;
+    const int* bt = block_tables + (size_t)row * bt_stride;
+    __syncthreads();
+    float acc[G][NV];
+    float m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NV; j++) acc[g][j] = 0.0f;
+    }
+    for (int tile = warp; tile < n_tiles; tile += GQA_WARPS) {
+        int p = start + tile * 32 + lane;
+        bool valid = p <= pos;
+        int slot = valid ? bt[p / block_size] * block_size + p % block_size : 0;
+        float sc[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) sc[g] = 0.0f;
+        if (valid) {
+            const elem* kp = k_cache + ((size_t)slot * nkv + kh) * HD;
+#pragma unroll 4
+            for (int c = 0; c < HD / 8; c++) {
+                float kv[8];
+                load_elems(kp + c * 8, 8, kv);
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const float* qc = sq + g * HD + c * 8;
+                    sc[g] += qc[0] * kv[0] + qc[1] * kv[1] + qc[2] * kv[2] + qc[3] * kv[3] + qc[4] * kv[4] +
+                             qc[5] * kv[5] + qc[6] * kv[6] + qc[7] * kv[7];
+                }
+            }
+        }
+        float pv[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            // Lane 0's key is always valid: every tile max is finite.
+            float mn = fmaxf(m[g], warp_max(valid ? sc[g] : NEG_INF));
+            float corr = __expf(m[g] - mn);
+            float pe = valid ? __expf(sc[g] - mn) : 0.0f;
+            l[g] = l[g] * corr + warp_sum(pe);
+#pragma unroll
+            for (int j = 0; j < NV; j++) acc[g][j] *= corr;
+            m[g] = mn;
+            pv[g] = rnd(pe);
+        }
+        int slot0 = __shfl_sync(0xffffffffu, slot, 0);
+        int vslot = valid ? slot : slot0;
+#pragma unroll 8
+        for (int i = 0; i < 32; i++) {
+            int si = __shfl_sync(0xffffffffu, vslot, i);
+            float v[NV];
+            load_elems(v_cache + ((size_t)si * nkv + kh) * HD + lane * NV, NV, v);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                float w = __shfl_sync(0xffffffffu, pv[g], i);
+#pragma unroll
+                for (int j = 0; j < NV; j++) acc[g][j] += w * v[j];
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        if (lane == 0) {
+            sm_m[warp * G + g] = m[g];
+            sm_l[warp * G + g] = l[g];
+        }
+#pragma unroll
+        for (int j = 0; j < NV; j++) sm_acc[warp * G * HD + g * HD + lane * NV + j] = acc[g][j];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+        int g = i / HD;
+        float M = NEG_INF;
+        for (int w = 0; w < GQA_WARPS; w++)
+            if (sm_l[w * G + g] > 0.0f) M = fmaxf(M, sm_m[w * G + g]);
+        float L = 0.0f, v = 0.0f;
+        for (int w = 0; w < GQA_WARPS; w++) {
+            if (sm_l[w * G + g] > 0.0f) {
+                float e = __expf(sm_m[w * G + g] - M);
+                L += sm_l[w * G + g] * e;
+                v += sm_acc[w * G * HD + i] * e;
+            }
+        }
+        o[i] = f2e(L > 0.0f ? v / L : 0.0f);
+    }
+}
+
+extern "C" __global__ void paged_attention_gqa(elem* out, const elem* q, int q_stride, const elem* k_cache,
+                                               const elem* v_cache, const int* tok_row, const int* positions,
+                                               const int* block_tables, int bt_stride, int nh, int nkv, int hd,
+                                               int block_size, float scale, int window, const int* tok_list) {
+    __shared__ float sq[GQA_MAX_ELEMS];
+    __shared__ float sm_m[GQA_WARPS * 8], sm_l[GQA_WARPS * 8];
+    __shared__ float sm_acc[GQA_WARPS * GQA_MAX_ELEMS];
+    int G = nh / nkv, nv = hd >> 5;
+#define GQA_CASE(g, n)                                                                                            \
+    if (G == g && nv == n) {                                                                                      \
+        gqa_attention<g, n>(out, q, q_stride, k_cache, v_cache, tok_row, positions, block_tables, bt_stride, nh, \
+                            nkv, block_size, scale, window, tok_list, sq, sm_m, sm_l, sm_acc);                    \
+        return;                                                                                                   \
+    }
+    GQA_CASE(1, 2) GQA_CASE(1, 4) GQA_CASE(2, 2) GQA_CASE(2, 4) GQA_CASE(4, 2) GQA_CASE(4, 4) GQA_CASE(8, 2)
+    GQA_CASE(8, 4)
+#undef GQA_CASE
+}
+
 // Merges paged_attention's splits of token t, head h (block (t, h)), in split order;
 // splits with no keys (sum 0) are skipped.
 extern "C" __global__ void attention_combine(elem* out, const float* part, int n_splits, int nh, int hd) {

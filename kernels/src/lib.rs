@@ -36,6 +36,7 @@ pub const KERNELS: &[&str] = &[
     "attention_combine",
     "init_penalty_rows",
     "prefill_attention",
+    "paged_attention_gqa",
 ];
 
 /// Kernels that only exist in the bf16 build.
@@ -46,6 +47,15 @@ pub const PREFILL_TILE: usize = 64;
 
 /// Threads of a `prefill_attention` block (`PF_WARPS` warps).
 const PREFILL_THREADS: u32 = 4 * 32;
+
+/// Threads of a `paged_attention_gqa` block (`GQA_WARPS` warps).
+const GQA_THREADS: u32 = 8 * 32;
+
+/// Whether `paged_attention_gqa` has an instance for this head layout (G = nh / nkv query
+/// heads per KV head in 1, 2, 4, 8; head dim 64 or 128).
+pub fn gqa_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
+    nkv > 0 && nh.is_multiple_of(nkv) && matches!(nh / nkv, 1 | 2 | 4 | 8) && (hd == 64 || hd == 128)
+}
 
 /// Whether `prefill_attention` handles head dimension `hd`.
 pub fn prefill_attention_supports(hd: usize) -> bool {
@@ -528,6 +538,64 @@ impl Kernels {
         Ok(())
     }
 
+    /// Decode attention with each KV head's query heads together (K/V read once per group),
+    /// for `n` tokens (`tok_list[i]`, or token i when `tok_list` is 0); same cache and output
+    /// layout as [`Kernels::paged_attention`], one split.
+    ///
+    /// # Safety
+    /// Device addresses must be valid; block tables must name blocks inside the cache.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn paged_attention_gqa(
+        &self,
+        s: sys::CUstream,
+        out: u64,
+        q: u64,
+        q_stride: i32,
+        kv: (u64, u64),
+        tok_row: u64,
+        positions: u64,
+        block_tables: u64,
+        bt_stride: i32,
+        (nh, nkv, hd, block_size): (i32, i32, i32, i32),
+        scale: f32,
+        window: i32,
+        tok_list: u64,
+        n: u32,
+    ) -> anyhow::Result<()> {
+        if !gqa_attention_supports(nh as usize, nkv as usize, hd as usize) {
+            bail!("paged_attention_gqa: {nh} heads over {nkv} KV heads, head dim {hd}");
+        }
+        let (k_cache, v_cache) = kv;
+        let mut p = params![
+            out,
+            q,
+            q_stride,
+            k_cache,
+            v_cache,
+            tok_row,
+            positions,
+            block_tables,
+            bt_stride,
+            nh,
+            nkv,
+            hd,
+            block_size,
+            scale,
+            window,
+            tok_list
+        ];
+        // SAFETY: argument types match the kernel's.
+        unsafe {
+            self.launch(
+                "paged_attention_gqa",
+                (n, nkv as u32, 1),
+                GQA_THREADS,
+                s,
+                &mut p,
+            )
+        }
+    }
+
     /// Tiled causal attention for `n_tiles` prefill tiles (`tiles`: `[n_tiles][2]` first token,
     /// count; a tile's tokens are consecutive tokens of one sequence at consecutive positions,
     /// at most [`PREFILL_TILE`]), same cache and output layout as [`Kernels::paged_attention`].
@@ -825,6 +893,9 @@ mod tests {
         assert_eq!(std::mem::size_of::<RowParams>(), 56 + 4 * MASK_CAP);
         assert!(BF16_ONLY.iter().all(|k| KERNELS.contains(k)));
         assert_eq!(define("PF_WARPS") * 32, PREFILL_THREADS);
+        assert_eq!(define("GQA_WARPS") * 32, GQA_THREADS);
+        assert!(gqa_attention_supports(32, 8, 64) && gqa_attention_supports(16, 8, 128));
+        assert!(!gqa_attention_supports(48, 8, 128) && !gqa_attention_supports(32, 8, 256));
         assert_eq!(16 * define("PF_WARPS") as usize, PREFILL_TILE);
     }
 

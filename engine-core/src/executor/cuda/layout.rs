@@ -139,6 +139,16 @@ pub fn prefill_tiles(first: usize, count: usize) -> Option<impl Iterator<Item = 
     })
 }
 
+/// (token, KV head) blocks from which single-split decode attention reads each KV head once for
+/// its whole query group (`paged_attention_gqa`) instead of once per query head: below this
+/// the per-head kernel's 4-8x more blocks hide latency better; above it, K/V traffic rules.
+pub const GQA_MIN_BLOCKS: usize = 256;
+
+/// Whether `tokens` per-token attention rows (no splits) use the grouped kernel.
+pub fn use_grouped_attention(tokens: usize, num_kv_heads: usize) -> bool {
+    tokens * num_kv_heads >= GQA_MIN_BLOCKS
+}
+
 /// Most context splits of one decode attention launch (`paged_attention`).
 pub const MAX_DECODE_SPLITS: usize = 32;
 
@@ -346,6 +356,14 @@ mod tests {
         assert_eq!((l.positions, l.bt_index), (64, 4 * 64 + 3 * 64));
         assert_eq!((l.bt_cap, l.bt_value), (2, 8 * 64));
         assert_eq!((l.pf_tiles, l.att_list, l.len), (9 * 64, 10 * 64, 11 * 64));
+    }
+
+    #[test]
+    fn grouped_attention_from_enough_blocks() {
+        assert!(!use_grouped_attention(31, 8));
+        assert!(use_grouped_attention(32, 8));
+        assert!(use_grouped_attention(256, 1));
+        assert!(!use_grouped_attention(0, 8));
     }
 
     #[test]

@@ -268,6 +268,10 @@ pub struct CudaExecutor {
     /// Prefill runs of 8+ tokens use the tiled `prefill_attention` kernel (bf16 models with
     /// head dim 64 or 128); tools turn it off to compare with the per-token kernel.
     pub tiled_prefill: bool,
+    /// Which per-token attention kernel single-split steps use: `None` follows
+    /// [`layout::use_grouped_attention`] (when the model's head layout has a grouped
+    /// instance); tools force one or the other to compare.
+    pub grouped_attention: Option<bool>,
     ctx: Arc<CudaContext>,
 }
 
@@ -478,6 +482,7 @@ impl CudaExecutor {
             split_decode_attention: true,
             tiled_prefill: cfg.dtype == Dtype::Bf16
                 && harrier_kernels::prefill_attention_supports(mc.head_dim),
+            grouped_attention: None,
             ctx,
         };
         if !exec.buckets.is_empty() {
@@ -510,7 +515,7 @@ impl CudaExecutor {
     }
 
     /// The forward pass's view of `slot`'s metadata for `n_tokens` tokens and `n_samples`
-    /// sampled rows.
+    /// sampled rows; the attention plan (splits, tiles, grouped kernel) is the caller's.
     fn step_meta(
         &self,
         slot: usize,
@@ -518,6 +523,7 @@ impl CudaExecutor {
         n_samples: usize,
         decode_splits: Option<usize>,
         (n_pf_tiles, n_att_listed): (usize, usize),
+        grouped_attention: bool,
     ) -> model::StepMeta {
         let (d, l) = (&self.slots[slot].meta_d, &self.layout);
         model::StepMeta {
@@ -531,6 +537,7 @@ impl CudaExecutor {
             row_block_tables: self.row_bt_d.ptr,
             bt_stride: self.caps.max_blocks_per_seq,
             pending: self.pending_d.ptr,
+            grouped_attention,
             decode_splits,
             pf_tiles: d.at(l.pf_tiles * 4),
             n_pf_tiles,
@@ -581,7 +588,9 @@ impl CudaExecutor {
                 ck(dr::stream::synchronize(st), "sync")?;
             }
             for &size in &sizes {
-                let m = self.step_meta(slot, size, size, self.decode_splits(size), (0, 0));
+                let splits = self.decode_splits(size);
+                let grouped = splits.is_none() && self.grouped_attention_for(size);
+                let m = self.step_meta(slot, size, size, splits, (0, 0), grouped);
                 let addrs = self.graph_addrs(slot);
                 let (model, kernels) = (&mut self.model, &self.kernels);
                 // SAFETY: the metadata holds `size` padding rows; only kernel launches and
@@ -602,6 +611,15 @@ impl CudaExecutor {
     /// only: captured graphs keep what they were captured with.
     pub fn set_custom_gemv(&mut self, on: bool) {
         self.model.blas.use_gemv = on;
+    }
+
+    /// Whether `tokens` single-split per-token attention rows use the grouped kernel.
+    fn grouped_attention_for(&self, tokens: usize) -> bool {
+        let c = &self.model.config;
+        harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
+            && self
+                .grouped_attention
+                .unwrap_or_else(|| layout::use_grouped_attention(tokens, c.num_kv_heads))
     }
 
     /// Split decode attention for a decode step of `batch` (padded) rows, if it splits.
@@ -829,17 +847,28 @@ impl CudaExecutor {
                 self.graphs[slot][i].replay(st, size, self.graph_addrs(slot))?;
                 self.counters.graph_replays += 1;
             } else if t > 0 {
+                // The attention plan follows the padded batch of a decode step (as its graph
+                // would), else the tokens left to the per-token kernels.
+                let plan_n = if decode_only {
+                    bucket.map_or(n_seqs, |(_, b)| b)
+                } else if counts.pf_tiles > 0 {
+                    counts.att_listed
+                } else {
+                    t
+                };
                 let splits = if decode_only {
-                    self.decode_splits(bucket.map_or(n_seqs, |(_, b)| b))
+                    self.decode_splits(plan_n)
                 } else {
                     None
                 };
+                let grouped = splits.is_none() && self.grouped_attention_for(plan_n);
                 let m = self.step_meta(
                     slot,
                     t,
                     n_samples,
                     splits,
                     (counts.pf_tiles, counts.att_listed),
+                    grouped,
                 );
                 self.model.forward(&self.kernels, st, &m)?;
                 if decode_only {

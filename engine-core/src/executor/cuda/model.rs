@@ -62,6 +62,8 @@ pub(crate) struct StepMeta {
     pub n_pf_tiles: usize,
     pub att_list: u64,
     pub n_att_listed: usize,
+    /// The per-token attention rows run `paged_attention_gqa` (one split only).
+    pub grouped_attention: bool,
 }
 
 pub struct GpuModel {
@@ -363,24 +365,43 @@ impl GpuModel {
                 } else {
                     (0, t)
                 };
-                k.paged_attention(
-                    stream,
-                    s.attn.ptr,
-                    s.attn_part.ptr,
-                    m.decode_splits.unwrap_or(1) as u32,
-                    s.qkv.ptr,
-                    qkv_dim as i32,
-                    (kc, vc),
-                    m.tok_row,
-                    m.positions,
-                    m.row_block_tables,
-                    m.bt_stride as i32,
-                    dims,
-                    scale,
-                    0,
-                    list,
-                    n_att as u32,
-                )?;
+                if m.grouped_attention && m.decode_splits.is_none() {
+                    k.paged_attention_gqa(
+                        stream,
+                        s.attn.ptr,
+                        s.qkv.ptr,
+                        qkv_dim as i32,
+                        (kc, vc),
+                        m.tok_row,
+                        m.positions,
+                        m.row_block_tables,
+                        m.bt_stride as i32,
+                        dims,
+                        scale,
+                        0,
+                        list,
+                        n_att as u32,
+                    )?;
+                } else {
+                    k.paged_attention(
+                        stream,
+                        s.attn.ptr,
+                        s.attn_part.ptr,
+                        m.decode_splits.unwrap_or(1) as u32,
+                        s.qkv.ptr,
+                        qkv_dim as i32,
+                        (kc, vc),
+                        m.tok_row,
+                        m.positions,
+                        m.row_block_tables,
+                        m.bt_stride as i32,
+                        dims,
+                        scale,
+                        0,
+                        list,
+                        n_att as u32,
+                    )?;
+                }
                 self.blas.gemm(
                     k,
                     stream,

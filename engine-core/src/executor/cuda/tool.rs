@@ -4,8 +4,9 @@
 //! - `parity --model DIR --prompts FILE --steps N --out DIR`: greedy decode of every prompt
 //!   (all prompts in one batch), writing `tokens.json` and `logits.bin` (f32 [prompt][step][vocab]).
 //! - `check-attention [--cases N]`: the paged attention kernel, with one split and with 1-32
-//!   splits, and the tiled prefill kernel (with the per-token kernel over the tokens its tiles
-//!   leave, as the executor runs them), against an f64 reference on fresh random inputs (random lengths, chunk sizes, shuffled
+//!   splits, the tiled prefill kernel (with the per-token kernel over the tokens its tiles
+//!   leave, as the executor runs them) and the grouped (per KV head) kernel, against an f64
+//!   reference on fresh random inputs (random lengths, chunk sizes, shuffled
 //!   block tables, GQA 1-8, head dims 64 and 128, sliding windows, padding rows, random split
 //!   sizes and counts), outputs and partials poisoned with NaN before each launch.
 //! - `check-sampling --model DIR`: the GPU sampler's distribution (temperature, top-k, top-p,
@@ -389,24 +390,26 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let b = d.prefill(&prompts, &greedy);
         d.step_sync(&b, 0, &mut out)?;
         let mut res = serde_json::Map::new();
-        // (graphs, pipelined, our GEMV where blas.rs uses it, split decode attention): eager
-        // with cuBLAS only (batch 1; larger batches never use the GEMV), and eager with the
-        // attention unsplit.
+        // (graphs, pipelined, our GEMV where blas.rs uses it, split decode attention, grouped
+        // attention forced on/off): eager with cuBLAS only (batch 1; larger batches never use
+        // the GEMV), eager with the attention unsplit by the per-head and by the grouped kernel.
         let modes = [
-            (true, true, true, true),
-            (true, false, true, true),
-            (false, true, true, true),
-            (false, false, true, true),
-            (false, true, false, true),
-            (false, true, true, false),
+            (true, true, true, true, None),
+            (true, false, true, true, None),
+            (false, true, true, true, None),
+            (false, false, true, true, None),
+            (false, true, false, true, None),
+            (false, true, true, false, Some(false)),
+            (false, true, true, false, Some(true)),
         ];
-        for (graphs, pipelined, gemv, split) in modes {
+        for (graphs, pipelined, gemv, split, grouped) in modes {
             if !gemv && bsz > 1 {
                 continue;
             }
             d.exec.use_graphs = graphs;
             d.exec.set_custom_gemv(gemv);
             d.exec.split_decode_attention = split;
+            d.exec.grouped_attention = grouped;
             d.exec.record_gaps = true;
             d.exec.gaps = Default::default();
             d.decode_steps(4, pipelined)?; // warm-up
@@ -423,7 +426,11 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 if graphs { "graph" } else { "eager" },
                 if pipelined { "async" } else { "sync" },
                 if gemv { "" } else { "-cublas" },
-                if split { "" } else { "-unsplit-attn" }
+                match (split, grouped) {
+                    (true, _) => "",
+                    (false, Some(true)) => "-grouped-attn",
+                    (false, _) => "-per-head-attn",
+                }
             );
             eprintln!(
                 "decode batch {bsz:>4} {tag:>24}: {ms:7.3} ms/step wall, GPU {gpu:7.3} ms, idle gap {gap:6.3} ms, {:9.1} tok/s, floor {floor_ms:6.3} ms ({:.0}% of floor speed)",
@@ -450,6 +457,8 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         &[("per-token attention", false)]
     };
     let mut prefill = serde_json::Map::new();
+    d.exec.split_decode_attention = true;
+    d.exec.grouped_attention = None;
     for &(mode, tiled) in modes {
         d.exec.tiled_prefill = tiled;
         let b = d.prefill(&prompts, &greedy);
@@ -530,8 +539,8 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let (_ctx, k) = kernels_on_device0()?;
     let mut rng = SplitMix64(0x5eed_a77e);
     let mut worst = 0.0f64;
-    println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten | grouped rel. error | unwritten |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in 0..cases {
         let hd = [64usize, 128][case % 2];
         let group = [1usize, 2, 4, 8][(case / 2) % 4];
@@ -597,6 +606,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let mut out = vec![0u16; t * nh * hd];
         let mut out_dec = vec![0u16; t * nh * hd];
         let mut out_tiled = vec![0u16; t * nh * hd];
+        let mut out_grouped = vec![0u16; t * nh * hd];
         // The executor's cut: runs of 8+ tokens of a sequence in tiles, the rest listed.
         let (mut tiles, mut list) = (Vec::new(), Vec::new());
         let mut first = 0;
@@ -638,6 +648,8 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             dr::memset_d8_sync(d_out_dec, 0xFF, out.len() * 2)?;
             let d_out_tiled = dr::malloc_sync(out.len() * 2)?;
             dr::memset_d8_sync(d_out_tiled, 0xFF, out.len() * 2)?;
+            let d_out_grouped = dr::malloc_sync(out.len() * 2)?;
+            dr::memset_d8_sync(d_out_grouped, 0xFF, out.len() * 2)?;
             let d_tiles = up(&ibytes(&tiles))?;
             let d_list = up(&ibytes(&list))?;
             let part_bytes = t * nh * n_splits * (hd + 2) * 4;
@@ -706,7 +718,24 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 l_ptr,
                 l_n as u32,
             )?;
+            k.paged_attention_gqa(
+                stream,
+                d_out_grouped,
+                d_q,
+                q_stride as i32,
+                (d_k, d_v),
+                d_ts,
+                d_pos,
+                d_bt,
+                bt_stride as i32,
+                dims,
+                scale,
+                window,
+                0,
+                t as u32,
+            )?;
             dr::stream::synchronize(stream)?;
+            dr::memcpy_dtoh_sync(&mut out_grouped, d_out_grouped)?;
             dr::memcpy_dtoh_sync(&mut out, d_out)?;
             dr::memcpy_dtoh_sync(&mut out_dec, d_out_dec)?;
             dr::memcpy_dtoh_sync(&mut out_tiled, d_out_tiled)?;
@@ -723,6 +752,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 d_out_tiled,
                 d_tiles,
                 d_list,
+                d_out_grouped,
             ] {
                 dr::free_sync(d)?;
             }
@@ -732,12 +762,14 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let (mut num, mut den, mut unwritten) = (0.0f64, 0.0f64, 0usize);
         let (mut num_dec, mut unwritten_dec) = (0.0f64, 0usize);
         let (mut num_til, mut unwritten_til) = (0.0f64, 0usize);
+        let (mut num_grp, mut unwritten_grp) = (0.0f64, 0usize);
         for ti in 0..t {
             if positions[ti] < 0 {
                 for (kernel, o) in [
                     ("1 split", &out),
                     ("n splits", &out_dec),
                     ("tiled", &out_tiled),
+                    ("grouped", &out_grouped),
                 ] {
                     let row = &o[ti * nh * hd..(ti + 1) * nh * hd];
                     if let Some(bad) = row.iter().find(|&&x| x != 0) {
@@ -792,18 +824,25 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                         unwritten_til += 1;
                     }
                     num_til += (got - r).powi(2);
+                    let got =
+                        half::bf16::from_bits(out_grouped[ti * nh * hd + h * hd + d]).to_f64();
+                    if got.is_nan() {
+                        unwritten_grp += 1;
+                    }
+                    num_grp += (got - r).powi(2);
                 }
             }
         }
         let rel = (num / den.max(1e-30)).sqrt();
         let rel_dec = (num_dec / den.max(1e-30)).sqrt();
         let rel_til = (num_til / den.max(1e-30)).sqrt();
-        for r in [rel, rel_dec, rel_til] {
+        let rel_grp = (num_grp / den.max(1e-30)).sqrt();
+        for r in [rel, rel_dec, rel_til, rel_grp] {
             worst = worst.max(if r.is_nan() { f64::INFINITY } else { r });
         }
-        println!("| {case} | {seqs} | {} (+{padding}) | {} | {nh}/{nkv} | {hd} | {window} | {rel:.2e} | {unwritten} | {n_splits} | {rel_dec:.2e} | {unwritten_dec} | {n_tiles} | {rel_til:.2e} | {unwritten_til} |", t - padding, lens.iter().max().unwrap());
-        if unwritten + unwritten_dec + unwritten_til > 0 {
-            bail!("case {case}: {unwritten} + {unwritten_dec} (n splits) + {unwritten_til} (tiled) output elements were not written");
+        println!("| {case} | {seqs} | {} (+{padding}) | {} | {nh}/{nkv} | {hd} | {window} | {rel:.2e} | {unwritten} | {n_splits} | {rel_dec:.2e} | {unwritten_dec} | {n_tiles} | {rel_til:.2e} | {unwritten_til} | {rel_grp:.2e} | {unwritten_grp} |", t - padding, lens.iter().max().unwrap());
+        if unwritten + unwritten_dec + unwritten_til + unwritten_grp > 0 {
+            bail!("case {case}: {unwritten} + {unwritten_dec} (n splits) + {unwritten_til} (tiled) + {unwritten_grp} (grouped) output elements were not written");
         }
     }
     println!(
