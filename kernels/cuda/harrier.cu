@@ -509,8 +509,8 @@ extern "C" __global__ void paged_attention_gqa(elem* out, const elem* q, int q_s
                             nkv, block_size, scale, window, tok_list, sq, sm_m, sm_l, sm_acc);                    \
         return;                                                                                                   \
     }
-    GQA_CASE(1, 2) GQA_CASE(1, 4) GQA_CASE(2, 2) GQA_CASE(2, 4) GQA_CASE(4, 2) GQA_CASE(4, 4) GQA_CASE(8, 2)
-    GQA_CASE(8, 4)
+    GQA_CASE(1, 2) GQA_CASE(1, 4) GQA_CASE(2, 2) GQA_CASE(2, 4) GQA_CASE(3, 2) GQA_CASE(3, 4) GQA_CASE(4, 2)
+    GQA_CASE(4, 4) GQA_CASE(6, 2) GQA_CASE(6, 4) GQA_CASE(8, 2) GQA_CASE(8, 4)
 #undef GQA_CASE
 }
 

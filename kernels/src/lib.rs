@@ -52,9 +52,12 @@ const PREFILL_THREADS: u32 = 4 * 32;
 const GQA_THREADS: u32 = 8 * 32;
 
 /// Whether `paged_attention_gqa` has an instance for this head layout (G = nh / nkv query
-/// heads per KV head in 1, 2, 4, 8; head dim 64 or 128).
+/// heads per KV head in 1, 2, 3, 4, 6, 8; head dim 64 or 128).
 pub fn gqa_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
-    nkv > 0 && nh.is_multiple_of(nkv) && matches!(nh / nkv, 1 | 2 | 4 | 8) && (hd == 64 || hd == 128)
+    nkv > 0
+        && nh.is_multiple_of(nkv)
+        && matches!(nh / nkv, 1 | 2 | 3 | 4 | 6 | 8)
+        && (hd == 64 || hd == 128)
 }
 
 /// Whether `prefill_attention` handles head dimension `hd`.
@@ -895,7 +898,8 @@ mod tests {
         assert_eq!(define("PF_WARPS") * 32, PREFILL_THREADS);
         assert_eq!(define("GQA_WARPS") * 32, GQA_THREADS);
         assert!(gqa_attention_supports(32, 8, 64) && gqa_attention_supports(16, 8, 128));
-        assert!(!gqa_attention_supports(48, 8, 128) && !gqa_attention_supports(32, 8, 256));
+        assert!(gqa_attention_supports(24, 8, 128));
+        assert!(!gqa_attention_supports(40, 8, 128) && !gqa_attention_supports(32, 8, 256));
         assert_eq!(16 * define("PF_WARPS") as usize, PREFILL_TILE);
     }
 

@@ -7,7 +7,7 @@
 //!   splits, the tiled prefill kernel (with the per-token kernel over the tokens its tiles
 //!   leave, as the executor runs them) and the grouped (per KV head) kernel, against an f64
 //!   reference on fresh random inputs (random lengths, chunk sizes, shuffled
-//!   block tables, GQA 1-8, head dims 64 and 128, sliding windows, padding rows, random split
+//!   block tables, GQA groups 1, 2, 3, 4, 6, 8, head dims 64 and 128, sliding windows, padding rows, random split
 //!   sizes and counts), outputs and partials poisoned with NaN before each launch.
 //! - `check-sampling --model DIR`: the GPU sampler's distribution (temperature, top-k, top-p,
 //!   min-p) against the probabilities computed on the host from the same logits: 2,048 seeded
@@ -543,7 +543,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in 0..cases {
         let hd = [64usize, 128][case % 2];
-        let group = [1usize, 2, 4, 8][(case / 2) % 4];
+        let group = [1usize, 2, 3, 4, 6, 8][(case / 2) % 6];
         let nkv = 1 + rng.below(3) as usize;
         let nh = nkv * group;
         let bs = 16usize;
