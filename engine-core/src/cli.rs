@@ -450,5 +450,9 @@ mod tests {
         let w = <Wrapper as clap::Parser>::parse_from(["h", "--cuda-graph-sizes", "1,2,8"]);
         assert_eq!(w.args.cuda_graph_sizes, Some(vec![1, 2, 8]));
         assert!(!w.args.enforce_eager);
+        assert_eq!(w.args.dtype, ModelDtype::Auto);
+        let w = <Wrapper as clap::Parser>::parse_from(["h", "--dtype", "float32"]);
+        assert_eq!(w.args.dtype, ModelDtype::Float32);
+        assert!(<Wrapper as clap::Parser>::try_parse_from(["h", "--dtype", "fp8"]).is_err());
     }
 }

@@ -738,8 +738,9 @@ struct RowParams {
     u32 seed_lo, seed_hi;
     u32 generated;      // draws so far (the Philox counter of the next draw)
     u32 min_tokens;
-    int host_sampled;   // 1: sampled on the host (logit_bias, logprobs); the kernel skips the row
-    int penalties;      // 1: the row's seen bits and output counts are kept (init_penalty_rows)
+    int host_sampled;   // 1: sampled on the host (logprobs); the kernel skips the row
+    int penalties;      // 1: the row's seen bits and output counts are kept (init_row_state)
+    int n_bias;         // logit_bias entries of the row (init_row_state)
     float repetition_penalty;  // 1: off
     float frequency_penalty;
     float presence_penalty;
@@ -752,14 +753,17 @@ extern "C" __global__ void apply_row_inits(RowParams* rows, const RowParams* ini
     if (i < n) rows[init_rows[i]] = inits[i];
 }
 
-// Penalty state of the rows with penalties, on the device so that the host stays off the path
-// between two steps: `seen` ([max_rows][ceil(vocab / 32)] bits: prompt tokens) and `counts`
-// ([max_rows][vocab], output-token counts saturating at 65535, bumped by sample_tokens).
-// init_penalty_rows resets row rows[i] (block i): clears both, sets the bits of its prompt
-// tokens tokens[offs[2i], offs[2i+1]) and counts its earlier output tokens (a resumed request)
-// tokens[offs[2i+1], offs[2i+2]).
-extern "C" __global__ void init_penalty_rows(unsigned short* counts, u32* seen, int vocab, const int* rows,
-                                             const int* offs, const int* tokens) {
+// Sampling state of rows with penalties or logit_bias, on the device so that the host stays off
+// the path between two steps: `seen` ([max_rows][ceil(vocab / 32)] bits: prompt tokens),
+// `counts` ([max_rows][vocab], output-token counts saturating at 65535, bumped by
+// sample_tokens) and the logit_bias entries (`bias_ids` / `bias_vals`, [max_rows][BIAS_CAP];
+// RowParams.n_bias of them). init_row_state resets row rows[i] (block i) from its init: clears
+// counts and bits, sets the bits of its prompt tokens data[offs[3i], offs[3i+1]), counts its
+// earlier output tokens (a resumed request) data[offs[3i+1], offs[3i+2]), and copies its
+// (token, f32 bits) bias pairs data[offs[3i+2], offs[3i+3]).
+#define BIAS_CAP 1024
+extern "C" __global__ void init_row_state(unsigned short* counts, u32* seen, int* bias_ids, float* bias_vals,
+                                          int vocab, const int* rows, const int* offs, const int* data) {
     int row = rows[blockIdx.x];
     int words = (vocab + 31) >> 5;
     unsigned short* c = counts + (size_t)row * vocab;
@@ -767,14 +771,20 @@ extern "C" __global__ void init_penalty_rows(unsigned short* counts, u32* seen, 
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) c[i] = 0;
     for (int i = threadIdx.x; i < words; i += blockDim.x) sb[i] = 0;
     __syncthreads();
-    int p0 = offs[2 * blockIdx.x], p1 = offs[2 * blockIdx.x + 1], o1 = offs[2 * blockIdx.x + 2];
+    const int* o = offs + 3 * blockIdx.x;
+    int p0 = o[0], p1 = o[1], b0 = o[2], b1 = o[3];
     for (int i = p0 + threadIdx.x; i < p1; i += blockDim.x) {
-        int tok = tokens[i];
+        int tok = data[i];
         if (tok >= 0 && tok < vocab) atomicOr(&sb[tok >> 5], 1u << (tok & 31));
     }
-    if (threadIdx.x == 0) { // one thread: counts are 16-bit (rare path: a resumed request)
-        for (int i = p1; i < o1; i++) {
-            int tok = tokens[i];
+    int nb = min((b1 - b0) >> 1, BIAS_CAP);
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) {
+        bias_ids[(size_t)row * BIAS_CAP + i] = data[b0 + 2 * i];
+        bias_vals[(size_t)row * BIAS_CAP + i] = __int_as_float(data[b0 + 2 * i + 1]);
+    }
+    if (threadIdx.x == 0) {  // one thread: counts are 16-bit (rare path: a resumed request)
+        for (int i = p1; i < b0; i++) {
+            int tok = data[i];
             if (tok >= 0 && tok < vocab && c[tok] < 65535) c[tok]++;
         }
     }
@@ -857,7 +867,7 @@ __device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
 }
 
 // Samples one token per block (the k-th sampled sequence, row sample_rows[k]) from logits
-// (f32 [n, vocab], modified in place), in the CPU sampler's order: penalties (repetition over
+// (f32 [n, vocab], modified in place), in the CPU sampler's order: logit_bias; penalties (repetition over
 // prompt and output tokens, HF's divide-or-multiply; then frequency and presence over output
 // counts; the same float operations, unfused, as the CPU sampler); min_tokens mask; greedy
 // argmax, or temperature, top-k, softmax, top-p, min-p and inverse-CDF sampling in token-id
@@ -865,7 +875,7 @@ __device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
 // (and its output counts when it has penalties). blockDim.x = 1024.
 extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sample_rows, RowParams* rows,
                                          int* out_tokens, int* pending, unsigned short* counts,
-                                         const u32* seen) {
+                                         const u32* seen, const int* bias_ids, const float* bias_vals) {
     __shared__ float shf[32];
     __shared__ int shi[32];
     __shared__ double shd[32];
@@ -878,6 +888,16 @@ extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sa
     float* lg = logits + (size_t)k * vocab;
     u32 gen = rp->generated;
     int penalties = rp->penalties;
+    if (rp->n_bias > 0) {  // distinct ids (a JSON map)
+        const int* ids = bias_ids + (size_t)row * BIAS_CAP;
+        const float* vals = bias_vals + (size_t)row * BIAS_CAP;
+        __syncthreads();
+        for (int i = threadIdx.x; i < min(rp->n_bias, BIAS_CAP); i += blockDim.x) {
+            int id = ids[i];
+            if (id >= 0 && id < vocab) lg[id] = __fadd_rn(lg[id], vals[i]);
+        }
+        __syncthreads();
+    }
     if (penalties) {
         const unsigned short* c = counts + (size_t)row * vocab;
         const u32* sb = seen + (size_t)row * ((vocab + 31) >> 5);

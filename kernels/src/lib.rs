@@ -34,7 +34,7 @@ pub const KERNELS: &[&str] = &[
     "scatter_i32",
     "gemv_bf16",
     "attention_combine",
-    "init_penalty_rows",
+    "init_row_state",
     "prefill_attention",
     "paged_attention_gqa",
 ];
@@ -123,6 +123,10 @@ const ROPE_WARPS: u32 = 4;
 /// Capacity of a row's min_tokens mask on the device (longer masks sample on the host).
 pub const MASK_CAP: usize = 16;
 
+/// logit_bias entries a row keeps on the device (`BIAS_CAP` in the source; the API allows at
+/// most this many).
+pub const LOGIT_BIAS_CAP: usize = 1024;
+
 /// Largest head dimension `paged_attention` supports.
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -133,6 +137,17 @@ const ATT_THREADS: u32 = 16 * 32;
 /// the kernel is one block whose dependent loads are the whole cost (8.8 us per call on the
 /// H200 profile with 256).
 const NORM_THREADS: u32 = 1024;
+
+/// Device addresses of the per-row sampling state beyond [`RowParams`]: u16 output-token counts
+/// `[rows, vocab]`, prompt-token bits `[rows, ceil(vocab / 32)]`, logit_bias ids and values
+/// `[rows, LOGIT_BIAS_CAP]` (see `init_row_state` in the source).
+#[derive(Debug, Clone, Copy)]
+pub struct SamplerState {
+    pub counts: u64,
+    pub seen: u64,
+    pub bias_ids: u64,
+    pub bias_vals: u64,
+}
 
 /// Per-row sampling state on the device; mirrors `struct RowParams` in the source.
 #[repr(C)]
@@ -148,6 +163,7 @@ pub struct RowParams {
     pub min_tokens: u32,
     pub host_sampled: i32,
     pub penalties: i32,
+    pub n_bias: i32,
     pub repetition_penalty: f32,
     pub frequency_penalty: f32,
     pub presence_penalty: f32,
@@ -684,7 +700,7 @@ impl Kernels {
     }
 
     /// Samples `n` tokens from `logits` (modified), into `out_tokens` and the rows' pending
-    /// slots; rows with penalties read `penalty.1` (seen bits) and bump `penalty.0` (counts).
+    /// slots; rows with logit_bias or penalties read `state` (and bump their counts).
     ///
     /// # Safety
     /// Device addresses must be valid.
@@ -698,10 +714,15 @@ impl Kernels {
         rows: u64,
         out_tokens: u64,
         pending: u64,
-        penalty: (u64, u64),
+        state: SamplerState,
         n: u32,
     ) -> anyhow::Result<()> {
-        let (counts, seen) = penalty;
+        let SamplerState {
+            counts,
+            seen,
+            bias_ids,
+            bias_vals,
+        } = state;
         let mut p = params![
             logits,
             vocab,
@@ -710,32 +731,40 @@ impl Kernels {
             out_tokens,
             pending,
             counts,
-            seen
+            seen,
+            bias_ids,
+            bias_vals
         ];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("sample_tokens", (n, 1, 1), 1024, s, &mut p) }
     }
 
-    /// Resets the penalty state (`counts`, `seen`) of `n` rows `rows[i]` from their prompt and
-    /// earlier output tokens (`offs`: `2n + 1` offsets into `tokens`, see `init_penalty_rows`).
+    /// Resets the sampling state of `n` rows `rows[i]` (penalty counts and prompt bits, logit
+    /// bias entries) from their staged inits (`offs`: `3n + 1` offsets into `data`, see
+    /// `init_row_state`).
     ///
     /// # Safety
     /// Device addresses must be valid; rows inside the state arrays.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn init_penalty_rows(
+    pub unsafe fn init_row_state(
         &self,
         s: sys::CUstream,
-        counts: u64,
-        seen: u64,
+        state: SamplerState,
         vocab: i32,
         rows: u64,
         offs: u64,
-        tokens: u64,
+        data: u64,
         n: u32,
     ) -> anyhow::Result<()> {
-        let mut p = params![counts, seen, vocab, rows, offs, tokens];
+        let SamplerState {
+            counts,
+            seen,
+            bias_ids,
+            bias_vals,
+        } = state;
+        let mut p = params![counts, seen, bias_ids, bias_vals, vocab, rows, offs, data];
         // SAFETY: argument types match the kernel's.
-        unsafe { self.launch("init_penalty_rows", (n, 1, 1), 256, s, &mut p) }
+        unsafe { self.launch("init_row_state", (n, 1, 1), 256, s, &mut p) }
     }
 
     /// `out[i] = in[i]` for `n` floats.
@@ -893,7 +922,8 @@ mod tests {
             (define("GEMV_WARPS"), define("GEMV_ROWS")),
             (GEMV_WARPS, GEMV_ROWS)
         );
-        assert_eq!(std::mem::size_of::<RowParams>(), 56 + 4 * MASK_CAP);
+        assert_eq!(std::mem::size_of::<RowParams>(), 60 + 4 * MASK_CAP);
+        assert!(SOURCE.contains(&format!("#define BIAS_CAP {LOGIT_BIAS_CAP}")));
         assert!(BF16_ONLY.iter().all(|k| KERNELS.contains(k)));
         assert_eq!(define("PF_WARPS") * 32, PREFILL_THREADS);
         assert_eq!(define("GQA_WARPS") * 32, GQA_THREADS);

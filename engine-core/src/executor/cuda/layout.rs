@@ -238,7 +238,7 @@ pub struct ScratchSizes {
     /// f32 partials of split decode attention: `max_seqs * nh * splits * (hd + 2)`.
     pub attn_part: usize,
     /// Penalty state of every row: u16 output counts `[max_seqs, vocab]` and prompt bits
-    /// `[max_seqs, ceil(vocab / 32)]` u32 (see `init_penalty_rows` in harrier.cu).
+    /// `[max_seqs, ceil(vocab / 32)]` u32 (see `init_row_state` in harrier.cu).
     pub penalty_counts: usize,
     pub penalty_seen: usize,
 }

@@ -6,6 +6,7 @@ use std::ops::Range;
 use super::layout::{prefill_tiles, Capacities, MetaLayout};
 use crate::batch::{ExecBatch, RowInit};
 use crate::sampling::RowSampler;
+use harrier_kernels::{LOGIT_BIAS_CAP, MASK_CAP};
 
 /// Host mirror of a backend row.
 pub(crate) struct HostRow {
@@ -41,27 +42,91 @@ pub(crate) struct StepCounts {
     pub att_listed: usize,
 }
 
-/// Stages the `i`-th penalty row init of a step for `init_penalty_rows`, in the slot's penalty
-/// buffer laid out as `[rows (max_rows) | offsets (2 max_rows + 1) | tokens]`: rows[i] = the
-/// row, offsets[2i..2i+3] = where its prompt tokens start, where its earlier output tokens
-/// start, and where they end (relative to the token section, starting at `tokens_before`).
-/// The caller checked that the tokens fit.
-pub(crate) fn stage_penalty_row(
-    pen: &mut [i32],
+// Every logit_bias the API accepts fits the device's per-row capacity.
+const _: () = assert!(LOGIT_BIAS_CAP >= harrier_shared::protocol::MAX_LOGIT_BIAS);
+
+/// Where a row init's sampling runs, decided at its init (pure; the executor acts on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RowPlan {
+    /// Sampled on the host (`RowSampler`): logprobs, a min_tokens mask longer than
+    /// `MASK_CAP`, or device state that does not fit this step's staging.
+    pub host: bool,
+    /// Device penalties (prompt bits and output counts kept for the row).
+    pub penalties: bool,
+    /// logit_bias entries on the device.
+    pub bias: usize,
+    /// Words the init stages for `init_row_state` (0: nothing to stage).
+    pub words: usize,
+}
+
+impl RowPlan {
+    /// The plan for `init` when `words_left` staging words remain in this step.
+    pub fn new(init: &RowInit, words_left: usize) -> RowPlan {
+        let p = &init.sampling;
+        let penalties =
+            p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
+        let bias = p.logit_bias.len();
+        let words = if penalties {
+            init.prompt.len() + init.output.len()
+        } else {
+            0
+        } + 2 * bias;
+        let host = p.logprobs.is_some()
+            || init.min_tokens_mask.len() > MASK_CAP
+            || bias > LOGIT_BIAS_CAP
+            || words > words_left;
+        if host {
+            return RowPlan {
+                host,
+                penalties: false,
+                bias: 0,
+                words: 0,
+            };
+        }
+        RowPlan {
+            host,
+            penalties,
+            bias,
+            words,
+        }
+    }
+}
+
+/// Stages the `i`-th device-state row init of a step for `init_row_state` in the slot's
+/// buffer, laid out as `[rows (max_rows) | offsets (3 max_rows + 1) | data]`: rows[i] = the row;
+/// offsets[3i..3i+4] = where its prompt tokens, its earlier output tokens and its logit_bias
+/// (token, f32 bits) pairs start in the data section, and where they end (the next row's
+/// start). Data starts at `before` words; the caller checked that `plan.words` fit.
+pub(crate) fn stage_row_state(
+    buf: &mut [i32],
     max_rows: usize,
     i: usize,
-    tokens_before: usize,
+    before: usize,
     init: &RowInit,
+    plan: &RowPlan,
 ) {
-    let (offs, base) = (max_rows, 3 * max_rows + 1);
-    let (np, no) = (init.prompt.len(), init.output.len());
-    pen[i] = init.row.0 as i32;
-    pen[offs + 2 * i] = tokens_before as i32;
-    pen[offs + 2 * i + 1] = (tokens_before + np) as i32;
-    pen[offs + 2 * i + 2] = (tokens_before + np + no) as i32;
-    let dst = &mut pen[base + tokens_before..base + tokens_before + np + no];
-    for (d, &t) in dst.iter_mut().zip(init.prompt.iter().chain(&init.output)) {
+    let (offs, base) = (max_rows, 4 * max_rows + 1);
+    let (np, no) = if plan.penalties {
+        (init.prompt.len(), init.output.len())
+    } else {
+        (0, 0)
+    };
+    buf[i] = init.row.0 as i32;
+    buf[offs + 3 * i] = before as i32;
+    buf[offs + 3 * i + 1] = (before + np) as i32;
+    buf[offs + 3 * i + 2] = (before + np + no) as i32;
+    buf[offs + 3 * i + 3] = (before + plan.words) as i32;
+    let data = &mut buf[base + before..base + before + plan.words];
+    let (tokens, pairs) = data.split_at_mut(np + no);
+    for (d, &t) in tokens
+        .iter_mut()
+        .zip(init.prompt.iter().take(np).chain(&init.output[..no]))
+    {
         *d = t as i32;
+    }
+    for (d, &(t, b)) in pairs.chunks_exact_mut(2).zip(&init.sampling.logit_bias) {
+        d[0] = t as i32;
+        d[1] = b.to_bits() as i32;
     }
 }
 
@@ -314,24 +379,94 @@ mod tests {
         (caps, l, vec![i32::MIN; l.len])
     }
 
-    #[test]
-    fn penalty_rows_are_staged_back_to_back() {
-        let init = |row: u32, prompt: Vec<u32>, output: Vec<u32>| RowInit {
+    fn row_init(row: u32, sampling: SamplingParams, prompt: Vec<u32>, output: Vec<u32>) -> RowInit {
+        RowInit {
             row: RowId(row),
-            sampling: SamplingParams::greedy(8),
+            sampling,
             seed: 0,
             min_tokens_mask: vec![],
             prompt,
             output,
+        }
+    }
+
+    #[test]
+    fn row_plans_keep_what_the_device_can_do_there() {
+        let pen = SamplingParams {
+            frequency_penalty: 0.5,
+            ..SamplingParams::greedy(8)
         };
+        let bias = SamplingParams {
+            logit_bias: vec![(3, 1.5), (9, -100.0)],
+            ..SamplingParams::greedy(8)
+        };
+        let plain = row_init(0, SamplingParams::greedy(8), vec![1, 2], vec![]);
+        assert_eq!(
+            RowPlan::new(&plain, 0),
+            RowPlan {
+                host: false,
+                penalties: false,
+                bias: 0,
+                words: 0
+            }
+        );
+        // Penalties stage prompt + earlier outputs; bias stages two words per entry.
+        let p = RowPlan::new(&row_init(0, pen.clone(), vec![1, 2, 3], vec![4]), 100);
+        assert_eq!((p.host, p.penalties, p.words), (false, true, 4));
+        let b = RowPlan::new(&row_init(0, bias.clone(), vec![1, 2, 3], vec![]), 100);
+        assert_eq!((b.host, b.penalties, b.bias, b.words), (false, false, 2, 4));
+        // Too little staging room, logprobs, or a long min_tokens mask: the host sampler.
+        assert!(RowPlan::new(&row_init(0, pen, vec![1, 2, 3], vec![4]), 3).host);
+        let lp = SamplingParams {
+            logprobs: Some(2),
+            ..bias
+        };
+        let h = RowPlan::new(&row_init(0, lp, vec![1], vec![]), 100);
+        assert_eq!((h.host, h.bias, h.words), (true, 0, 0));
+        let mut long = row_init(0, SamplingParams::greedy(8), vec![1], vec![]);
+        long.min_tokens_mask = (0..MASK_CAP as u32 + 1).collect();
+        assert!(RowPlan::new(&long, 100).host);
+    }
+
+    #[test]
+    fn row_state_is_staged_back_to_back() {
+        let pen = SamplingParams {
+            repetition_penalty: 1.2,
+            ..SamplingParams::greedy(8)
+        };
+        let both = SamplingParams {
+            logit_bias: vec![(7, 2.0)],
+            ..pen.clone()
+        };
+        let bias_only = SamplingParams {
+            logit_bias: vec![(5, -1.0)],
+            ..SamplingParams::greedy(8)
+        };
+        let inits = [
+            row_init(2, pen, vec![5, 6, 7], vec![]),
+            row_init(0, both, vec![9], vec![4, 4]),
+            row_init(1, bias_only, vec![8, 8], vec![3]),
+        ];
         let max_rows = 3;
-        let mut pen = vec![-7; 3 * max_rows + 1 + 8];
-        stage_penalty_row(&mut pen, max_rows, 0, 0, &init(2, vec![5, 6, 7], vec![]));
-        stage_penalty_row(&mut pen, max_rows, 1, 3, &init(0, vec![9], vec![4, 4]));
-        // rows | offsets (prompt start, output start, end; shared ends) | tokens.
-        assert_eq!(&pen[..max_rows], &[2, 0, -7]);
-        assert_eq!(&pen[max_rows..3 * max_rows + 1], &[0, 3, 3, 4, 6, -7, -7]);
-        assert_eq!(&pen[3 * max_rows + 1..], &[5, 6, 7, 9, 4, 4, -7, -7]);
+        let mut buf = vec![-7; 4 * max_rows + 1 + 12];
+        let mut before = 0;
+        for (i, init) in inits.iter().enumerate() {
+            let plan = RowPlan::new(init, 100);
+            stage_row_state(&mut buf, max_rows, i, before, init, &plan);
+            before += plan.words;
+        }
+        assert_eq!(before, 3 + (3 + 2) + 2);
+        // rows | offsets (prompt, output, bias starts; end = next start) | data.
+        assert_eq!(&buf[..max_rows], &[2, 0, 1]);
+        assert_eq!(
+            &buf[max_rows..4 * max_rows + 1],
+            &[0, 3, 3, 3, 4, 6, 8, 8, 8, 10]
+        );
+        let f = |x: f32| x.to_bits() as i32;
+        assert_eq!(
+            &buf[4 * max_rows + 1..],
+            &[5, 6, 7, 9, 4, 4, 7, f(2.0), 5, f(-1.0), -7, -7]
+        );
     }
 
     #[test]

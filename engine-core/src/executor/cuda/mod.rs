@@ -20,13 +20,13 @@
 //! - Activations, logits and the KV cache are shared: all work is on one compute stream, so
 //!   step t+1's forward runs after step t's sampling.
 //! - Sampling runs on the device (`sample_tokens`) with the CPU sampler's order and Philox
-//!   stream, so seeded output matches the CPU backend up to numeric ties. Repetition,
-//!   frequency and presence penalties are applied there from per-row device state (prompt bits
-//!   and output counts, reset by `init_penalty_rows` from the row init and bumped by the sampler
-//!   itself, so the host stays off the path between steps). Rows with logit_bias, logprobs, a
-//!   min_tokens mask longer than `MASK_CAP` or more penalty tokens than one step's staging holds
-//!   run on the host (`RowSampler`, the CPU backend's sampler) in `finalize_sampling`, which then
-//!   synchronises the stream for that step.
+//!   stream, so seeded output matches the CPU backend up to numeric ties. logit_bias and the
+//!   repetition, frequency and presence penalties are applied there from per-row device state
+//!   (bias entries, prompt bits and output counts, reset by `init_row_state` from the row init
+//!   and counts bumped by the sampler itself, so the host stays off the path between steps).
+//!   Rows with logprobs, a min_tokens mask longer than `MASK_CAP` or more state than one step's
+//!   staging holds run on the host (`RowSampler`, the CPU backend's sampler) in
+//!   `finalize_sampling`, which then synchronises the stream for that step (`meta::RowPlan`).
 //! - Decode-only steps of up to the largest bucket replay a captured graph (`graphs`), padded
 //!   to the bucket with rows that read nothing and write their KV into a reserved scratch
 //!   block; everything else (prefill chunks, larger batches, `--enforce-eager`) runs eagerly.
@@ -46,7 +46,7 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context};
 use harrier_kernels::cudarc::driver::{result as dr, sys, CudaContext};
-use harrier_kernels::{Dtype, Kernels, RowParams, MASK_CAP};
+use harrier_kernels::{Dtype, Kernels, RowParams, SamplerState, LOGIT_BIAS_CAP, MASK_CAP};
 use harrier_shared::protocol::{TokenId, TokenLogprobs};
 
 use super::{ExecCounters, ExecError, Executor, InFlightStep, LaunchHandle};
@@ -186,9 +186,10 @@ pub struct CudaExecutorConfig {
     pub dtype: Dtype,
 }
 
-/// Prompt and output tokens of penalty rows one step can stage for `init_penalty_rows`
-/// (1 MiB of pinned memory per slot); a row init that does not fit samples on the host.
-const PENALTY_TOKENS_PER_STEP: usize = 1 << 18;
+/// Words of row state (penalty rows' prompt and output tokens, logit_bias pairs) one step can
+/// stage for `init_row_state` (1 MiB of pinned memory per slot); a row init that does not fit
+/// samples on the host.
+const ROW_STATE_WORDS_PER_STEP: usize = 1 << 18;
 
 /// Device memory set aside per captured graph when sizing the KV cache (the graphs are
 /// captured after the KV cache exists, since they embed its address). Start-up measures the
@@ -206,9 +207,9 @@ struct Slot {
     /// Host-sampled tokens (row, token) uploaded to the rows' pending slots.
     host_tok_h: HostBuf<i32>,
     host_tok_d: DevBuf,
-    /// Penalty row inits: `[rows (max_rows) | offsets (2 max_rows + 1) | tokens]`.
-    pen_h: HostBuf<i32>,
-    pen_d: DevBuf,
+    /// Row-state inits (`meta::stage_row_state`): `[rows | offsets (3 max_rows + 1) | data]`.
+    state_h: HostBuf<i32>,
+    state_d: DevBuf,
     step_start: sys::CUevent,
     step_done: sys::CUevent,
     copy_done: sys::CUevent,
@@ -239,9 +240,12 @@ pub struct CudaExecutor {
     pending_d: DevBuf,
     /// Per-row block tables, `[max_rows + 1, max_blocks_per_seq]` (the last row: padding).
     row_bt_d: DevBuf,
-    /// Penalty state: u16 output counts `[max_rows, vocab]`, prompt bits `[max_rows, words]`.
+    /// Per-row sampling state (`SamplerState`): u16 output counts `[max_rows, vocab]`, prompt
+    /// bits `[max_rows, words]`, logit_bias ids and values `[max_rows, LOGIT_BIAS_CAP]`.
     pen_counts_d: DevBuf,
     pen_seen_d: DevBuf,
+    bias_ids_d: DevBuf,
+    bias_vals_d: DevBuf,
     slots: Vec<Slot>,
     /// Per-row scratch of `meta::validate` (all zero between calls).
     row_marks: Vec<u8>,
@@ -358,6 +362,8 @@ impl CudaExecutor {
         let row_bt_d = DevBuf::new((max_rows + 1) * caps.max_blocks_per_seq * 4)?;
         let pen_counts_d = DevBuf::new(scratch_sizes.penalty_counts)?;
         let pen_seen_d = DevBuf::new(scratch_sizes.penalty_seen)?;
+        let bias_ids_d = DevBuf::new(max_rows * LOGIT_BIAS_CAP * 4)?;
+        let bias_vals_d = DevBuf::new(max_rows * LOGIT_BIAS_CAP * 4)?;
         // SAFETY: fresh allocations of those sizes; zeroed on the compute stream.
         unsafe {
             ck(
@@ -384,8 +390,8 @@ impl CudaExecutor {
                 out_h: HostBuf::new(max_rows)?,
                 host_tok_h: HostBuf::new(2 * max_rows)?,
                 host_tok_d: DevBuf::new(2 * max_rows * 4)?,
-                pen_h: HostBuf::new(3 * max_rows + 1 + PENALTY_TOKENS_PER_STEP)?,
-                pen_d: DevBuf::new((3 * max_rows + 1 + PENALTY_TOKENS_PER_STEP) * 4)?,
+                state_h: HostBuf::new(4 * max_rows + 1 + ROW_STATE_WORDS_PER_STEP)?,
+                state_d: DevBuf::new((4 * max_rows + 1 + ROW_STATE_WORDS_PER_STEP) * 4)?,
                 step_start: new_event(true)?,
                 step_done: new_event(true)?,
                 copy_done: new_event(false)?,
@@ -465,6 +471,8 @@ impl CudaExecutor {
             row_bt_d,
             pen_counts_d,
             pen_seen_d,
+            bias_ids_d,
+            bias_vals_d,
             slots,
             row_marks: vec![0; max_rows],
             buckets,
@@ -613,6 +621,16 @@ impl CudaExecutor {
         self.model.blas.use_gemv = on;
     }
 
+    /// The device addresses of the per-row sampling state.
+    fn sampler_state(&self) -> SamplerState {
+        SamplerState {
+            counts: self.pen_counts_d.ptr,
+            seen: self.pen_seen_d.ptr,
+            bias_ids: self.bias_ids_d.ptr,
+            bias_vals: self.bias_vals_d.ptr,
+        }
+    }
+
     /// Whether `tokens` single-split per-token attention rows use the grouped kernel.
     fn grouped_attention_for(&self, tokens: usize) -> bool {
         let c = &self.model.config;
@@ -699,23 +717,15 @@ impl CudaExecutor {
         ck(self.ctx.bind_to_thread(), "bind")?;
         let caps = self.caps;
         let l = self.layout;
-        // Row (re)initialisations: host mirror, device parameters, device penalty state.
+        // Row (re)initialisations: host mirror, device parameters, device row state.
         let mut n_inits = 0;
-        let (mut n_pen, mut pen_tokens) = (0usize, 0usize);
+        let (mut n_state, mut state_words) = (0usize, 0usize);
         let max_rows = caps.max_seqs;
-        let pen_base = 3 * max_rows + 1;
+        let state_base = 4 * max_rows + 1;
         for init in &batch.row_inits {
             let p = &init.sampling;
-            let penalties = p.repetition_penalty != 1.0
-                || p.frequency_penalty != 0.0
-                || p.presence_penalty != 0.0;
-            let need = init.prompt.len() + init.output.len();
-            let staged = penalties && pen_tokens + need <= PENALTY_TOKENS_PER_STEP;
-            let host = (penalties && !staged)
-                || p.logprobs.is_some()
-                || !p.logit_bias.is_empty()
-                || init.min_tokens_mask.len() > MASK_CAP;
-            let on_device_penalties = staged && !host;
+            let plan = meta::RowPlan::new(init, ROW_STATE_WORDS_PER_STEP - state_words);
+            let host = plan.host;
             let mut rp = RowParams {
                 temperature: if p.is_greedy() { 0.0 } else { p.temperature },
                 top_p: p.top_p,
@@ -726,7 +736,8 @@ impl CudaExecutor {
                 generated: init.output.len() as u32,
                 min_tokens: p.min_tokens,
                 host_sampled: host as i32,
-                penalties: on_device_penalties as i32,
+                penalties: plan.penalties as i32,
+                n_bias: plan.bias as i32,
                 repetition_penalty: p.repetition_penalty,
                 frequency_penalty: p.frequency_penalty,
                 presence_penalty: p.presence_penalty,
@@ -740,10 +751,17 @@ impl CudaExecutor {
             s.inits_h.as_mut_slice()[n_inits] = rp;
             s.meta_h.as_mut_slice()[l.init_rows + n_inits] = init.row.0 as i32;
             n_inits += 1;
-            if on_device_penalties {
-                meta::stage_penalty_row(s.pen_h.as_mut_slice(), max_rows, n_pen, pen_tokens, init);
-                n_pen += 1;
-                pen_tokens += need;
+            if plan.penalties || plan.bias > 0 {
+                meta::stage_row_state(
+                    s.state_h.as_mut_slice(),
+                    max_rows,
+                    n_state,
+                    state_words,
+                    init,
+                    &plan,
+                );
+                n_state += 1;
+                state_words += plan.words;
             }
             self.rows[init.row.0 as usize] =
                 Some(HostRow::new(host.then(|| RowSampler::new(init))));
@@ -823,24 +841,23 @@ impl CudaExecutor {
                     "prefill tiles H2D",
                 )?;
             }
-            if n_pen > 0 {
+            if n_state > 0 {
                 ck(
                     dr::memcpy_htod_async(
-                        s.pen_d.ptr,
-                        &s.pen_h.as_slice()[..pen_base + pen_tokens],
+                        s.state_d.ptr,
+                        &s.state_h.as_slice()[..state_base + state_words],
                         st,
                     ),
-                    "penalty rows H2D",
+                    "row state H2D",
                 )?;
-                self.kernels.init_penalty_rows(
+                self.kernels.init_row_state(
                     st,
-                    self.pen_counts_d.ptr,
-                    self.pen_seen_d.ptr,
+                    self.sampler_state(),
                     self.model.config.vocab_size as i32,
-                    s.pen_d.ptr,
-                    s.pen_d.at(max_rows * 4),
-                    s.pen_d.at(pen_base * 4),
-                    n_pen as u32,
+                    s.state_d.ptr,
+                    s.state_d.at(max_rows * 4),
+                    s.state_d.at(state_base * 4),
+                    n_state as u32,
                 )?;
             }
             if let Some((i, size)) = graph {
@@ -886,6 +903,7 @@ impl CudaExecutor {
         let l = self.layout;
         let st = self.compute;
         let vocab = self.model.config.vocab_size;
+        let state = self.sampler_state();
         let s = &mut self.slots[slot];
         // SAFETY: device addresses are our allocations; sizes within capacities.
         unsafe {
@@ -897,7 +915,7 @@ impl CudaExecutor {
                 self.rows_d.ptr,
                 s.out_d.ptr,
                 self.pending_d.ptr,
-                (self.pen_counts_d.ptr, self.pen_seen_d.ptr),
+                state,
                 s.n_samples as u32,
             )?;
             if !s.host_samples.is_empty() {

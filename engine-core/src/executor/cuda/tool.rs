@@ -4,16 +4,17 @@
 //! - `parity --model DIR --prompts FILE --steps N --out DIR`: greedy decode of every prompt
 //!   (all prompts in one batch), writing `tokens.json` and `logits.bin` (f32 [prompt][step][vocab]).
 //! - `check-attention [--cases N]`: the paged attention kernel, with one split and with 1-32
-//!   splits, the tiled prefill kernel (with the per-token kernel over the tokens its tiles
-//!   leave, as the executor runs them) and the grouped (per KV head) kernel, against an f64
+//!   splits, the tiled prefill kernel (with the per-head or the grouped kernel over the tokens
+//!   its tiles leave, through a token list, as the executor runs them) and the grouped (per KV
+//!   head) kernel over every token, against an f64
 //!   reference on fresh random inputs (random lengths, chunk sizes, shuffled
 //!   block tables, GQA groups 1, 2, 3, 4, 6, 8, head dims 64 and 128, sliding windows, padding rows, random split
 //!   sizes and counts), outputs and partials poisoned with NaN before each launch.
 //! - `check-sampling --model DIR`: the GPU sampler's distribution (temperature, top-k, top-p,
 //!   min-p) against the probabilities computed on the host from the same logits: 2,048 seeded
 //!   draws per setting, chi-square at p = 0.001, and no draw outside the kept set.
-//! - `check-penalties --model DIR`: repetition/frequency/presence penalties applied on the
-//!   device against the same rows sampled on the host (`RowSampler`, the CPU backend's
+//! - `check-penalties --model DIR`: logit_bias and repetition/frequency/presence penalties
+//!   applied on the device against the same rows sampled on the host (`RowSampler`, the CPU backend's
 //!   sampler; logprobs send a row there) in one batch: greedy rows must give identical tokens,
 //!   seeded rows identical up to numeric ties; then every row is re-initialised as a resumed
 //!   request (prompt + its outputs recomputed, outputs counted again) and decodes on.
@@ -700,24 +701,45 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             } else {
                 (0, t)
             };
-            k.paged_attention(
-                stream,
-                d_out_tiled,
-                d_part,
-                1,
-                d_q,
-                q_stride as i32,
-                (d_k, d_v),
-                d_ts,
-                d_pos,
-                d_bt,
-                bt_stride as i32,
-                dims,
-                scale,
-                window,
-                l_ptr,
-                l_n as u32,
-            )?;
+            // The tokens the tiles leave: per-head kernel in even cases, grouped in odd ones
+            // (the executor picks either for them by count).
+            if case % 2 == 0 {
+                k.paged_attention(
+                    stream,
+                    d_out_tiled,
+                    d_part,
+                    1,
+                    d_q,
+                    q_stride as i32,
+                    (d_k, d_v),
+                    d_ts,
+                    d_pos,
+                    d_bt,
+                    bt_stride as i32,
+                    dims,
+                    scale,
+                    window,
+                    l_ptr,
+                    l_n as u32,
+                )?;
+            } else {
+                k.paged_attention_gqa(
+                    stream,
+                    d_out_tiled,
+                    d_q,
+                    q_stride as i32,
+                    (d_k, d_v),
+                    d_ts,
+                    d_pos,
+                    d_bt,
+                    bt_stride as i32,
+                    dims,
+                    scale,
+                    window,
+                    l_ptr,
+                    l_n as u32,
+                )?;
+            }
             k.paged_attention_gqa(
                 stream,
                 d_out_grouped,
@@ -1034,13 +1056,27 @@ fn check_penalties(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let vocab = dir.config.vocab_size as u64;
     let steps: usize = a.get("steps").map(|s| s.parse()).transpose()?.unwrap_or(48);
     let mut rng = SplitMix64(11);
-    // Prompts with repeats (a few tokens drawn from a small set), 8 settings.
-    let settings: Vec<SamplingParams> = (0..8)
+    // Prompts with repeats (a few tokens drawn from a small set); 12 settings, greedy and
+    // seeded: 8 with penalties, 4 with logit_bias (40 random tokens at +4, +1.5 or -100), two
+    // of them with a repetition penalty too.
+    let settings: Vec<SamplingParams> = (0..12)
         .map(|i| SamplingParams {
             temperature: if i % 2 == 0 { 0.0 } else { 0.9 },
-            repetition_penalty: [1.3, 1.0, 0.8, 1.5][i / 2],
-            frequency_penalty: [0.0, 0.7, 0.3, -0.4][i / 2],
-            presence_penalty: [0.0, 0.5, 0.0, 0.6][i / 2],
+            repetition_penalty: [1.3, 1.0, 0.8, 1.5, 1.0, 1.2][i / 2],
+            frequency_penalty: [0.0, 0.7, 0.3, -0.4, 0.0, 0.0][i / 2],
+            presence_penalty: [0.0, 0.5, 0.0, 0.6, 0.0, 0.0][i / 2],
+            logit_bias: if i >= 8 {
+                (0..40)
+                    .map(|j| {
+                        let t = rng.below(vocab) as u32;
+                        (t, [4.0, 1.5, -100.0][j % 3])
+                    })
+                    .collect::<std::collections::BTreeMap<_, _>>()
+                    .into_iter()
+                    .collect()
+            } else {
+                Vec::new()
+            },
             max_tokens: steps as u32 + 32,
             ..SamplingParams::default()
         })
@@ -1074,6 +1110,7 @@ fn check_penalties(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 repetition_penalty: 1.0,
                 frequency_penalty: 0.0,
                 presence_penalty: 0.0,
+                logit_bias: Vec::new(),
                 ..p
             },
         }
@@ -1119,8 +1156,8 @@ fn check_penalties(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let mut b = d.prefill(&resumed, &SamplingParams::greedy(1));
     fix_inits(&mut b, &tokens);
     run(&mut d, b, steps / 2, &mut tokens)?;
-    println!("| setting | rep | freq | pres | device == host | first difference | differs from no penalties |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| setting | rep | freq | pres | logit_bias | device == host | first difference | differs from no penalties/bias |");
+    println!("|---|---|---|---|---|---|---|---|");
     let (mut greedy_bad, mut seeded_bad, mut no_effect) = (0, 0, 0);
     for i in 0..n {
         let (dev, host, plain) = (&tokens[i], &tokens[n + i], &tokens[2 * n + i]);
@@ -1138,7 +1175,7 @@ fn check_penalties(a: &HashMap<String, String>) -> anyhow::Result<()> {
             no_effect += 1;
         }
         println!(
-            "| {} | {} | {} | {} | {same} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {same} | {} | {} |",
             if p.temperature == 0.0 {
                 "greedy"
             } else {
@@ -1147,17 +1184,18 @@ fn check_penalties(a: &HashMap<String, String>) -> anyhow::Result<()> {
             p.repetition_penalty,
             p.frequency_penalty,
             p.presence_penalty,
+            p.logit_bias.len(),
             first.map_or("-".into(), |f| f.to_string()),
             dev != plain
         );
     }
     // Greedy rows must agree exactly; a seeded row may split at a numeric tie of the inverse
-    // CDF (device and host sum probabilities in different orders): at most one of four.
+    // CDF (device and host sum probabilities in different orders): at most one of six.
     if greedy_bad > 0 || seeded_bad > 1 || no_effect == n {
-        bail!("penalty check failed: {greedy_bad} greedy and {seeded_bad} seeded rows differ from the host sampler; {no_effect} of {n} rows unaffected by penalties");
+        bail!("penalty check failed: {greedy_bad} greedy and {seeded_bad} seeded rows differ from the host sampler; {no_effect} of {n} rows unaffected by penalties or bias");
     }
     println!(
-        "device penalties match the host sampler ({} steps, resumed after {steps})",
+        "device penalties and logit_bias match the host sampler ({} steps, resumed after {steps})",
         steps + steps / 2
     );
     Ok(())
