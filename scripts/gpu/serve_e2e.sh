@@ -20,10 +20,11 @@ curl -sN http://127.0.0.1:8123/v1/chat/completions -H 'Content-Type: application
 echo "== completion (non-streaming, seeded, n=2)"
 curl -s http://127.0.0.1:8123/v1/completions -H 'Content-Type: application/json' -d '{
   "model": "harrier-e2e-1b", "prompt": "The quick brown fox", "max_tokens": 16, "n": 2, "seed": 7, "temperature": 0.8}' | tee "$OUT/completion.json" | head -c 600; echo
-echo "== completion with penalties (sampled on the device)"
+echo "== completion with penalties and logit_bias (sampled on the device; token 1000 forced)"
 curl -s http://127.0.0.1:8123/v1/completions -H 'Content-Type: application/json' -d '{
   "model": "harrier-e2e-1b", "prompt": "a a a a a a", "max_tokens": 16, "temperature": 0,
-  "frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.3}' | tee "$OUT/penalties.json" | head -c 400; echo
+  "frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.3,
+  "logit_bias": {"1000": 100}}' | tee "$OUT/penalties.json" | head -c 400; echo
 echo "== 32 concurrent streams"
 CURLS=()
 for i in $(seq 1 32); do
