@@ -631,10 +631,13 @@ impl CudaExecutor {
         }
     }
 
-    /// Whether `tokens` single-split per-token attention rows use the grouped kernel.
+    /// Whether `tokens` single-split per-token attention rows use the grouped kernel (bf16
+    /// only: the f32 model is for exactness checks, and the grouped kernel has only been
+    /// checked on the device in bf16).
     fn grouped_attention_for(&self, tokens: usize) -> bool {
         let c = &self.model.config;
-        harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
+        self.model.dtype == Dtype::Bf16
+            && harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
             && self
                 .grouped_attention
                 .unwrap_or_else(|| layout::use_grouped_attention(tokens, c.num_kv_heads))
