@@ -59,14 +59,15 @@ for st in $STAGES; do
         done
         ;;
     profile)
-        # Per-kernel GPU time of the bench's decode steps (ncu, batch 1 and 32; 40 decode
-        # steps each: 5 modes x (4 warm-up + 4)).
+        # Per-kernel GPU time of the bench's decode steps (ncu; PROFILE_BATCHES, default 1 and
+        # 32; graph replays only: 8 decode steps each, 4 warm-up + 4; the context's prefill
+        # and a 16-token prefill are in the log too).
         gen llama-3.2-1b
-        for b in 1 32; do
+        for b in ${PROFILE_BATCHES:-1 32}; do
             timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-                "$T" bench --model "$W/llama-3.2-1b" --batches $b --context 512 --steps 4 \
+                "$T" bench --model "$W/llama-3.2-1b" --batches $b --context 512 --steps 4 --modes graph-async \
                 --prefill-seqs 1 --prefill-len 16 >"$OUT/ncu_$b.csv" 2>/dev/null
-            python3 scripts/gpu/ncu_summary.py "$OUT/ncu_$b.csv" 40 "batch $b" | tee "$OUT/ncu_$b.txt"
+            python3 scripts/gpu/ncu_summary.py "$OUT/ncu_$b.csv" 8 "batch $b" | tee "$OUT/ncu_$b.txt"
         done
         ;;
     parity | parity32)

@@ -18,7 +18,8 @@
 //!   sampler; logprobs send a row there) in one batch: greedy rows must give identical tokens,
 //!   seeded rows identical up to numeric ties; then every row is re-initialised as a resumed
 //!   request (prompt + its outputs recomputed, outputs counted again) and decodes on.
-//! - `bench --model DIR [--batches 1,8,32,128] [--context 512] [--steps 64] [--json FILE]`:
+//! - `bench --model DIR [--batches 1,8,32,128] [--context 512] [--steps 64] [--modes M,..]
+//!   [--json FILE]`:
 //!   copy bandwidth, bf16 GEMM rate, decode step time (CUDA graphs and eager, each pipelined
 //!   and synchronous, GPU idle gap between steps), graph capture time and memory, prefill
 //!   tokens/s (8 x 2048).
@@ -382,6 +383,10 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         rng ^= rng << 17;
         (rng % v as u64) as u32
     };
+    // `--modes graph-async,eager-async`: only those (e.g. for a profile of one mode).
+    let only_modes: Option<Vec<String>> = a
+        .get("modes")
+        .map(|m| m.split(',').map(str::to_string).collect());
     for &bsz in &batches {
         let prompts: Vec<Vec<u32>> = (0..bsz)
             .map(|_| (0..context).map(|_| rand_tok(mc.vocab_size)).collect())
@@ -407,6 +412,20 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
             if !gemv && bsz > 1 {
                 continue;
             }
+            let tag = format!(
+                "{}-{}{}{}",
+                if graphs { "graph" } else { "eager" },
+                if pipelined { "async" } else { "sync" },
+                if gemv { "" } else { "-cublas" },
+                match (split, grouped) {
+                    (true, _) => "",
+                    (false, Some(true)) => "-grouped-attn",
+                    (false, _) => "-per-head-attn",
+                }
+            );
+            if only_modes.as_ref().is_some_and(|m| !m.contains(&tag)) {
+                continue;
+            }
             d.exec.use_graphs = graphs;
             d.exec.set_custom_gemv(gemv);
             d.exec.split_decode_attention = split;
@@ -422,17 +441,6 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
             let gpu = median(&mut d.exec.gaps.step_ms.clone());
             let avg_ctx = d.lens.iter().map(|&l| l as f64).sum::<f64>() / d.lens.len() as f64;
             let floor_ms = (wbytes + bsz as f64 * avg_ctx * kv_tok) / bw * 1e3;
-            let tag = format!(
-                "{}-{}{}{}",
-                if graphs { "graph" } else { "eager" },
-                if pipelined { "async" } else { "sync" },
-                if gemv { "" } else { "-cublas" },
-                match (split, grouped) {
-                    (true, _) => "",
-                    (false, Some(true)) => "-grouped-attn",
-                    (false, _) => "-per-head-attn",
-                }
-            );
             eprintln!(
                 "decode batch {bsz:>4} {tag:>24}: {ms:7.3} ms/step wall, GPU {gpu:7.3} ms, idle gap {gap:6.3} ms, {:9.1} tok/s, floor {floor_ms:6.3} ms ({:.0}% of floor speed)",
                 bsz as f64 / (ms / 1e3),
