@@ -377,6 +377,145 @@ extern "C" __global__ void paged_attention(elem* out, float* part, int n_splits,
     }
 }
 
+// Decode attention with the G = nh / nkv query heads of a KV head together: block (x, kh) takes
+// token t = tok_list ? tok_list[x] : x and its G heads kh * G .. kh * G + G - 1, so each key's
+// K and V rows are read once per group instead of once per head (large decode batches are
+// bound by that traffic). GQA_WARPS warps take 32-key tiles round-robin: a lane scores its key
+// against the G queries (in shared memory), the warp runs G online softmaxes, then the lanes
+// split head_dim (NV = hd / 32 values each) and accumulate P V for the G heads from one V row
+// load per key; warps merge at the end. No context splits. Same semantics as paged_attention
+// (causal, sliding window, position -1 writes zeros, P rounded to the storage type).
+#define GQA_WARPS 8
+#define GQA_MAX_ELEMS 1024  // G * hd
+
+template <int G, int NV>
+__device__ __forceinline__ void gqa_attention(elem* out, const elem* q, int q_stride, const elem* k_cache,
+                                              const elem* v_cache, const int* tok_row, const int* positions,
+                                              const int* block_tables, int bt_stride, int nh, int nkv,
+                                              int block_size, float scale, int window, const int* tok_list, float* sq,
+                                              float* sm_m, float* sm_l, float* sm_acc) {
+    constexpr int HD = NV * 32;
+    const int t = tok_list ? tok_list[blockIdx.x] : blockIdx.x, kh = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int pos = positions[t];
+    const int row = tok_row[t];
+    const elem* qp = q + (size_t)t * q_stride + (size_t)kh * G * HD;
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) sq[i] = e2f(qp[i]) * scale;
+    elem* o = out + ((size_t)t * nh + (size_t)kh * G) * HD;
+    if (pos < 0) {  // graph padding row
+        for (int i = threadIdx.x; i < G * HD; i += blockDim.x) o[i] = f2e(0.0f);
+        return;
+    }
+    const int start = window > 0 ? max(0, pos - window + 1) : 0;
+    const int n_tiles = (pos - start + 32) >> 5;
+    const int* bt = block_tables + (size_t)row * bt_stride;
+    __syncthreads();
+    float acc[G][NV];
+    float m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NV; j++) acc[g][j] = 0.0f;
+    }
+    for (int tile = warp; tile < n_tiles; tile += GQA_WARPS) {
+        int p = start + tile * 32 + lane;
+        bool valid = p <= pos;
+        int slot = valid ? bt[p / block_size] * block_size + p % block_size : 0;
+        float sc[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) sc[g] = 0.0f;
+        if (valid) {
+            const elem* kp = k_cache + ((size_t)slot * nkv + kh) * HD;
+#pragma unroll 4
+            for (int c = 0; c < HD / 8; c++) {
+                float kv[8];
+                load_elems(kp + c * 8, 8, kv);
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const float* qc = sq + g * HD + c * 8;
+                    sc[g] += qc[0] * kv[0] + qc[1] * kv[1] + qc[2] * kv[2] + qc[3] * kv[3] + qc[4] * kv[4] +
+                             qc[5] * kv[5] + qc[6] * kv[6] + qc[7] * kv[7];
+                }
+            }
+        }
+        float pv[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            // Lane 0's key is always valid: every tile max is finite.
+            float mn = fmaxf(m[g], warp_max(valid ? sc[g] : NEG_INF));
+            float corr = __expf(m[g] - mn);
+            float pe = valid ? __expf(sc[g] - mn) : 0.0f;
+            l[g] = l[g] * corr + warp_sum(pe);
+#pragma unroll
+            for (int j = 0; j < NV; j++) acc[g][j] *= corr;
+            m[g] = mn;
+            pv[g] = rnd(pe);
+        }
+        int slot0 = __shfl_sync(0xffffffffu, slot, 0);
+        int vslot = valid ? slot : slot0;
+#pragma unroll 8
+        for (int i = 0; i < 32; i++) {
+            int si = __shfl_sync(0xffffffffu, vslot, i);
+            float v[NV];
+            load_elems(v_cache + ((size_t)si * nkv + kh) * HD + lane * NV, NV, v);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                float w = __shfl_sync(0xffffffffu, pv[g], i);
+#pragma unroll
+                for (int j = 0; j < NV; j++) acc[g][j] += w * v[j];
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        if (lane == 0) {
+            sm_m[warp * G + g] = m[g];
+            sm_l[warp * G + g] = l[g];
+        }
+#pragma unroll
+        for (int j = 0; j < NV; j++) sm_acc[warp * G * HD + g * HD + lane * NV + j] = acc[g][j];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+        int g = i / HD;
+        float M = NEG_INF;
+        for (int w = 0; w < GQA_WARPS; w++)
+            if (sm_l[w * G + g] > 0.0f) M = fmaxf(M, sm_m[w * G + g]);
+        float L = 0.0f, v = 0.0f;
+        for (int w = 0; w < GQA_WARPS; w++) {
+            if (sm_l[w * G + g] > 0.0f) {
+                float e = __expf(sm_m[w * G + g] - M);
+                L += sm_l[w * G + g] * e;
+                v += sm_acc[w * G * HD + i] * e;
+            }
+        }
+        o[i] = f2e(L > 0.0f ? v / L : 0.0f);
+    }
+}
+
+// At most 128 registers (two blocks per SM): without the bound the largest instances set the
+// whole kernel's count to 151, one block per SM, and batch-256 decode lost a third.
+extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_gqa(elem* out, const elem* q, int q_stride, const elem* k_cache,
+                                               const elem* v_cache, const int* tok_row, const int* positions,
+                                               const int* block_tables, int bt_stride, int nh, int nkv, int hd,
+                                               int block_size, float scale, int window, const int* tok_list) {
+    __shared__ float sq[GQA_MAX_ELEMS];
+    __shared__ float sm_m[GQA_WARPS * 8], sm_l[GQA_WARPS * 8];
+    __shared__ float sm_acc[GQA_WARPS * GQA_MAX_ELEMS];
+    int G = nh / nkv, nv = hd >> 5;
+#define GQA_CASE(g, n)                                                                                            \
+    if (G == g && nv == n) {                                                                                      \
+        gqa_attention<g, n>(out, q, q_stride, k_cache, v_cache, tok_row, positions, block_tables, bt_stride, nh, \
+                            nkv, block_size, scale, window, tok_list, sq, sm_m, sm_l, sm_acc);                    \
+        return;                                                                                                   \
+    }
+    GQA_CASE(1, 2) GQA_CASE(1, 4) GQA_CASE(2, 2) GQA_CASE(2, 4) GQA_CASE(3, 2) GQA_CASE(3, 4) GQA_CASE(4, 2)
+    GQA_CASE(4, 4) GQA_CASE(6, 2) GQA_CASE(6, 4) GQA_CASE(8, 2) GQA_CASE(8, 4)
+#undef GQA_CASE
+}
+
 // Merges paged_attention's splits of token t, head h (block (t, h)), in split order;
 // splits with no keys (sum 0) are skipped.
 extern "C" __global__ void attention_combine(elem* out, const float* part, int n_splits, int nh, int hd) {
@@ -427,35 +566,6 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Keys kb .. kb + PF_KT - 1 (those <= last; the rest zero) of KV head kh into shared memory: K
-// rows as they are, V transposed (sVt[dim][key], the B operand layout of P V). Synchronises
-// before (the previous tile is consumed) and after.
-template <int HD>
-__device__ __forceinline__ void load_kv_tile(const bf16* k_cache, const bf16* v_cache, const int* bt, int block_size,
-                                             int nkv, int kh, int kb, int last, bf16 (*sK)[PF_MAX_HD + 8],
-                                             bf16 (*sVt)[PF_KT + 8], int* sSlot) {
-    __syncthreads();
-    if (threadIdx.x < PF_KT) {
-        int p = kb + threadIdx.x;
-        sSlot[threadIdx.x] = p <= last ? bt[p / block_size] * block_size + p % block_size : -1;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < PF_KT * (HD / 8); i += blockDim.x) {
-        int key = i / (HD / 8), c = (i % (HD / 8)) * 8;
-        int slot = sSlot[key];
-        uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
-        if (slot >= 0) {
-            kv = *(const uint4*)(k_cache + ((size_t)slot * nkv + kh) * HD + c);
-            vv = *(const uint4*)(v_cache + ((size_t)slot * nkv + kh) * HD + c);
-        }
-        *(uint4*)&sK[key][c] = kv;
-        const bf16* vp = (const bf16*)&vv;
-#pragma unroll
-        for (int j = 0; j < 8; j++) sVt[c + j][key] = vp[j];
-    }
-    __syncthreads();
-}
-
 template <int HD>
 __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q, int q_stride, const bf16* k_cache,
                                                        const bf16* v_cache, const int* tiles, const int* tok_row,
@@ -496,7 +606,26 @@ __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q,
     float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
     const int kstart = window > 0 ? max(0, pos0 - window + 1) : 0;
     for (int kb = kstart; kb <= last; kb += PF_KT) {
-        load_kv_tile<HD>(k_cache, v_cache, bt, block_size, nkv, kh, kb, last, sK, sVt, sSlot);
+        __syncthreads();  // the previous tile is consumed
+        if (threadIdx.x < PF_KT) {
+            int p = kb + threadIdx.x;
+            sSlot[threadIdx.x] = p <= last ? bt[p / block_size] * block_size + p % block_size : -1;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < PF_KT * (HD / 8); i += blockDim.x) {
+            int key = i / (HD / 8), c = (i % (HD / 8)) * 8;
+            int slot = sSlot[key];
+            uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
+            if (slot >= 0) {
+                kv = *(const uint4*)(k_cache + ((size_t)slot * nkv + kh) * HD + c);
+                vv = *(const uint4*)(v_cache + ((size_t)slot * nkv + kh) * HD + c);
+            }
+            *(uint4*)&sK[key][c] = kv;
+            const bf16* vp = (const bf16*)&vv;
+#pragma unroll
+            for (int j = 0; j < 8; j++) sVt[c + j][key] = vp[j];
+        }
+        __syncthreads();
         // Warp-uniform skips: no queries, or every key after the warp's last query, or (window)
         // every key before its first query's window.
         if (!warp_active || kb > warp_last) continue;
@@ -596,182 +725,6 @@ extern "C" __global__ void prefill_attention(bf16* out, const bf16* q, int q_str
     else
         prefill_attention_tile<128>(out, q, q_stride, k_cache, v_cache, tiles, tok_row, positions, block_tables,
                                     bt_stride, nh, nkv, block_size, scale, window, sK, sVt, sSlot);
-}
-// Decode attention with the G = nh / nkv (<= 16) query heads of a KV head together, on tensor
-// cores: block (x, kh) takes token t = tok_list ? tok_list[x] : x; the mma rows are its G heads
-// (kh * G .. + G - 1; rows past G are zero), so each K/V row is read once per group instead of
-// once per head. The block stages 64-key K/V tiles in shared memory (load_kv_tile); warp w
-// scores keys 16w .. 16w + 15 of each tile against the G queries (mma), keeps its own online
-// softmax per row, and accumulates P V (P rounded to bf16) with mma; the warps' (max, sum, acc)
-// merge at the end. Causal up to the token's position, sliding window, position -1 writes
-// zeros; no context splits (large decode batches, where K/V traffic rules).
-// Measured on the H200 (1B, batch 256, context 512): 161 us per layer with the CUDA-core
-// version (lane per key, G dot products per lane, warp shuffles to broadcast P) at 40% of the
-// copy bandwidth.
-template <int HD>
-__device__ __forceinline__ void gqa_attention_tile(bf16* out, const bf16* q, int q_stride, const bf16* k_cache,
-                                                   const bf16* v_cache, const int* tok_row, const int* positions,
-                                                   const int* block_tables, int bt_stride, int nh, int nkv,
-                                                   int block_size, float scale, int window, const int* tok_list,
-                                                   bf16 (*sK)[PF_MAX_HD + 8], bf16 (*sVt)[PF_KT + 8], int* sSlot,
-                                                   float* sMerge) {
-    const int t = tok_list ? tok_list[blockIdx.x] : blockIdx.x, kh = blockIdx.y;
-    const int G = nh / nkv;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, tg = lane & 3;
-    const int pos = positions[t];
-    bf16* o_out = out + ((size_t)t * nh + (size_t)kh * G) * HD;
-    if (pos < 0) {  // graph padding row
-        for (int i = threadIdx.x; i < G * HD; i += blockDim.x) o_out[i] = f2bf(0.0f);
-        return;
-    }
-    const int* bt = block_tables + (size_t)tok_row[t] * bt_stride;
-    const bool va = g < G, vb = g + 8 < G;  // this lane's rows g and g + 8
-    u32 qf[HD / 16][4];
-    {
-        const bf16* qh = q + (size_t)t * q_stride + (size_t)kh * G * HD;
-        const bf16* ra = qh + (size_t)(va ? g : 0) * HD;
-        const bf16* rb = qh + (size_t)(vb ? g + 8 : 0) * HD;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            int c = kk * 16 + tg * 2;
-            qf[kk][0] = va ? *(const u32*)(ra + c) : 0u;
-            qf[kk][1] = vb ? *(const u32*)(rb + c) : 0u;
-            qf[kk][2] = va ? *(const u32*)(ra + c + 8) : 0u;
-            qf[kk][3] = vb ? *(const u32*)(rb + c + 8) : 0u;
-        }
-    }
-    float o[HD / 8][4];
-#pragma unroll
-    for (int i = 0; i < HD / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-    float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
-    const int kstart = window > 0 ? max(0, pos - window + 1) : 0;
-    for (int kb = kstart; kb <= pos; kb += PF_KT) {
-        load_kv_tile<HD>(k_cache, v_cache, bt, block_size, nkv, kh, kb, pos, sK, sVt, sSlot);
-        const int k0 = warp * 16;  // this warp's keys in the tile
-        if (kb + k0 > pos) continue;
-        float sc[2][4];
-#pragma unroll
-        for (int nb = 0; nb < 2; nb++) {
-            sc[nb][0] = sc[nb][1] = sc[nb][2] = sc[nb][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++) {
-                const bf16* kr = &sK[k0 + nb * 8 + g][kk * 16 + tg * 2];
-                mma_bf16(sc[nb], qf[kk], *(const u32*)kr, *(const u32*)(kr + 8));
-            }
-        }
-        float mxa = NEG_INF, mxb = NEG_INF;
-#pragma unroll
-        for (int nb = 0; nb < 2; nb++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                bool ok = kb + k0 + nb * 8 + tg * 2 + e <= pos;  // kstart bounds the window
-                float x = ok && va ? sc[nb][e] * scale : NEG_INF;
-                float y = ok && vb ? sc[nb][2 + e] * scale : NEG_INF;
-                sc[nb][e] = x;
-                sc[nb][2 + e] = y;
-                mxa = fmaxf(mxa, x);
-                mxb = fmaxf(mxb, y);
-            }
-        }
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
-        float mna = fmaxf(ma, mxa), mnb = fmaxf(mb, mxb);
-        float ca = mna == NEG_INF ? 1.0f : __expf(ma - mna);
-        float cb = mnb == NEG_INF ? 1.0f : __expf(mb - mnb);
-        float sa = 0.0f, sb = 0.0f;
-#pragma unroll
-        for (int nb = 0; nb < 2; nb++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                float x = sc[nb][e] == NEG_INF ? 0.0f : __expf(sc[nb][e] - mna);
-                float y = sc[nb][2 + e] == NEG_INF ? 0.0f : __expf(sc[nb][2 + e] - mnb);
-                sc[nb][e] = x;
-                sc[nb][2 + e] = y;
-                sa += x;
-                sb += y;
-            }
-        }
-        sa += __shfl_xor_sync(0xffffffffu, sa, 1);
-        sa += __shfl_xor_sync(0xffffffffu, sa, 2);
-        sb += __shfl_xor_sync(0xffffffffu, sb, 1);
-        sb += __shfl_xor_sync(0xffffffffu, sb, 2);
-        la = la * ca + sa;
-        lb = lb * cb + sb;
-        ma = mna;
-        mb = mnb;
-        u32 pf[4] = {pack_bf16(sc[0][0], sc[0][1]), pack_bf16(sc[0][2], sc[0][3]), pack_bf16(sc[1][0], sc[1][1]),
-                     pack_bf16(sc[1][2], sc[1][3])};
-#pragma unroll
-        for (int i = 0; i < HD / 8; i++) {
-            o[i][0] *= ca;
-            o[i][1] *= ca;
-            o[i][2] *= cb;
-            o[i][3] *= cb;
-            const bf16* vr = &sVt[i * 8 + g][k0 + tg * 2];
-            mma_bf16(o[i], pf, *(const u32*)vr, *(const u32*)(vr + 8));
-        }
-    }
-    // Merge the warps: (max, sum) per row and the rows' accumulators, in the tiles' memory.
-    __syncthreads();
-    float* sM = sMerge;                       // [PF_WARPS][16]
-    float* sL = sMerge + PF_WARPS * 16;       // [PF_WARPS][16]
-    float* sO = sMerge + 2 * PF_WARPS * 16;   // [PF_WARPS][G][HD]
-    if (tg == 0) {
-        sM[warp * 16 + g] = ma;
-        sL[warp * 16 + g] = la;
-        sM[warp * 16 + g + 8] = mb;
-        sL[warp * 16 + g + 8] = lb;
-    }
-#pragma unroll
-    for (int i = 0; i < HD / 8; i++) {
-        int d = i * 8 + tg * 2;
-        if (va) {
-            sO[((size_t)warp * G + g) * HD + d] = o[i][0];
-            sO[((size_t)warp * G + g) * HD + d + 1] = o[i][1];
-        }
-        if (vb) {
-            sO[((size_t)warp * G + g + 8) * HD + d] = o[i][2];
-            sO[((size_t)warp * G + g + 8) * HD + d + 1] = o[i][3];
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-        int r = i / HD;
-        float M = NEG_INF;
-        for (int w = 0; w < PF_WARPS; w++)
-            if (sL[w * 16 + r] > 0.0f) M = fmaxf(M, sM[w * 16 + r]);
-        float L = 0.0f, v = 0.0f;
-        for (int w = 0; w < PF_WARPS; w++) {
-            if (sL[w * 16 + r] > 0.0f) {
-                float e = __expf(sM[w * 16 + r] - M);
-                L += sL[w * 16 + r] * e;
-                v += sO[(size_t)w * G * HD + i] * e;
-            }
-        }
-        o_out[i] = f2bf(L > 0.0f ? v / L : 0.0f);
-    }
-}
-
-extern "C" __global__ void paged_attention_gqa(bf16* out, const bf16* q, int q_stride, const bf16* k_cache,
-                                               const bf16* v_cache, const int* tok_row, const int* positions,
-                                               const int* block_tables, int bt_stride, int nh, int nkv, int hd,
-                                               int block_size, float scale, int window, const int* tok_list) {
-    // The K/V tiles, then (after the last tile) the warps' partials: 4 x 16 x 128 floats at most
-    // (32 KiB) fit in the tiles' 36 KiB.
-    __shared__ __align__(16) unsigned char smem[PF_KT * (PF_MAX_HD + 8) * 2 + PF_MAX_HD * (PF_KT + 8) * 2];
-    __shared__ int sSlot[PF_KT];
-    bf16(*sK)[PF_MAX_HD + 8] = (bf16(*)[PF_MAX_HD + 8])smem;
-    bf16(*sVt)[PF_KT + 8] = (bf16(*)[PF_KT + 8])(smem + PF_KT * (PF_MAX_HD + 8) * 2);
-    float* sMerge = (float*)smem;
-    if (hd == 64)
-        gqa_attention_tile<64>(out, q, q_stride, k_cache, v_cache, tok_row, positions, block_tables, bt_stride, nh,
-                               nkv, block_size, scale, window, tok_list, sK, sVt, sSlot, sMerge);
-    else
-        gqa_attention_tile<128>(out, q, q_stride, k_cache, v_cache, tok_row, positions, block_tables, bt_stride, nh,
-                                nkv, block_size, scale, window, tok_list, sK, sVt, sSlot, sMerge);
 }
 #endif  // HARRIER_F32
 

@@ -40,7 +40,7 @@ pub const KERNELS: &[&str] = &[
 ];
 
 /// Kernels that only exist in the bf16 build.
-const BF16_ONLY: &[&str] = &["gemv_bf16", "prefill_attention", "paged_attention_gqa"];
+const BF16_ONLY: &[&str] = &["gemv_bf16", "prefill_attention"];
 
 /// Query tokens per `prefill_attention` tile (`PF_QT` in the source).
 pub const PREFILL_TILE: usize = 64;
@@ -48,13 +48,16 @@ pub const PREFILL_TILE: usize = 64;
 /// Threads of a `prefill_attention` block (`PF_WARPS` warps).
 const PREFILL_THREADS: u32 = 4 * 32;
 
-/// Threads of a `paged_attention_gqa` block (`PF_WARPS` warps, as `prefill_attention`).
-const GQA_THREADS: u32 = PREFILL_THREADS;
+/// Threads of a `paged_attention_gqa` block (`GQA_WARPS` warps).
+const GQA_THREADS: u32 = 8 * 32;
 
-/// Whether `paged_attention_gqa` handles this head layout (G = nh / nkv query heads per KV
-/// head, at most 16: the rows of one mma tile; head dim 64 or 128). bf16 only.
+/// Whether `paged_attention_gqa` has an instance for this head layout (G = nh / nkv query
+/// heads per KV head in 1, 2, 3, 4, 6, 8; head dim 64 or 128).
 pub fn gqa_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
-    nkv > 0 && nh.is_multiple_of(nkv) && nh / nkv <= 16 && (hd == 64 || hd == 128)
+    nkv > 0
+        && nh.is_multiple_of(nkv)
+        && matches!(nh / nkv, 1 | 2 | 3 | 4 | 6 | 8)
+        && (hd == 64 || hd == 128)
 }
 
 /// Whether `prefill_attention` handles head dimension `hd`.
@@ -925,9 +928,10 @@ mod tests {
         assert!(SOURCE.contains(&format!("#define BIAS_CAP {LOGIT_BIAS_CAP}")));
         assert!(BF16_ONLY.iter().all(|k| KERNELS.contains(k)));
         assert_eq!(define("PF_WARPS") * 32, PREFILL_THREADS);
+        assert_eq!(define("GQA_WARPS") * 32, GQA_THREADS);
         assert!(gqa_attention_supports(32, 8, 64) && gqa_attention_supports(16, 8, 128));
-        assert!(gqa_attention_supports(24, 8, 128) && gqa_attention_supports(40, 8, 128));
-        assert!(!gqa_attention_supports(136, 8, 128) && !gqa_attention_supports(32, 8, 256));
+        assert!(gqa_attention_supports(24, 8, 128));
+        assert!(!gqa_attention_supports(40, 8, 128) && !gqa_attention_supports(32, 8, 256));
         assert_eq!(16 * define("PF_WARPS") as usize, PREFILL_TILE);
     }
 
