@@ -385,6 +385,10 @@ extern "C" __global__ void paged_attention(elem* out, float* part, int n_splits,
 // split head_dim (NV = hd / 32 values each) and accumulate P V for the G heads from one V row
 // load per key; warps merge at the end. No context splits. Same semantics as paged_attention
 // (causal, sliding window, position -1 writes zeros, P rounded to the storage type).
+// Profile (H200, 1B, batch 256, context 512): 161 us per layer, about 40% of the copy bandwidth
+// for the K/V it reads: latency- and shuffle-bound at two blocks per SM. A tensor-core version
+// (the G heads as mma rows, 64-key K/V tiles staged in shared memory as prefill_attention
+// does, 4 warps splitting each tile) was correct but slower: 6.41 vs 5.80 ms per eager step.
 #define GQA_WARPS 8
 #define GQA_MAX_ELEMS 1024  // G * hd
 
