@@ -260,6 +260,10 @@ __device__ __forceinline__ void load_elems(const elem* p, int n, float* out) {
 // dependent V load per key; 15 us with the V loads unrolled. A variant with one block per KV
 // head scoring all G query heads per key (K/V read once per group) ran 20-40% slower: fewer,
 // longer warps. Splitting with 4-warp blocks lost to 16 warps without splits from batch 8 on.
+// Merging the splits in the last block to finish (threadfence + arrival counter, no
+// attention_combine launch) was correct but slower: 1.517 vs 1.456 ms per graph step at batch
+// 1, 1.679 vs 1.509 at batch 8 (the merge then waits on the slowest split in every block's
+// tail); not kept.
 #define ATT_WARPS 16
 extern "C" __global__ void paged_attention(elem* out, float* part, int n_splits, const elem* q, int q_stride,
                                            const elem* k_cache, const elem* v_cache, const int* tok_row,
