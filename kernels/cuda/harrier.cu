@@ -395,7 +395,7 @@ extern "C" __global__ void paged_attention(elem* out, float* part, int n_splits,
 // does, 4 warps splitting each tile) was correct but slower: 6.41 vs 5.80 ms per eager step.
 // Passing P and the slots through shared memory instead of shuffles in the P V loop changed
 // nothing measurable (5.77 vs 5.80 ms) and spilled in the G = 8 instances: not kept.
-#define GQA_WARPS 8
+#define GQA_WARPS 4
 #define GQA_MAX_ELEMS 1024  // G * hd
 
 template <int G, int NV>
@@ -465,7 +465,7 @@ __device__ __forceinline__ void gqa_attention(elem* out, const elem* q, int q_st
         }
         int slot0 = __shfl_sync(0xffffffffu, slot, 0);
         int vslot = valid ? slot : slot0;
-#pragma unroll 8
+#pragma unroll 16
         for (int i = 0; i < 32; i++) {
             int si = __shfl_sync(0xffffffffu, vslot, i);
             float v[NV];
@@ -505,9 +505,11 @@ __device__ __forceinline__ void gqa_attention(elem* out, const elem* q, int q_st
     }
 }
 
-// At most 128 registers (two blocks per SM): without the bound the largest instances set the
-// whole kernel's count to 151, one block per SM, and batch-256 decode lost a third.
-extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_gqa(elem* out, const elem* q, int q_stride, const elem* k_cache,
+// 4 warps of at most 128 registers, four blocks per SM, and 16 V loads in flight per lane:
+// 1B batch 64/128/256 = 33,229/48,718/63,606 tok/s vs 31,129/44,738/56,393 with 8 warps, two
+// blocks per SM and 8 loads (same run, H200, docs/benchmarks.md). Without a bound the largest
+// instances had set the whole kernel's count to 151 (one block per SM), which lost a third.
+extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 4) paged_attention_gqa(elem* out, const elem* q, int q_stride, const elem* k_cache,
                                                const elem* v_cache, const int* tok_row, const int* positions,
                                                const int* block_tables, int bt_stride, int nh, int nkv, int hd,
                                                int block_size, float scale, int window, const int* tok_list) {

@@ -49,7 +49,7 @@ pub const PREFILL_TILE: usize = 64;
 const PREFILL_THREADS: u32 = 4 * 32;
 
 /// Threads of a `paged_attention_gqa` block (`GQA_WARPS` warps).
-const GQA_THREADS: u32 = 8 * 32;
+const GQA_THREADS: u32 = 4 * 32;
 
 /// Whether `paged_attention_gqa` has an instance for this head layout (G = nh / nkv query
 /// heads per KV head in 1, 2, 3, 4, 6, 8; head dim 64 or 128).
