@@ -384,7 +384,8 @@ extern "C" __global__ void paged_attention(elem* out, float* part, int n_splits,
 // Decode attention with the G = nh / nkv query heads of a KV head together: block (x, kh) takes
 // token t = tok_list ? tok_list[x] : x and its G heads kh * G .. kh * G + G - 1, so each key's
 // K and V rows are read once per group instead of once per head (large decode batches are
-// bound by that traffic). GQA_WARPS warps take 32-key tiles round-robin: a lane scores its key
+// bound by that traffic). The block's warps (blockDim.x / 32, at most GQA_WARPS) take 32-key
+// tiles round-robin: a lane scores its key
 // against the G queries (in shared memory), the warp runs G online softmaxes, then the lanes
 // split head_dim (NV = hd / 32 values each) and accumulate P V for the G heads from one V row
 // load per key; warps merge at the end. No context splits. Same semantics as paged_attention
@@ -395,7 +396,7 @@ extern "C" __global__ void paged_attention(elem* out, float* part, int n_splits,
 // does, 4 warps splitting each tile) was correct but slower: 6.41 vs 5.80 ms per eager step.
 // Passing P and the slots through shared memory instead of shuffles in the P V loop changed
 // nothing measurable (5.77 vs 5.80 ms) and spilled in the G = 8 instances: not kept.
-#define GQA_WARPS 4
+#define GQA_WARPS 8
 #define GQA_MAX_ELEMS 1024  // G * hd
 
 template <int G, int NV>
@@ -429,7 +430,8 @@ __device__ __forceinline__ void gqa_attention(elem* out, const elem* q, int q_st
 #pragma unroll
         for (int j = 0; j < NV; j++) acc[g][j] = 0.0f;
     }
-    for (int tile = warp; tile < n_tiles; tile += GQA_WARPS) {
+    const int nw = blockDim.x >> 5;
+    for (int tile = warp; tile < n_tiles; tile += nw) {
         int p = start + tile * 32 + lane;
         bool valid = p <= pos;
         int slot = valid ? bt[p / block_size] * block_size + p % block_size : 0;
@@ -491,10 +493,10 @@ __device__ __forceinline__ void gqa_attention(elem* out, const elem* q, int q_st
     for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
         int g = i / HD;
         float M = NEG_INF;
-        for (int w = 0; w < GQA_WARPS; w++)
+        for (int w = 0; w < nw; w++)
             if (sm_l[w * G + g] > 0.0f) M = fmaxf(M, sm_m[w * G + g]);
         float L = 0.0f, v = 0.0f;
-        for (int w = 0; w < GQA_WARPS; w++) {
+        for (int w = 0; w < nw; w++) {
             if (sm_l[w * G + g] > 0.0f) {
                 float e = __expf(sm_m[w * G + g] - M);
                 L += sm_l[w * G + g] * e;
@@ -505,11 +507,12 @@ __device__ __forceinline__ void gqa_attention(elem* out, const elem* q, int q_st
     }
 }
 
-// 4 warps of at most 128 registers, four blocks per SM, and 16 V loads in flight per lane:
-// 1B batch 64/128/256 = 33,229/48,718/63,606 tok/s vs 31,129/44,738/56,393 with 8 warps, two
-// blocks per SM and 8 loads (same run, H200, docs/benchmarks.md). Without a bound the largest
-// instances had set the whole kernel's count to 151 (one block per SM), which lost a third.
-extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 4) paged_attention_gqa(elem* out, const elem* q, int q_stride, const elem* k_cache,
+// At most 128 registers: four 4-warp blocks per SM (the host launches 4 warps from 512 (token,
+// KV head) blocks on, 8 below: 4-warp blocks took 1B batch 64/128/256 to 33,229/48,718/63,606
+// tok/s from 31,129/44,738/56,393 in the same run on the H200, but batch 32 lost 4-5%), and 16
+// V loads in flight per lane. Without a bound the largest instances had set the whole kernel's
+// count to 151 (one block per SM), which lost a third.
+extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_gqa(elem* out, const elem* q, int q_stride, const elem* k_cache,
                                                const elem* v_cache, const int* tok_row, const int* positions,
                                                const int* block_tables, int bt_stride, int nh, int nkv, int hd,
                                                int block_size, float scale, int window, const int* tok_list) {

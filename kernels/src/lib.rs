@@ -48,8 +48,10 @@ pub const PREFILL_TILE: usize = 64;
 /// Threads of a `prefill_attention` block (`PF_WARPS` warps).
 const PREFILL_THREADS: u32 = 4 * 32;
 
-/// Threads of a `paged_attention_gqa` block (`GQA_WARPS` warps).
-const GQA_THREADS: u32 = 4 * 32;
+/// Threads of a `paged_attention_gqa` block: `GQA_WARPS` (8) warps for small grids, 4 from
+/// [`GQA_SMALL_BLOCKS_FROM`] blocks on (more, smaller blocks per SM; measured in harrier.cu).
+const GQA_THREADS: u32 = 8 * 32;
+const GQA_SMALL_BLOCKS_FROM: u32 = 512;
 
 /// Whether `paged_attention_gqa` has an instance for this head layout (G = nh / nkv query
 /// heads per KV head in 1, 2, 3, 4, 6, 8; head dim 64 or 128).
@@ -608,7 +610,11 @@ impl Kernels {
             self.launch(
                 "paged_attention_gqa",
                 (n, nkv as u32, 1),
-                GQA_THREADS,
+                if n * nkv as u32 >= GQA_SMALL_BLOCKS_FROM {
+                    GQA_THREADS / 2
+                } else {
+                    GQA_THREADS
+                },
                 s,
                 &mut p,
             )
