@@ -151,6 +151,27 @@ pub struct SamplerState {
     pub bias_vals: u64,
 }
 
+/// What every attention kernel reads and writes, whatever its plan: the output and query rows
+/// (q inside the fused qkv rows, `q_stride` apart), one layer's paged K/V cache, each token's
+/// backend row and position, the per-row block tables, and the head geometry.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionInputs {
+    pub out: u64,
+    pub q: u64,
+    pub q_stride: i32,
+    /// (K cache, V cache), `[num_blocks * block_size, nkv, hd]` each.
+    pub kv: (u64, u64),
+    pub tok_row: u64,
+    pub positions: u64,
+    pub block_tables: u64,
+    pub bt_stride: i32,
+    /// (query heads, KV heads, head dim, block size).
+    pub dims: (i32, i32, i32, i32),
+    pub scale: f32,
+    /// Sliding window in keys; 0: none.
+    pub window: i32,
+}
+
 /// Per-row sampling state on the device; mirrors `struct RowParams` in the source.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -484,37 +505,39 @@ impl Kernels {
         }
     }
 
-    /// Paged causal attention for `n` tokens, each token's context cut into up to `n_splits`
-    /// splits (of at least 4 tiles of 32 keys), merged by `attention_combine` when
-    /// `n_splits > 1` (partials in `part`: `n * nh * n_splits * (hd + 2)` floats; unused with
-    /// one split).
+    /// Paged causal attention for `n` tokens (`tok_list[i]`, or token i when `tok_list` is 0),
+    /// each token's context cut into up to `n_splits` splits (of at least 4 tiles of 32 keys),
+    /// merged by `attention_combine` when `n_splits > 1` (partials in `part`:
+    /// `n * nh * n_splits * (hd + 2)` floats; unused with one split; a token list needs one
+    /// split).
     ///
     /// # Safety
     /// Device addresses must be valid; block tables must name blocks inside the cache.
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn paged_attention(
         &self,
         s: sys::CUstream,
-        out: u64,
+        a: &AttentionInputs,
         part: u64,
         n_splits: u32,
-        q: u64,
-        q_stride: i32,
-        kv: (u64, u64),
-        tok_row: u64,
-        positions: u64,
-        block_tables: u64,
-        bt_stride: i32,
-        (nh, nkv, hd, block_size): (i32, i32, i32, i32),
-        scale: f32,
-        window: i32,
         tok_list: u64,
         n: u32,
     ) -> anyhow::Result<()> {
+        let AttentionInputs {
+            out,
+            q,
+            q_stride,
+            kv: (k_cache, v_cache),
+            tok_row,
+            positions,
+            block_tables,
+            bt_stride,
+            dims: (nh, nkv, hd, block_size),
+            scale,
+            window,
+        } = *a;
         if nkv <= 0 || nh % nkv != 0 || n_splits == 0 || (tok_list != 0 && n_splits > 1) {
             bail!("paged_attention: {nh} heads over {nkv} KV heads, {n_splits} splits, list {tok_list:#x}");
         }
-        let (k_cache, v_cache) = kv;
         let ns = n_splits as i32;
         let mut p = params![
             out,
@@ -565,28 +588,29 @@ impl Kernels {
     ///
     /// # Safety
     /// Device addresses must be valid; block tables must name blocks inside the cache.
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn paged_attention_gqa(
         &self,
         s: sys::CUstream,
-        out: u64,
-        q: u64,
-        q_stride: i32,
-        kv: (u64, u64),
-        tok_row: u64,
-        positions: u64,
-        block_tables: u64,
-        bt_stride: i32,
-        (nh, nkv, hd, block_size): (i32, i32, i32, i32),
-        scale: f32,
-        window: i32,
+        a: &AttentionInputs,
         tok_list: u64,
         n: u32,
     ) -> anyhow::Result<()> {
+        let AttentionInputs {
+            out,
+            q,
+            q_stride,
+            kv: (k_cache, v_cache),
+            tok_row,
+            positions,
+            block_tables,
+            bt_stride,
+            dims: (nh, nkv, hd, block_size),
+            scale,
+            window,
+        } = *a;
         if !gqa_attention_supports(nh as usize, nkv as usize, hd as usize) {
             bail!("paged_attention_gqa: {nh} heads over {nkv} KV heads, head dim {hd}");
         }
-        let (k_cache, v_cache) = kv;
         let mut p = params![
             out,
             q,
@@ -605,16 +629,17 @@ impl Kernels {
             window,
             tok_list
         ];
+        let threads = if n * nkv as u32 >= GQA_SMALL_BLOCKS_FROM {
+            GQA_THREADS / 2
+        } else {
+            GQA_THREADS
+        };
         // SAFETY: argument types match the kernel's.
         unsafe {
             self.launch(
                 "paged_attention_gqa",
                 (n, nkv as u32, 1),
-                if n * nkv as u32 >= GQA_SMALL_BLOCKS_FROM {
-                    GQA_THREADS / 2
-                } else {
-                    GQA_THREADS
-                },
+                threads,
                 s,
                 &mut p,
             )
@@ -628,28 +653,29 @@ impl Kernels {
     ///
     /// # Safety
     /// Device addresses must be valid; block tables must name blocks inside the cache.
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn prefill_attention(
         &self,
         s: sys::CUstream,
-        out: u64,
-        q: u64,
-        q_stride: i32,
-        kv: (u64, u64),
+        a: &AttentionInputs,
         tiles: u64,
-        tok_row: u64,
-        positions: u64,
-        block_tables: u64,
-        bt_stride: i32,
-        (nh, nkv, hd, block_size): (i32, i32, i32, i32),
-        scale: f32,
-        window: i32,
         n_tiles: u32,
     ) -> anyhow::Result<()> {
+        let AttentionInputs {
+            out,
+            q,
+            q_stride,
+            kv: (k_cache, v_cache),
+            tok_row,
+            positions,
+            block_tables,
+            bt_stride,
+            dims: (nh, nkv, hd, block_size),
+            scale,
+            window,
+        } = *a;
         if nkv <= 0 || nh % nkv != 0 || !prefill_attention_supports(hd as usize) {
             bail!("prefill_attention: {nh} heads over {nkv} KV heads, head dim {hd}");
         }
-        let (k_cache, v_cache) = kv;
         let mut p = params![
             out,
             q,

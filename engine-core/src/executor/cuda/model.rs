@@ -6,7 +6,7 @@
 use anyhow::{anyhow, bail, Context};
 use half::bf16;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
-use harrier_kernels::{Dtype, Kernels};
+use harrier_kernels::{AttentionInputs, Dtype, Kernels};
 
 use super::blas::Blas;
 use super::layout::{Capacities, ScratchSizes};
@@ -341,66 +341,38 @@ impl GpuModel {
                     vc,
                     t as u32,
                 )?;
-                let dims = (nh as i32, nkv as i32, hd as i32, self.block_size as i32);
-                if m.n_pf_tiles > 0 {
-                    k.prefill_attention(
-                        stream,
-                        s.attn.ptr,
-                        s.qkv.ptr,
-                        qkv_dim as i32,
-                        (kc, vc),
-                        m.pf_tiles,
-                        m.tok_row,
-                        m.positions,
-                        m.row_block_tables,
-                        m.bt_stride as i32,
-                        dims,
-                        scale,
-                        0,
-                        m.n_pf_tiles as u32,
-                    )?;
-                }
-                let (list, n_att) = if m.n_pf_tiles > 0 {
-                    (m.att_list, m.n_att_listed)
-                } else {
-                    (0, t)
+                let att = AttentionInputs {
+                    out: s.attn.ptr,
+                    q: s.qkv.ptr,
+                    q_stride: qkv_dim as i32,
+                    kv: (kc, vc),
+                    tok_row: m.tok_row,
+                    positions: m.positions,
+                    block_tables: m.row_block_tables,
+                    bt_stride: m.bt_stride as i32,
+                    dims: (nh as i32, nkv as i32, hd as i32, self.block_size as i32),
+                    scale,
+                    window: 0,
                 };
-                if m.grouped_attention && m.decode_splits.is_none() {
-                    k.paged_attention_gqa(
-                        stream,
-                        s.attn.ptr,
-                        s.qkv.ptr,
-                        qkv_dim as i32,
-                        (kc, vc),
-                        m.tok_row,
-                        m.positions,
-                        m.row_block_tables,
-                        m.bt_stride as i32,
-                        dims,
-                        scale,
-                        0,
-                        list,
-                        n_att as u32,
-                    )?;
+                // Prefill tiles (if any), then every other token through one per-token kernel.
+                let (list, n_att) = if m.n_pf_tiles > 0 {
+                    k.prefill_attention(stream, &att, m.pf_tiles, m.n_pf_tiles as u32)?;
+                    (m.att_list, m.n_att_listed as u32)
                 } else {
-                    k.paged_attention(
+                    (0, t as u32)
+                };
+                match m.decode_splits {
+                    None if m.grouped_attention => {
+                        k.paged_attention_gqa(stream, &att, list, n_att)?
+                    }
+                    splits => k.paged_attention(
                         stream,
-                        s.attn.ptr,
+                        &att,
                         s.attn_part.ptr,
-                        m.decode_splits.unwrap_or(1) as u32,
-                        s.qkv.ptr,
-                        qkv_dim as i32,
-                        (kc, vc),
-                        m.tok_row,
-                        m.positions,
-                        m.row_block_tables,
-                        m.bt_stride as i32,
-                        dims,
-                        scale,
-                        0,
+                        splits.unwrap_or(1) as u32,
                         list,
-                        n_att as u32,
-                    )?;
+                        n_att,
+                    )?,
                 }
                 self.blas.gemm(
                     k,

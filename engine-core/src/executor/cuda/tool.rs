@@ -665,105 +665,38 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             let d_part = dr::malloc_sync(part_bytes)?;
             dr::memset_d8_sync(d_part, 0xFF, part_bytes)?;
             let stream = dr::stream::create(dr::stream::StreamKind::NonBlocking)?;
+            // The same inputs for every kernel; only the output buffer differs.
+            let att = |out: u64| harrier_kernels::AttentionInputs {
+                out,
+                q: d_q,
+                q_stride: q_stride as i32,
+                kv: (d_k, d_v),
+                tok_row: d_ts,
+                positions: d_pos,
+                block_tables: d_bt,
+                bt_stride: bt_stride as i32,
+                dims: (nh as i32, nkv as i32, hd as i32, bs as i32),
+                scale,
+                window,
+            };
             for (d, splits) in [(d_out, 1), (d_out_dec, n_splits as u32)] {
-                k.paged_attention(
-                    stream,
-                    d,
-                    d_part,
-                    splits,
-                    d_q,
-                    q_stride as i32,
-                    (d_k, d_v),
-                    d_ts,
-                    d_pos,
-                    d_bt,
-                    bt_stride as i32,
-                    (nh as i32, nkv as i32, hd as i32, bs as i32),
-                    scale,
-                    window,
-                    0,
-                    t as u32,
-                )?;
+                k.paged_attention(stream, &att(d), d_part, splits, 0, t as u32)?;
             }
-            let dims = (nh as i32, nkv as i32, hd as i32, bs as i32);
-            if n_tiles > 0 {
-                k.prefill_attention(
-                    stream,
-                    d_out_tiled,
-                    d_q,
-                    q_stride as i32,
-                    (d_k, d_v),
-                    d_tiles,
-                    d_ts,
-                    d_pos,
-                    d_bt,
-                    bt_stride as i32,
-                    dims,
-                    scale,
-                    window,
-                    n_tiles as u32,
-                )?;
-            }
+            let tiled = att(d_out_tiled);
             let (l_ptr, l_n) = if n_tiles > 0 {
-                (d_list, list.len())
+                k.prefill_attention(stream, &tiled, d_tiles, n_tiles as u32)?;
+                (d_list, list.len() as u32)
             } else {
-                (0, t)
+                (0, t as u32)
             };
             // The tokens the tiles leave: per-head kernel in even cases, grouped in odd ones
             // (the executor picks either for them by count).
             if case % 2 == 0 {
-                k.paged_attention(
-                    stream,
-                    d_out_tiled,
-                    d_part,
-                    1,
-                    d_q,
-                    q_stride as i32,
-                    (d_k, d_v),
-                    d_ts,
-                    d_pos,
-                    d_bt,
-                    bt_stride as i32,
-                    dims,
-                    scale,
-                    window,
-                    l_ptr,
-                    l_n as u32,
-                )?;
+                k.paged_attention(stream, &tiled, d_part, 1, l_ptr, l_n)?;
             } else {
-                k.paged_attention_gqa(
-                    stream,
-                    d_out_tiled,
-                    d_q,
-                    q_stride as i32,
-                    (d_k, d_v),
-                    d_ts,
-                    d_pos,
-                    d_bt,
-                    bt_stride as i32,
-                    dims,
-                    scale,
-                    window,
-                    l_ptr,
-                    l_n as u32,
-                )?;
+                k.paged_attention_gqa(stream, &tiled, l_ptr, l_n)?;
             }
-            k.paged_attention_gqa(
-                stream,
-                d_out_grouped,
-                d_q,
-                q_stride as i32,
-                (d_k, d_v),
-                d_ts,
-                d_pos,
-                d_bt,
-                bt_stride as i32,
-                dims,
-                scale,
-                window,
-                0,
-                t as u32,
-            )?;
+            k.paged_attention_gqa(stream, &att(d_out_grouped), 0, t as u32)?;
             dr::stream::synchronize(stream)?;
             dr::memcpy_dtoh_sync(&mut out_grouped, d_out_grouped)?;
             dr::memcpy_dtoh_sync(&mut out, d_out)?;
