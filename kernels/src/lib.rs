@@ -522,42 +522,30 @@ impl Kernels {
         tok_list: u64,
         n: u32,
     ) -> anyhow::Result<()> {
-        let AttentionInputs {
-            out,
-            q,
-            q_stride,
-            kv: (k_cache, v_cache),
-            tok_row,
-            positions,
-            block_tables,
-            bt_stride,
-            dims: (nh, nkv, hd, block_size),
-            scale,
-            window,
-        } = *a;
+        let (nh, nkv, hd, _) = a.dims;
         if nkv <= 0 || nh % nkv != 0 || n_splits == 0 || (tok_list != 0 && n_splits > 1) {
             bail!("paged_attention: {nh} heads over {nkv} KV heads, {n_splits} splits, list {tok_list:#x}");
         }
         let ns = n_splits as i32;
         let mut p = params![
-            out,
+            a.out,
             part,
             ns,
-            q,
-            q_stride,
-            k_cache,
-            v_cache,
-            tok_row,
-            positions,
-            block_tables,
-            bt_stride,
-            nh,
-            nkv,
-            hd,
-            block_size,
-            scale,
-            window,
-            tok_list
+            a.q,
+            a.q_stride,
+            a.kv.0,
+            a.kv.1,
+            a.tok_row,
+            a.positions,
+            a.block_tables,
+            a.bt_stride,
+            a.dims.0,
+            a.dims.1,
+            a.dims.2,
+            a.dims.3,
+            a.scale,
+            a.window,
+            tok_list,
         ];
         // SAFETY: argument types match the kernels'.
         unsafe {
@@ -569,7 +557,7 @@ impl Kernels {
                 &mut p,
             )?;
             if n_splits > 1 {
-                let mut p = params![out, part, ns, nh, hd];
+                let mut p = params![a.out, part, ns, nh, hd];
                 self.launch(
                     "attention_combine",
                     (n, nh as u32, 1),
@@ -595,39 +583,27 @@ impl Kernels {
         tok_list: u64,
         n: u32,
     ) -> anyhow::Result<()> {
-        let AttentionInputs {
-            out,
-            q,
-            q_stride,
-            kv: (k_cache, v_cache),
-            tok_row,
-            positions,
-            block_tables,
-            bt_stride,
-            dims: (nh, nkv, hd, block_size),
-            scale,
-            window,
-        } = *a;
+        let (nh, nkv, hd, _) = a.dims;
         if !gqa_attention_supports(nh as usize, nkv as usize, hd as usize) {
             bail!("paged_attention_gqa: {nh} heads over {nkv} KV heads, head dim {hd}");
         }
         let mut p = params![
-            out,
-            q,
-            q_stride,
-            k_cache,
-            v_cache,
-            tok_row,
-            positions,
-            block_tables,
-            bt_stride,
-            nh,
-            nkv,
-            hd,
-            block_size,
-            scale,
-            window,
-            tok_list
+            a.out,
+            a.q,
+            a.q_stride,
+            a.kv.0,
+            a.kv.1,
+            a.tok_row,
+            a.positions,
+            a.block_tables,
+            a.bt_stride,
+            a.dims.0,
+            a.dims.1,
+            a.dims.2,
+            a.dims.3,
+            a.scale,
+            a.window,
+            tok_list,
         ];
         let threads = if n * nkv as u32 >= GQA_SMALL_BLOCKS_FROM {
             GQA_THREADS / 2
@@ -660,39 +636,27 @@ impl Kernels {
         tiles: u64,
         n_tiles: u32,
     ) -> anyhow::Result<()> {
-        let AttentionInputs {
-            out,
-            q,
-            q_stride,
-            kv: (k_cache, v_cache),
-            tok_row,
-            positions,
-            block_tables,
-            bt_stride,
-            dims: (nh, nkv, hd, block_size),
-            scale,
-            window,
-        } = *a;
+        let (nh, nkv, hd, _) = a.dims;
         if nkv <= 0 || nh % nkv != 0 || !prefill_attention_supports(hd as usize) {
             bail!("prefill_attention: {nh} heads over {nkv} KV heads, head dim {hd}");
         }
         let mut p = params![
-            out,
-            q,
-            q_stride,
-            k_cache,
-            v_cache,
+            a.out,
+            a.q,
+            a.q_stride,
+            a.kv.0,
+            a.kv.1,
             tiles,
-            tok_row,
-            positions,
-            block_tables,
-            bt_stride,
-            nh,
-            nkv,
-            hd,
-            block_size,
-            scale,
-            window
+            a.tok_row,
+            a.positions,
+            a.block_tables,
+            a.bt_stride,
+            a.dims.0,
+            a.dims.1,
+            a.dims.2,
+            a.dims.3,
+            a.scale,
+            a.window,
         ];
         // SAFETY: argument types match the kernel's.
         unsafe {

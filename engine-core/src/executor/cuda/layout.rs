@@ -241,6 +241,9 @@ pub struct ScratchSizes {
     /// `[max_seqs, ceil(vocab / 32)]` u32 (see `init_row_state` in harrier.cu).
     pub penalty_counts: usize,
     pub penalty_seen: usize,
+    /// logit_bias entries of every row: i32 ids and f32 values, `[max_seqs, LOGIT_BIAS_CAP]`
+    /// each (this is both).
+    pub logit_bias: usize,
 }
 
 impl ScratchSizes {
@@ -261,6 +264,7 @@ impl ScratchSizes {
             attn_part: 2 * DECODE_TARGET_BLOCKS * (m.head_dim + 2) * 4,
             penalty_counts: c.max_seqs * m.vocab_size * 2,
             penalty_seen: c.max_seqs * m.vocab_size.div_ceil(32) * 4,
+            logit_bias: 2 * c.max_seqs * harrier_kernels::LOGIT_BIAS_CAP * 4,
         }
     }
 
@@ -277,6 +281,7 @@ impl ScratchSizes {
             + self.attn_part
             + self.penalty_counts
             + self.penalty_seen
+            + self.logit_bias
     }
 }
 
@@ -459,6 +464,7 @@ mod tests {
         // Penalty state: 2 bytes per (row, token) plus one bit.
         assert_eq!(s.penalty_counts, 256 * 128_256 * 2);
         assert_eq!(s.penalty_seen, 256 * 4008 * 4);
+        assert_eq!(s.logit_bias, 2 * 256 * 1024 * 4);
         // fp32 doubles the activations, not the f32 logits, partials or penalty state.
         let s4 = ScratchSizes::new(&m, &caps, 4);
         assert_eq!(s4.gate_up, 2 * s.gate_up);

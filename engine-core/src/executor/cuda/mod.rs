@@ -46,7 +46,7 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context};
 use harrier_kernels::cudarc::driver::{result as dr, sys, CudaContext};
-use harrier_kernels::{Dtype, Kernels, RowParams, SamplerState, LOGIT_BIAS_CAP, MASK_CAP};
+use harrier_kernels::{Dtype, Kernels, RowParams, SamplerState, MASK_CAP};
 use harrier_shared::protocol::{TokenId, TokenLogprobs};
 
 use super::{ExecCounters, ExecError, Executor, InFlightStep, LaunchHandle};
@@ -362,8 +362,8 @@ impl CudaExecutor {
         let row_bt_d = DevBuf::new((max_rows + 1) * caps.max_blocks_per_seq * 4)?;
         let pen_counts_d = DevBuf::new(scratch_sizes.penalty_counts)?;
         let pen_seen_d = DevBuf::new(scratch_sizes.penalty_seen)?;
-        let bias_ids_d = DevBuf::new(max_rows * LOGIT_BIAS_CAP * 4)?;
-        let bias_vals_d = DevBuf::new(max_rows * LOGIT_BIAS_CAP * 4)?;
+        let bias_ids_d = DevBuf::new(scratch_sizes.logit_bias / 2)?;
+        let bias_vals_d = DevBuf::new(scratch_sizes.logit_bias / 2)?;
         // SAFETY: fresh allocations of those sizes; zeroed on the compute stream.
         unsafe {
             ck(
@@ -529,9 +529,8 @@ impl CudaExecutor {
         slot: usize,
         n_tokens: usize,
         n_samples: usize,
-        decode_splits: Option<usize>,
+        (decode_splits, grouped_attention): (Option<usize>, bool),
         (n_pf_tiles, n_att_listed): (usize, usize),
-        grouped_attention: bool,
     ) -> model::StepMeta {
         let (d, l) = (&self.slots[slot].meta_d, &self.layout);
         model::StepMeta {
@@ -596,9 +595,7 @@ impl CudaExecutor {
                 ck(dr::stream::synchronize(st), "sync")?;
             }
             for &size in &sizes {
-                let splits = self.decode_splits(size);
-                let grouped = splits.is_none() && self.grouped_attention_for(size);
-                let m = self.step_meta(slot, size, size, splits, (0, 0), grouped);
+                let m = self.step_meta(slot, size, size, self.attention_plan(size, true), (0, 0));
                 let addrs = self.graph_addrs(slot);
                 let (model, kernels) = (&mut self.model, &self.kernels);
                 // SAFETY: the metadata holds `size` padding rows; only kernel launches and
@@ -629,6 +626,19 @@ impl CudaExecutor {
             bias_ids: self.bias_ids_d.ptr,
             bias_vals: self.bias_vals_d.ptr,
         }
+    }
+
+    /// The per-token attention plan for `rows` rows (a decode step's padded batch, or the
+    /// tokens a step's prefill tiles leave): context splits for small decode batches, else the
+    /// grouped kernel where it applies. Graph capture and eager steps both ask here, so a
+    /// bucket's replay and its eager run cut attention the same way.
+    fn attention_plan(&self, rows: usize, decode: bool) -> (Option<usize>, bool) {
+        let splits = if decode {
+            self.decode_splits(rows)
+        } else {
+            None
+        };
+        (splits, splits.is_none() && self.grouped_attention_for(rows))
     }
 
     /// Whether `tokens` single-split per-token attention rows use the grouped kernel (bf16
@@ -876,19 +886,12 @@ impl CudaExecutor {
                 } else {
                     t
                 };
-                let splits = if decode_only {
-                    self.decode_splits(plan_n)
-                } else {
-                    None
-                };
-                let grouped = splits.is_none() && self.grouped_attention_for(plan_n);
                 let m = self.step_meta(
                     slot,
                     t,
                     n_samples,
-                    splits,
+                    self.attention_plan(plan_n, decode_only),
                     (counts.pf_tiles, counts.att_listed),
-                    grouped,
                 );
                 self.model.forward(&self.kernels, st, &m)?;
                 if decode_only {
