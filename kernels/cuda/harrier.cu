@@ -233,6 +233,32 @@ __device__ __forceinline__ void load_elems(const elem* p, int n, float* out) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// What every attention kernel reads and writes, passed by value (mirrors
+// harrier_kernels::AttentionInputs, #[repr(C)]): the output and query rows (q inside the fused
+// qkv rows, q_stride apart), one layer's K/V cache ([slots, nkv, hd] each), each token's backend
+// row and position, the per-row block tables (bt_stride apart), the head geometry, the softmax
+// scale and the sliding window (0: none). ATTN_UNPACK names the fields as locals.
+struct AttnIn {
+    elem* out;
+    const elem* q;
+    const elem* k_cache;
+    const elem* v_cache;
+    const int* tok_row;
+    const int* positions;
+    const int* block_tables;
+    int q_stride, bt_stride, nh, nkv, hd, block_size;
+    float scale;
+    int window;
+};
+#define ATTN_UNPACK(a)                                                                                   \
+    elem* out = a.out;                                                                                   \
+    const elem *q = a.q, *k_cache = a.k_cache, *v_cache = a.v_cache;                                     \
+    const int *tok_row = a.tok_row, *positions = a.positions, *block_tables = a.block_tables;            \
+    int q_stride = a.q_stride, bt_stride = a.bt_stride, nh = a.nh, nkv = a.nkv, hd = a.hd,               \
+        block_size = a.block_size, window = a.window;                                                    \
+    float scale = a.scale;
+
+// ---------------------------------------------------------------------------------------------
 // Paged attention, decode and prefill alike, optionally split over the context
 // (flash-decoding). Token t (of backend row tok_row[t], at position positions[t]) attends
 // causally to positions [start, positions[t]] of its sequence through the row's block table,
@@ -265,11 +291,8 @@ __device__ __forceinline__ void load_elems(const elem* p, int n, float* out) {
 // 1, 1.679 vs 1.509 at batch 8 (the merge then waits on the slowest split in every block's
 // tail); not kept.
 #define ATT_WARPS 16
-extern "C" __global__ void paged_attention(elem* out, float* part, int n_splits, const elem* q, int q_stride,
-                                           const elem* k_cache, const elem* v_cache, const int* tok_row,
-                                           const int* positions, const int* block_tables, int bt_stride, int nh,
-                                           int nkv, int hd, int block_size, float scale, int window,
-                                           const int* tok_list) {
+extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, const int* tok_list) {
+    ATTN_UNPACK(a)
     __shared__ float sq[256];
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
     __shared__ float sm_acc[ATT_WARPS][256];
@@ -512,10 +535,8 @@ __device__ __forceinline__ void gqa_attention(elem* out, const elem* q, int q_st
 // tok/s from 31,129/44,738/56,393 in the same run on the H200, but batch 32 lost 4-5%), and 16
 // V loads in flight per lane. Without a bound the largest instances had set the whole kernel's
 // count to 151 (one block per SM), which lost a third.
-extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_gqa(elem* out, const elem* q, int q_stride, const elem* k_cache,
-                                               const elem* v_cache, const int* tok_row, const int* positions,
-                                               const int* block_tables, int bt_stride, int nh, int nkv, int hd,
-                                               int block_size, float scale, int window, const int* tok_list) {
+extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_gqa(AttnIn a, const int* tok_list) {
+    ATTN_UNPACK(a)
     __shared__ float sq[GQA_MAX_ELEMS];
     __shared__ float sm_m[GQA_WARPS * 8], sm_l[GQA_WARPS * 8];
     __shared__ float sm_acc[GQA_WARPS * GQA_MAX_ELEMS];
@@ -727,10 +748,8 @@ __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q,
     }
 }
 
-extern "C" __global__ void prefill_attention(bf16* out, const bf16* q, int q_stride, const bf16* k_cache,
-                                             const bf16* v_cache, const int* tiles, const int* tok_row,
-                                             const int* positions, const int* block_tables, int bt_stride, int nh,
-                                             int nkv, int hd, int block_size, float scale, int window) {
+extern "C" __global__ void prefill_attention(AttnIn a, const int* tiles) {
+    ATTN_UNPACK(a)
     __shared__ __align__(16) bf16 sK[PF_KT][PF_MAX_HD + 8];
     __shared__ __align__(16) bf16 sVt[PF_MAX_HD][PF_KT + 8];
     __shared__ int sSlot[PF_KT];

@@ -151,22 +151,27 @@ pub struct SamplerState {
     pub bias_vals: u64,
 }
 
-/// What every attention kernel reads and writes, whatever its plan: the output and query rows
-/// (q inside the fused qkv rows, `q_stride` apart), one layer's paged K/V cache, each token's
-/// backend row and position, the per-row block tables, and the head geometry.
+/// What every attention kernel reads and writes, whatever its plan; passed to the kernels by
+/// value (mirrors `struct AttnIn` in the source): the output and query rows (q inside the fused
+/// qkv rows, `q_stride` apart), one layer's paged K/V cache (`[slots, nkv, hd]` each), each
+/// token's backend row and position, the per-row block tables, and the head geometry.
+#[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionInputs {
     pub out: u64,
     pub q: u64,
-    pub q_stride: i32,
-    /// (K cache, V cache), `[num_blocks * block_size, nkv, hd]` each.
-    pub kv: (u64, u64),
+    pub k_cache: u64,
+    pub v_cache: u64,
     pub tok_row: u64,
     pub positions: u64,
     pub block_tables: u64,
+    pub q_stride: i32,
     pub bt_stride: i32,
-    /// (query heads, KV heads, head dim, block size).
-    pub dims: (i32, i32, i32, i32),
+    /// Query heads, KV heads, head dim, tokens per KV block.
+    pub nh: i32,
+    pub nkv: i32,
+    pub hd: i32,
+    pub block_size: i32,
     pub scale: f32,
     /// Sliding window in keys; 0: none.
     pub window: i32,
@@ -522,31 +527,12 @@ impl Kernels {
         tok_list: u64,
         n: u32,
     ) -> anyhow::Result<()> {
-        let (nh, nkv, hd, _) = a.dims;
+        let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         if nkv <= 0 || nh % nkv != 0 || n_splits == 0 || (tok_list != 0 && n_splits > 1) {
             bail!("paged_attention: {nh} heads over {nkv} KV heads, {n_splits} splits, list {tok_list:#x}");
         }
         let ns = n_splits as i32;
-        let mut p = params![
-            a.out,
-            part,
-            ns,
-            a.q,
-            a.q_stride,
-            a.kv.0,
-            a.kv.1,
-            a.tok_row,
-            a.positions,
-            a.block_tables,
-            a.bt_stride,
-            a.dims.0,
-            a.dims.1,
-            a.dims.2,
-            a.dims.3,
-            a.scale,
-            a.window,
-            tok_list,
-        ];
+        let mut p = params![*a, part, ns, tok_list];
         // SAFETY: argument types match the kernels'.
         unsafe {
             self.launch(
@@ -583,28 +569,11 @@ impl Kernels {
         tok_list: u64,
         n: u32,
     ) -> anyhow::Result<()> {
-        let (nh, nkv, hd, _) = a.dims;
+        let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         if !gqa_attention_supports(nh as usize, nkv as usize, hd as usize) {
             bail!("paged_attention_gqa: {nh} heads over {nkv} KV heads, head dim {hd}");
         }
-        let mut p = params![
-            a.out,
-            a.q,
-            a.q_stride,
-            a.kv.0,
-            a.kv.1,
-            a.tok_row,
-            a.positions,
-            a.block_tables,
-            a.bt_stride,
-            a.dims.0,
-            a.dims.1,
-            a.dims.2,
-            a.dims.3,
-            a.scale,
-            a.window,
-            tok_list,
-        ];
+        let mut p = params![*a, tok_list];
         let threads = if n * nkv as u32 >= GQA_SMALL_BLOCKS_FROM {
             GQA_THREADS / 2
         } else {
@@ -636,28 +605,11 @@ impl Kernels {
         tiles: u64,
         n_tiles: u32,
     ) -> anyhow::Result<()> {
-        let (nh, nkv, hd, _) = a.dims;
+        let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         if nkv <= 0 || nh % nkv != 0 || !prefill_attention_supports(hd as usize) {
             bail!("prefill_attention: {nh} heads over {nkv} KV heads, head dim {hd}");
         }
-        let mut p = params![
-            a.out,
-            a.q,
-            a.q_stride,
-            a.kv.0,
-            a.kv.1,
-            tiles,
-            a.tok_row,
-            a.positions,
-            a.block_tables,
-            a.bt_stride,
-            a.dims.0,
-            a.dims.1,
-            a.dims.2,
-            a.dims.3,
-            a.scale,
-            a.window,
-        ];
+        let mut p = params![*a, tiles];
         // SAFETY: argument types match the kernel's.
         unsafe {
             self.launch(
@@ -923,6 +875,9 @@ mod tests {
         assert_eq!(std::mem::size_of::<RowParams>(), 60 + 4 * MASK_CAP);
         assert!(SOURCE.contains(&format!("#define BIAS_CAP {LOGIT_BIAS_CAP}")));
         assert!(BF16_ONLY.iter().all(|k| KERNELS.contains(k)));
+        // AttnIn: seven pointers, then eight 4-byte fields, no padding.
+        assert!(SOURCE.contains("struct AttnIn {"));
+        assert_eq!(std::mem::size_of::<AttentionInputs>(), 7 * 8 + 8 * 4);
         assert_eq!(define("PF_WARPS") * 32, PREFILL_THREADS);
         assert_eq!(define("GQA_WARPS") * 32, GQA_THREADS);
         assert!(gqa_attention_supports(32, 8, 64) && gqa_attention_supports(16, 8, 128));
