@@ -76,7 +76,7 @@ for st in $STAGES; do
         for m in llama-3.2-1b qwen3-0.6b; do
             gen "$m"
             timeout 240 python3 scripts/gpu/cuda_parity.py --tool "$T" --model "$W/$m" --work "$W/$st-$m" \
-                --dtype $dt --json "$OUT/${st}_$m.json" 2>>"$OUT/parity.log" | cut -c1-420
+                --dtype $dt --rel-bar 2e-2 --json "$OUT/${st}_$m.json" 2>>"$OUT/parity.log" | cut -c1-420
         done
         ;;
     penalties | sampling)

@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
 """Reference fixtures for Harrier's CPU parity test (tests/parity.rs), from transformers.
 
-For each model directory (written by `harrier gen-model`), loads it with transformers in
-float32 (CUDA if present, TF32 off; else CPU), and for 8 prompts of token ids drawn from a
-seeded RNG (lengths 1, 2, 7, 16, 17, 33, 100, 200) records the greedy continuation of
---steps tokens (a manual loop with the KV cache, no sampling) and, at each step, the top-5
-(token id, logit) of the next-token logits. Writes one JSON per model:
+For each model directory (written by `harrier gen-model`, or a trained model committed to the
+repository), loads it with transformers in float32 (CUDA if present, TF32 off; else CPU), and
+for 8 prompts of token ids drawn from a seeded RNG (lengths 1, 2, 7, 16, 17, 33, 100, 200), or
+the prompts of --prompts (a JSON list of token-id lists, e.g. held-out text from the trainer),
+records the greedy continuation of --steps tokens (a manual loop with the KV cache, no
+sampling) and, at each step, the top-5 (token id, logit) of the next-token logits. Writes one
+JSON per model:
 
     {"preset", "seed", "prompt_seed", "steps", "config": {...}, "param_checksum": {...},
      "prompts": [{"prompt_ids", "greedy_ids", "top5": [[[id, logit] x 5] per step]}], ...}
 
-Usage: parity_fixtures.py --out DIR PRESET:SEED:MODEL_DIR [...]
+Usage: parity_fixtures.py --out DIR [--prompts FILE] PRESET:SEED:MODEL_DIR [...]
+(SEED is "-" for a trained model: tests/parity.rs then loads the committed directory instead of
+regenerating it.)
 """
 
 import argparse
@@ -82,6 +86,7 @@ def main():
     ap.add_argument("--out", required=True, help="folder for parity_<preset>.json")
     ap.add_argument("--prompt-seed", type=int, default=20261122)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prompts", help="JSON list of prompts (token-id lists) instead of random ones")
     args = ap.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,16 +102,19 @@ def main():
         t0 = time.time()
         model = load(model_dir, device)
         vocab = model.config.vocab_size
-        rng = random.Random(args.prompt_seed)
+        if args.prompts:
+            chosen = json.load(open(args.prompts))
+        else:
+            rng = random.Random(args.prompt_seed)
+            chosen = [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
         prompts = []
-        for n in PROMPT_LENGTHS:
-            prompt = [rng.randrange(vocab) for _ in range(n)]
+        for prompt in chosen:
             ids, top5 = greedy(model, prompt, args.steps, device)
             prompts.append({"prompt_ids": prompt, "greedy_ids": ids, "top5": top5})
         fixture = {
             "preset": preset,
-            "seed": int(seed),
-            "prompt_seed": args.prompt_seed,
+            "seed": None if seed == "-" else int(seed),
+            "prompt_seed": None if args.prompts else args.prompt_seed,
             "steps": args.steps,
             "config": config_summary(model.config),
             "param_checksum": checksum(model),
