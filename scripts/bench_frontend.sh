@@ -3,7 +3,7 @@
 # core over its protocol, through 1 front end, and through 2 front ends (SO_REUSEPORT).
 # Prints a markdown table (for docs/benchmarks.md) and leaves the JSON results in $OUT_DIR.
 #
-#   scripts/bench_frontend.sh                       # tiny on the CPU, 64 concurrent streams
+#   scripts/bench_frontend.sh                       # harrier-cpu on the CPU, 64 concurrent streams
 #   MODEL=/path NUM_PROMPTS=512 CONCURRENCY=64 scripts/bench_frontend.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -7,8 +7,10 @@ wrote): models, completions and chat completions, streamed and not.
 Prints one line per check and closes with 'N passed, M failed'; exits 1 on any failure.
 """
 import argparse
+import json
 import sys
 import traceback
+import urllib.request
 
 import openai
 from openai import OpenAI
@@ -106,14 +108,28 @@ def chat_stream(client, model):
         assert cut.choices[0].finish_reason == "stop"
 
 
+def token_id(base_url, api_key, text):
+    """The one token id of `text` in the served model's vocabulary (Harrier's /tokenize)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    req = urllib.request.Request(
+        root + "/tokenize",
+        data=json.dumps({"prompt": text, "add_special_tokens": False}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        ids = json.load(r)["tokens"]
+    assert len(ids) == 1, f"{text!r} is not one token: {ids}"
+    return ids[0]
+
+
 @check("logit_bias steers the tokens")
-def logit_bias(client, model):
-    # Llama 3 token 15 is "0": +100 makes it the greedy choice at every step.
+def logit_bias(client, model, base_url, api_key):
+    # +100 on the token "0" makes it the greedy choice at every step.
+    zero = str(token_id(base_url, api_key, "0"))
     r = client.completions.create(model=model, prompt="Count:", max_tokens=4, temperature=0,
-                                  logit_bias={"15": 100})
+                                  logit_bias={zero: 100})
     assert r.choices[0].text == "0000", r.choices[0].text
     try:
-        client.completions.create(model=model, prompt="x", max_tokens=2, logit_bias={"15": 101})
+        client.completions.create(model=model, prompt="x", max_tokens=2, logit_bias={zero: 101})
         raise AssertionError("expected BadRequestError")
     except openai.BadRequestError as e:
         assert e.body["param"] == "logit_bias", e.body
@@ -157,7 +173,7 @@ def main():
     completion_stream(client, model)
     chat(client, model)
     chat_stream(client, model)
-    logit_bias(client, model)
+    logit_bias(client, model, args.base_url, args.api_key)
     errors(client, model)
     if args.api_key != "EMPTY":
         auth(args.base_url, model)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The official `openai` Python package against a real `harrier serve` (2 front ends, the
-# embedded tiny model). Idempotent set-up: a venv at $HARRIER_HOME/venv-openai with openai
-# from PyPI. Needs scripts/setup.sh to have run (the Llama 3 tokenizer).
+# embedded default model, harrier-cpu). Idempotent set-up: a venv at
+# $HARRIER_HOME/venv-openai with openai from PyPI.
 #
 #   scripts/test_openai_client.sh            # builds target/debug/harrier if needed
 #   HARRIER_BIN=target/release/harrier scripts/test_openai_client.sh

@@ -6,8 +6,8 @@
 //! that environment. Only the host paths are mapped: `/usr/local/bin/harrier` to the built
 //! binary, `/usr/local/lib/harrier/harrier-ready` to the repository's script, the
 //! RuntimeDirectory `/run/harrier` to a fresh 0700 directory, the StateDirectory
-//! `/var/lib/harrier` (HARRIER_HOME) to this machine's Harrier home (where scripts/setup.sh put
-//! the tokenizer), and the port to a free one.
+//! `/var/lib/harrier` (HARRIER_HOME) to this machine's Harrier home (where the engine writes the
+//! embedded default model on first start), and the port to a free one.
 //!
 //! Then: the engine core, its readiness wait, two front-end instances (`@0`, `@1`) on the same
 //! port (SO_REUSEPORT) with theirs, streamed chat completions through the shared port, both
@@ -656,12 +656,6 @@ fn unit_command_lines_serve_a_stream_through_two_frontends_on_one_port() {
     let logs = tmp.path().join("logs");
     fs::create_dir(&logs).unwrap();
     let home = harrier_home();
-    assert!(
-        home.join("llama3/tokenizer.json").is_file()
-            || home.join("models/tiny/tokenizer.json").is_file(),
-        "no Llama 3 tokenizer under {}: run scripts/setup.sh",
-        home.display()
-    );
 
     let paths = PathMap(vec![
         (
@@ -760,6 +754,14 @@ fn unit_command_lines_serve_a_stream_through_two_frontends_on_one_port() {
     }
     let meta = fs::metadata(&runtime_dir).unwrap();
     assert_eq!(meta.permissions().mode() & 0o777, 0o700);
+    if !env.contains_key("HARRIER_MODEL") {
+        // No model set: the engine serves the embedded one from its StateDirectory.
+        assert!(
+            home.join("models/harrier-cpu/.harrier-embedded").is_file(),
+            "the embedded default model is not under HARRIER_HOME ({})",
+            home.display()
+        );
+    }
 
     // Two front ends, both on the same port.
     let mut fronts = Vec::new();

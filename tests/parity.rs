@@ -1,22 +1,28 @@
 //! Parity of the CPU forward pass with Hugging Face transformers (float32).
 //!
-//! The fixtures `tests/fixtures/parity_<preset>.json` are written by `scripts/gpu/parity.sh`
-//! on the GPU machine: it generates each preset with `harrier gen-model` and a fixed seed, runs
-//! transformers on it (`scripts/gpu/parity_fixtures.py`), and records for 8 prompts the greedy
-//! continuation (32 tokens) and each step's top-5 `(id, logit)`.
+//! The fixtures `tests/fixtures/parity_<name>.json` are written by
+//! `scripts/gpu/parity_fixtures.py` on the GPU machine: it runs transformers on a model
+//! directory and records for each prompt the greedy continuation (32 tokens) and each step's
+//! top-5 `(id, logit)`, with the model's config and a weight checksum.
 //!
-//! Here the same preset is regenerated with the fixture's seed (the generator is deterministic
-//! on any machine), checked against the fixture's weight checksum, and run through
-//! `CpuModel::forward` — all prompts in one batch, prefill then token-by-token decode through
-//! the paged cache. Greedy ids must be identical and every recorded top-5 logit within 1e-3
-//! relative.
+//! Two kinds of model are checked:
+//! - random-weight presets (`scripts/gpu/parity.sh` generates each with `harrier gen-model` and a
+//!   fixed seed): here the same preset is regenerated with the fixture's seed (the generator is
+//!   deterministic on any machine);
+//! - the committed trained models (`engine-core/models/<name>`, fixtures from
+//!   `scripts/gpu/train.sh` on held-out text prompts, `"seed": null`): loaded as they are.
+//!
+//! Either way the directory's config and weight checksum must match the fixture's, and the
+//! model runs through `CpuModel::forward` — all prompts in one batch, prefill then
+//! token-by-token decode through the paged cache. Greedy ids must be identical and every
+//! recorded top-5 logit within 1e-3 relative.
 
 #[path = "model_support.rs"]
 mod model_support;
 
 use std::path::PathBuf;
 
-use harrier_engine::model::{expected_tensors, Checkpoint, CpuModel, ModelDir};
+use harrier_engine::model::{expected_tensors, Checkpoint, CpuModel, ModelConfig, ModelDir};
 use model_support::{gen_preset, greedy_batch};
 use serde_json::Value;
 
@@ -59,14 +65,49 @@ fn checksum(md: &ModelDir) -> (f64, f64) {
     (s, a)
 }
 
+/// Regenerates the random-weight `preset` with the fixture's seed and checks it.
 fn check_preset(preset: &str) {
     let fx = fixture(preset);
     assert_eq!(fx["preset"], preset, "fixture of another preset");
     let seed = fx["seed"].as_u64().expect("seed");
     let dir = tempfile::tempdir().expect("tempdir");
     let md = gen_preset(preset, seed, dir.path()).expect("generate");
-    let c = &md.config;
-    let cfg = &fx["config"];
+    check_model(
+        preset,
+        &fx,
+        &md,
+        "the generator changed: regenerate the fixtures with scripts/gpu/parity.sh",
+    );
+}
+
+/// Checks the trained model committed in `engine-core/models/<name>` as it is.
+fn check_committed(name: &str) {
+    let fx = fixture(name);
+    assert_eq!(fx["preset"], name, "fixture of another model");
+    assert!(
+        fx["seed"].is_null(),
+        "{name}: the fixture is of a generated preset (seed {}), not the committed model",
+        fx["seed"]
+    );
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../engine-core/models")
+        .join(name);
+    let md = ModelDir::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    check_model(
+        name,
+        &fx,
+        &md,
+        "the committed weights changed: regenerate the fixture with scripts/gpu/parity_fixtures.py",
+    );
+}
+
+/// The fixture's config fields as ModelConfig reads them.
+fn check_config(name: &str, cfg: &Value, c: &ModelConfig) {
+    assert_eq!(
+        cfg["architectures"][0].as_str(),
+        Some(c.architecture.hf_name()),
+        "{name}: architecture differs from the fixture's"
+    );
     for (key, ours) in [
         ("vocab_size", c.vocab_size),
         ("hidden_size", c.hidden_size),
@@ -75,29 +116,74 @@ fn check_preset(preset: &str) {
         ("num_key_value_heads", c.num_kv_heads),
         ("head_dim", c.head_dim),
         ("intermediate_size", c.intermediate_size),
+        ("max_position_embeddings", c.max_position_embeddings),
     ] {
         assert_eq!(
             cfg[key].as_u64(),
             Some(ours as u64),
-            "{preset}: config {key} differs from the fixture's"
+            "{name}: config {key} differs from the fixture's"
         );
     }
-    let (sum, abs_sum) = checksum(&md);
+    assert_eq!(
+        cfg["tie_word_embeddings"].as_bool(),
+        Some(c.tie_word_embeddings),
+        "{name}: config tie_word_embeddings differs from the fixture's"
+    );
+    let rope = &cfg["rope_parameters"];
+    for (key, want, ours) in [
+        ("rms_norm_eps", &cfg["rms_norm_eps"], c.rms_norm_eps),
+        ("rope_theta", &rope["rope_theta"], c.rope_theta),
+    ] {
+        let want = want
+            .as_f64()
+            .unwrap_or_else(|| panic!("{name}: fixture has no {key}"));
+        assert!(
+            (ours as f64 - want).abs() <= 1e-6 * want.abs(),
+            "{name}: config {key} {ours} differs from the fixture's {want}"
+        );
+    }
+    match (rope["rope_type"].as_str(), &c.rope_scaling) {
+        (Some("default"), None) => {}
+        (Some("llama3"), Some(s)) => {
+            for (key, ours) in [
+                ("factor", s.factor as f64),
+                ("low_freq_factor", s.low_freq_factor as f64),
+                ("high_freq_factor", s.high_freq_factor as f64),
+                (
+                    "original_max_position_embeddings",
+                    s.original_max_position_embeddings as f64,
+                ),
+            ] {
+                assert_eq!(
+                    rope[key].as_f64(),
+                    Some(ours),
+                    "{name}: rope {key} differs from the fixture's"
+                );
+            }
+        }
+        (t, ours) => panic!("{name}: fixture rope_type {t:?}, ours {ours:?}"),
+    }
+}
+
+/// Config, weight checksum, greedy ids and top-5 logits of `md` against the fixture `fx`;
+/// `stale` says what a checksum mismatch means.
+fn check_model(name: &str, fx: &Value, md: &ModelDir, stale: &str) {
+    check_config(name, &fx["config"], &md.config);
+    let (sum, abs_sum) = checksum(md);
     let (fs, fa) = (
         fx["param_checksum"]["sum"].as_f64().expect("sum"),
         fx["param_checksum"]["abs_sum"].as_f64().expect("abs"),
     );
     assert!(
         (abs_sum - fa).abs() <= 1e-7 * fa && (sum - fs).abs() <= 1e-7 * fa,
-        "{preset}: generated weights differ from the fixture's (checksum {sum}/{abs_sum} vs {fs}/{fa}); \
-         the generator changed: regenerate the fixtures with scripts/gpu/parity.sh"
+        "{name}: weights differ from the fixture's (checksum {sum}/{abs_sum} vs {fs}/{fa}); {stale}"
     );
 
     let prompts_fx = fx["prompts"].as_array().expect("prompts");
     let prompts: Vec<Vec<u32>> = prompts_fx.iter().map(|p| ids(&p["prompt_ids"])).collect();
     let want_greedy: Vec<Vec<u32>> = prompts_fx.iter().map(|p| ids(&p["greedy_ids"])).collect();
     let steps = want_greedy[0].len();
-    let mut model = CpuModel::load(&md).expect("load");
+    let mut model = CpuModel::load(md).expect("load");
     let mut problems = Vec::new();
     let mut worst = 0.0f64;
     let got = greedy_batch(&mut model, &prompts, steps, |p, step, row| {
@@ -121,12 +207,12 @@ fn check_preset(preset: &str) {
         }
     }
     eprintln!(
-        "{preset}: {} prompts x {steps} steps, worst top-5 logit rel err {worst:.2e}",
+        "{name}: {} prompts x {steps} steps, worst top-5 logit rel err {worst:.2e}",
         prompts.len()
     );
     assert!(
         problems.is_empty(),
-        "{preset}: {} mismatches with transformers:\n{}",
+        "{name}: {} mismatches with transformers:\n{}",
         problems.len(),
         problems[..problems.len().min(20)].join("\n")
     );
@@ -145,4 +231,14 @@ fn parity_micro_qwen3() {
 #[test]
 fn parity_tiny() {
     check_preset("tiny");
+}
+
+#[test]
+fn harrier_cpu_matches_transformers() {
+    check_committed("harrier-cpu");
+}
+
+#[test]
+fn harrier_cpu_draft_matches_transformers() {
+    check_committed("harrier-cpu-draft");
 }

@@ -28,7 +28,7 @@ use crate::request::Origin;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EngineBenchArgs {
-    /// Model directory for the decode benchmark (default: the embedded `tiny`).
+    /// Model directory for the decode benchmark (default: the embedded `harrier-cpu`).
     #[arg(long)]
     pub model: Option<PathBuf>,
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]

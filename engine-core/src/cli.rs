@@ -22,7 +22,8 @@ pub enum Device {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EngineCoreArgs {
-    /// Hugging Face model directory. Default: the embedded `tiny` model (generated on first use).
+    /// Hugging Face model directory. Default: the embedded `harrier-cpu` model (written under
+    /// $HARRIER_HOME/models on first use).
     #[arg(long, env = "HARRIER_MODEL")]
     pub model: Option<PathBuf>,
     /// Name the model is served as (default: the directory's name).
@@ -119,37 +120,17 @@ impl EngineCoreArgs {
     }
 }
 
-/// Where the embedded default model lives: `$HARRIER_HOME/models/tiny`.
+/// Where the embedded default model lives: `$HARRIER_HOME/models/harrier-cpu`.
 pub fn default_model_dir() -> PathBuf {
-    crate::gen_model::harrier_home().join("models").join("tiny")
+    crate::default_model::dir_in(&crate::gen_model::harrier_home().join("models"))
 }
 
-/// Returns the embedded default model (`tiny`), generating it on first use. Generation goes to
-/// a private temporary directory renamed into place, so concurrent starts never see half a
-/// model.
+/// Returns the embedded default model (`harrier-cpu`, see [`crate::default_model`]), writing
+/// its files under `$HARRIER_HOME/models` on first use (or when they came from another
+/// binary). The copy is made in a private directory renamed into place, so concurrent starts
+/// never see half a model.
 pub fn ensure_default_model() -> anyhow::Result<PathBuf> {
-    let dir = default_model_dir();
-    let ready = |d: &std::path::Path| {
-        d.join("config.json").is_file()
-            && d.join("model.safetensors").is_file()
-            && d.join("tokenizer.json").is_file()
-    };
-    if ready(&dir) {
-        return Ok(dir);
-    }
-    let parent = dir.parent().context("default model path has no parent")?;
-    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
-    let tmp = parent.join(format!(".tiny-{}", std::process::id()));
-    tracing::info!(dir = %dir.display(), "generating the embedded default model (tiny) on first use");
-    crate::gen_model::run(&crate::gen_model::GenModelArgs::new("tiny", &tmp))?;
-    if let Err(e) = std::fs::rename(&tmp, &dir) {
-        let _ = std::fs::remove_dir_all(&tmp);
-        if !ready(&dir) {
-            return Err(e)
-                .with_context(|| format!("moving the generated model to {}", dir.display()));
-        }
-    }
-    Ok(dir)
+    crate::default_model::ensure_in(&crate::gen_model::harrier_home().join("models"))
 }
 
 /// A ready engine with its handshake answer.

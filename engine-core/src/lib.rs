@@ -10,6 +10,7 @@
 //! - [`model`]: Hugging Face model directories, weights, and the CPU forward pass.
 //! - [`sampling`]: logits processing and seeded sampling (counter-based Philox RNG).
 //! - [`gen_model`]: writes Hugging Face model directories with deterministic random weights.
+//! - [`default_model`]: the embedded default model (`harrier-cpu`), written out on first use.
 //!
 //! Rules: the scheduler, pipeline and request modules know no backend; only executors touch
 //! model math; only a CUDA executor (later) touches CUDA.
@@ -18,6 +19,7 @@ pub mod batch;
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod default_model;
 pub mod engine;
 pub mod executor;
 pub mod gen_model;

@@ -67,7 +67,8 @@ impl HttpArgs {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct FrontendArgs {
-    /// Model directory (tokenizer.json, tokenizer_config.json). Default: the embedded `tiny`.
+    /// Model directory (tokenizer.json, tokenizer_config.json). Default: the embedded
+    /// `harrier-cpu`.
     #[arg(long, env = "HARRIER_MODEL")]
     pub model: Option<PathBuf>,
     /// The engine core's address. Default: `engine.sock` in the private socket directory.

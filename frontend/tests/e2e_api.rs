@@ -1,12 +1,13 @@
 //! End to end: `harrier serve` with 2 front ends on one port (SO_REUSEPORT) in front of the
-//! `tiny` model, driven over HTTP. One server for every scenario (start-up dominates).
+//! embedded default model (`harrier-cpu`), driven over HTTP. One server for every scenario
+//! (start-up dominates).
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{free_port, runtime, tiny_model, Api, Proc};
+use common::{default_model, free_port, runtime, Api, Proc, MODEL_NAME};
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
 
@@ -15,7 +16,7 @@ const MAX_MODEL_LEN: u32 = 1024;
 const MAX_BODY: usize = 1 << 20;
 
 fn start_server() -> (Proc, u16) {
-    let model = tiny_model();
+    let model = default_model();
     let port = free_port();
     let mut p = Proc::spawn(
         "harrier serve",
@@ -93,18 +94,40 @@ async fn basics(api: &Api) {
     assert_eq!(s, StatusCode::OK);
     let models: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(models["object"], "list");
-    assert_eq!(models["data"][0]["id"], "tiny");
+    assert_eq!(models["data"][0]["id"], MODEL_NAME);
     assert_eq!(models["data"][0]["object"], "model");
     assert_eq!(models["data"][0]["max_model_len"], MAX_MODEL_LEN);
-    assert_eq!(api.get("/v1/models/tiny").await.0, StatusCode::OK);
+    assert_eq!(
+        api.get(&format!("/v1/models/{MODEL_NAME}")).await.0,
+        StatusCode::OK
+    );
     assert_eq!(api.get("/v1/models/other").await.0, StatusCode::NOT_FOUND);
+    // A prompt gets the tokenizer's special tokens (`<|begin_of_text|>`, id 0) unless asked
+    // not to; /detokenize keeps special tokens (as vLLM's does), so both round-trip exactly.
     let (s, tok) = api
         .post_json("/tokenize", &json!({"prompt": "Hello, world!"}))
         .await;
     assert_eq!(s, StatusCode::OK, "{tok}");
     assert_eq!(tok["count"], tok["tokens"].as_array().unwrap().len());
+    assert_eq!(tok["tokens"][0], 0, "starts with <|begin_of_text|>: {tok}");
     let (s, de) = api
         .post_json("/detokenize", &json!({"tokens": tok["tokens"]}))
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(de["prompt"], "<|begin_of_text|>Hello, world!");
+    let (s, plain) = api
+        .post_json(
+            "/tokenize",
+            &json!({"prompt": "Hello, world!", "add_special_tokens": false}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{plain}");
+    assert_eq!(
+        plain["tokens"].as_array().unwrap()[..],
+        tok["tokens"].as_array().unwrap()[1..]
+    );
+    let (s, de) = api
+        .post_json("/detokenize", &json!({"tokens": plain["tokens"]}))
         .await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!(de["prompt"], "Hello, world!");
@@ -122,7 +145,7 @@ async fn basics(api: &Api) {
 }
 
 fn completion(prompt: &str, max_tokens: u32, extra: Value) -> Value {
-    let mut v = json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens});
+    let mut v = json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens});
     v.as_object_mut()
         .unwrap()
         .extend(extra.as_object().unwrap().clone());
@@ -130,7 +153,7 @@ fn completion(prompt: &str, max_tokens: u32, extra: Value) -> Value {
 }
 
 fn chat(content: &str, max_tokens: u32, extra: Value) -> Value {
-    let mut v = json!({"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens});
+    let mut v = json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens});
     v.as_object_mut()
         .unwrap()
         .extend(extra.as_object().unwrap().clone());
@@ -245,7 +268,7 @@ async fn stream_equals_non_stream(api: &Api) {
             assert!(full["id"].as_str().unwrap().starts_with("cmpl-"));
         }
         assert!(full["created"].as_u64().unwrap() > 1_700_000_000);
-        assert_eq!(full["model"], "tiny");
+        assert_eq!(full["model"], MODEL_NAME);
         let u = &full["usage"];
         assert_eq!(
             u["total_tokens"].as_u64().unwrap(),
@@ -282,7 +305,7 @@ async fn n_and_seeds(api: &Api) {
         assert_eq!(both["choices"][i as usize]["index"], i);
     }
     // Batch prompts: choices are prompt-major.
-    let body = json!({"model": "tiny", "prompt": [[1000, 2000, 3000, 4000], [5000, 6000, 7000]], "n": 2, "max_tokens": 3, "ignore_eos": true, "temperature": 0});
+    let body = json!({"model": MODEL_NAME, "prompt": [[1000, 2000, 3000, 4000], [5000, 6000, 7000]], "n": 2, "max_tokens": 3, "ignore_eos": true, "temperature": 0});
     let (s, r) = api.post_json("/v1/completions", &body).await;
     assert_eq!(s, StatusCode::OK, "{r}");
     assert_eq!(r["choices"].as_array().unwrap().len(), 4);
@@ -444,8 +467,8 @@ async fn bad_input_table(api: &Api) {
         ("non-UTF-8 body", "/v1/completions", b"{\"prompt\": \"\xff\xfe\"}".to_vec(), StatusCode::BAD_REQUEST, None),
         ("wrong type", "/v1/completions", br#"{"prompt": "x", "temperature": "hot"}"#.to_vec(), StatusCode::BAD_REQUEST, Some("temperature")),
         ("wrong prompt type", "/v1/completions", br#"{"prompt": {"a": 1}}"#.to_vec(), StatusCode::BAD_REQUEST, Some("prompt")),
-        ("missing prompt", "/v1/completions", br#"{"model": "tiny"}"#.to_vec(), StatusCode::BAD_REQUEST, Some("prompt")),
-        ("missing messages", "/v1/chat/completions", br#"{"model": "tiny"}"#.to_vec(), StatusCode::BAD_REQUEST, Some("messages")),
+        ("missing prompt", "/v1/completions", json!({"model": MODEL_NAME}).to_string().into_bytes(), StatusCode::BAD_REQUEST, Some("prompt")),
+        ("missing messages", "/v1/chat/completions", json!({"model": MODEL_NAME}).to_string().into_bytes(), StatusCode::BAD_REQUEST, Some("messages")),
         ("messages not a list", "/v1/chat/completions", br#"{"messages": "hi"}"#.to_vec(), StatusCode::BAD_REQUEST, Some("messages")),
         ("message without role", "/v1/chat/completions", br#"{"messages": [{"content": "hi"}]}"#.to_vec(), StatusCode::BAD_REQUEST, Some("messages[0]")),
         ("unknown model", "/v1/completions", br#"{"model": "gpt-9", "prompt": "x"}"#.to_vec(), StatusCode::NOT_FOUND, Some("model")),

@@ -7,9 +7,15 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{free_port, runtime, tiny_model, Api, Proc};
+use common::{default_model, free_port, runtime, Api, Proc};
 use hyper::StatusCode;
 use serde_json::{json, Value};
+
+/// The default model's whole context (`max_position_embeddings`).
+const MAX_MODEL_LEN: u32 = 2048;
+/// Tokens asked of the streams that must still be running when the engine stops or dies: as
+/// many as fit the context after a short prompt, so they outlast the test's waits.
+const LONG_STREAM_TOKENS: u32 = MAX_MODEL_LEN - 48;
 
 fn start_engine(model: &str, endpoint: &str) -> Proc {
     Proc::spawn(
@@ -23,14 +29,14 @@ fn start_engine(model: &str, endpoint: &str) -> Proc {
             "--kv-cache-mib",
             "64",
             "--max-model-len",
-            "4096",
+            &MAX_MODEL_LEN.to_string(),
         ],
     )
 }
 
 #[test]
 fn engine_death_gives_503_and_error_events_then_recovers() {
-    let model = tiny_model();
+    let model = default_model();
     let model = model.to_str().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let endpoint = format!("ipc://{}/engine.sock", dir.path().display());
@@ -69,7 +75,7 @@ fn engine_death_gives_503_and_error_events_then_recovers() {
         // reconnect.
         let hung_stream = {
             let api = api.clone();
-            tokio::spawn(async move { api.stream("/v1/completions", &json!({"prompt": "hang", "max_tokens": 3000, "ignore_eos": true, "stream": true})).await })
+            tokio::spawn(async move { api.stream("/v1/completions", &json!({"prompt": "hang", "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": true, "stream": true})).await })
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while api.metric("harrier_engine_num_requests_running").await < 1.0 {
@@ -105,7 +111,7 @@ fn engine_death_gives_503_and_error_events_then_recovers() {
         for i in 0..4 {
             let api = api.clone();
             streams.push(tokio::spawn(async move {
-                let body = json!({"prompt": format!("stream {i}"), "max_tokens": 3000, "ignore_eos": true, "stream": true});
+                let body = json!({"prompt": format!("stream {i}"), "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": true, "stream": true});
                 let st = api.stream("/v1/completions", &body).await;
                 (st, Instant::now())
             }));
@@ -151,7 +157,7 @@ fn engine_death_gives_503_and_error_events_then_recovers() {
         let mut ok = 0;
         let deadline = Instant::now() + Duration::from_secs(10);
         while ok < 8 {
-            let (s, body) = api.post_json("/v1/completions", &json!({"prompt": "after restart", "max_tokens": 3})).await;
+            let (s, body) = api.post_json("/v1/completions", &json!({"prompt": "after restart", "max_tokens": 3, "ignore_eos": true})).await;
             if s == StatusCode::OK {
                 assert_eq!(body["choices"][0]["finish_reason"], "length");
                 ok += 1;

@@ -6,13 +6,13 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{free_port, group_alive, runtime, tiny_model, Api, Proc};
+use common::{default_model, free_port, group_alive, runtime, Api, Proc};
 use hyper::StatusCode;
 use serde_json::json;
 
 /// Starts `harrier serve`; returns it, its port and the engine's pid (= the children's group).
 fn serve(extra: &[&str]) -> (Proc, u16, i32) {
-    let model = tiny_model();
+    let model = default_model();
     let port = free_port();
     let port_s = port.to_string();
     let mut args = vec![
@@ -49,6 +49,10 @@ fn wait_group_gone(pgid: i32, timeout: Duration) {
     }
 }
 
+/// Tokens of the stream that must still be in flight when SIGTERM arrives: enough to outlast
+/// noticing that it runs (a quarter second or so) on the small default model.
+const DRAIN_TOKENS: u32 = 200;
+
 #[test]
 fn sigterm_drains_in_flight_streams_and_leaves_no_orphans() {
     let (mut launcher, port, children) = serve(&["--drain-timeout", "20"]);
@@ -57,7 +61,7 @@ fn sigterm_drains_in_flight_streams_and_leaves_no_orphans() {
     rt.block_on(async {
         let stream = {
             let api = api.clone();
-            tokio::spawn(async move { api.stream("/v1/completions", &json!({"prompt": "drain me", "max_tokens": 60, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}})).await })
+            tokio::spawn(async move { api.stream("/v1/completions", &json!({"prompt": "drain me", "max_tokens": DRAIN_TOKENS, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}})).await })
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while api.metric("harrier_engine_num_requests_running").await < 1.0 {
@@ -77,7 +81,7 @@ fn sigterm_drains_in_flight_streams_and_leaves_no_orphans() {
         let st = stream.await.unwrap();
         assert_eq!(st.status, StatusCode::OK);
         assert_eq!(st.finish_reasons(1), vec![Some("length".into())], "the in-flight stream was cut: {:?}", st.events);
-        assert_eq!(st.chunks().last().unwrap()["usage"]["completion_tokens"], 60);
+        assert_eq!(st.chunks().last().unwrap()["usage"]["completion_tokens"], DRAIN_TOKENS);
         assert_eq!(st.events.last().unwrap(), "[DONE]");
     });
     let status = launcher

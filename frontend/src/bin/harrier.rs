@@ -24,6 +24,9 @@ enum Command {
     Bench(BenchCommand),
     /// Write a Hugging Face model directory with deterministic random weights.
     GenModel(harrier_engine::gen_model::GenModelArgs),
+    /// Write the embedded default model (`harrier-cpu`) under $HARRIER_HOME/models unless it is
+    /// there already, and print its directory (container images run this at build time).
+    DefaultModel,
 }
 
 #[derive(Debug, Subcommand)]
@@ -51,6 +54,9 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Serve(args)) => harrier_frontend::bench::run_bench_serve(args),
         Command::Bench(BenchCommand::Engine(args)) => harrier_engine::bench::run(&args),
         Command::GenModel(args) => harrier_engine::gen_model::run(&args),
+        Command::DefaultModel => {
+            harrier_engine::cli::ensure_default_model().map(|dir| println!("{}", dir.display()))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

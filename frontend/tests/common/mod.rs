@@ -15,11 +15,14 @@ use serde_json::Value;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_harrier");
 
-/// The `tiny` model (real Llama 3 tokenizer and chat template), generated once and cached.
-pub fn tiny_model() -> PathBuf {
-    harrier_engine::cli::ensure_default_model()
-        .expect("generating the tiny model (run scripts/setup.sh first)")
+/// The embedded default model (`harrier-cpu`: vocabulary 8192, context 2048, the Llama 3.1
+/// chat template), written under `$HARRIER_HOME/models` once and reused.
+pub fn default_model() -> PathBuf {
+    harrier_engine::cli::ensure_default_model().expect("writing the embedded default model")
 }
+
+/// The name the default model is served as (its directory's name).
+pub const MODEL_NAME: &str = harrier_engine::default_model::NAME;
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
