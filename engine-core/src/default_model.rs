@@ -1,7 +1,7 @@
 //! The embedded default model: `harrier-cpu`, served when no `--model` is given.
 //!
 //! `harrier-cpu` is a small Llama (6.8M parameters: 6 layers, hidden 256, 4 query / 2 KV heads,
-//! tied embeddings, bf16 weights) trained on real text, with its own 8192-entry BPE tokenizer,
+//! tied embeddings, bf16 weights) trained on Python source, with its own 8192-entry BPE tokenizer,
 //! the Llama 3 special tokens (`<|begin_of_text|>` = 0; eos `<|end_of_text|>`, `<|eom_id|>`,
 //! `<|eot_id|>` = 1, 8, 9), the Llama 3.1 chat template and a 2048-token context. Its files live
 //! in `engine-core/models/harrier-cpu/`; `tests/parity.rs` checks it against transformers.
