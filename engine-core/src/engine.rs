@@ -204,6 +204,7 @@ impl<E: Executor> EngineCore<E> {
                     reason: FinishReason::Error,
                     stop_token: None,
                     message: Some(message),
+                    timing: None,
                 }),
                 num_cached_tokens: None,
             },
@@ -384,6 +385,7 @@ impl<E: Executor> EngineCore<E> {
                 reason: FinishReason::Abort,
                 stop_token: None,
                 message: Some("the engine is shutting down".into()),
+                timing: None,
             };
             self.sched.finish_all(finish, &mut self.sink);
         }
@@ -397,6 +399,7 @@ impl<E: Executor> EngineCore<E> {
             reason: FinishReason::Error,
             stop_token: None,
             message: Some(message.to_string()),
+            timing: None,
         };
         self.sched.finish_all(finish, &mut self.sink);
         self.pipeline.clear();

@@ -9,7 +9,9 @@
 //! `known_len() = prompt + output + pending_samples` is the sequence length once every launched
 //! step is done; the next step must compute `known_len() - num_computed_tokens` tokens.
 
-use harrier_shared::protocol::{FinishReason, SamplingParams, TokenId};
+use std::time::Instant;
+
+use harrier_shared::protocol::{FinishReason, RequestTiming, SamplingParams, TokenId};
 
 use crate::batch::RowId;
 use crate::kv::{BlockHash, BlockId};
@@ -67,6 +69,11 @@ pub struct Request {
     pub num_cached_tokens: u32,
     /// The first output (which carries `num_cached_tokens`) was sent.
     pub reported_first: bool,
+    /// Arrival at the engine, first admission and first committed token: the request's
+    /// queue, prefill and decode times ([`Request::timing`]). Read only for reporting.
+    pub arrived_at: Instant,
+    pub first_scheduled_at: Option<Instant>,
+    pub first_token_at: Option<Instant>,
 }
 
 impl Request {
@@ -99,6 +106,20 @@ impl Request {
             cache_salt: 0,
             num_cached_tokens: 0,
             reported_first: false,
+            arrived_at: Instant::now(),
+            first_scheduled_at: None,
+            first_token_at: None,
+        }
+    }
+
+    /// The request's queue, prefill and decode times as of `now` (a phase not reached is 0).
+    pub fn timing(&self, now: Instant) -> RequestTiming {
+        let scheduled = self.first_scheduled_at.unwrap_or(now);
+        let first_token = self.first_token_at.unwrap_or(now).max(scheduled);
+        RequestTiming {
+            queue_s: (scheduled - self.arrived_at).as_secs_f32(),
+            prefill_s: (first_token - scheduled).as_secs_f32(),
+            decode_s: (now.max(first_token) - first_token).as_secs_f32(),
         }
     }
 
@@ -147,5 +168,42 @@ impl Request {
 
     pub fn is_zombie(&self) -> bool {
         self.finalized && self.inflight_refs > 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn request() -> Request {
+        Request::new(
+            RequestId(1),
+            Origin(0),
+            "r1".into(),
+            vec![1, 2, 3],
+            SamplingParams::greedy(4),
+            0,
+        )
+    }
+
+    #[test]
+    fn timing_splits_queue_prefill_and_decode() {
+        let mut r = request();
+        let t0 = r.arrived_at;
+        let ms = Duration::from_millis;
+        // Never admitted (aborted while waiting): all of it is queue time.
+        let t = r.timing(t0 + ms(30));
+        assert_eq!((t.queue_s, t.prefill_s, t.decode_s), (0.03, 0.0, 0.0));
+        r.first_scheduled_at = Some(t0 + ms(10));
+        let t = r.timing(t0 + ms(30));
+        assert_eq!((t.queue_s, t.prefill_s, t.decode_s), (0.01, 0.02, 0.0));
+        r.first_token_at = Some(t0 + ms(25));
+        let t = r.timing(t0 + ms(125));
+        assert_eq!((t.queue_s, t.prefill_s, t.decode_s), (0.01, 0.015, 0.1));
+        // The phases always add up to the time since arrival.
+        let total = t.queue_s + t.prefill_s + t.decode_s;
+        assert!((total - 0.125).abs() < 1e-6, "{total}");
     }
 }

@@ -32,6 +32,7 @@
 //!   their last in-flight step is committed; capacity counts them.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
 
 use harrier_shared::protocol::{Finish, FinishReason, RequestOutput, TokenId};
 
@@ -338,6 +339,7 @@ impl Scheduler {
             r.num_cached_tokens = r.num_computed_tokens;
         }
         r.status = RequestStatus::Running;
+        r.first_scheduled_at.get_or_insert_with(Instant::now);
         r.row = Some(row);
         r.decoding = false;
         let mut mask = r.sampling.stop_token_ids.clone();
@@ -398,6 +400,7 @@ impl Scheduler {
                 r.pending_samples -= 1;
                 if !r.finalized {
                     r.output.push(token);
+                    r.first_token_at.get_or_insert_with(Instant::now);
                     extend_block_hashes(&self.kv, r);
                     register_computed_blocks(&mut self.kv, r);
                     self.counters.generation_tokens += 1;
@@ -451,6 +454,7 @@ impl Scheduler {
                         reason: FinishReason::Abort,
                         stop_token: None,
                         message: None,
+                        timing: None,
                     },
                     sink,
                     false,
@@ -492,12 +496,13 @@ impl Scheduler {
     fn finish(
         &mut self,
         id: RequestId,
-        finish: Finish,
+        mut finish: Finish,
         sink: &mut OutputSink,
         token_already_sent: bool,
     ) {
         let r = self.requests.get_mut(&id).expect("finished request exists");
         debug_assert!(!r.finalized);
+        finish.timing = Some(r.timing(Instant::now()));
         r.finalized = true;
         r.status = RequestStatus::Finished(finish.reason);
         match (token_already_sent, sink.last_mut()) {
@@ -754,6 +759,7 @@ fn error_finish(message: &str) -> Finish {
         reason: FinishReason::Error,
         stop_token: None,
         message: Some(message.to_string()),
+        timing: None,
     }
 }
 
@@ -766,6 +772,7 @@ fn stop_reason(r: &Request, token: TokenId, cfg: &SchedulerConfig) -> Option<Fin
             reason: FinishReason::Stop,
             stop_token: Some(t),
             message: None,
+            timing: None,
         })
     };
     if past_min && !r.sampling.ignore_eos && cfg.eos_token_ids.contains(&token) {
@@ -779,6 +786,7 @@ fn stop_reason(r: &Request, token: TokenId, cfg: &SchedulerConfig) -> Option<Fin
             reason: FinishReason::Length,
             stop_token: None,
             message: None,
+            timing: None,
         });
     }
     None

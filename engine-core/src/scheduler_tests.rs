@@ -363,6 +363,28 @@ fn many_requests_all_finish_once_with_sync_and_async_depths() {
 }
 
 #[test]
+fn every_finish_carries_the_engine_timing() {
+    let mut h = Harness::new(cfg(2, 16, 40, 2));
+    for i in 0..4u64 {
+        h.add(i, 5, 3);
+    }
+    h.run(2);
+    let finishes: Vec<_> = h
+        .sink
+        .iter()
+        .filter_map(|(_, o)| o.finish.as_ref())
+        .collect();
+    assert_eq!(finishes.len(), 4);
+    for f in finishes {
+        let t = f.timing.expect("timing on every finish");
+        assert!(
+            t.queue_s >= 0.0 && t.prefill_s >= 0.0 && t.decode_s >= 0.0,
+            "{t:?}"
+        );
+    }
+}
+
+#[test]
 fn prefix_cache_serves_a_repeated_prompt() {
     let mut h = Harness::new(cfg(4, 64, 64, 2));
     h.add(1, 10, 3); // 10 tokens: blocks [0..4) [4..8) full, [8..10) partial

@@ -411,6 +411,7 @@ mod tests {
                 reason: FinishReason::Length,
                 stop_token: None,
                 message: None,
+                timing: None,
             }),
         ));
         let ev = drain(&mut rx);
@@ -452,6 +453,7 @@ mod tests {
                     reason: FinishReason::Stop,
                     stop_token: Some(128009),
                     message: None,
+                    timing: None,
                 }),
             ));
             let ev = drain(&mut rx);

@@ -173,6 +173,7 @@ mod tests {
                 reason,
                 stop_token: Some(11),
                 message: message.map(str::to_owned),
+                timing: None,
             }),
             num_cached_tokens: Some(32),
         };

@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this module.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Token id as the model sees it (model vocabularies may exceed the tokenizer's).
 pub type TokenId = u32;
@@ -308,6 +308,20 @@ pub struct Finish {
     pub stop_token: Option<TokenId>,
     /// For `FinishReason::Error`: what went wrong.
     pub message: Option<String>,
+    /// Where the request's time went inside the engine core (set by the engine when it
+    /// finishes a request it had queued).
+    pub timing: Option<RequestTiming>,
+}
+
+/// A finished request's time inside the engine core, in seconds (vLLM's request queue, prefill
+/// and decode times): arrival at the engine to first admission, first admission to the first
+/// committed output token, first output token to the finish. A phase the request never
+/// reached counts 0.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct RequestTiming {
+    pub queue_s: f32,
+    pub prefill_s: f32,
+    pub decode_s: f32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -97,6 +97,7 @@ impl FakeEngine {
                                         reason: FinishReason::Stop,
                                         stop_token: None,
                                         message: None,
+                                        timing: None,
                                     }),
                                     num_cached_tokens: Some(0),
                                 }],
