@@ -536,7 +536,7 @@ fn stream_chat(port: u16, max_tokens: u32) -> String {
     content
 }
 
-/// The front-end index that answered a /metrics scrape (its `frontend` label).
+/// The front-end index that answered a /metrics scrape (`harrier_frontend_info{frontend}`).
 fn answering_frontend(port: u16) -> String {
     let r = http(port, "GET", "/metrics", None);
     assert_eq!(r.status, 200);

@@ -81,9 +81,14 @@ pub struct FrontendArgs {
     /// Set SO_REUSEPORT so several front ends can serve one port.
     #[arg(long)]
     pub reuse_port: bool,
-    /// This front end's number (names and metric labels).
+    /// This front end's number (its name towards the engine).
     #[arg(long, default_value_t = 0)]
     pub frontend_index: u32,
+    /// A directory shared by the front ends of one server: each publishes its request metrics
+    /// there and /metrics on any of them reports the sum (docs/frontend.md, "Metrics").
+    /// `harrier serve` passes one; without it a front end reports only its own requests.
+    #[arg(long, env = "HARRIER_METRICS_DIR")]
+    pub metrics_dir: Option<PathBuf>,
     /// Print a readiness line on stdout (used by `harrier serve`).
     #[arg(long, hide = true)]
     pub ready_line: bool,
@@ -120,7 +125,22 @@ pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async move {
         let name = format!("frontend-{}", args.frontend_index);
-        let metrics = Arc::new(Metrics::new(&args.frontend_index.to_string()));
+        let mut metrics = Metrics::new(&args.frontend_index.to_string());
+        if let Some(dir) = &args.metrics_dir {
+            let identity = format!("frontend-{}-{}", args.frontend_index, std::process::id());
+            metrics = metrics.share(dir, identity).with_context(|| format!("metrics directory {}", dir.display()))?;
+        }
+        let metrics = Arc::new(metrics);
+        let publisher = args.metrics_dir.is_some().then(|| {
+            let metrics = metrics.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(crate::metrics::shared::SNAPSHOT_INTERVAL);
+                loop {
+                    tick.tick().await;
+                    metrics.publish();
+                }
+            })
+        });
         let engine = Engine::start(EngineOptions::new(endpoint.clone(), name), text.tokenizer.clone(), metrics.clone())?;
         let mut shutdown = std::pin::pin!(harrier_engine::cli::shutdown_signal());
         tracing::info!(%endpoint, "waiting for the engine core");
@@ -137,7 +157,7 @@ pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::from_std(std_listener)?;
         let local = listener.local_addr()?;
         let cfg = ServerConfig { api_key: args.http.api_key.clone(), max_body_bytes: args.http.max_body_bytes, max_n: args.http.max_n };
-        let state = Arc::new(AppState::new(engine.clone(), text, metrics, cfg));
+        let state = Arc::new(AppState::new(engine.clone(), text, metrics.clone(), cfg));
         tracing::info!(url = %format!("http://{local}"), model = %model_dir.display(), "front end ready");
         if args.ready_line {
             use std::io::Write;
@@ -146,6 +166,10 @@ pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
             out.flush()?;
         }
         serve(listener, state, shutdown, Duration::from_secs_f64(args.http.drain_timeout.max(0.0))).await;
+        if let Some(task) = publisher {
+            task.abort();
+        }
+        metrics.publish(); // the final counts (a no-op without a shared directory)
         engine.close().await;
         tokio::time::sleep(Duration::from_millis(50)).await;
         Ok(())

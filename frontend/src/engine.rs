@@ -218,6 +218,7 @@ async fn connection_task(inner: std::sync::Weak<Inner>) {
                 failures = 0;
                 tracing::info!(endpoint = %opts.endpoint, model = %info.model_name, max_model_len = info.max_model_len, "connected to the engine core");
                 *this.last_info.write().expect("info lock") = Some(info.clone());
+                this.metrics.set_model_name(&info.model_name);
                 *this.conn.write().expect("conn lock") = Some(Conn { client, info });
                 this.metrics.set_engine_up(true);
                 this.connected.send_replace(true);

@@ -55,13 +55,16 @@ pub fn run_serve(args: ServeArgs, raw_args: &[String]) -> anyhow::Result<()> {
         Some(m) => m.clone(),
         None => harrier_engine::cli::ensure_default_model()?,
     };
+    let socket_dir = private_socket_dir(args.engine.socket_dir.as_deref())?;
     let endpoint = match &args.engine.endpoint {
         Some(e) => e.clone(),
-        None => Endpoint::Ipc(
-            private_socket_dir(args.engine.socket_dir.as_deref())?
-                .join(format!("engine-{}.sock", std::process::id())),
-        ),
+        None => Endpoint::Ipc(socket_dir.join(format!("engine-{}.sock", std::process::id()))),
     };
+    // The front ends' shared metrics directory (removed when the launcher exits).
+    let metrics_dir = tempfile::Builder::new()
+        .prefix(&format!("metrics-{}-", std::process::id()))
+        .tempdir_in(&socket_dir)
+        .with_context(|| format!("creating a metrics directory in {}", socket_dir.display()))?;
     // The launcher does little: one thread, so PDEATHSIG (tied to the spawning thread) holds.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -71,6 +74,7 @@ pub fn run_serve(args: ServeArgs, raw_args: &[String]) -> anyhow::Result<()> {
             args,
             model,
             endpoint,
+            metrics_dir,
             raw_args: raw_args.to_vec(),
         }
         .run(),
@@ -81,6 +85,7 @@ struct Launcher {
     args: ServeArgs,
     model: PathBuf,
     endpoint: Endpoint,
+    metrics_dir: tempfile::TempDir,
     raw_args: Vec<String>,
 }
 
@@ -139,7 +144,9 @@ impl Launcher {
             cmd.arg("--reuse-port")
                 .arg("--ready-line")
                 .arg("--frontend-index")
-                .arg(i.to_string());
+                .arg(i.to_string())
+                .arg("--metrics-dir")
+                .arg(self.metrics_dir.path());
             cmd.arg("--drain-timeout")
                 .arg(self.args.http.drain_timeout.to_string());
             cmd.arg("--max-body-bytes")

@@ -18,7 +18,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use harrier_shared::protocol::{EngineCoreOutputs, FinishReason, RequestOutput, TokenId};
+use harrier_shared::protocol::{
+    EngineCoreOutputs, FinishReason, RequestOutput, RequestTiming, TokenId,
+};
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc;
 
@@ -262,13 +264,14 @@ impl Processor {
                     let _ = state.tx.send(Event::Failed(ApiError::internal(format!(
                         "The engine failed this request: {msg}"
                     ))));
-                    self.finish_choice(&request_id, "error", now);
+                    self.finish_choice(&request_id, "error", now, f.timing);
                     return;
                 }
             }
         } else {
             None
         };
+        let timing = finish.as_ref().and_then(|f| f.timing);
         let event = Event::Delta(ChoiceDelta {
             index: state.index,
             text,
@@ -282,23 +285,29 @@ impl Processor {
             if finish.is_none() && finish_reason.is_none() {
                 aborts.push(request_id.clone());
             }
-            self.finish_choice(&request_id, "abort", now);
+            self.finish_choice(&request_id, "abort", now, timing);
             return;
         }
         if let Some(reason) = finish_reason {
-            self.finish_choice(&request_id, reason, now);
+            self.finish_choice(&request_id, reason, now, timing);
         }
     }
 
-    fn finish_choice(&mut self, id: &str, reason: &str, now: Instant) {
+    fn finish_choice(
+        &mut self,
+        id: &str,
+        reason: &str,
+        now: Instant,
+        timing: Option<RequestTiming>,
+    ) {
         if let Some(state) = self.choices.remove(id) {
-            self.metrics.requests.with_label_values(&[reason]).inc();
-            self.metrics
-                .prompt_tokens
-                .inc_by(u64::from(state.prompt_len));
-            self.metrics
-                .e2e
-                .observe((now - state.arrival).as_secs_f64());
+            self.metrics.observe_finish(
+                reason,
+                state.prompt_len,
+                state.num_tokens,
+                (now - state.arrival).as_secs_f64(),
+                timing,
+            );
         }
     }
 }

@@ -734,6 +734,24 @@ async fn metrics(api: &Api) {
     }
     assert_eq!(api.metric("harrier_engine_up").await, 1.0);
     assert!(api.metric("harrier_generation_tokens_total").await > 0.0);
+    // Every scrape reaches one of the 2 front ends (each on a new connection, SO_REUSEPORT
+    // spreads them): once their snapshots are published (every 500 ms), all report the same
+    // server totals (tests/e2e_metrics.rs checks the sums themselves).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut seen = Vec::new();
+    for _ in 0..8 {
+        seen.push((
+            api.metric("harrier_generation_tokens_total").await,
+            api.metric("harrier_e2e_request_latency_seconds_count")
+                .await,
+            api.metric("vllm:generation_tokens_total").await,
+        ));
+    }
+    assert!(
+        seen.iter().all(|s| *s == seen[0]),
+        "scrapes disagree: {seen:?}"
+    );
+    assert_eq!(seen[0].0, seen[0].2, "vLLM's name carries the same count");
 }
 
 /// `harrier bench serve` against the server: Poisson arrivals, exact token counts.
