@@ -371,10 +371,7 @@ fn host_over_ipc(requests: u32, steps: u32) -> anyhow::Result<Vec<f64>> {
 }
 
 pub fn run(args: &EngineBenchArgs) -> anyhow::Result<()> {
-    let model_dir = match &args.model {
-        Some(p) => p.clone(),
-        None => crate::cli::ensure_default_model()?,
-    };
+    let model_dir = crate::cli::resolve_model(args.model.as_deref(), None)?.dir;
     let mut report = Report {
         model: model_dir.display().to_string(),
         threads: rayon::current_num_threads(),

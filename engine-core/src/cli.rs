@@ -22,10 +22,14 @@ pub enum Device {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EngineCoreArgs {
-    /// Hugging Face model directory. Default: the embedded `harrier-cpu` model (written under
-    /// $HARRIER_HOME/models on first use).
+    /// Hugging Face model directory, or a Hub model id (`ORG/NAME`, fetched into the Hugging
+    /// Face cache; HF_ENDPOINT, HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply). Default: the embedded
+    /// `harrier-cpu` model (written under $HARRIER_HOME/models on first use).
     #[arg(long, env = "HARRIER_MODEL")]
     pub model: Option<PathBuf>,
+    /// Hub models: the branch, tag or commit to fetch (default `main`).
+    #[arg(long, env = "HARRIER_REVISION")]
+    pub revision: Option<String>,
     /// Name the model is served as (default: the directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -131,6 +135,47 @@ pub fn default_model_dir() -> PathBuf {
 /// never see half a model.
 pub fn ensure_default_model() -> anyhow::Result<PathBuf> {
     crate::default_model::ensure_in(&crate::gen_model::harrier_home().join("models"))
+}
+
+/// A model directory to load, and the Hub id it came from (the default served name).
+#[derive(Debug, Clone)]
+pub struct ResolvedModel {
+    pub dir: PathBuf,
+    pub hub_id: Option<String>,
+}
+
+/// What `--model` names: nothing (the embedded default), a local directory, or a Hub model id
+/// (fetched into the Hugging Face cache, or found there; [`crate::hub`]).
+pub fn resolve_model(
+    model: Option<&std::path::Path>,
+    revision: Option<&str>,
+) -> anyhow::Result<ResolvedModel> {
+    let Some(path) = model else {
+        if revision.is_some() {
+            bail!("--revision needs a Hub model id in --model");
+        }
+        return Ok(ResolvedModel {
+            dir: ensure_default_model()?,
+            hub_id: None,
+        });
+    };
+    match path.to_str() {
+        Some(id) if crate::hub::is_hub_id(id) => {
+            let m = crate::hub::fetch(&crate::hub::HubConfig::from_env(), id, revision)?;
+            Ok(ResolvedModel {
+                dir: m.dir,
+                hub_id: Some(m.repo_id),
+            })
+        }
+        _ if revision.is_some() => bail!(
+            "--revision applies to Hub model ids; {} is a local path",
+            path.display()
+        ),
+        _ => Ok(ResolvedModel {
+            dir: path.to_path_buf(),
+            hub_id: None,
+        }),
+    }
 }
 
 /// A ready engine with its handshake answer.
@@ -338,7 +383,7 @@ fn cuda_unavailable() -> Option<String> {
 }
 
 /// The `engine-core` subcommand: runs until SIGTERM/SIGINT (exit 0) or a fatal error (non-zero).
-pub fn run_engine_core(args: EngineCoreArgs) -> anyhow::Result<()> {
+pub fn run_engine_core(mut args: EngineCoreArgs) -> anyhow::Result<()> {
     let use_cuda = match args.device {
         Device::Cuda => match cuda_unavailable() {
             Some(why) => bail!("--device cuda: {why}; use --device cpu"),
@@ -347,13 +392,13 @@ pub fn run_engine_core(args: EngineCoreArgs) -> anyhow::Result<()> {
         Device::Auto => cuda_present() && cuda_unavailable().is_none(),
         Device::Cpu => false,
     };
+    let model = resolve_model(args.model.as_deref(), args.revision.as_deref())?;
+    if args.served_model_name.is_none() {
+        args.served_model_name = model.hub_id.clone();
+    }
     #[cfg(feature = "cuda")]
     if use_cuda {
-        let model_dir = match &args.model {
-            Some(p) => p.clone(),
-            None => ensure_default_model()?,
-        };
-        let built = build_cuda_engine(&args, &model_dir)?;
+        let built = build_cuda_engine(&args, &model.dir)?;
         return serve_built(built, &args);
     }
     let _ = use_cuda;
@@ -363,11 +408,7 @@ pub fn run_engine_core(args: EngineCoreArgs) -> anyhow::Result<()> {
             .build_global()
             .context("configuring compute threads")?;
     }
-    let model_dir = match &args.model {
-        Some(p) => p.clone(),
-        None => ensure_default_model()?,
-    };
-    let built = build_cpu_engine(&args, &model_dir)?;
+    let built = build_cpu_engine(&args, &model.dir)?;
     serve_built(built, &args)
 }
 

@@ -11,6 +11,8 @@
 //! - [`sampling`]: logits processing and seeded sampling (counter-based Philox RNG).
 //! - [`gen_model`]: writes Hugging Face model directories with deterministic random weights.
 //! - [`default_model`]: the embedded default model (`harrier-cpu`), written out on first use.
+//! - [`hub`]: models by Hugging Face Hub id, fetched into the Hugging Face cache.
+//! - [`progress`]: start-up progress (bars on a terminal, log lines otherwise).
 //!
 //! Rules: the scheduler, pipeline and request modules know no backend; only executors touch
 //! model math; only a CUDA executor (later) touches CUDA.
@@ -23,9 +25,11 @@ pub mod default_model;
 pub mod engine;
 pub mod executor;
 pub mod gen_model;
+pub mod hub;
 pub mod kv;
 pub mod model;
 pub mod pipeline;
+pub mod progress;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

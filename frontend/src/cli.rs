@@ -67,10 +67,13 @@ impl HttpArgs {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct FrontendArgs {
-    /// Model directory (tokenizer.json, tokenizer_config.json). Default: the embedded
-    /// `harrier-cpu`.
+    /// Model directory (tokenizer.json, tokenizer_config.json) or Hub model id, as the engine
+    /// core's `--model`. Default: the embedded `harrier-cpu`.
     #[arg(long, env = "HARRIER_MODEL")]
     pub model: Option<PathBuf>,
+    /// Hub models: the branch, tag or commit (default `main`).
+    #[arg(long, env = "HARRIER_REVISION")]
+    pub revision: Option<String>,
     /// The engine core's address. Default: `engine.sock` in the private socket directory.
     #[arg(long, env = "HARRIER_ENGINE_ENDPOINT")]
     pub engine_endpoint: Option<Endpoint>,
@@ -97,10 +100,8 @@ pub struct FrontendArgs {
 /// Runs a front end until SIGTERM/SIGINT (then drains and exits 0).
 pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
     args.http.validate()?;
-    let model_dir = match &args.model {
-        Some(m) => m.clone(),
-        None => harrier_engine::cli::ensure_default_model()?,
-    };
+    let model_dir =
+        harrier_engine::cli::resolve_model(args.model.as_deref(), args.revision.as_deref())?.dir;
     let endpoint = match &args.engine_endpoint {
         Some(e) => e.clone(),
         None => default_engine_endpoint(&private_socket_dir(args.socket_dir.as_deref())?),

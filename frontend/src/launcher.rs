@@ -33,6 +33,9 @@ use crate::http_client::{wait_healthy, BaseUrl};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
+    /// The model: a Hugging Face model directory or a Hub model id (`ORG/NAME`), as `--model`.
+    #[arg(value_name = "MODEL", conflicts_with = "model")]
+    pub model_arg: Option<PathBuf>,
     /// Number of front-end processes (all serve the same port through SO_REUSEPORT).
     #[arg(long, default_value_t = 1)]
     pub api_server_count: u32,
@@ -51,9 +54,16 @@ pub fn run_serve(args: ServeArgs, raw_args: &[String]) -> anyhow::Result<()> {
     if args.api_server_count == 0 {
         bail!("--api-server-count must be at least 1");
     }
-    let model = match &args.engine.model {
-        Some(m) => m.clone(),
-        None => harrier_engine::cli::ensure_default_model()?,
+    // Resolved once here (a Hub model is fetched now, with its progress on this terminal);
+    // the children get the local directory, and the engine the Hub id as its served name.
+    let resolved = harrier_engine::cli::resolve_model(
+        args.model_arg.as_deref().or(args.engine.model.as_deref()),
+        args.engine.revision.as_deref(),
+    )?;
+    let model = resolved.dir;
+    let served_name = match (&args.engine.served_model_name, resolved.hub_id) {
+        (None, Some(id)) => Some(id),
+        _ => None,
     };
     let socket_dir = private_socket_dir(args.engine.socket_dir.as_deref())?;
     let endpoint = match &args.engine.endpoint {
@@ -73,6 +83,7 @@ pub fn run_serve(args: ServeArgs, raw_args: &[String]) -> anyhow::Result<()> {
         Launcher {
             args,
             model,
+            served_name,
             endpoint,
             metrics_dir,
             raw_args: raw_args.to_vec(),
@@ -84,6 +95,8 @@ pub fn run_serve(args: ServeArgs, raw_args: &[String]) -> anyhow::Result<()> {
 struct Launcher {
     args: ServeArgs,
     model: PathBuf,
+    /// `--served-model-name` for the engine when the user gave none (a Hub id).
+    served_name: Option<String>,
     endpoint: Endpoint,
     metrics_dir: tempfile::TempDir,
     raw_args: Vec<String>,
@@ -124,6 +137,9 @@ impl Launcher {
             .arg(&self.model)
             .arg("--endpoint")
             .arg(self.endpoint.to_string());
+        if let Some(name) = &self.served_name {
+            engine_cmd.arg("--served-model-name").arg(name);
+        }
         engine_cmd.args(engine_passthrough(&self.raw_args));
         let engine = spawn(engine_cmd, "engine-core", None, false)?;
         let pgid = engine.child.id().context("engine pid")? as i32;
@@ -378,7 +394,8 @@ fn reserve_port(addr: SocketAddr) -> anyhow::Result<socket2::Socket> {
 pub fn engine_passthrough(raw: &[String]) -> Vec<String> {
     let engine = EngineCoreArgs::augment_args(clap::Command::new("engine-core"));
     let serve = ServeArgs::augment_args(clap::Command::new("serve"));
-    let skip = ["model", "endpoint"];
+    // The launcher resolves the model (and its revision) and names the endpoint itself.
+    let skip = ["model", "revision", "endpoint"];
     let mut out = Vec::new();
     let mut it = raw.iter().peekable();
     while let Some(arg) = it.next() {

@@ -117,7 +117,13 @@ impl CpuModel {
             Ok(PackedWeight::from_rows(&w, shape[0], shape[1]))
         };
         let mut layers = Vec::with_capacity(config.num_layers);
+        let mut progress = crate::progress::StartupProgress::new(
+            format!("loading {} (layers)", dir.name),
+            config.num_layers as u64,
+            crate::progress::Unit::Items,
+        );
         for l in 0..config.num_layers {
+            progress.inc(1);
             let one = |t: LayerTensor| get(&t.name(l), t.shape(&config));
             let qk_norm = match config.architecture {
                 Architecture::Qwen3 => Some((one(LayerTensor::QNorm)?, one(LayerTensor::KNorm)?)),
@@ -136,6 +142,7 @@ impl CpuModel {
                 down: packed(l, LayerTensor::DownProj)?,
             });
         }
+        progress.finish();
         let (v, h) = (config.vocab_size, config.hidden_size);
         let embed = get(EMBED, vec![v, h])?;
         let (embed, lm_head) = match config.tie_word_embeddings {

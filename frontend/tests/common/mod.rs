@@ -40,9 +40,15 @@ pub struct Proc {
 
 impl Proc {
     pub fn spawn(name: &'static str, args: &[&str]) -> Proc {
+        Self::spawn_env(name, args, &[])
+    }
+
+    /// As [`Proc::spawn`], with extra environment variables.
+    pub fn spawn_env(name: &'static str, args: &[&str], env: &[(&str, &str)]) -> Proc {
         use std::os::unix::process::CommandExt;
         let child = Command::new(BIN)
             .args(args)
+            .envs(env.iter().copied())
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),

@@ -319,7 +319,15 @@ impl CudaExecutor {
         let (major, minor) = ck(ctx.compute_capability(), "compute capability")?;
         let arch = harrier_kernels::arch_name(major, minor)?;
         let device_name = ctx.name().unwrap_or_else(|_| "?".into());
+        // NVRTC compiles the kernels on a device's first start (tens of seconds; cached on
+        // disk afterwards): a spinner on a terminal, log lines otherwise.
+        let compiling = crate::progress::StartupProgress::new(
+            format!("compiling or loading the CUDA kernels for {arch}"),
+            0,
+            crate::progress::Unit::Items,
+        );
         let kernels = Kernels::load(arch, cfg.dtype).context("compiling/loading the kernels")?;
+        compiling.finish();
         let compute = ck(
             dr::stream::create(dr::stream::StreamKind::NonBlocking),
             "cuStreamCreate",

@@ -171,7 +171,13 @@ impl GpuModel {
         };
         let lt = |t: LayerTensor, l: usize| (t.name(l), t.shape(&c));
         let mut layers = Vec::with_capacity(c.num_layers);
+        let mut progress = crate::progress::StartupProgress::new(
+            format!("loading {} onto the GPU (layers)", dir.name),
+            c.num_layers as u64,
+            crate::progress::Unit::Items,
+        );
         for l in 0..c.num_layers {
+            progress.inc(1);
             let qk_norm = match c.architecture {
                 Architecture::Qwen3 => Some((
                     one(&[lt(LayerTensor::QNorm, l)])?,
@@ -193,6 +199,7 @@ impl GpuModel {
                 down: one(&[lt(LayerTensor::DownProj, l)])?,
             });
         }
+        progress.finish();
         let (v, h) = (c.vocab_size, c.hidden_size);
         let embed = one(&[(EMBED.to_string(), vec![v, h])])?;
         let lm_head = if c.tie_word_embeddings {
