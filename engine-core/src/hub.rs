@@ -44,7 +44,7 @@ pub enum HubError {
         revision: String,
         status: u16,
     },
-    #[error("{repo} has no file {file} at revision {revision} (404 from {endpoint}); check the model id and --revision")]
+    #[error("{repo} has no file {file} at revision {revision} (404 from {endpoint}); check the model id and --revision (no local directory has that name either)")]
     NotFound {
         repo: String,
         revision: String,
