@@ -7,9 +7,12 @@
 //! Changing field order or variant names is therefore an incompatible change: bump
 //! [`crate::protocol::PROTOCOL_VERSION`].
 //!
-//! [`decode`] never panics on malformed input, rejects empty frames and frames with bytes
-//! left over after the message, and never allocates more than the frame's size for a
-//! claimed length (it reads from the borrowed frame).
+//! [`decode`] never panics on malformed input and rejects empty frames and frames with bytes
+//! left over after the message. A claimed length costs at most what the frame holds: strings
+//! and byte arrays are read from the frame, and serde preallocates a sequence for at most
+//! 1 MiB whatever length it claims. Nesting is capped at [`MAX_DEPTH`] arrays and maps, well
+//! above what the protocol needs (8) and far below what overflows a 2 MiB thread stack in a debug
+//! build (rmp-serde's default of 1024 levels did, in fields the decoder skips).
 //!
 //! [`FrontendMessage`]: crate::protocol::FrontendMessage
 //! [`EngineMessage`]: crate::protocol::EngineMessage
@@ -46,6 +49,11 @@ pub enum CodecError {
     },
 }
 
+/// rmp-serde's nesting limit for [`decode`]: fewer than this many arrays and maps deep. The
+/// protocol's deepest path (`Outputs` -> outputs -> output -> logprobs -> entry -> top -> pair)
+/// decodes with a limit of 8.
+pub const MAX_DEPTH: usize = 32;
+
 /// Encodes one message into a frame payload.
 pub fn encode<T: Serialize>(msg: &T) -> Result<Bytes, CodecError> {
     Ok(Bytes::from(rmp_serde::to_vec(msg)?))
@@ -60,6 +68,7 @@ pub fn decode<T: DeserializeOwned>(frame: &[u8]) -> Result<T, CodecError> {
     // `Deserializer::new` over `&[u8]` advances the slice as it reads, so what is left
     // afterwards is exactly the unconsumed tail.
     let mut de = rmp_serde::Deserializer::new(frame);
+    de.set_max_depth(MAX_DEPTH);
     let msg = T::deserialize(&mut de).map_err(|source| CodecError::Decode { len, source })?;
     let trailing = de.get_ref().len();
     if trailing != 0 {
@@ -333,6 +342,31 @@ mod tests {
     fn message_of_the_other_direction_is_an_error() {
         let frame = encode(&EngineMessage::Heartbeat(stats())).unwrap();
         assert!(decode::<FrontendMessage>(&frame).is_err());
+    }
+
+    /// Found by the fuzz harness: 1,000 nested arrays in a field the decoder skips overflowed
+    /// a 2 MiB stack in a debug build (rmp-serde's default depth limit is 1024).
+    #[test]
+    fn deep_nesting_is_an_error_within_a_small_stack() {
+        let mut frame = b"\x81\xa5Hello\x81\xa1x".to_vec();
+        frame.extend(std::iter::repeat_n(0x91, 10_000));
+        frame.push(0xc0);
+        let result = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || decode::<FrontendMessage>(&frame).map(|_| ()))
+            .unwrap()
+            .join()
+            .expect("no stack overflow");
+        assert!(
+            matches!(
+                result,
+                Err(CodecError::Decode {
+                    source: rmp_serde::decode::Error::DepthLimitExceeded,
+                    ..
+                })
+            ),
+            "{result:?}"
+        );
     }
 
     #[test]
