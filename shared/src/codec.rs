@@ -381,26 +381,7 @@ mod tests {
             assert!(decode::<FrontendMessage>(frame).is_err());
         }
     }
-
-    proptest::proptest! {
-        #[test]
-        fn decode_random_bytes_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
-            let _ = decode::<FrontendMessage>(&bytes);
-            let _ = decode::<EngineMessage>(&bytes);
-        }
-
-        #[test]
-        fn decode_mutated_frames_never_panics(
-            idx in 0usize..7,
-            flips in proptest::collection::vec((proptest::num::usize::ANY, proptest::num::u8::ANY), 1..8),
-        ) {
-            let msgs = all_frontend_messages();
-            let mut frame = encode(&msgs[idx % msgs.len()]).unwrap().to_vec();
-            for (pos, byte) in flips {
-                let n = frame.len();
-                frame[pos % n] = byte;
-            }
-            let _ = decode::<FrontendMessage>(&frame);
-        }
-    }
 }
+
+#[cfg(test)]
+mod fuzz_tests;
