@@ -735,7 +735,7 @@ async fn metrics(api: &Api) {
     assert_eq!(api.metric("harrier_engine_up").await, 1.0);
     assert!(api.metric("harrier_generation_tokens_total").await > 0.0);
     // Every scrape reaches one of the 2 front ends (each on a new connection, SO_REUSEPORT
-    // spreads them): once their snapshots are published (every 500 ms), all report the same
+    // spreads them): once their snapshots are published (every 100 ms), all report the same
     // server totals (tests/e2e_metrics.rs checks the sums themselves).
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut seen = Vec::new();

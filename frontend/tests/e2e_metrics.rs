@@ -86,7 +86,7 @@ fn any_front_end_reports_the_whole_server() {
                 prompt_tokens += r["usage"]["prompt_tokens"].as_f64().unwrap();
             }
         }
-        // Each front end publishes every 500 ms.
+        // Each front end publishes every 100 ms; wait well past that.
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let model_label = format!("model_name=\"{MODEL_NAME}\"");
         for api in &apis {

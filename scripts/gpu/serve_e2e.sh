@@ -33,5 +33,17 @@ for i in $(seq 1 32); do
 done
 wait "${CURLS[@]}"
 done_count=$(grep -l "data: \[DONE\]" "$OUT"/s*.sse | wc -l); echo "streams ending with [DONE]: $done_count/32"
-curl -s http://127.0.0.1:8123/metrics | grep -E "^harrier_(requests_total|generation_tokens_total|engine_kv|engine_cuda_graph|engine_eager)" | head -10
+curl -s http://127.0.0.1:8123/metrics | grep -E "^harrier_(requests_total|generation_tokens_total|engine_kv|engine_cuda_graph|engine_eager|request_queue_time_seconds_count)|^vllm:(request_success_total|generation_tokens_total|e2e_request_latency_seconds_count)" | head -16
 kill -TERM "$PID"; wait "$PID"; echo "serve exit status: $?"
+
+# The embedded default model (harrier-cpu, trained) on CUDA: greedy text to compare with the
+# CPU backend's, and the start-up progress lines (weight loading, kernel compilation).
+echo "== the embedded default model on CUDA"
+HARRIER_HOME=/tmp/harrier-e2e-home .gpu/harrier serve --device cuda --port 8124 >"$OUT/default.out" 2>"$OUT/default.err" &
+PID=$!
+for _ in $(seq 1 240); do grep -q "Harrier is serving" "$OUT/default.out" && break; sleep 0.5; done
+sed 's/\x1b\[[0-9;]*m//g' "$OUT/default.err" | grep -E "loading|compiling|writing the embedded" | cut -c1-200 | head -6
+curl -s http://127.0.0.1:8124/v1/completions -H 'Content-Type: application/json' -d '{
+  "prompt": "def fibonacci(n):\n", "max_tokens": 32, "temperature": 0}' | tee "$OUT/default.json" |
+  python3 -c "import json,sys; r=json.load(sys.stdin); print(repr(r['choices'][0]['text']))"
+kill -TERM "$PID"; wait "$PID"; echo "serve (default model) exit status: $?"

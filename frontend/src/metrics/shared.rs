@@ -16,8 +16,9 @@ use std::time::{Duration, SystemTime};
 use prometheus::proto::{self, MetricType};
 use serde::{Deserialize, Serialize};
 
-/// How often a front end publishes its series (a scrape sees the others this late at most).
-pub const SNAPSHOT_INTERVAL: Duration = Duration::from_millis(500);
+/// How often a front end publishes its series when they changed (a scrape sees the other
+/// front ends this late at most). A publish is a gather and a few KiB written to a file.
+pub const SNAPSHOT_INTERVAL: Duration = Duration::from_millis(100);
 /// Gauges of a snapshot older than this are left out (its front end is gone or stuck).
 pub const GAUGE_TTL: Duration = Duration::from_secs(3);
 /// Snapshot files larger than this are skipped (ours are a few KiB).
@@ -223,6 +224,9 @@ pub fn merge(into: &mut Vec<Family>, other: &[Family], gauges: bool) {
 pub struct SharedDir {
     dir: PathBuf,
     identity: String,
+    /// The last snapshot written, to skip writing an unchanged one (idle servers write
+    /// nothing; gauges of an idle front end stay fresh through [`GAUGE_TTL`] refreshes).
+    last: std::sync::Mutex<(Vec<u8>, std::time::Instant)>,
 }
 
 impl SharedDir {
@@ -232,6 +236,7 @@ impl SharedDir {
         Ok(SharedDir {
             dir: dir.to_path_buf(),
             identity,
+            last: std::sync::Mutex::new((Vec::new(), std::time::Instant::now())),
         })
     }
 
@@ -248,6 +253,12 @@ impl SharedDir {
             families,
         };
         let bytes = serde_json::to_vec(&snap)?;
+        let mut last = self.last.lock().expect("snapshot lock");
+        // Unchanged, recently written and still there: nothing to do (rewritten every
+        // GAUGE_TTL / 3 all the same, so that an idle front end's gauges stay counted).
+        if last.0 == bytes && last.1.elapsed() < GAUGE_TTL / 3 && self.own_file().exists() {
+            return Ok(());
+        }
         let tmp = self.dir.join(format!(".{}.tmp", self.identity));
         if let Err(e) = std::fs::write(&tmp, &bytes) {
             if e.kind() != std::io::ErrorKind::NotFound {
@@ -256,7 +267,9 @@ impl SharedDir {
             std::fs::create_dir_all(&self.dir)?;
             std::fs::write(&tmp, &bytes)?;
         }
-        std::fs::rename(&tmp, self.own_file())
+        std::fs::rename(&tmp, self.own_file())?;
+        *last = (bytes, std::time::Instant::now());
+        Ok(())
     }
 
     /// Merges every other front end's latest snapshot into `own` (this front end's live
