@@ -44,22 +44,8 @@ fn engine_death_gives_503_and_error_events_then_recovers() {
     let mut engine = start_engine(model, &endpoint);
     let mut fronts: Vec<Proc> = (0..2)
         .map(|i| {
-            Proc::spawn(
-                "frontend",
-                &[
-                    "frontend",
-                    "--model",
-                    model,
-                    "--engine-endpoint",
-                    &endpoint,
-                    "--port",
-                    &port.to_string(),
-                    "--reuse-port",
-                    "--ready-line",
-                    "--frontend-index",
-                    &i.to_string(),
-                ],
-            )
+            let port = port.to_string();
+            Proc::frontend(model, &endpoint, i, &["--port", &port, "--reuse-port"])
         })
         .collect();
     for f in &mut fronts {

@@ -50,23 +50,14 @@ fn any_front_end_reports_the_whole_server() {
         .iter()
         .enumerate()
         .map(|(i, port)| {
-            Proc::spawn(
-                "frontend",
-                &[
-                    "frontend",
-                    "--model",
-                    model,
-                    "--engine-endpoint",
-                    &endpoint,
-                    "--port",
-                    &port.to_string(),
-                    "--ready-line",
-                    "--frontend-index",
-                    &i.to_string(),
-                    "--metrics-dir",
-                    metrics_dir.to_str().unwrap(),
-                ],
-            )
+            let port = port.to_string();
+            let extra = [
+                "--port",
+                &port,
+                "--metrics-dir",
+                metrics_dir.to_str().unwrap(),
+            ];
+            Proc::frontend(model, &endpoint, i, &extra)
         })
         .collect();
     for f in &mut fronts {

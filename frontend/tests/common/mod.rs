@@ -43,6 +43,24 @@ impl Proc {
         Self::spawn_env(name, args, &[])
     }
 
+    /// `harrier frontend` number `index` in front of the engine at `endpoint`, printing its
+    /// readiness line, with `extra` arguments (e.g. `--port`, `--reuse-port`).
+    pub fn frontend(model: &str, endpoint: &str, index: usize, extra: &[&str]) -> Proc {
+        let index = index.to_string();
+        let mut args = vec![
+            "frontend",
+            "--model",
+            model,
+            "--engine-endpoint",
+            endpoint,
+            "--ready-line",
+            "--frontend-index",
+            &index,
+        ];
+        args.extend_from_slice(extra);
+        Self::spawn("frontend", &args)
+    }
+
     /// As [`Proc::spawn`], with extra environment variables.
     pub fn spawn_env(name: &'static str, args: &[&str], env: &[(&str, &str)]) -> Proc {
         use std::os::unix::process::CommandExt;
