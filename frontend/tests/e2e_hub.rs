@@ -33,7 +33,11 @@ fn source_dir() -> PathBuf {
 }
 
 fn files() -> HashMap<String, Bytes> {
-    std::fs::read_dir(source_dir())
+    files_in(&source_dir())
+}
+
+fn files_in(dir: &Path) -> HashMap<String, Bytes> {
+    std::fs::read_dir(dir)
         .unwrap()
         .map(|e| {
             let e = e.unwrap();
@@ -47,6 +51,8 @@ fn files() -> HashMap<String, Bytes> {
 
 #[derive(Default)]
 struct HubState {
+    /// Repositories served besides REPO and GATED (the committed draft): id -> directory.
+    extra: HashMap<String, PathBuf>,
     /// (path, Range header) of every GET, in order.
     log: Vec<(String, String)>,
     /// Cut the body of this file after this many bytes, once.
@@ -90,10 +96,12 @@ fn handle(req: Request<hyper::body::Incoming>, state: &Mutex<HubState>) -> Respo
     if repo == GATED && auth != format!("Bearer {TOKEN}") {
         return full(StatusCode::UNAUTHORIZED, "gated");
     }
-    if repo != REPO && repo != GATED {
-        return full(StatusCode::NOT_FOUND, "Repository not found");
-    }
-    let files = files();
+    let extra = state.lock().unwrap().extra.get(&repo).cloned();
+    let files = match extra {
+        Some(dir) => files_in(&dir),
+        None if repo == REPO || repo == GATED => files(),
+        None => return full(StatusCode::NOT_FOUND, "Repository not found"),
+    };
     let Some(content) = files.get(file) else {
         return full(StatusCode::NOT_FOUND, "Entry not found");
     };
@@ -284,6 +292,49 @@ fn downloads_into_the_hf_cache_then_reuses_it_offline() {
     let mut offline = config("http://127.0.0.1:9", cache.path());
     offline.offline = true;
     assert_eq!(fetch(&offline, REPO, None).unwrap().dir, want);
+}
+
+#[test]
+fn sharded_weights_come_with_their_index() {
+    let repo_dir = tempfile::tempdir().unwrap();
+    let mut args = harrier_engine::gen_model::GenModelArgs::new("micro", repo_dir.path());
+    args.max_shard_size = Some(100_000);
+    args.no_tokenizer = true;
+    harrier_engine::gen_model::run(&args).unwrap();
+    std::fs::copy(
+        source_dir().join("tokenizer.json"),
+        repo_dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    let shards: Vec<String> = std::fs::read_dir(repo_dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("model-") && n.ends_with(".safetensors"))
+        .collect();
+    assert!(shards.len() >= 2, "the generator wrote shards: {shards:?}");
+    let hub = MockHub::start();
+    hub.state
+        .lock()
+        .unwrap()
+        .extra
+        .insert("harrier-test/sharded".into(), repo_dir.path().into());
+    let cache = tempfile::tempdir().unwrap();
+    let m = fetch(
+        &config(&hub.endpoint(), cache.path()),
+        "harrier-test/sharded",
+        None,
+    )
+    .unwrap();
+    for (name, bytes) in files_in(repo_dir.path()) {
+        assert_eq!(std::fs::read(m.dir.join(&name)).unwrap(), bytes, "{name}");
+    }
+    let asked: Vec<String> = hub.log().into_iter().map(|(p, _)| p).collect();
+    assert!(
+        !asked.iter().any(|p| p.ends_with("/model.safetensors")),
+        "a sharded repository's single-file name is not asked for: {asked:?}"
+    );
+    let md = harrier_engine::model::ModelDir::open(&m.dir).unwrap();
+    harrier_engine::model::Checkpoint::open(&md.path).expect("the sharded checkpoint opens");
 }
 
 #[test]
