@@ -30,6 +30,9 @@ class Spec:
     warmup: int = 100
     max_pos: int = 2048
     rms_eps: float = 1e-5
+    # Distillation: the (already trained) model of the family whose next-token distribution
+    # this one learns (forward KL at every position) instead of the corpus' next token.
+    teacher: str | None = None
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
 
     def params(self, vocab):
@@ -47,6 +50,8 @@ class Family:
     vocab: int  # the BPE's size; for llama3 the tokenizer's
     models: tuple
     pairs: tuple  # (draft, target) names whose agreement is measured
+    # Models trained only when --only names them (variants outside the family's time budget).
+    extras: tuple = ()
 
 
 CPU = Family(
@@ -83,7 +88,16 @@ GPU = Family(
              rope={"rope_type": "default", "rope_theta": 1000000.0}),
     ),
     pairs=(("trained-draft-2l", "trained-llama-1b"), ("trained-draft-56m", "trained-llama-1b"),
-           ("trained-draft-2l", "trained-llama-174m"), ("trained-draft-56m", "trained-llama-174m")),
+           ("trained-draft-2l", "trained-llama-174m"), ("trained-draft-56m", "trained-llama-174m"),
+           ("trained-draft-2l-distilled", "trained-llama-1b")),
+    extras=(
+        # The shallow draft distilled from the 1B target (its logits at every position of the
+        # same windows): built for greedy agreement with that target. A teacher forward costs
+        # about a third of the teacher's training step, so it is trained on request only.
+        Spec("trained-draft-2l-distilled", "llama", hidden=1024, layers=2, heads=16, kv_heads=4, head_dim=64,
+             inter=4096, steps=700, lr=2e-3, seed=206, max_pos=131072, rope=LLAMA32_ROPE,
+             teacher="trained-llama-1b"),
+    ),
 )
 
 FAMILIES = {f.name: f for f in (CPU, GPU)}

@@ -99,6 +99,13 @@ def train_one(spec, fam, sp, train_stream, held_windows, out_dir):
     gen = torch.Generator().manual_seed(spec.seed + 1)
     ar = torch.arange(spec.seq + 1)
     n = len(train_stream) - spec.seq - 1
+    teacher = None
+    if spec.teacher:
+        path = os.path.join(os.path.dirname(out_dir), spec.teacher)
+        if not os.path.exists(os.path.join(path, ".done")):
+            raise SystemExit(f"{spec.name} distils from {spec.teacher}, which is not trained in {path}")
+        teacher = load_bf16(path)
+        teacher.requires_grad_(False)
     curve, pending = [], []
     every = max(1, spec.steps // 20)
     torch.cuda.synchronize()
@@ -110,7 +117,15 @@ def train_one(spec, fam, sp, train_stream, held_windows, out_dir):
         batch = train_stream[(offs[:, None] + ar[None, :]).cuda()]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        if teacher is None:
+            loss = F.cross_entropy(logits.float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        else:
+            with torch.no_grad():
+                t_logp = F.log_softmax(teacher(input_ids=batch[:, :-1]).logits.float(), -1).reshape(-1, vocab)
+            # Forward KL(teacher || student), per token.
+            loss = F.kl_div(F.log_softmax(logits.float(), -1).reshape(-1, vocab), t_logp,
+                            log_target=True, reduction="batchmean")
+            del t_logp
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -125,7 +140,7 @@ def train_one(spec, fam, sp, train_stream, held_windows, out_dir):
     torch.cuda.synchronize()
     train_s = time.time() - t0
     held = heldout_loss(model, held_windows)
-    del opt
+    del opt, teacher
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
@@ -134,7 +149,8 @@ def train_one(spec, fam, sp, train_stream, held_windows, out_dir):
     torch.cuda.empty_cache()
     entry = {"name": spec.name, "arch": spec.arch, "params": nparams, "steps": spec.steps,
              "tokens": spec.steps * spec.batch * spec.seq, "batch": spec.batch, "seq": spec.seq, "lr": spec.lr,
-             "seed": spec.seed, "train_seconds": round(train_s, 1), "final_train_loss": curve[-1][1],
+             "seed": spec.seed, "teacher": spec.teacher, "train_seconds": round(train_s, 1),
+             "final_train_loss": curve[-1][1],
              "heldout_loss": round(held, 4), "curve": curve}
     log(f"{spec.name}: {nparams / 1e6:.1f}M params, {entry['tokens'] / 1e6:.1f}M tokens in {train_s:.0f}s, "
         f"train loss {curve[-1][1]:.3f}, held-out loss {held:.3f}")
@@ -272,8 +288,8 @@ def main():
                    "device": torch.cuda.get_device_name()})
     models = report.setdefault("models", {})
     only = set(args.only.split(",")) if args.only else None
-    for spec in fam.models:
-        if only is not None and spec.name not in only:
+    for spec in fam.models + fam.extras:
+        if (only is None and spec in fam.extras) or (only is not None and spec.name not in only):
             continue
         if args.steps_scale != 1.0:
             spec = families.Spec(**{**spec.__dict__, "steps": max(2, int(spec.steps * args.steps_scale)),
