@@ -166,6 +166,49 @@ impl ModelConfig {
         (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
     }
 
+    /// The number of weights (every tensor of [`super::expected_tensors`]), or `None` when it
+    /// overflows `usize` even as a count of f32 bytes (times 4). Checked by [`Self::validate`]
+    /// so that the loaders can multiply dimensions freely.
+    pub fn checked_parameter_count(&self) -> Option<usize> {
+        let Self {
+            architecture,
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            tie_word_embeddings,
+            ..
+        } = *self;
+        let q = num_heads.checked_mul(head_dim)?;
+        let kv = num_kv_heads.checked_mul(head_dim)?;
+        let qk_norms = match architecture {
+            Architecture::Qwen3 => 2 * head_dim,
+            Architecture::Llama => 0,
+        };
+        // q and o projections, k and v, gate, up and down, the two norms.
+        let per_layer = [
+            q.checked_mul(hidden_size)?.checked_mul(2)?,
+            kv.checked_mul(hidden_size)?.checked_mul(2)?,
+            intermediate_size.checked_mul(hidden_size)?.checked_mul(3)?,
+            hidden_size.checked_mul(2)?,
+            qk_norms,
+        ]
+        .into_iter()
+        .try_fold(0usize, usize::checked_add)?;
+        let embeddings = vocab_size
+            .checked_mul(hidden_size)?
+            .checked_mul(if tie_word_embeddings { 1 } else { 2 })?;
+        let total = num_layers
+            .checked_mul(per_layer)?
+            .checked_add(embeddings)?
+            .checked_add(hidden_size)?;
+        total.checked_mul(4)?;
+        Some(total)
+    }
+
     /// Checks the dimensions agree with each other; `path` names the file in errors.
     pub fn validate(&self, path: &Path) -> Result<(), ModelError> {
         let bad = |problem: String| {
@@ -209,6 +252,14 @@ impl ModelConfig {
         }
         if head_dim % 2 != 0 {
             return bad(format!("head_dim ({head_dim}) is odd; RoPE needs pairs"));
+        }
+        if self.checked_parameter_count().is_none() {
+            return bad(format!(
+                "the dimensions are too large: the parameter count overflows (vocab_size \
+                 {vocab_size}, hidden_size {hidden_size}, intermediate_size {intermediate_size}, \
+                 num_hidden_layers {num_layers}, {num_heads} query and {num_kv_heads} KV heads \
+                 of head_dim {head_dim})"
+            ));
         }
         if vocab_size > u32::MAX as usize {
             return bad(format!(
@@ -677,5 +728,35 @@ mod tests {
             e.contains("config.json") && e.contains("missing file"),
             "{e}"
         );
+    }
+
+    /// Found by the fuzz harness: dimensions whose products overflow (heads x head_dim here)
+    /// passed validation and panicked in `LayerTensor::shape` (debug) or wrapped (release).
+    #[test]
+    fn overflowing_dimensions_are_rejected() {
+        for (key, value) in [
+            ("num_attention_heads", json!(1u64 << 40)),
+            ("hidden_size", json!(1u64 << 62)),
+            ("intermediate_size", json!(u64::MAX)),
+            ("vocab_size", json!(1u64 << 56)),
+            ("num_hidden_layers", json!(1u64 << 60)),
+        ] {
+            let mut c = llama_json();
+            c[key] = value;
+            if key == "num_attention_heads" {
+                c["num_key_value_heads"] = json!(1u64 << 40);
+                c["head_dim"] = json!(1u64 << 40);
+            }
+            let e = open_err(&c);
+            assert!(
+                e.contains("config.json") && e.contains("parameter count overflows"),
+                "{key}: {e}"
+            );
+        }
+        let c = ModelDir::open(write_dir(&llama_json(), None).path())
+            .expect("open")
+            .config;
+        // Llama 3.2 1B: 1.24 billion weights (tied embeddings).
+        assert_eq!(c.checked_parameter_count(), Some(1_235_814_400));
     }
 }
