@@ -109,23 +109,34 @@ pub const LM_HEAD: &str = "lm_head.weight";
 /// Every tensor a checkpoint of `config` must hold, with its shape, in checkpoint order
 /// (embedding, layers, final norm, then `lm_head` unless the embeddings are tied).
 pub fn expected_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let mut out = vec![(
+    expected_tensor_iter(config).collect()
+}
+
+/// [`expected_tensors`] one at a time: a check that stops at the first missing tensor costs
+/// nothing for the layers a config claims and the checkpoint lacks.
+fn expected_tensor_iter(config: &ModelConfig) -> impl Iterator<Item = (String, Vec<usize>)> + '_ {
+    let embed = (
         EMBED.to_string(),
         vec![config.vocab_size, config.hidden_size],
-    )];
-    for layer in 0..config.num_layers {
-        for &t in LayerTensor::all(config.architecture) {
-            out.push((t.name(layer), t.shape(config)));
-        }
-    }
-    out.push((FINAL_NORM.to_string(), vec![config.hidden_size]));
-    if !config.tie_word_embeddings {
-        out.push((
+    );
+    let layers = (0..config.num_layers).flat_map(move |layer| {
+        LayerTensor::all(config.architecture)
+            .iter()
+            .map(move |&t| (t.name(layer), t.shape(config)))
+    });
+    let lm_head = (!config.tie_word_embeddings).then(|| {
+        (
             LM_HEAD.to_string(),
             vec![config.vocab_size, config.hidden_size],
-        ));
-    }
-    out
+        )
+    });
+    std::iter::once(embed)
+        .chain(layers)
+        .chain(std::iter::once((
+            FINAL_NORM.to_string(),
+            vec![config.hidden_size],
+        )))
+        .chain(lm_head)
 }
 
 /// One stored tensor: its raw little-endian bytes and where it came from.
@@ -322,9 +333,10 @@ impl Checkpoint {
         }
     }
 
-    /// Checks every tensor `config` needs is present with the right shape.
+    /// Checks every tensor `config` needs is present with the right shape, stopping at the
+    /// first that is not (a config claiming a trillion layers fails at the first missing one).
     pub fn check(&self, config: &ModelConfig) -> Result<(), ModelError> {
-        for (name, shape) in expected_tensors(config) {
+        for (name, shape) in expected_tensor_iter(config) {
             self.get(&name, &shape)?;
         }
         Ok(())
@@ -380,4 +392,57 @@ fn read_index(path: &Path) -> Result<(Vec<String>, HashMap<String, String>), Mod
     }
     shards.sort();
     Ok((shards, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelDir;
+
+    /// A directory holding a 2-layer Llama (hidden 8, vocabulary 32) in bf16 zeros.
+    fn tiny_dir() -> (tempfile::TempDir, ModelConfig) {
+        let dir = tempfile::tempdir().unwrap();
+        let config = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 64, "vocab_size": 32,
+            "tie_word_embeddings": true
+        });
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        let config = ModelDir::open(dir.path()).unwrap().config;
+        let mut header = serde_json::Map::new();
+        let mut len = 0;
+        for (name, shape) in expected_tensors(&config) {
+            let bytes = 2 * shape.iter().product::<usize>();
+            header.insert(
+                name,
+                serde_json::json!({"dtype": "BF16", "shape": shape, "data_offsets": [len, len + bytes]}),
+            );
+            len += bytes;
+        }
+        let header = serde_json::to_string(&header).unwrap();
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header.as_bytes());
+        file.resize(file.len() + len, 0);
+        std::fs::write(dir.path().join(SINGLE_FILE), file).unwrap();
+        (dir, config)
+    }
+
+    /// Found by the fuzz harness: `check` listed every tensor of every claimed layer before
+    /// looking at the first, so `num_hidden_layers: 9567572673499565809` hung (and would
+    /// have allocated without bound) instead of failing at layer 2.
+    #[test]
+    fn check_stops_at_the_first_missing_layer() {
+        let (dir, mut config) = tiny_dir();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        ckpt.check(&config).unwrap();
+        config.num_layers = 1 << 40;
+        let started = std::time::Instant::now();
+        let e = ckpt.check(&config).unwrap_err().to_string();
+        assert!(
+            e.contains("model.layers.2.input_layernorm.weight") && e.contains(SINGLE_FILE),
+            "{e}"
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
 }
