@@ -236,6 +236,7 @@ impl Checkpoint {
                 path: path.clone(),
                 problem,
             };
+            check_data_offsets(&mmap).map_err(st_err)?;
             let (n, metadata) = SafeTensors::read_metadata(&mmap)
                 .map_err(|e| st_err(format!("bad safetensors header: {e}")))?;
             let base = 8 + n;
@@ -343,6 +344,47 @@ impl Checkpoint {
     }
 }
 
+/// The safetensors crate's header limit (larger headers are its error to report).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Checks that every tensor's byte range ends inside the file's data section, before the
+/// safetensors crate reads the header: safetensors 0.8 adds the ranges up unchecked
+/// (`buffer_end + 8 + n`), so a header whose ranges chain up to 2^64 panics in builds with
+/// overflow checks (found by the loader fuzz harness). The error also names the tensor, which
+/// the crate's `MetadataIncompleteBuffer` does not. Headers this cannot read are left to the
+/// crate to reject.
+fn check_data_offsets(file: &[u8]) -> Result<(), String> {
+    let Some(len) = file.get(..8) else {
+        return Ok(());
+    };
+    let n = u64::from_le_bytes(len.try_into().expect("8 bytes"));
+    if n > MAX_HEADER_BYTES {
+        return Ok(());
+    }
+    let header_end = 8 + n as usize;
+    let Some(header) = file.get(8..header_end) else {
+        return Ok(());
+    };
+    let data_len = (file.len() - header_end) as u64;
+    let Ok(entries) = serde_json::from_slice::<HashMap<String, serde_json::Value>>(header) else {
+        return Ok(());
+    };
+    for (name, info) in &entries {
+        if name == "__metadata__" {
+            continue;
+        }
+        if let Some(end) = info["data_offsets"][1].as_u64() {
+            if end > data_len {
+                return Err(format!(
+                    "bad safetensors header: tensor `{name}` ends at byte {end} of a \
+                     {data_len}-byte data section (a truncated or damaged file)"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn map_file(path: &Path) -> Result<Mmap, ModelError> {
     let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
     // SAFETY: the map is read-only and private to this process. Another process truncating or
@@ -444,5 +486,48 @@ mod tests {
             "{e}"
         );
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    /// Found by the fuzz harness: eight tensors of 2^61 - 1 bytes each, chained, end 8 bytes
+    /// short of 2^64; safetensors 0.8 then overflows adding the header's length and panicked
+    /// (builds with overflow checks). Now an error that names a tensor past the data.
+    #[test]
+    fn ranges_summing_past_the_address_space_are_an_error() {
+        let mut header = serde_json::Map::new();
+        let size: u64 = (1 << 61) - 1;
+        for i in 0..8u64 {
+            header.insert(
+                format!("t{i}"),
+                serde_json::json!({"dtype": "U8", "shape": [size], "data_offsets": [i * size, (i + 1) * size]}),
+            );
+        }
+        let header = serde_json::to_string(&header).unwrap();
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header.as_bytes());
+        file.extend_from_slice(&[0; 16]);
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(SINGLE_FILE), file).unwrap();
+        let e = Checkpoint::open(dir.path())
+            .err()
+            .expect("an error")
+            .to_string();
+        assert!(
+            e.contains(SINGLE_FILE) && e.contains("ends at byte") && e.contains("16-byte data"),
+            "{e}"
+        );
+        // A well-formed file still opens, and one cut short names the cut tensor.
+        let (dir, config) = tiny_dir();
+        Checkpoint::open(dir.path())
+            .unwrap()
+            .check(&config)
+            .unwrap();
+        let path = dir.path().join(SINGLE_FILE);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
+        let e = Checkpoint::open(dir.path())
+            .err()
+            .expect("an error")
+            .to_string();
+        assert!(e.contains("ends at byte"), "{e}");
     }
 }
