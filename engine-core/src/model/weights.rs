@@ -422,7 +422,7 @@ fn read_index(path: &Path) -> Result<(Vec<String>, HashMap<String, String>), Mod
         let file = file
             .as_str()
             .ok_or_else(|| bad("values must be file names"))?;
-        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+        if file.is_empty() || file.contains('/') || file.contains('\\') || file.starts_with('.') {
             return Err(bad(&format!(
                 "shard name {file:?} must be a plain file name"
             )));
@@ -486,6 +486,23 @@ mod tests {
             "{e}"
         );
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    /// Found by the fuzz harness: an index naming the shard "" mapped the directory itself and
+    /// failed with "No such device"; the error now says what is wrong with the index.
+    #[test]
+    fn an_empty_shard_name_is_named_as_the_problem() {
+        let (dir, _) = tiny_dir();
+        let index = serde_json::json!({"weight_map": {EMBED: ""}});
+        std::fs::write(dir.path().join(INDEX_FILE), index.to_string()).unwrap();
+        let e = Checkpoint::open(dir.path())
+            .err()
+            .expect("an error")
+            .to_string();
+        assert!(
+            e.contains(INDEX_FILE) && e.contains("shard name \"\" must be a plain file name"),
+            "{e}"
+        );
     }
 
     /// Found by the fuzz harness: eight tensors of 2^61 - 1 bytes each, chained, end 8 bytes
