@@ -28,6 +28,8 @@ pub(crate) mod rope;
 mod weights;
 
 #[cfg(test)]
+mod fuzz_tests;
+#[cfg(test)]
 mod reference_tests;
 
 pub use config::{
