@@ -771,6 +771,7 @@ async fn bench_serve(port: u16) {
         json: None,
         label: "e2e".into(),
         no_progress: true,
+        ..harrier_frontend::bench::BenchServeArgs::defaults()
     };
     let r = harrier_frontend::bench::bench(args).await.unwrap();
     assert_eq!((r.completed, r.failed), (12, 0), "{:?}", r.errors);

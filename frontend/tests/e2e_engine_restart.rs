@@ -168,6 +168,7 @@ fn engine_death_gives_503_and_error_events_then_recovers() {
             json: None,
             label: String::new(),
             no_progress: true,
+            ..harrier_frontend::bench::BenchServeArgs::defaults()
         };
         let r = harrier_frontend::bench::bench(args).await.unwrap();
         assert_eq!((r.completed, r.total_output_tokens), (6, 24), "{:?}", r.errors);

@@ -33,6 +33,9 @@ enum Command {
 enum BenchCommand {
     /// Load a running server (or an engine core) with streaming requests and report latencies.
     Serve(harrier_frontend::bench::BenchServeArgs),
+    /// The same load run long against a `harrier serve` whose processes' memory is sampled
+    /// and checked (scripts/soak.sh, docs/soak.md).
+    Soak(harrier_frontend::bench::soak::SoakArgs),
     /// The engine's own benchmark: CPU decode throughput and host time per step.
     Engine(harrier_engine::bench::EngineBenchArgs),
 }
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
         Command::EngineCore(args) => harrier_engine::cli::run_engine_core(args),
         Command::Frontend(args) => harrier_frontend::cli::run_frontend(args),
         Command::Bench(BenchCommand::Serve(args)) => harrier_frontend::bench::run_bench_serve(args),
+        Command::Bench(BenchCommand::Soak(args)) => harrier_frontend::bench::soak::run_soak(args),
         Command::Bench(BenchCommand::Engine(args)) => harrier_engine::bench::run(&args),
         Command::GenModel(args) => harrier_engine::gen_model::run(&args),
         Command::DefaultModel => {

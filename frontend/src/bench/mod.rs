@@ -1,4 +1,6 @@
-//! `harrier bench serve`: a serving benchmark in the spirit of `vllm bench serve`.
+//! `harrier bench serve`: a serving benchmark in the spirit of `vllm bench serve`, and
+//! `harrier bench soak`, the same load run long against a `harrier serve` whose processes'
+//! memory is watched ([`soak`]).
 //!
 //! Random-token prompts (sent as token-id lists, so input lengths are exact) with
 //! `ignore_eos` (so output lengths are exact), streamed completions, sent at a Poisson
@@ -6,26 +8,37 @@
 //! throughput, output tokens/s, and TTFT, TPOT and ITL (mean, p50, p90, p99), as text and,
 //! with `--json`, as JSON.
 //!
+//! The mix can be widened ([`workload`]): lengths spread around the means
+//! (`--range-ratio`), chat requests with text prompts (`--chat-fraction`), clients that hang
+//! up mid-stream (`--disconnect-fraction`) and invalid requests that must be refused with a
+//! 4xx OpenAI error (`--bad-request-fraction`). Every request ends in one [`Outcome`]; a
+//! finished stream is checked (one finish reason, `length`, the asked-for token count, then
+//! `[DONE]`), and one with no end within `--request-timeout` counts as hung.
+//!
 //! `--engine-endpoint` sends the same workload straight to an engine core over its ZeroMQ
 //! protocol (no HTTP, no tokenizer, no detokenizer): the difference to a run through the
 //! front ends is the front end's share of the cost.
+//!
+//! Files: `workload.rs` draws the requests, `http.rs` and `engine.rs` send them, `soak.rs`
+//! watches a server's memory around a run.
 
-use std::collections::HashMap;
+mod engine;
+mod http;
+pub mod soak;
+pub mod workload;
+
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use bytes::Bytes;
 use harrier_engine::splitmix::SplitMix64;
-use harrier_shared::client::EngineClient;
 use harrier_shared::endpoint::Endpoint;
-use harrier_shared::protocol::{EngineCoreRequest, EngineMessage, FrontendMessage, SamplingParams};
-use hyper::{Method, StatusCode};
 use serde::Serialize;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::Semaphore;
 
-use crate::http_client::{BaseUrl, Conn, SseReader};
+use self::workload::{Mix, Plan, RequestSpec, Workload};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchServeArgs {
@@ -67,6 +80,52 @@ pub struct BenchServeArgs {
     pub label: String,
     #[arg(long)]
     pub no_progress: bool,
+    /// Spread lengths uniformly over [len·(1−R), len·(1+R)] (vLLM's --random-range-ratio).
+    #[arg(long, default_value_t = 0.0)]
+    pub range_ratio: f64,
+    /// Fraction of the good requests sent as chat completions with a text prompt (about
+    /// --input-len words), so the chat template and the tokenizer run.
+    #[arg(long, default_value_t = 0.0)]
+    pub chat_fraction: f64,
+    /// Fraction of requests whose client hangs up mid-stream (after a random number of text
+    /// chunks).
+    #[arg(long, default_value_t = 0.0)]
+    pub disconnect_fraction: f64,
+    /// Fraction of requests that are invalid; each must be refused with its 4xx OpenAI error.
+    #[arg(long, default_value_t = 0.0)]
+    pub bad_request_fraction: f64,
+    /// Send no new request after this many seconds (the run ends at --num-prompts or here).
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// A request not ended after this many seconds counts as hung.
+    #[arg(long, default_value_t = 300.0)]
+    pub request_timeout: f64,
+}
+
+impl BenchServeArgs {
+    /// The defaults of every option (environment variables ignored), for callers in code.
+    pub fn defaults() -> Self {
+        #[derive(clap::Parser)]
+        struct Wrapper {
+            #[command(flatten)]
+            args: BenchServeArgs,
+        }
+        let mut args = <Wrapper as clap::Parser>::parse_from(["bench"]).args;
+        args.api_key = None;
+        args
+    }
+
+    fn mix(&self) -> Mix {
+        Mix {
+            input_len: self.input_len,
+            output_len: self.output_len,
+            range_ratio: self.range_ratio,
+            token_id_range: self.token_id_range,
+            chat_fraction: self.chat_fraction,
+            disconnect_fraction: self.disconnect_fraction,
+            bad_fraction: self.bad_request_fraction,
+        }
+    }
 }
 
 fn parse_range(s: &str) -> Result<(u32, u32), String> {
@@ -81,15 +140,69 @@ fn parse_range(s: &str) -> Result<(u32, u32), String> {
     Ok((a, b))
 }
 
+/// How one request ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Streamed to its finish reason (`length`, with the asked-for token count) and `[DONE]`.
+    Completed,
+    /// The client hung up mid-stream, as planned.
+    Disconnected,
+    /// An invalid request answered with its 4xx OpenAI error, as planned.
+    Rejected,
+    /// Anything else: a transport error, an error event, a stream without a finish reason or
+    /// `[DONE]`, a wrong token count, an invalid request not refused as it should be.
+    Failed(String),
+    /// Not ended within `--request-timeout`.
+    Hung,
+}
+
 /// What one request measured.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Sample {
-    ok: bool,
-    error: String,
+    plan: Plan,
+    outcome: Outcome,
+    input_tokens: u32,
     output_tokens: u32,
     ttft: f64,
     latency: f64,
     itls: Vec<f64>,
+}
+
+impl Sample {
+    fn new(plan: Plan) -> Self {
+        Self {
+            plan,
+            outcome: Outcome::Failed(String::new()),
+            input_tokens: 0,
+            output_tokens: 0,
+            ttft: 0.0,
+            latency: 0.0,
+            itls: Vec::new(),
+        }
+    }
+
+    fn ended(plan: Plan, outcome: Outcome) -> Self {
+        Self {
+            outcome,
+            ..Self::new(plan)
+        }
+    }
+
+    /// Records a text chunk arriving at `now`.
+    fn text_chunk(&mut self, start: Instant, last: &mut Option<Instant>, now: Instant) {
+        match last {
+            None => self.ttft = (now - start).as_secs_f64(),
+            Some(prev) => self.itls.push((now - *prev).as_secs_f64()),
+        }
+        *last = Some(now);
+    }
+}
+
+/// Counters another task (the soak's memory sampler) reads while a run goes on.
+#[derive(Debug, Default)]
+pub struct Progress {
+    pub sent: AtomicU64,
+    pub done: AtomicU64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -133,8 +246,18 @@ pub struct BenchResult {
     pub output_len: u32,
     pub request_rate: f64,
     pub max_concurrency: Option<usize>,
+    pub range_ratio: f64,
+    /// Requests sent (fewer than `num_prompts` when `--duration` ended the run).
+    pub sent: usize,
+    /// Of those, planned to hang up mid-stream / to be invalid.
+    pub planned_disconnects: usize,
+    pub planned_bad: usize,
+    /// How they ended ([`Outcome`]).
     pub completed: usize,
+    pub disconnected: usize,
+    pub rejected: usize,
     pub failed: usize,
+    pub hung: usize,
     pub duration_s: f64,
     pub total_input_tokens: u64,
     pub total_output_tokens: u64,
@@ -145,7 +268,15 @@ pub struct BenchResult {
     pub tpot_ms: Percentiles,
     pub itl_ms: Percentiles,
     pub e2e_ms: Percentiles,
+    /// The distinct failure messages (at most 20).
     pub errors: Vec<String>,
+}
+
+impl BenchResult {
+    /// Requests that did not end as planned (failed or hung).
+    pub fn lost(&self) -> usize {
+        self.failed + self.hung
+    }
 }
 
 pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
@@ -170,18 +301,21 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
 }
 
 pub async fn bench(args: BenchServeArgs) -> anyhow::Result<BenchResult> {
-    let mut rng = SplitMix64(args.seed ^ 0x5EED);
-    let (lo, hi) = args.token_id_range;
-    let prompts: Vec<Vec<u32>> = (0..args.num_prompts)
-        .map(|_| {
-            (0..args.input_len)
-                .map(|_| lo + (rng.next_u64() % u64::from(hi - lo)) as u32)
-                .collect()
-        })
-        .collect();
+    run(args, Arc::default()).await
+}
+
+/// Runs the load, counting sent and finished requests in `progress`.
+pub async fn run(args: BenchServeArgs, progress: Arc<Progress>) -> anyhow::Result<BenchResult> {
+    let mix = args.mix();
+    mix.validate()?;
     let target: Arc<dyn Target> = match &args.engine_endpoint {
-        Some(ep) => Arc::new(EngineTarget::connect(ep).await?),
-        None => Arc::new(HttpTarget::new(&args).await?),
+        Some(ep) => {
+            if mix.chat_fraction > 0.0 || mix.bad_fraction > 0.0 {
+                bail!("--chat-fraction and --bad-request-fraction need the HTTP server");
+            }
+            Arc::new(engine::EngineTarget::connect(ep).await?)
+        }
+        None => Arc::new(http::HttpTarget::new(&args).await?),
     };
     let target_name = target.describe();
     let bar = if args.no_progress {
@@ -198,34 +332,47 @@ pub async fn bench(args: BenchServeArgs) -> anyhow::Result<BenchResult> {
     let limit = Arc::new(Semaphore::new(
         args.max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
     ));
-    let samples = Arc::new(Mutex::new(Vec::with_capacity(args.num_prompts)));
+    let timeout = Duration::from_secs_f64(args.request_timeout);
+    let mut workload = Workload::new(mix, args.seed);
+    let mut arrivals = SplitMix64(args.seed ^ 0xA441_7A15);
     let start = Instant::now();
-    let mut tasks = Vec::new();
-    for prompt in prompts {
+    let past_deadline = || {
+        args.duration
+            .is_some_and(|d| start.elapsed().as_secs_f64() >= d)
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut samples = Vec::with_capacity(args.num_prompts.min(1 << 20));
+    for _ in 0..args.num_prompts {
         if args.request_rate.is_finite() && args.request_rate > 0.0 {
-            let gap = -(1.0 - rng.unit()).ln() / args.request_rate;
+            let gap = -(1.0 - arrivals.unit()).ln() / args.request_rate;
             tokio::time::sleep(Duration::from_secs_f64(gap)).await;
         }
         let permit = limit.clone().acquire_owned().await?;
-        let (target, samples, bar, out_len) = (
-            target.clone(),
-            samples.clone(),
-            bar.clone(),
-            args.output_len,
-        );
-        tasks.push(tokio::spawn(async move {
-            let s = target.run(prompt, out_len).await;
+        if past_deadline() {
+            break;
+        }
+        let spec = workload.next_request();
+        progress.sent.fetch_add(1, Ordering::Relaxed);
+        let (target, bar, progress) = (target.clone(), bar.clone(), progress.clone());
+        tasks.spawn(async move {
+            let plan = spec.plan;
+            let s = tokio::time::timeout(timeout, target.run(spec))
+                .await
+                .unwrap_or_else(|_| Sample::ended(plan, Outcome::Hung));
             drop(permit);
-            samples.lock().expect("samples").push(s);
             bar.inc(1);
-        }));
+            progress.done.fetch_add(1, Ordering::Relaxed);
+            s
+        });
+        while let Some(s) = tasks.try_join_next() {
+            samples.push(s?);
+        }
     }
-    for t in tasks {
-        t.await?;
+    while let Some(s) = tasks.join_next().await {
+        samples.push(s?);
     }
     let duration = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let samples = std::mem::take(&mut *samples.lock().expect("samples"));
     Ok(summarize(&args, target_name, duration, samples))
 }
 
@@ -235,16 +382,24 @@ fn summarize(
     duration: f64,
     samples: Vec<Sample>,
 ) -> BenchResult {
-    let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    let count = |f: &dyn Fn(&Sample) -> bool| samples.iter().filter(|s| f(s)).count();
+    let ok: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.outcome == Outcome::Completed)
+        .collect();
     let mut errors: Vec<String> = samples
         .iter()
-        .filter(|s| !s.ok)
-        .map(|s| s.error.clone())
+        .filter_map(|s| match &s.outcome {
+            Outcome::Failed(e) => Some(e.clone()),
+            Outcome::Hung => Some(format!("hung ({:?})", s.plan)),
+            _ => None,
+        })
         .collect();
     errors.sort();
     errors.dedup();
+    errors.truncate(20);
     let total_out: u64 = ok.iter().map(|s| u64::from(s.output_tokens)).sum();
-    let total_in = ok.len() as u64 * u64::from(args.input_len);
+    let total_in: u64 = ok.iter().map(|s| u64::from(s.input_tokens)).sum();
     let ms = |v: Vec<f64>| {
         let mut v: Vec<f64> = v.into_iter().map(|x| x * 1e3).collect();
         percentiles(&mut v)
@@ -257,8 +412,15 @@ fn summarize(
         output_len: args.output_len,
         request_rate: args.request_rate,
         max_concurrency: args.max_concurrency,
+        range_ratio: args.range_ratio,
+        sent: samples.len(),
+        planned_disconnects: count(&|s| matches!(s.plan, Plan::Disconnect { .. })),
+        planned_bad: count(&|s| matches!(s.plan, Plan::Bad(_))),
         completed: ok.len(),
-        failed: samples.len() - ok.len(),
+        disconnected: count(&|s| s.outcome == Outcome::Disconnected),
+        rejected: count(&|s| s.outcome == Outcome::Rejected),
+        failed: count(&|s| matches!(s.outcome, Outcome::Failed(_))),
+        hung: count(&|s| s.outcome == Outcome::Hung),
         duration_s: duration,
         total_input_tokens: total_in,
         total_output_tokens: total_out,
@@ -283,6 +445,17 @@ fn print_report(r: &BenchResult) {
     line("Target:", r.target.clone());
     line("Successful requests:", r.completed.to_string());
     line("Failed requests:", r.failed.to_string());
+    if r.planned_disconnects + r.planned_bad + r.hung > 0 {
+        line("Hung requests:", r.hung.to_string());
+        line(
+            "Hung up mid-stream (planned):",
+            format!("{}/{}", r.disconnected, r.planned_disconnects),
+        );
+        line(
+            "Invalid, refused (planned):",
+            format!("{}/{}", r.rejected, r.planned_bad),
+        );
+    }
     line("Benchmark duration (s):", format!("{:.2}", r.duration_s));
     line("Total input tokens:", r.total_input_tokens.to_string());
     line("Total generated tokens:", r.total_output_tokens.to_string());
@@ -321,233 +494,21 @@ fn print_report(r: &BenchResult) {
     }
 }
 
+/// Where requests go: the HTTP server ([`http::HttpTarget`]) or an engine core
+/// ([`engine::EngineTarget`]).
 trait Target: Send + Sync {
     fn describe(&self) -> String;
-    /// One request.
-    fn try_run(
-        &self,
-        prompt: Vec<u32>,
-        output_len: u32,
-    ) -> futures::future::BoxFuture<'_, anyhow::Result<Sample>>;
-    /// One request; a failure becomes the sample's `error`.
-    fn run(&self, prompt: Vec<u32>, output_len: u32) -> futures::future::BoxFuture<'_, Sample> {
-        let request = self.try_run(prompt, output_len);
+    /// One request; the outcome is set by the implementation.
+    fn try_run(&self, spec: RequestSpec) -> futures::future::BoxFuture<'_, anyhow::Result<Sample>>;
+    /// One request; an error becomes [`Outcome::Failed`].
+    fn run(&self, spec: RequestSpec) -> futures::future::BoxFuture<'_, Sample> {
+        let plan = spec.plan;
+        let request = self.try_run(spec);
         Box::pin(async move {
-            request.await.unwrap_or_else(|e| Sample {
-                error: format!("{e:#}"),
-                ..Default::default()
-            })
-        })
-    }
-}
-
-struct HttpTarget {
-    base: BaseUrl,
-    model: String,
-    api_key: Option<String>,
-}
-
-impl HttpTarget {
-    async fn new(args: &BenchServeArgs) -> anyhow::Result<Self> {
-        let base = BaseUrl::parse(&args.base_url).await?;
-        let model = match &args.model {
-            Some(m) => m.clone(),
-            None => {
-                let mut conn = Conn::connect(&base, args.api_key.as_deref()).await?;
-                let (status, body) = conn.call(Method::GET, "/v1/models", None).await?;
-                if status != StatusCode::OK {
-                    bail!(
-                        "GET /v1/models answered {status}: {}",
-                        String::from_utf8_lossy(&body)
-                    );
-                }
-                let v: serde_json::Value = serde_json::from_slice(&body)?;
-                v["data"][0]["id"]
-                    .as_str()
-                    .context("no model in /v1/models")?
-                    .to_owned()
-            }
-        };
-        Ok(Self {
-            base,
-            model,
-            api_key: args.api_key.clone(),
-        })
-    }
-
-    async fn request(&self, prompt: Vec<u32>, output_len: u32) -> anyhow::Result<Sample> {
-        let body = serde_json::json!({
-            "model": self.model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": true,
-            "temperature": 0.0, "stream": true, "stream_options": {"include_usage": true},
-        });
-        let start = Instant::now();
-        let mut conn = Conn::connect(&self.base, self.api_key.as_deref()).await?;
-        let (status, body) = conn
-            .send(
-                Method::POST,
-                "/v1/completions",
-                Some(Bytes::from(body.to_string())),
-            )
-            .await?;
-        if status != StatusCode::OK {
-            use http_body_util::BodyExt;
-            let text = body
-                .collect()
+            request
                 .await
-                .map(|c| c.to_bytes())
-                .unwrap_or_default();
-            bail!("HTTP {status}: {}", String::from_utf8_lossy(&text));
-        }
-        let mut sse = SseReader::new(body);
-        let mut s = Sample::default();
-        let mut last: Option<Instant> = None;
-        while let Some(data) = sse.next().await? {
-            if data == "[DONE]" {
-                break;
-            }
-            let v: serde_json::Value = serde_json::from_str(&data)?;
-            if let Some(e) = v.get("error") {
-                bail!("error event: {e}");
-            }
-            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                s.output_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as u32;
-            }
-            let has_text = v["choices"].as_array().is_some_and(|c| {
-                c.iter()
-                    .any(|c| c["text"].as_str().is_some_and(|t| !t.is_empty()))
-            });
-            if has_text {
-                let now = Instant::now();
-                match last {
-                    None => s.ttft = (now - start).as_secs_f64(),
-                    Some(prev) => s.itls.push((now - prev).as_secs_f64()),
-                }
-                last = Some(now);
-            }
-        }
-        s.latency = start.elapsed().as_secs_f64();
-        s.ok = true;
-        Ok(s)
-    }
-}
-
-impl Target for HttpTarget {
-    fn describe(&self) -> String {
-        format!("http://{}{}", self.base.host, self.base.prefix)
-    }
-
-    fn try_run(
-        &self,
-        prompt: Vec<u32>,
-        output_len: u32,
-    ) -> futures::future::BoxFuture<'_, anyhow::Result<Sample>> {
-        Box::pin(self.request(prompt, output_len))
-    }
-}
-
-/// (arrival, new tokens, finished) of one engine output.
-type OutputTick = (Instant, usize, bool);
-type Routes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<OutputTick>>>>;
-
-/// Straight to the engine: one connection, outputs routed to requests by id.
-struct EngineTarget {
-    endpoint: Endpoint,
-    client: EngineClient,
-    routes: Routes,
-    next: std::sync::atomic::AtomicU64,
-}
-
-impl EngineTarget {
-    async fn connect(ep: &Endpoint) -> anyhow::Result<Self> {
-        let (client, mut rx, _info) =
-            EngineClient::connect(ep, "bench", Duration::from_secs(10)).await?;
-        let routes: Routes = Arc::default();
-        let r = routes.clone();
-        tokio::spawn(async move {
-            while let Some(msg) = rx.recv().await {
-                if let EngineMessage::Outputs(o) = msg {
-                    let now = Instant::now();
-                    let routes = r.lock().expect("routes");
-                    for out in o.outputs {
-                        if let Some(tx) = routes.get(&out.request_id) {
-                            let _ = tx.send((now, out.new_token_ids.len(), out.finish.is_some()));
-                        }
-                    }
-                }
-            }
-            // Connection lost: fail everyone still waiting.
-            r.lock().expect("routes").clear();
-        });
-        Ok(Self {
-            endpoint: ep.clone(),
-            client,
-            routes,
-            next: Default::default(),
+                .unwrap_or_else(|e| Sample::ended(plan, Outcome::Failed(format!("{e:#}"))))
         })
-    }
-
-    async fn request(&self, prompt: Vec<u32>, output_len: u32) -> anyhow::Result<Sample> {
-        let id = format!(
-            "bench-{}",
-            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        );
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        self.routes.lock().expect("routes").insert(id.clone(), tx);
-        let sampling = SamplingParams {
-            ignore_eos: true,
-            ..SamplingParams::greedy(output_len)
-        };
-        let start = Instant::now();
-        let arrival_time = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
-        self.client
-            .send(FrontendMessage::Request(EngineCoreRequest {
-                request_id: id.clone(),
-                prompt_token_ids: prompt,
-                sampling,
-                arrival_time,
-                cache_salt: None,
-            }))
-            .await?;
-        let mut s = Sample::default();
-        let mut last: Option<Instant> = None;
-        let result = loop {
-            let Some((at, n, done)) = rx.recv().await else {
-                break Err(anyhow::anyhow!("engine connection lost"));
-            };
-            if n > 0 {
-                match last {
-                    None => s.ttft = (at - start).as_secs_f64(),
-                    Some(prev) => s.itls.push((at - prev).as_secs_f64()),
-                }
-                last = Some(at);
-                s.output_tokens += n as u32;
-            }
-            if done {
-                break Ok(());
-            }
-        };
-        self.routes.lock().expect("routes").remove(&id);
-        result?;
-        s.latency = start.elapsed().as_secs_f64();
-        s.ok = true;
-        Ok(s)
-    }
-}
-
-impl Target for EngineTarget {
-    fn describe(&self) -> String {
-        format!("engine {}", self.endpoint)
-    }
-
-    fn try_run(
-        &self,
-        prompt: Vec<u32>,
-        output_len: u32,
-    ) -> futures::future::BoxFuture<'_, anyhow::Result<Sample>> {
-        Box::pin(self.request(prompt, output_len))
     }
 }
 
