@@ -21,6 +21,7 @@ use crate::output::ChoiceSpec;
 use crate::server::{AppState, RespBody};
 use crate::stream::{collect, stream_events, ChannelBody, Generation, Kind, ResponseMeta};
 use crate::template::ChatInput;
+use crate::text::TextModel;
 
 pub fn json_response(status: StatusCode, body: String) -> Response<RespBody> {
     Response::builder()
@@ -89,6 +90,38 @@ pub async fn model(state: &AppState, id: &str) -> Result<Response<RespBody>, Api
     ))
 }
 
+// Each endpoint runs the same stages, each a function of its own (the fuzz harness in
+// `fuzz_tests::requests` calls them in the same order): parse the body (a 400 even while the
+// engine is down), check it against the engine (`check_*`), tokenize on the blocking pool
+// (`*_prompt(s)`), then fit the lengths into the context (`check_lengths`) and submit.
+
+/// `/v1/completions` after parsing: the model, the sampling fields, the prompts.
+pub(crate) fn check_completion(
+    req: &CompletionRequest,
+    info: &EngineInfo,
+    limits: Limits,
+) -> Result<(Validated, Vec<PromptInput>), ApiError> {
+    check_model(req.model.as_deref(), info)?;
+    let v = req.validate(limits)?;
+    let prompts = req.prompts(info.vocab_size)?;
+    Ok((v, prompts))
+}
+
+/// `/v1/completions` on the blocking pool: texts to ids (id prompts are already checked).
+pub(crate) fn completion_prompts(
+    t: &TextModel,
+    prompts: Vec<PromptInput>,
+    add_special: bool,
+) -> Result<Vec<Vec<TokenId>>, ApiError> {
+    prompts
+        .into_iter()
+        .map(|p| match p {
+            PromptInput::Text(s) => t.encode(&s, add_special),
+            PromptInput::Ids(ids) => Ok(ids),
+        })
+        .collect()
+}
+
 pub async fn completions(
     state: Arc<AppState>,
     body: Bytes,
@@ -96,77 +129,77 @@ pub async fn completions(
     let arrival = Instant::now();
     let req: CompletionRequest = parse_json(&body)?;
     let info = state.engine.connected_info()?;
-    check_model(req.model.as_deref(), &info)?;
-    let v = req.validate(limits(&state, &info))?;
-    let prompts = req.prompts(info.vocab_size)?;
+    let (v, prompts) = check_completion(&req, &info, limits(&state, &info))?;
     let add_special = req.add_special_tokens.unwrap_or(true);
-    let prompts: Vec<Vec<TokenId>> = state
+    let prompts = state
         .text
-        .run(move |t| {
-            prompts
-                .into_iter()
-                .map(|p| match p {
-                    PromptInput::Text(s) => t.encode(&s, add_special),
-                    PromptInput::Ids(ids) => Ok(ids),
-                })
-                .collect::<Result<Vec<_>, _>>()
-        })
+        .run(move |t| completion_prompts(t, prompts, add_special))
         .await??;
+    check_lengths(Kind::Completion, &info, &prompts, &v, COMPLETION_MAX_TOKENS)?;
     let id = new_request_id("cmpl");
-    generate(state, id, Kind::Completion, &info, prompts, v, 16, arrival).await
+    generate(
+        state,
+        id,
+        Kind::Completion,
+        &info,
+        prompts,
+        v,
+        COMPLETION_MAX_TOKENS,
+        arrival,
+    )
+    .await
+}
+
+/// `max_tokens` when a completion request gives none (OpenAI's default); chat fills the
+/// context left.
+pub(crate) const COMPLETION_MAX_TOKENS: u32 = 16;
+
+/// `/v1/chat/completions` after parsing: the model and the sampling fields.
+pub(crate) fn check_chat(
+    req: &ChatRequest,
+    info: &EngineInfo,
+    limits: Limits,
+) -> Result<Validated, ApiError> {
+    check_model(req.model.as_deref(), info)?;
+    req.validate(limits)
+}
+
+/// `/v1/chat/completions` on the blocking pool: the rendered template, tokenized.
+pub(crate) fn chat_prompt(t: &TextModel, req: &ChatRequest) -> Result<Vec<TokenId>, ApiError> {
+    let input = ChatInput {
+        messages: req.messages.as_deref().unwrap_or_default(),
+        tools: req.tools.as_deref(),
+        add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+        continue_final_message: req.continue_final_message.unwrap_or(false),
+        extra: req.chat_template_kwargs.as_ref(),
+    };
+    let text = t.render_chat(&input)?;
+    t.encode(&text, req.add_special_tokens.unwrap_or(false))
 }
 
 pub async fn chat(state: Arc<AppState>, body: Bytes) -> Result<Response<RespBody>, ApiError> {
     let arrival = Instant::now();
     let req: ChatRequest = parse_json(&body)?;
     let info = state.engine.connected_info()?;
-    check_model(req.model.as_deref(), &info)?;
-    let v = req.validate(limits(&state, &info))?;
-    let add_special = req.add_special_tokens.unwrap_or(false);
-    let prompt = state
-        .text
-        .run(move |t| {
-            let input = ChatInput {
-                messages: req.messages.as_deref().unwrap_or_default(),
-                tools: req.tools.as_deref(),
-                add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
-                continue_final_message: req.continue_final_message.unwrap_or(false),
-                extra: req.chat_template_kwargs.as_ref(),
-            };
-            let text = t.render_chat(&input)?;
-            t.encode(&text, add_special)
-        })
-        .await??;
+    let v = check_chat(&req, &info, limits(&state, &info))?;
+    let prompt = state.text.run(move |t| chat_prompt(t, &req)).await??;
+    let prompts = vec![prompt];
+    check_lengths(Kind::Chat, &info, &prompts, &v, u32::MAX)?;
     let id = new_request_id("chatcmpl");
-    generate(
-        state,
-        id,
-        Kind::Chat,
-        &info,
-        vec![prompt],
-        v,
-        u32::MAX,
-        arrival,
-    )
-    .await
+    generate(state, id, Kind::Chat, &info, prompts, v, u32::MAX, arrival).await
 }
 
-/// Checks lengths, fans out `n` engine requests per prompt, and answers with a stream or JSON.
-/// `default_max_tokens`: used when the request gave none (capped by the context left).
-#[allow(clippy::too_many_arguments)]
-async fn generate(
-    state: Arc<AppState>,
-    id: String,
+/// Every prompt fits the context with room for the tokens asked for (`default_max_tokens`
+/// when the request gave none, capped by the room left) and at least `min_tokens`.
+pub(crate) fn check_lengths(
     kind: Kind,
     info: &EngineInfo,
-    prompts: Vec<Vec<TokenId>>,
-    v: Validated,
+    prompts: &[Vec<TokenId>],
+    v: &Validated,
     default_max_tokens: u32,
-    arrival: Instant,
-) -> Result<Response<RespBody>, ApiError> {
+) -> Result<(), ApiError> {
     let max_len = info.max_model_len;
-    let mut max_tokens = u32::MAX;
-    for p in &prompts {
+    for p in prompts {
         let len = p.len() as u32;
         if len == 0 {
             return Err(ApiError::invalid("prompt", "The prompt is empty."));
@@ -190,7 +223,6 @@ async fn generate(
             Some(m) => m,
             None => default_max_tokens.min(room),
         };
-        max_tokens = max_tokens.min(want);
         if v.sampling.min_tokens > want {
             return Err(ApiError::invalid(
                 "min_tokens",
@@ -201,6 +233,24 @@ async fn generate(
             ));
         }
     }
+    Ok(())
+}
+
+/// Fans out `n` engine requests per prompt (their lengths checked by [`check_lengths`]) and
+/// answers with a stream or JSON. `default_max_tokens`: used when the request gave none
+/// (capped by the context left).
+#[allow(clippy::too_many_arguments)]
+async fn generate(
+    state: Arc<AppState>,
+    id: String,
+    kind: Kind,
+    info: &EngineInfo,
+    prompts: Vec<Vec<TokenId>>,
+    v: Validated,
+    default_max_tokens: u32,
+    arrival: Instant,
+) -> Result<Response<RespBody>, ApiError> {
+    let max_len = info.max_model_len;
     if state.draining() {
         return Err(ApiError::draining());
     }
@@ -273,32 +323,46 @@ async fn generate(
     }
 }
 
+/// `/tokenize` after parsing: the model, when an engine answered (tokenizing needs none).
+pub(crate) fn check_tokenize(
+    req: &TokenizeRequest,
+    info: Option<&EngineInfo>,
+) -> Result<(), ApiError> {
+    match info {
+        Some(info) => check_model(req.model.as_deref(), info),
+        None => Ok(()),
+    }
+}
+
+/// `/tokenize` on the blocking pool: a prompt, or messages rendered by the chat template.
+pub(crate) fn tokenize_prompt(
+    t: &TextModel,
+    req: &TokenizeRequest,
+) -> Result<Vec<TokenId>, ApiError> {
+    match (&req.prompt, &req.messages) {
+        (Some(p), None) => t.encode(p, req.add_special_tokens.unwrap_or(true)),
+        (None, Some(m)) => {
+            let input = ChatInput {
+                messages: m,
+                tools: None,
+                add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+                continue_final_message: false,
+                extra: None,
+            };
+            let text = t.render_chat(&input)?;
+            t.encode(&text, req.add_special_tokens.unwrap_or(false))
+        }
+        _ => Err(ApiError::bad_request(
+            "Give exactly one of `prompt` or `messages`.",
+        )),
+    }
+}
+
 pub async fn tokenize(state: Arc<AppState>, body: Bytes) -> Result<Response<RespBody>, ApiError> {
     let req: TokenizeRequest = parse_json(&body)?;
     let info = state.engine.info();
-    if let Some(info) = &info {
-        check_model(req.model.as_deref(), info)?;
-    }
-    let tokens = state
-        .text
-        .run(move |t| match (&req.prompt, &req.messages) {
-            (Some(p), None) => t.encode(p, req.add_special_tokens.unwrap_or(true)),
-            (None, Some(m)) => {
-                let input = ChatInput {
-                    messages: m,
-                    tools: None,
-                    add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
-                    continue_final_message: false,
-                    extra: None,
-                };
-                let text = t.render_chat(&input)?;
-                t.encode(&text, req.add_special_tokens.unwrap_or(false))
-            }
-            _ => Err(ApiError::bad_request(
-                "Give exactly one of `prompt` or `messages`.",
-            )),
-        })
-        .await??;
+    check_tokenize(&req, info.as_ref())?;
+    let tokens = state.text.run(move |t| tokenize_prompt(t, &req)).await??;
     let max_model_len = info.map(|i| i.max_model_len);
     Ok(json_response(
         StatusCode::OK,
@@ -307,19 +371,24 @@ pub async fn tokenize(state: Arc<AppState>, body: Bytes) -> Result<Response<Resp
     ))
 }
 
-pub async fn detokenize(state: Arc<AppState>, body: Bytes) -> Result<Response<RespBody>, ApiError> {
-    let req: DetokenizeRequest = parse_json(&body)?;
-    if let Some(info) = state.engine.info() {
-        check_model(req.model.as_deref(), &info)?;
+/// `/detokenize` after parsing: the model (when an engine answered) and the ids, each inside
+/// the tokenizer's vocabulary.
+pub(crate) fn check_detokenize(
+    req: &DetokenizeRequest,
+    info: Option<&EngineInfo>,
+    vocab_size: u32,
+) -> Result<Vec<TokenId>, ApiError> {
+    if let Some(info) = info {
+        check_model(req.model.as_deref(), info)?;
     }
-    let Some(tokens) = req.tokens else {
+    let Some(tokens) = &req.tokens else {
         return Err(ApiError::invalid(
             "tokens",
             "Missing required field `tokens`.",
         ));
     };
-    let vocab = i64::from(state.text.vocab_size);
-    let ids = tokens
+    let vocab = i64::from(vocab_size);
+    tokens
         .iter()
         .map(|&t| {
             if (0..vocab).contains(&t) {
@@ -331,7 +400,12 @@ pub async fn detokenize(state: Arc<AppState>, body: Bytes) -> Result<Response<Re
                 ))
             }
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect()
+}
+
+pub async fn detokenize(state: Arc<AppState>, body: Bytes) -> Result<Response<RespBody>, ApiError> {
+    let req: DetokenizeRequest = parse_json(&body)?;
+    let ids = check_detokenize(&req, state.engine.info().as_ref(), state.text.vocab_size)?;
     let text = state.text.run(move |t| t.decode(&ids, false)).await??;
     Ok(json_response(
         StatusCode::OK,
