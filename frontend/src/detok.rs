@@ -19,7 +19,10 @@
 //! 128,256) decode as empty text and are otherwise ignored.
 //!
 //! The window is seeded with the last few prompt ids so that the first output token decodes
-//! in context (SentencePiece's leading space); the prompt's text itself is never emitted.
+//! in context (SentencePiece's leading space); the prompt's text itself is never emitted. A
+//! context that ends inside a character (a prompt of ids cut mid-character) is dropped at the
+//! first push: the output's first bytes would otherwise complete that character inside the
+//! prompt's text and never be emitted.
 
 use tokenizers::Tokenizer;
 
@@ -33,6 +36,8 @@ pub struct Detokenizer {
     ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
+    /// Whether the prompt context was checked for an unfinished character (first push).
+    context_checked: bool,
 }
 
 impl Detokenizer {
@@ -48,11 +53,20 @@ impl Detokenizer {
             ids,
             prefix_offset: 0,
             read_offset: n,
+            context_checked: false,
         }
     }
 
     /// Adds output ids; returns the text they complete (possibly empty).
     pub fn push(&mut self, tokenizer: &Tokenizer, new_ids: &[u32]) -> String {
+        if !self.context_checked {
+            self.context_checked = true;
+            let context = self.decode(tokenizer, 0, self.read_offset);
+            if context.ends_with('\u{FFFD}') {
+                self.ids.clear();
+                self.read_offset = 0;
+            }
+        }
         let before = self.ids.len();
         self.ids
             .extend(new_ids.iter().copied().filter(|&id| id < self.vocab_size));
@@ -181,6 +195,24 @@ mod tests {
         let ids = [hi.as_slice(), &[eot]].concat();
         assert_eq!(deltas(&tok, &[], &ids, true).concat(), "Hi");
         assert_eq!(deltas(&tok, &[], &ids, false).concat(), "Hi<|eot_id|>");
+    }
+
+    /// Found by the fuzz harness: a prompt of ids ending inside a character (here the first
+    /// byte of "🦅") swallowed the output's first bytes, which completed that character in
+    /// the prompt's text and so were never emitted.
+    #[test]
+    fn a_prompt_cut_mid_character_does_not_swallow_the_output() {
+        let tok = llama3_tokenizer();
+        let ids = tok.encode("🦅 flies", false).unwrap().get_ids().to_vec();
+        assert!(tok.decode(&ids[..1], true).unwrap().ends_with('\u{FFFD}'));
+        let (prompt, output) = ids.split_at(1);
+        let expected = tok.decode(output, true).unwrap();
+        assert!(expected.starts_with('\u{FFFD}') && expected.ends_with(" flies"));
+        assert_eq!(deltas(&tok, prompt, output, true).concat(), expected);
+        // A prompt ending on a whole character still gives the first token its context.
+        let hello = tok.encode("Hello there", false).unwrap().get_ids().to_vec();
+        let (prompt, output) = hello.split_at(1);
+        assert_eq!(deltas(&tok, prompt, output, true).concat(), " there");
     }
 
     #[test]
