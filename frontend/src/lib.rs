@@ -36,4 +36,6 @@ pub mod template;
 pub mod text;
 
 #[cfg(test)]
+mod fuzz_tests;
+#[cfg(test)]
 pub(crate) mod testutil;
