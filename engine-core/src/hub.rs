@@ -373,6 +373,8 @@ fn check_file(path: &Path) -> Result<(), String> {
         // SAFETY: the cache file is not modified while mapped (the download that wrote it has
         // finished and holds its lock until now; nothing else writes blobs in place).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?;
+        // Our range check first: the crate adds ranges up unchecked (docs/fuzzing.md).
+        crate::model::check_data_offsets(&map)?;
         safetensors::SafeTensors::deserialize(&map)
             .map_err(|e| format!("invalid safetensors: {e}"))?;
     }

@@ -37,6 +37,7 @@ pub use config::{
 };
 pub use cpu::{CpuModel, SeqChunk};
 pub use kv_cache::KvCache;
+pub(crate) use weights::check_data_offsets;
 pub use weights::{
     expected_tensors, Checkpoint, LayerTensor, TensorRef, EMBED, FINAL_NORM, INDEX_FILE, LM_HEAD,
     SINGLE_FILE,

@@ -353,7 +353,7 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// overflow checks (found by the loader fuzz harness). The error also names the tensor, which
 /// the crate's `MetadataIncompleteBuffer` does not. Headers this cannot read are left to the
 /// crate to reject.
-fn check_data_offsets(file: &[u8]) -> Result<(), String> {
+pub(crate) fn check_data_offsets(file: &[u8]) -> Result<(), String> {
     let Some(len) = file.get(..8) else {
         return Ok(());
     };
