@@ -18,6 +18,7 @@
 #   --input-len N       mean prompt length; lengths spread over ±75% [64]
 #   --output-len N      mean output length (exact per request: ignore_eos), ±75% [32]
 #   --kv-cache-mib M    the engine's KV cache [256]
+#   --model DIR|ID      the model to serve [the embedded harrier-cpu]
 #   --out DIR           serve.log, rss.csv, soak.json, soak.txt, rss.png [target/soak]
 #   --bin PATH          the harrier binary [$HARRIER_BIN, else a release build]
 # Anything after `--` goes to `harrier bench soak` (e.g. -- --seed 3 --request-timeout 60).
@@ -31,6 +32,7 @@ RSS_TOLERANCE=0.05
 INPUT_LEN=64
 OUTPUT_LEN=32
 KV_CACHE_MIB=256
+MODEL=
 OUT=target/soak
 BIN="${HARRIER_BIN:-}"
 EXTRA=()
@@ -43,6 +45,7 @@ while [ $# -gt 0 ]; do
         --input-len) INPUT_LEN="$2"; shift 2 ;;
         --output-len) OUTPUT_LEN="$2"; shift 2 ;;
         --kv-cache-mib) KV_CACHE_MIB="$2"; shift 2 ;;
+        --model) MODEL="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         --bin) BIN="$2"; shift 2 ;;
         --) shift; EXTRA=("$@"); break ;;
@@ -56,7 +59,9 @@ fi
 mkdir -p "$OUT"
 
 # Port 0: the launcher picks a free port and prints the URL once every front end is ready.
-"$BIN" serve --api-server-count 2 --device cpu --port 0 --kv-cache-mib "$KV_CACHE_MIB" \
+MODEL_ARGS=()
+[ -n "$MODEL" ] && MODEL_ARGS=(--model "$MODEL")
+"$BIN" serve "${MODEL_ARGS[@]}" --api-server-count 2 --device cpu --port 0 --kv-cache-mib "$KV_CACHE_MIB" \
     >"$OUT/serve.log" 2>&1 &
 SERVER=$!
 stop_server() {
