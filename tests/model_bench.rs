@@ -52,7 +52,7 @@ fn tiny_forward_timings() {
                 tokens: &prompts[i],
                 position: 0,
                 block_table: &tables[i],
-                want_logits: true,
+                logit_rows: 1,
             })
             .collect();
         let t = Instant::now();
@@ -68,7 +68,7 @@ fn tiny_forward_timings() {
                     tokens: &next[i..i + 1],
                     position: prompt_len + step,
                     block_table: &tables[i],
-                    want_logits: true,
+                    logit_rows: 1,
                 })
                 .collect();
             let t = Instant::now();

@@ -63,7 +63,7 @@ pub fn greedy_batch(
             tokens: p,
             position: 0,
             block_table: t,
-            want_logits: true,
+            logit_rows: 1,
         })
         .collect();
     model.forward(&chunks, &mut cache, &mut logits)?;
@@ -81,7 +81,7 @@ pub fn greedy_batch(
                 tokens: &out[i][step..step + 1],
                 position: prompts[i].len() + step,
                 block_table: &tables[i],
-                want_logits: true,
+                logit_rows: 1,
             })
             .collect();
         model.forward(&chunks, &mut cache, &mut logits)?;

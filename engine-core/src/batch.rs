@@ -36,6 +36,13 @@ pub struct SeqInput {
     pub blocks_len: u32,
     /// Sample a token after this chunk (its last position reaches the end of the sequence).
     pub sample: bool,
+    /// Speculative decoding (decode entries only, `host_len == 0`): tokens to propose and
+    /// verify after the pending token; `num_tokens == 1 + draft`. The backend proposes up to
+    /// `draft` tokens (a draft model, n-gram lookup), scores the pending token and its
+    /// proposals in one target forward and emits 1 to `draft + 1` tokens. `position` is then an
+    /// upper bound: rounds still in flight may accept fewer tokens than the host booked, and
+    /// the backend, which knows, places the round at the row's true length.
+    pub draft: u32,
 }
 
 impl SeqInput {
@@ -100,8 +107,14 @@ impl ExecBatch {
     /// Checks internal consistency (ranges in bounds, at most one pending token per sequence).
     pub fn check(&self) -> Result<(), String> {
         for (i, s) in self.seqs.iter().enumerate() {
+            if s.draft > 0 && (s.host_len > 0 || !s.sample || s.num_tokens != s.draft + 1) {
+                return Err(format!(
+                    "seq {i}: a speculative entry must be a sampled decode of 1 + {} tokens",
+                    s.draft
+                ));
+            }
             if s.num_tokens == 0
-                || s.num_tokens - s.host_len.min(s.num_tokens) > 1
+                || s.num_tokens - s.host_len.min(s.num_tokens) > 1 + s.draft
                 || s.host_len > s.num_tokens
             {
                 return Err(format!(
@@ -123,15 +136,35 @@ impl ExecBatch {
 /// What a step returns, filled into a caller-owned buffer by `Executor::wait`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepOutput {
-    /// One sampled token per sequence with `sample`, in sequence order.
+    /// The tokens of every sequence with `sample`, in sequence order: `counts[j]` tokens for
+    /// the `j`-th (1 without speculation; 1 to `draft + 1` for a speculative entry).
     pub tokens: Vec<TokenId>,
     /// Parallel to `tokens`; `Some` for rows whose request asked for logprobs.
     pub logprobs: Vec<Option<harrier_shared::protocol::TokenLogprobs>>,
+    /// Tokens emitted per sampled sequence.
+    pub counts: Vec<u32>,
+    /// Proposals verified per sampled sequence (0 without speculation; at most `draft`: an
+    /// n-gram lookup may find fewer). Of them `counts[j] - 1` were accepted.
+    pub proposed: Vec<u32>,
 }
 
 impl StepOutput {
     pub fn clear(&mut self) {
         self.tokens.clear();
         self.logprobs.clear();
+        self.counts.clear();
+        self.proposed.clear();
+    }
+
+    /// Appends one plain sample.
+    pub fn push_one(
+        &mut self,
+        token: TokenId,
+        logprobs: Option<harrier_shared::protocol::TokenLogprobs>,
+    ) {
+        self.tokens.push(token);
+        self.logprobs.push(logprobs);
+        self.counts.push(1);
+        self.proposed.push(0);
     }
 }

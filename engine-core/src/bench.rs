@@ -235,6 +235,7 @@ fn null_engine(
         max_logprobs: 20,
         enable_prefix_caching: caching,
         policy: Default::default(),
+        num_speculative_tokens: 0,
     };
     Ok(EngineCore::new(
         cfg,
@@ -290,6 +291,7 @@ fn host_over_ipc(requests: u32, steps: u32) -> anyhow::Result<Vec<f64>> {
             max_logprobs: 20,
             block_size: 16,
             num_kv_blocks: 0,
+            num_speculative_tokens: 0,
         },
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

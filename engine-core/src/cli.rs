@@ -85,6 +85,75 @@ pub struct EngineCoreArgs {
     /// The CPU backend always computes in fp32.
     #[arg(long, value_enum, default_value_t = ModelDtype::Auto)]
     pub dtype: ModelDtype,
+    /// Speculative decoding with this draft model (a directory or Hub id) sharing the target's
+    /// vocabulary and tokenizer.
+    #[arg(long, env = "HARRIER_SPECULATIVE_MODEL")]
+    pub speculative_model: Option<PathBuf>,
+    /// How speculative decoding proposes tokens: `draft` (the --speculative-model; the
+    /// default when one is given) or `ngram` (prompt lookup, no model). Off when neither a
+    /// method nor a model is given.
+    #[arg(long, value_enum)]
+    pub speculative_method: Option<crate::spec::SpecMethod>,
+    /// Tokens proposed per round (K); a round emits 1 to K + 1 tokens.
+    #[arg(long, default_value_t = 4)]
+    pub num_speculative_tokens: u32,
+    /// N-gram proposer: the shortest suffix looked up.
+    #[arg(long, default_value_t = 1)]
+    pub ngram_min: usize,
+    /// N-gram proposer: the longest suffix looked up.
+    #[arg(long, default_value_t = 4)]
+    pub ngram_max: usize,
+}
+
+/// What `--speculative-*` ask for, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SpecChoice {
+    Off,
+    Draft { model: PathBuf, k: u32 },
+    Ngram { min: usize, max: usize, k: u32 },
+}
+
+impl EngineCoreArgs {
+    /// Reads and checks the speculative decoding options.
+    pub fn spec_choice(&self) -> anyhow::Result<SpecChoice> {
+        use crate::spec::SpecMethod;
+        let k = self.num_speculative_tokens;
+        let method = match (self.speculative_method, &self.speculative_model) {
+            (None, None) => return Ok(SpecChoice::Off),
+            (Some(m), _) => m,
+            (None, Some(_)) => SpecMethod::Draft,
+        };
+        let max_k = crate::scheduler::MAX_SPECULATIVE_TOKENS;
+        if k == 0 || k as usize > max_k {
+            bail!("--num-speculative-tokens must be between 1 and {max_k}, got {k}");
+        }
+        match method {
+            SpecMethod::Draft => match &self.speculative_model {
+                Some(model) => Ok(SpecChoice::Draft {
+                    model: model.clone(),
+                    k,
+                }),
+                None => bail!("--speculative-method draft needs --speculative-model DIR"),
+            },
+            SpecMethod::Ngram => {
+                if self.speculative_model.is_some() {
+                    bail!("--speculative-method ngram takes no --speculative-model");
+                }
+                if self.ngram_min == 0 || self.ngram_min > self.ngram_max {
+                    bail!(
+                        "--ngram-min ({}) must be at least 1 and at most --ngram-max ({})",
+                        self.ngram_min,
+                        self.ngram_max
+                    );
+                }
+                Ok(SpecChoice::Ngram {
+                    min: self.ngram_min,
+                    max: self.ngram_max,
+                    k,
+                })
+            }
+        }
+    }
 }
 
 /// `--dtype` values (vLLM's spelling).
@@ -202,6 +271,7 @@ fn engine_config(
     args: &EngineCoreArgs,
     model_len: u32,
     num_kv_blocks: u32,
+    num_speculative_tokens: u32,
 ) -> anyhow::Result<EngineConfig> {
     let kv_tokens = num_kv_blocks.saturating_sub(1) * args.block_size;
     let cfg = EngineConfig {
@@ -210,7 +280,7 @@ fn engine_config(
         max_model_len: if args.max_model_len.is_some() {
             model_len
         } else {
-            model_len.min(kv_tokens)
+            model_len.min(kv_tokens.saturating_sub(num_speculative_tokens))
         },
         block_size: args.block_size,
         num_kv_blocks,
@@ -222,6 +292,7 @@ fn engine_config(
         max_logprobs: args.max_logprobs,
         enable_prefix_caching: !args.no_prefix_caching,
         policy: args.scheduling_policy,
+        num_speculative_tokens,
     };
     cfg.validate()?;
     Ok(cfg)
@@ -255,6 +326,7 @@ fn finish_engine<E: crate::executor::Executor>(
             max_logprobs: cfg.max_logprobs,
             block_size: cfg.block_size,
             num_kv_blocks: cfg.num_kv_blocks,
+            num_speculative_tokens: cfg.num_speculative_tokens,
         },
     };
     let engine = EngineCore::new(cfg, facts, exec)?;
@@ -266,18 +338,45 @@ pub fn build_cpu_engine(
     args: &EngineCoreArgs,
     model_dir: &std::path::Path,
 ) -> anyhow::Result<BuiltEngine> {
+    use crate::executor::cpu::CpuProposer;
     let dir = ModelDir::open(model_dir)
         .with_context(|| format!("opening model directory {}", model_dir.display()))?;
     let mc = &dir.config;
+    let spec = args.spec_choice()?;
     let started = std::time::Instant::now();
     let model = CpuModel::load(&dir)
         .with_context(|| format!("loading weights from {}", model_dir.display()))?;
-    let bytes_per_block = KvCache::bytes_per_block(mc, args.block_size as usize) as u64;
+    let target_bpb = KvCache::bytes_per_block(mc, args.block_size as usize) as u64;
+    let (proposer, draft_bpb, k) = match &spec {
+        SpecChoice::Off => (None, 0, 0),
+        SpecChoice::Ngram { min, max, k } => (
+            Some(CpuProposer::Ngram {
+                min: *min,
+                max: *max,
+            }),
+            0,
+            *k,
+        ),
+        SpecChoice::Draft { model: draft, k } => {
+            let draft = resolve_model(Some(draft), None)?;
+            let ddir = ModelDir::open(&draft.dir).with_context(|| {
+                format!("opening the draft model directory {}", draft.dir.display())
+            })?;
+            crate::spec::check_draft(&dir, &ddir)?;
+            let dmodel = CpuModel::load(&ddir).with_context(|| {
+                format!("loading the draft's weights from {}", ddir.path.display())
+            })?;
+            let bpb = KvCache::bytes_per_block(&ddir.config, args.block_size as usize) as u64;
+            (Some(CpuProposer::Draft(Box::new(dmodel))), bpb, *k)
+        }
+    };
+    // The draft's KV shares the target's block ids: one block costs both.
+    let bytes_per_block = target_bpb + draft_bpb;
     let num_kv_blocks = match args.num_kv_blocks {
         Some(n) => n,
         None => ((args.kv_cache_mib << 20) / bytes_per_block).min(u32::MAX as u64) as u32,
     };
-    let cfg = engine_config(args, model_len_limit(args, mc)?, num_kv_blocks)?;
+    let cfg = engine_config(args, model_len_limit(args, mc)?, num_kv_blocks, k)?;
     let (max_model_len, kv_tokens) = (cfg.max_model_len, (num_kv_blocks - 1) * args.block_size);
     tracing::info!(
         model = %dir.name,
@@ -289,6 +388,22 @@ pub fn build_cpu_engine(
         pipeline = ?cfg.pipeline,
         "CPU engine configured"
     );
+    match &spec {
+        SpecChoice::Off => {}
+        SpecChoice::Draft { model, k } => tracing::info!(
+            draft = %model.display(),
+            k,
+            target_kv_mib = (num_kv_blocks as u64 * target_bpb) >> 20,
+            draft_kv_mib = (num_kv_blocks as u64 * draft_bpb) >> 20,
+            "speculative decoding with a draft model (the KV budget split by bytes per block; draft prefill runs beside the target's)"
+        ),
+        SpecChoice::Ngram { min, max, k } => tracing::info!(
+            k,
+            ngram_min = min,
+            ngram_max = max,
+            "speculative decoding with n-gram prompt lookup"
+        ),
+    }
     let exec = CpuExecutor::new(
         model,
         mc,
@@ -297,6 +412,7 @@ pub fn build_cpu_engine(
             block_size: args.block_size,
             max_rows: args.max_num_seqs,
         },
+        proposer,
     )?;
     finish_engine(args, &dir, cfg, exec)
 }
@@ -311,6 +427,13 @@ pub fn build_cuda_engine(
     let dir = ModelDir::open(model_dir)
         .with_context(|| format!("opening model directory {}", model_dir.display()))?;
     let mc = &dir.config;
+    if args.spec_choice()? != SpecChoice::Off {
+        bail!(
+            "speculative decoding runs on the CPU backend only so far (the CUDA backend's \
+             proposers and verification are not built yet); use --device cpu or drop the \
+             --speculative-* options"
+        );
+    }
     let started = std::time::Instant::now();
     let max_model_len = model_len_limit(args, mc)?;
     let (exec, start) = CudaExecutor::new(
@@ -332,7 +455,7 @@ pub fn build_cuda_engine(
     )
     .with_context(|| format!("starting the CUDA backend for {}", model_dir.display()))?;
     let num_kv_blocks = start.kv_blocks;
-    let cfg = engine_config(args, max_model_len, num_kv_blocks)?;
+    let cfg = engine_config(args, max_model_len, num_kv_blocks, 0)?;
     let max_model_len = cfg.max_model_len;
     tracing::info!(
         model = %dir.name,

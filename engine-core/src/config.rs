@@ -38,6 +38,9 @@ pub struct EngineConfig {
     /// Reuse the KV of full blocks shared with earlier requests (see [`crate::kv`]).
     pub enable_prefix_caching: bool,
     pub policy: crate::scheduler::SchedulingPolicy,
+    /// Speculative decoding: tokens proposed per decode round (0: off; the backend proposes
+    /// and verifies them, see [`crate::scheduler::Scheduler::spec_len`]).
+    pub num_speculative_tokens: u32,
 }
 
 impl Default for EngineConfig {
@@ -52,6 +55,7 @@ impl Default for EngineConfig {
             max_logprobs: 20,
             enable_prefix_caching: true,
             policy: crate::scheduler::SchedulingPolicy::DecodeFirst,
+            num_speculative_tokens: 0,
         }
     }
 }
@@ -81,7 +85,17 @@ impl EngineConfig {
                 self.max_num_batched_tokens, self.max_num_seqs
             ));
         }
-        let blocks_for_one = self.max_model_len.div_ceil(self.block_size) + 1;
+        if self.num_speculative_tokens as usize > crate::scheduler::MAX_SPECULATIVE_TOKENS {
+            return err(format!(
+                "num_speculative_tokens must be at most {}, got {}",
+                crate::scheduler::MAX_SPECULATIVE_TOKENS,
+                self.num_speculative_tokens
+            ));
+        }
+        // A speculative round may write up to `num_speculative_tokens` positions past the
+        // model length (see `Scheduler::spec_len`).
+        let blocks_for_one =
+            (self.max_model_len + self.num_speculative_tokens).div_ceil(self.block_size) + 1;
         if self.num_kv_blocks < blocks_for_one {
             return err(format!(
                 "{} KV blocks cannot hold one request of max_model_len {} ({} blocks of {} tokens + 1 scratch needed)",

@@ -94,6 +94,7 @@ impl<E: Executor> EngineCore<E> {
             eos_token_ids: model.eos_token_ids.clone(),
             enable_prefix_caching: cfg.enable_prefix_caching,
             policy: cfg.policy,
+            num_speculative_tokens: cfg.num_speculative_tokens,
         });
         let seed_state = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -189,6 +190,10 @@ impl<E: Executor> EngineCore<E> {
             generation_tokens_total: c.generation_tokens,
             graph_replays_total: x.graph_replays,
             eager_decode_steps_total: x.eager_decode_steps,
+            spec_drafts_total: c.spec.drafts,
+            spec_draft_tokens_total: c.spec.draft_tokens,
+            spec_accepted_tokens_total: c.spec.accepted_tokens,
+            spec_accepted_per_pos_total: c.spec.accepted_per_pos,
         }
     }
 
@@ -205,6 +210,7 @@ impl<E: Executor> EngineCore<E> {
                     stop_token: None,
                     message: Some(message),
                     timing: None,
+                    spec: None,
                 }),
                 num_cached_tokens: None,
             },
@@ -386,6 +392,7 @@ impl<E: Executor> EngineCore<E> {
                 stop_token: None,
                 message: Some("the engine is shutting down".into()),
                 timing: None,
+                spec: None,
             };
             self.sched.finish_all(finish, &mut self.sink);
         }
@@ -400,6 +407,7 @@ impl<E: Executor> EngineCore<E> {
             stop_token: None,
             message: Some(message.to_string()),
             timing: None,
+            spec: None,
         };
         self.sched.finish_all(finish, &mut self.sink);
         self.pipeline.clear();

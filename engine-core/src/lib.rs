@@ -34,4 +34,5 @@ pub mod request;
 pub mod sampling;
 pub mod scheduler;
 pub mod server;
+pub mod spec;
 pub mod splitmix;

@@ -74,6 +74,9 @@ pub struct Request {
     pub arrived_at: Instant,
     pub first_scheduled_at: Option<Instant>,
     pub first_token_at: Option<Instant>,
+    /// Speculative decoding: proposals verified for this request and those accepted.
+    pub spec_draft_tokens: u32,
+    pub spec_accepted_tokens: u32,
 }
 
 impl Request {
@@ -109,6 +112,8 @@ impl Request {
             arrived_at: Instant::now(),
             first_scheduled_at: None,
             first_token_at: None,
+            spec_draft_tokens: 0,
+            spec_accepted_tokens: 0,
         }
     }
 

@@ -34,7 +34,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use harrier_shared::protocol::{Finish, FinishReason, RequestOutput, TokenId};
+use harrier_shared::protocol::{Finish, FinishReason, RequestOutput, SpecDecodeCounts, TokenId};
 
 use crate::batch::{ExecBatch, RowId, RowInit, SeqInput, StepOutput};
 use crate::kv::{BlockId, BlockManager};
@@ -52,6 +52,9 @@ pub struct SchedulerConfig {
     pub eos_token_ids: Vec<TokenId>,
     pub enable_prefix_caching: bool,
     pub policy: SchedulingPolicy,
+    /// Speculative decoding: tokens proposed per decode round (0: off). See
+    /// [`Scheduler::spec_len`] for how a round is booked.
+    pub num_speculative_tokens: u32,
 }
 
 /// Which work gets the token budget first.
@@ -97,6 +100,9 @@ pub struct StepEntry {
     pub id: RequestId,
     pub num_tokens: u32,
     pub sample: bool,
+    /// Output tokens booked for the step (`pending_samples` it added): 0 without a sample,
+    /// 1 for a plain sample, `1 + draft` for a speculative round (an upper bound).
+    pub booked: u32,
 }
 
 /// Counters reported in the engine's stats.
@@ -108,7 +114,24 @@ pub struct SchedulerCounters {
     /// Prompt tokens looked up in the prefix cache at admission, and those found.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    pub spec: SpecCounters,
 }
+
+/// Speculative decoding counters (vLLM's `spec_decode_*` series).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpecCounters {
+    /// Rounds that verified at least one proposal.
+    pub drafts: u64,
+    /// Proposals verified.
+    pub draft_tokens: u64,
+    /// Proposals accepted.
+    pub accepted_tokens: u64,
+    /// Proposals accepted at each position of a round (position 0 first).
+    pub accepted_per_pos: [u64; MAX_SPECULATIVE_TOKENS],
+}
+
+/// The most tokens a round may propose (`--num-speculative-tokens`).
+pub const MAX_SPECULATIVE_TOKENS: usize = harrier_shared::protocol::MAX_SPECULATIVE_TOKENS;
 
 #[derive(Debug)]
 pub struct Scheduler {
@@ -199,6 +222,30 @@ impl Scheduler {
             && r.budgeted_output() < r.sampling.max_tokens
     }
 
+    /// Proposals in a decode round: always `num_speculative_tokens` (0: plain decoding).
+    ///
+    /// A round books `1 + k` output tokens and KV positions before anyone knows how many will
+    /// be accepted (reference 001: placeholders for a round in flight); `max_tokens` and
+    /// `max_model_len` are checked against these upper bounds when a round is dispatched,
+    /// and [`Self::commit`] drops whatever a round produced past either limit, so neither is
+    /// ever overshot. `k` is *not* shrunk near the limits (reference 003's overflow guard
+    /// does that): the host cannot know the exact count while a round is in flight, so a
+    /// shrunk `k` would depend on pipeline timing and batch mates, and with it which draw
+    /// produces each token: a seeded request's text would change with its batch mates.
+    /// With a fixed `k` round boundaries depend on the request alone. The cost: a request's
+    /// last round may compute up to `k` positions past its end (their tokens are dropped),
+    /// and its KV may reach `k` positions past `max_model_len` (the pool is checked for it).
+    /// A row that does not fit the step's token budget waits for the next step instead of
+    /// proposing fewer.
+    ///
+    /// The KV blocks of positions a round leaves unused (rejected proposals) stay with the
+    /// request and are written by its next round, so rollback never frees or reallocates a
+    /// block and the backend's block tables only grow (reference 003, Risks 5: stale entries
+    /// are overwritten).
+    pub fn spec_len(&self) -> u32 {
+        self.cfg.num_speculative_tokens
+    }
+
     /// Decodes when the row sampled the sequence's last token; otherwise the chunk of
     /// host-known tokens still to compute.
     fn host_tokens_left(r: &Request) -> u32 {
@@ -267,8 +314,9 @@ impl Scheduler {
                 .expect("planned request exists");
             let row = r.row.expect("running request has a row");
             let position = r.num_computed_tokens;
-            let (host_start, host_len) = if r.decoding {
-                debug_assert_eq!(p.num_tokens, 1);
+            let decode = r.decoding;
+            let (host_start, host_len) = if decode {
+                debug_assert!(p.num_tokens >= 1);
                 (batch.host_tokens.len() as u32, 0)
             } else {
                 let start = batch.host_tokens.len() as u32;
@@ -291,9 +339,16 @@ impl Scheduler {
                 .new_blocks
                 .extend(r.blocks[before..].iter().map(|b| b.0));
             r.num_computed_tokens += p.num_tokens;
-            let sample = r.num_computed_tokens == r.known_len();
+            // A decode (plain or speculative) always samples and books 1 + draft outputs; a
+            // chunk samples when it reaches the end of the known sequence.
+            let sample = decode || r.num_computed_tokens == r.known_len();
+            let booked = match (decode, sample) {
+                (true, _) => p.num_tokens,
+                (false, true) => 1,
+                (false, false) => 0,
+            };
             if sample {
-                r.pending_samples += 1;
+                r.pending_samples += booked;
                 r.decoding = true;
             }
             r.inflight_refs += 1;
@@ -311,11 +366,13 @@ impl Scheduler {
                 blocks_start,
                 blocks_len: (r.blocks.len() - before) as u32,
                 sample,
+                draft: if decode { p.num_tokens - 1 } else { 0 },
             });
             record.push(StepEntry {
                 id: p.id,
                 num_tokens: p.num_tokens,
                 sample,
+                booked,
             });
         }
     }
@@ -381,8 +438,15 @@ impl Scheduler {
 
     /// Consumes one completed step (FIFO): commits sampled tokens, applies stop rules, skips
     /// zombies and releases requests whose last in-flight step this was.
+    ///
+    /// A speculative round's tokens are committed one by one with the stop rules applied to
+    /// each: an EOS, stop id or length limit inside the round ends the request there and the
+    /// rest of the round is dropped. The round's booking (`1 + draft` placeholders) is then
+    /// replaced by what it produced: positions of rejected proposals are given back to
+    /// `num_computed_tokens` (their KV is stale and will be overwritten).
     pub fn commit(&mut self, record: &[StepEntry], out: &StepOutput, sink: &mut OutputSink) {
         let mut k = 0;
+        let mut at = 0;
         for e in record {
             let r = self
                 .requests
@@ -394,24 +458,59 @@ impl Scheduler {
             );
             r.inflight_refs -= 1;
             if e.sample {
-                let token = out.tokens[k];
-                let logprobs = out.logprobs.get(k).cloned().flatten();
+                let n = out.counts[k];
+                // Tokens past max_tokens or max_model_len are dropped below (stop_reason).
+                let proposed = out.proposed[k];
+                let tokens = &out.tokens[at..at + n as usize];
+                let logprobs = &out.logprobs[at..at + n as usize];
                 k += 1;
-                r.pending_samples -= 1;
+                at += n as usize;
+                debug_assert!(
+                    n >= 1 && n <= e.booked,
+                    "{n} tokens for {} booked",
+                    e.booked
+                );
+                r.pending_samples -= e.booked;
+                r.num_computed_tokens -= e.booked - n;
+                if proposed > 0 {
+                    let accepted = n - 1;
+                    let c = &mut self.counters.spec;
+                    c.drafts += 1;
+                    c.draft_tokens += proposed as u64;
+                    c.accepted_tokens += accepted as u64;
+                    for a in &mut c.accepted_per_pos[..accepted as usize] {
+                        *a += 1;
+                    }
+                    r.spec_draft_tokens += proposed;
+                    r.spec_accepted_tokens += accepted;
+                }
                 if !r.finalized {
-                    r.output.push(token);
-                    r.first_token_at.get_or_insert_with(Instant::now);
-                    extend_block_hashes(&self.kv, r);
-                    register_computed_blocks(&mut self.kv, r);
-                    self.counters.generation_tokens += 1;
-                    let finish = stop_reason(r, token, &self.cfg);
-                    let output = RequestOutput {
+                    let mut output = RequestOutput {
                         request_id: r.external_id.clone(),
-                        new_token_ids: vec![token],
-                        logprobs: logprobs.map(|l| vec![l]),
+                        new_token_ids: Vec::with_capacity(n as usize),
+                        logprobs: None,
                         finish: None,
                         num_cached_tokens: (!r.reported_first).then_some(r.num_cached_tokens),
                     };
+                    let mut finish = None;
+                    for (&token, lp) in tokens.iter().zip(logprobs) {
+                        r.output.push(token);
+                        output.new_token_ids.push(token);
+                        if let Some(lp) = lp {
+                            output
+                                .logprobs
+                                .get_or_insert_with(Vec::new)
+                                .push(lp.clone());
+                        }
+                        self.counters.generation_tokens += 1;
+                        finish = stop_reason(r, token, &self.cfg);
+                        if finish.is_some() {
+                            break;
+                        }
+                    }
+                    r.first_token_at.get_or_insert_with(Instant::now);
+                    extend_block_hashes(&self.kv, r);
+                    register_computed_blocks(&mut self.kv, r);
                     r.reported_first = true;
                     sink.push((r.origin, output));
                     if let Some(finish) = finish {
@@ -421,7 +520,8 @@ impl Scheduler {
             }
             self.release_if_done(e.id);
         }
-        debug_assert_eq!(k, out.tokens.len(), "every sampled token consumed");
+        debug_assert_eq!(k, out.counts.len(), "every sampled sequence consumed");
+        debug_assert_eq!(at, out.tokens.len(), "every sampled token consumed");
     }
 
     /// Undoes [`Self::apply`] for a step the backend rejected before dispatch: its requests
@@ -434,9 +534,7 @@ impl Scheduler {
                 .expect("rolled-back request exists");
             r.inflight_refs -= 1;
             r.num_computed_tokens -= e.num_tokens;
-            if e.sample {
-                r.pending_samples -= 1;
-            }
+            r.pending_samples -= e.booked;
             if !r.finalized {
                 self.finish(e.id, error_finish(message), sink, false);
             }
@@ -455,6 +553,7 @@ impl Scheduler {
                         stop_token: None,
                         message: None,
                         timing: None,
+                        spec: None,
                     },
                     sink,
                     false,
@@ -503,6 +602,12 @@ impl Scheduler {
         let r = self.requests.get_mut(&id).expect("finished request exists");
         debug_assert!(!r.finalized);
         finish.timing = Some(r.timing(Instant::now()));
+        if self.cfg.num_speculative_tokens > 0 {
+            finish.spec = Some(SpecDecodeCounts {
+                draft_tokens: r.spec_draft_tokens,
+                accepted_tokens: r.spec_accepted_tokens,
+            });
+        }
         r.finalized = true;
         r.status = RequestStatus::Finished(finish.reason);
         match (token_already_sent, sink.last_mut()) {
@@ -618,17 +723,21 @@ impl Planner<'_> {
         while i < self.tail && self.budget > 0 {
             let r = &self.s.requests[&self.s.running[i]];
             if r.decoding && self.s.can_dispatch(r) {
+                let n = 1 + self.s.spec_len();
+                if n > self.budget {
+                    break;
+                }
                 let need = self
                     .s
                     .kv
-                    .blocks_for(r.num_computed_tokens + 1)
+                    .blocks_for(r.num_computed_tokens + n)
                     .saturating_sub(r.blocks.len() as u32);
                 if self.reserve(need, i) {
                     self.free_blocks -= need;
-                    self.budget -= 1;
+                    self.budget -= n;
                     self.plan.entries.push(Planned {
                         id: r.id,
-                        num_tokens: 1,
+                        num_tokens: n,
                         admit: false,
                         cached_blocks: 0,
                     });
@@ -760,6 +869,7 @@ fn error_finish(message: &str) -> Finish {
         stop_token: None,
         message: Some(message.to_string()),
         timing: None,
+        spec: None,
     }
 }
 
@@ -773,6 +883,7 @@ fn stop_reason(r: &Request, token: TokenId, cfg: &SchedulerConfig) -> Option<Fin
             stop_token: Some(t),
             message: None,
             timing: None,
+            spec: None,
         })
     };
     if past_min && !r.sampling.ignore_eos && cfg.eos_token_ids.contains(&token) {
@@ -787,6 +898,7 @@ fn stop_reason(r: &Request, token: TokenId, cfg: &SchedulerConfig) -> Option<Fin
             stop_token: None,
             message: None,
             timing: None,
+            spec: None,
         });
     }
     None

@@ -20,6 +20,7 @@ fn cfg(max_num_seqs: u32, budget: u32, blocks: u32, depth: u8) -> SchedulerConfi
         eos_token_ids: vec![EOS],
         enable_prefix_caching: true,
         policy: SchedulingPolicy::DecodeFirst,
+        num_speculative_tokens: 0,
     }
 }
 
@@ -118,8 +119,7 @@ impl Harness {
                 .find(|f| f.0 == e.id && f.1 == index)
                 .map(|f| f.2)
                 .unwrap_or(1000 + index);
-            out.tokens.push(t);
-            out.logprobs.push(None);
+            out.push_one(t, None);
         }
         self.s.commit(&record, &out, &mut self.sink);
         self.check();

@@ -63,6 +63,10 @@ pub enum EngineInput {
 }
 
 /// What the engine thread sends back to the bridge.
+// `Outputs` (with the step's stats) is far larger than `Reply`; boxing it would add an
+// allocation per step and front end on the engine thread for nothing: each event is moved
+// once, through the channel.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum EngineEvent {
     /// The outputs of one step for one front end.
@@ -231,7 +235,7 @@ impl Bridge {
             FrontendMessage::Utility(u) => {
                 let result = match u.call {
                     UtilityCall::Health => UtilityResult::Health { healthy: true },
-                    UtilityCall::Stats => UtilityResult::Stats(*self.stats.borrow()),
+                    UtilityCall::Stats => UtilityResult::Stats(Box::new(*self.stats.borrow())),
                     call @ (UtilityCall::Pause
                     | UtilityCall::Resume
                     | UtilityCall::ResetPrefixCache) => {

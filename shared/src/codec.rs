@@ -97,6 +97,10 @@ mod tests {
             generation_tokens_total: u64::MAX,
             graph_replays_total: 13,
             eager_decode_steps_total: 14,
+            spec_drafts_total: 15,
+            spec_draft_tokens_total: 16,
+            spec_accepted_tokens_total: 17,
+            spec_accepted_per_pos_total: [18; MAX_SPECULATIVE_TOKENS],
         }
     }
 
@@ -133,6 +137,7 @@ mod tests {
                 max_logprobs: 20,
                 block_size: 16,
                 num_kv_blocks: 12_345,
+                num_speculative_tokens: 0,
             },
         }
     }
@@ -183,6 +188,7 @@ mod tests {
                 stop_token: Some(11),
                 message: message.map(str::to_owned),
                 timing: None,
+                spec: None,
             }),
             num_cached_tokens: Some(32),
         };
@@ -215,7 +221,7 @@ mod tests {
             }),
             EngineMessage::UtilityReply(UtilityReply {
                 call_id: 2,
-                result: UtilityResult::Stats(stats()),
+                result: UtilityResult::Stats(Box::new(stats())),
             }),
             EngineMessage::UtilityReply(UtilityReply {
                 call_id: 3,

@@ -12,7 +12,10 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this module.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
+
+/// The most tokens a speculative decoding round may propose (`--num-speculative-tokens`).
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
 
 /// Token id as the model sees it (model vocabularies may exceed the tokenizer's).
 pub type TokenId = u32;
@@ -74,6 +77,8 @@ pub struct EngineLimits {
     pub max_logprobs: u32,
     pub block_size: u32,
     pub num_kv_blocks: u32,
+    /// Tokens proposed per speculative decoding round (0: speculation off).
+    pub num_speculative_tokens: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -311,6 +316,16 @@ pub struct Finish {
     /// Where the request's time went inside the engine core (set by the engine when it
     /// finishes a request it had queued).
     pub timing: Option<RequestTiming>,
+    /// With speculative decoding on: the request's proposals and accepted proposals.
+    pub spec: Option<SpecDecodeCounts>,
+}
+
+/// One request's speculative decoding (reference 003, D9): proposals verified for it and
+/// proposals accepted (the acceptance rate is their ratio).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SpecDecodeCounts {
+    pub draft_tokens: u32,
+    pub accepted_tokens: u32,
 }
 
 /// A finished request's time inside the engine core, in seconds (vLLM's request queue, prefill
@@ -373,6 +388,12 @@ pub struct EngineStats {
     pub graph_replays_total: u64,
     /// Decode-only steps launched eagerly (too large for every graph, or graphs off).
     pub eager_decode_steps_total: u64,
+    /// Speculative decoding: rounds that verified at least one proposal, proposals verified,
+    /// proposals accepted, and accepted proposals by position in the round.
+    pub spec_drafts_total: u64,
+    pub spec_draft_tokens_total: u64,
+    pub spec_accepted_tokens_total: u64,
+    pub spec_accepted_per_pos_total: [u64; MAX_SPECULATIVE_TOKENS],
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -403,7 +424,7 @@ pub enum UtilityResult {
     Health {
         healthy: bool,
     },
-    Stats(EngineStats),
+    Stats(Box<EngineStats>),
     /// The call (pause, resume, reset) took effect.
     Done,
     Error(String),

@@ -342,6 +342,7 @@ mod tests {
                 max_logprobs: 1,
                 block_size: 16,
                 num_kv_blocks: 1,
+                num_speculative_tokens: 0,
             },
         };
         let ok = Hello {

@@ -29,6 +29,7 @@ fn info() -> EngineInfo {
             max_logprobs: 5,
             block_size: 16,
             num_kv_blocks: 100,
+            num_speculative_tokens: 0,
         },
     }
 }
@@ -98,6 +99,7 @@ impl FakeEngine {
                                         stop_token: None,
                                         message: None,
                                         timing: None,
+                                        spec: None,
                                     }),
                                     num_cached_tokens: Some(0),
                                 }],

@@ -38,6 +38,7 @@ pub fn info(vocab: u32, max_model_len: u32) -> EngineInfo {
             max_logprobs: 20,
             block_size: 16,
             num_kv_blocks: 0,
+            num_speculative_tokens: 0,
         },
     }
 }
@@ -218,7 +219,7 @@ impl Client {
 
     pub async fn stats(&mut self) -> EngineStats {
         match self.utility(UtilityCall::Stats).await {
-            UtilityResult::Stats(s) => s,
+            UtilityResult::Stats(s) => *s,
             other => panic!("unexpected reply {other:?}"),
         }
     }

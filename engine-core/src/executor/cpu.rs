@@ -15,6 +15,14 @@
 //!
 //! Steady-state cost per step on the engine thread: one `clone_from` of the batch into the
 //! slot (no allocation once capacities settle), two channel sends, one condvar wait.
+//!
+//! Speculative decoding (see [`crate::spec`]): a decode entry with `draft > 0` is a round.
+//! The forward work proposes first (the draft model's forwards, sampled on this thread, or an
+//! n-gram lookup in the row's tokens), then runs the target over the pending token and its
+//! proposals with logits for every position; the sample work verifies
+//! ([`RowSampler::verify`]) and moves the row on by the 1 to `k + 1` tokens it emitted. The row's
+//! true length (`kv_len`) lives here: the host only knows an upper bound until it reads the
+//! round's output, and never needs more to launch the next round.
 
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -26,13 +34,42 @@ use super::{ExecError, Executor, InFlightStep, LaunchHandle};
 use crate::batch::{ExecBatch, StepOutput};
 use crate::model::{CpuModel, KvCache, SeqChunk};
 use crate::pipeline::{SlotId, NUM_SLOTS};
+use crate::sampling::spec::{AcceptRule, Proposals};
 use crate::sampling::{RowSampler, SamplerScratch};
+use crate::spec::ngram_propose;
 
 #[derive(Debug, Clone)]
 pub struct CpuExecutorConfig {
     pub num_kv_blocks: u32,
     pub block_size: u32,
     pub max_rows: u32,
+}
+
+/// How the CPU backend proposes tokens for speculative decoding.
+pub enum CpuProposer {
+    /// A draft model (same vocabulary); its KV cache has the target's block count and block
+    /// size and is indexed by the same block tables.
+    Draft(Box<CpuModel>),
+    /// N-gram prompt lookup over the row's tokens ([`ngram_propose`]).
+    Ngram { min: usize, max: usize },
+}
+
+/// A draft model's state on the compute thread.
+struct DraftState {
+    model: CpuModel,
+    cache: KvCache,
+    logits: Vec<f32>,
+    tokens: Vec<u32>,
+}
+
+/// The proposer with its state on the compute thread.
+enum Proposer {
+    Draft(Box<DraftState>),
+    Ngram {
+        min: usize,
+        max: usize,
+        context: Vec<u32>,
+    },
 }
 
 /// A slot's host-side buffers, shared with the compute thread.
@@ -73,12 +110,62 @@ impl CpuExecutor {
         model: CpuModel,
         kv_config: &crate::model::ModelConfig,
         cfg: CpuExecutorConfig,
+        proposer: Option<CpuProposer>,
+    ) -> anyhow::Result<Self> {
+        Self::start(model, kv_config, cfg, proposer, AcceptRule::default())
+    }
+
+    /// [`Self::new`] with another acceptance rule (tests show that a wrong one is caught).
+    #[cfg(test)]
+    pub(crate) fn with_accept_rule(
+        model: CpuModel,
+        kv_config: &crate::model::ModelConfig,
+        cfg: CpuExecutorConfig,
+        proposer: Option<CpuProposer>,
+        rule: AcceptRule,
+    ) -> anyhow::Result<Self> {
+        Self::start(model, kv_config, cfg, proposer, rule)
+    }
+
+    fn start(
+        model: CpuModel,
+        kv_config: &crate::model::ModelConfig,
+        cfg: CpuExecutorConfig,
+        proposer: Option<CpuProposer>,
+        accept_rule: AcceptRule,
     ) -> anyhow::Result<Self> {
         let cache = KvCache::new(
             kv_config,
             cfg.num_kv_blocks as usize,
             cfg.block_size as usize,
         );
+        let proposer = match proposer {
+            None => None,
+            Some(CpuProposer::Draft(model)) => {
+                anyhow::ensure!(
+                    model.config().vocab_size == kv_config.vocab_size,
+                    "the draft's vocabulary ({}) differs from the target's ({})",
+                    model.config().vocab_size,
+                    kv_config.vocab_size
+                );
+                let cache = KvCache::new(
+                    model.config(),
+                    cfg.num_kv_blocks as usize,
+                    cfg.block_size as usize,
+                );
+                Some(Proposer::Draft(Box::new(DraftState {
+                    model: *model,
+                    cache,
+                    logits: Vec::new(),
+                    tokens: Vec::new(),
+                })))
+            }
+            Some(CpuProposer::Ngram { min, max }) => Some(Proposer::Ngram {
+                min,
+                max,
+                context: Vec::new(),
+            }),
+        };
         let slots: Arc<[Slot; NUM_SLOTS]> = Arc::new(Default::default());
         let (tx, rx) = mpsc::channel();
         let stream = Stream {
@@ -87,7 +174,10 @@ impl CpuExecutor {
             vocab: kv_config.vocab_size,
             rows: (0..cfg.max_rows).map(|_| None).collect(),
             logits: Default::default(),
+            logit_rows: Default::default(),
             tokens: Vec::new(),
+            proposer,
+            accept_rule,
             scratch: SamplerScratch::default(),
             failed: None,
             slots: slots.clone(),
@@ -171,6 +261,18 @@ struct RowState {
     /// The last token sampled for this row: the input of its next decode.
     pending: Option<u32>,
     sampler: RowSampler,
+    /// Positions whose target KV is written: where the next decode's input goes.
+    kv_len: u32,
+    /// Speculative decoding only (empty otherwise): the sequence's tokens, `tokens[p]` at
+    /// position `p`; from row init the prompt and output, then kept in step with the computed
+    /// positions (`tokens.len() == kv_len` while decoding; `pending` comes after).
+    tokens: Vec<u32>,
+    /// Positions whose draft KV is written (a draft model proposer).
+    draft_len: u32,
+    /// This round's proposals, and for sampled rows with a draft model the distributions
+    /// they were drawn from (`proposals.len()` rows of the vocabulary).
+    proposals: Vec<u32>,
+    q: Vec<f32>,
 }
 
 /// The compute thread's state: model, KV cache, rows, per-slot logits.
@@ -180,8 +282,12 @@ struct Stream {
     vocab: usize,
     rows: Vec<Option<RowState>>,
     logits: [Vec<f32>; NUM_SLOTS],
+    /// Logits rows of each sequence of the slot's batch (in sequence order).
+    logit_rows: [Vec<u32>; NUM_SLOTS],
     tokens: Vec<u32>,
     scratch: SamplerScratch,
+    proposer: Option<Proposer>,
+    accept_rule: AcceptRule,
     /// Once a step failed, every later step fails too (the state is unknown).
     failed: Option<String>,
     slots: Arc<[Slot; NUM_SLOTS]>,
@@ -235,61 +341,274 @@ impl Stream {
     }
 
     fn forward(&mut self, slot: usize) -> anyhow::Result<()> {
+        // The slot table is shared with the engine thread; holding our own handle (an atomic
+        // increment per step) lets the batch stay locked while `self` is borrowed mutably.
+        let slots = self.slots.clone();
+        let batch = lock(&slots[slot].batch);
+        let spec_on = self.proposer.is_some();
+        for init in &batch.row_inits {
+            let row = self
+                .rows
+                .get_mut(init.row.0 as usize)
+                .ok_or_else(|| anyhow!("row {} out of range", init.row.0))?;
+            let mut tokens = Vec::new();
+            if spec_on {
+                tokens.extend_from_slice(&init.prompt);
+                tokens.extend_from_slice(&init.output);
+            }
+            *row = Some(RowState {
+                block_table: Vec::new(),
+                pending: None,
+                sampler: RowSampler::new(init),
+                kv_len: 0,
+                tokens,
+                draft_len: 0,
+                proposals: Vec::new(),
+                q: Vec::new(),
+            });
+        }
+        for s in &batch.seqs {
+            let row = self
+                .rows
+                .get_mut(s.row.0 as usize)
+                .and_then(Option::as_mut)
+                .ok_or_else(|| anyhow!("step names uninitialised row {}", s.row.0))?;
+            let range = s.blocks_start as usize..(s.blocks_start + s.blocks_len) as usize;
+            row.block_table.extend_from_slice(&batch.new_blocks[range]);
+            row.proposals.clear();
+            if s.uses_pending_token() {
+                anyhow::ensure!(
+                    row.pending.is_some(),
+                    "decode on row {} without a sampled token",
+                    s.row.0
+                );
+            }
+            if s.host_len == 0 {
+                anyhow::ensure!(
+                    row.kv_len <= s.position,
+                    "row {} is at {} but the host placed its decode at {}",
+                    s.row.0,
+                    row.kv_len,
+                    s.position
+                );
+            }
+        }
+        if self.proposer.is_some() {
+            self.propose(&batch)?;
+        }
         let Self {
             model,
             cache,
             vocab,
             rows,
             logits,
+            logit_rows,
             tokens,
-            slots,
             ..
         } = self;
-        let batch = lock(&slots[slot].batch);
-        for init in &batch.row_inits {
-            let row = rows
-                .get_mut(init.row.0 as usize)
-                .ok_or_else(|| anyhow!("row {} out of range", init.row.0))?;
-            *row = Some(RowState {
-                block_table: Vec::new(),
-                pending: None,
-                sampler: RowSampler::new(init),
-            });
-        }
         tokens.clear();
+        let logit_rows = &mut logit_rows[slot];
+        logit_rows.clear();
+        // Each sequence's (position, token count) in `tokens`.
+        let mut spans = Vec::with_capacity(batch.seqs.len());
         for s in &batch.seqs {
-            let row = rows
-                .get_mut(s.row.0 as usize)
-                .and_then(Option::as_mut)
-                .ok_or_else(|| anyhow!("step names uninitialised row {}", s.row.0))?;
-            let range = s.blocks_start as usize..(s.blocks_start + s.blocks_len) as usize;
-            row.block_table.extend_from_slice(&batch.new_blocks[range]);
-            tokens.extend_from_slice(
-                &batch.host_tokens[s.host_start as usize..(s.host_start + s.host_len) as usize],
-            );
-            if s.uses_pending_token() {
-                let t = row
-                    .pending
-                    .ok_or_else(|| anyhow!("decode on row {} without a sampled token", s.row.0))?;
-                tokens.push(t);
-            }
+            let row = rows[s.row.0 as usize].as_mut().expect("checked above");
+            let start = tokens.len();
+            let (position, n_logits) = if s.host_len == 0 {
+                // A decode: the pending token, then the round's proposals (if any), at the
+                // row's true length.
+                tokens.push(row.pending.expect("checked above"));
+                tokens.extend_from_slice(&row.proposals);
+                (row.kv_len as usize, 1 + row.proposals.len())
+            } else {
+                let host = &batch.host_tokens[s.host_start as usize..][..s.host_len as usize];
+                tokens.extend_from_slice(host);
+                if s.uses_pending_token() {
+                    tokens.push(row.pending.expect("checked above"));
+                }
+                let position = s.position as usize;
+                if spec_on {
+                    row.tokens.truncate(position);
+                    row.tokens.extend_from_slice(&tokens[start..]);
+                }
+                row.kv_len = s.position + s.num_tokens;
+                (position, s.sample as usize)
+            };
+            logit_rows.push(n_logits as u32);
+            spans.push((position, start, tokens.len() - start));
         }
         let mut chunks = Vec::with_capacity(batch.seqs.len());
-        let mut offset = 0;
-        for s in &batch.seqs {
-            let n = s.num_tokens as usize;
+        for (s, &(position, start, n)) in batch.seqs.iter().zip(&spans) {
             let row = rows[s.row.0 as usize].as_ref().expect("checked above");
             chunks.push(SeqChunk {
-                tokens: &tokens[offset..offset + n],
-                position: s.position as usize,
+                tokens: &tokens[start..start + n],
+                position,
                 block_table: &row.block_table,
-                want_logits: s.sample,
+                logit_rows: logit_rows[chunks.len()] as usize,
             });
-            offset += n;
         }
+        let n_logits: usize = logit_rows.iter().map(|&n| n as usize).sum();
         let out = &mut logits[slot];
-        out.resize(batch.num_samples() * *vocab, 0.0);
+        out.resize(n_logits * *vocab, 0.0);
         model.forward(&chunks, cache, out)
+    }
+
+    /// The proposal phase of a step: fills `proposals` (and `q`) of every row with a
+    /// speculative entry; a draft model also computes the KV of every prefill chunk of the
+    /// step (beside the target's).
+    fn propose(&mut self, batch: &crate::batch::ExecBatch) -> anyhow::Result<()> {
+        let Self {
+            rows,
+            proposer,
+            scratch,
+            vocab,
+            ..
+        } = self;
+        let vocab = *vocab;
+        match proposer.as_mut().expect("checked by the caller") {
+            Proposer::Ngram { min, max, context } => {
+                for s in batch.seqs.iter().filter(|s| s.draft > 0) {
+                    let row = rows[s.row.0 as usize].as_mut().expect("checked");
+                    context.clear();
+                    context.extend_from_slice(&row.tokens[..row.kv_len as usize]);
+                    context.push(row.pending.expect("checked"));
+                    ngram_propose(context, *min, *max, s.draft as usize, &mut row.proposals);
+                }
+                Ok(())
+            }
+            Proposer::Draft(draft) => {
+                let DraftState {
+                    model,
+                    cache,
+                    logits,
+                    tokens,
+                } = &mut **draft;
+                // First forward: every speculative row catches up (the tokens the draft has
+                // not seen, ending with the pending token; logits of the last) and every
+                // prefill chunk runs as in the target (no logits).
+                tokens.clear();
+                // (sequence index, position, start in `tokens`, logits rows)
+                let mut spans: Vec<(usize, usize, usize, usize)> = Vec::new();
+                for (i, s) in batch.seqs.iter().enumerate() {
+                    let row = rows[s.row.0 as usize].as_ref().expect("checked");
+                    let start = tokens.len();
+                    if s.draft > 0 {
+                        let from = (row.draft_len as usize).min(row.kv_len as usize);
+                        tokens.extend_from_slice(&row.tokens[from..row.kv_len as usize]);
+                        tokens.push(row.pending.expect("checked"));
+                        spans.push((i, from, start, 1));
+                    } else if s.host_len > 0 {
+                        let host =
+                            &batch.host_tokens[s.host_start as usize..][..s.host_len as usize];
+                        tokens.extend_from_slice(host);
+                        if s.uses_pending_token() {
+                            tokens.push(row.pending.expect("checked"));
+                        }
+                        spans.push((i, s.position as usize, start, 0));
+                    }
+                }
+                if spans.is_empty() {
+                    return Ok(());
+                }
+                let ends: Vec<usize> = spans
+                    .iter()
+                    .skip(1)
+                    .map(|s| s.2)
+                    .chain(std::iter::once(tokens.len()))
+                    .collect();
+                {
+                    let mut chunks = Vec::with_capacity(spans.len());
+                    for (&(i, position, start, n_logits), &end) in spans.iter().zip(&ends) {
+                        let row = rows[batch.seqs[i].row.0 as usize]
+                            .as_ref()
+                            .expect("checked");
+                        chunks.push(SeqChunk {
+                            tokens: &tokens[start..end],
+                            position,
+                            block_table: &row.block_table,
+                            logit_rows: n_logits,
+                        });
+                    }
+                    let n_spec = spans.iter().filter(|s| s.3 == 1).count();
+                    logits.resize(n_spec * vocab, 0.0);
+                    model.forward(&chunks, cache, logits)?;
+                }
+                for (&(i, position, start, _), &end) in spans.iter().zip(&ends) {
+                    let row = rows[batch.seqs[i].row.0 as usize]
+                        .as_mut()
+                        .expect("checked");
+                    row.draft_len = (position + end - start) as u32;
+                }
+                // Then one forward per further proposal. `live[j]` owns logits row `j`; each
+                // proposal is drawn from the draft's processed distribution given the tokens
+                // drafted before it (recorded, and taken back once all are drafted).
+                let mut live: Vec<usize> = spans.iter().filter(|s| s.3 == 1).map(|s| s.0).collect();
+                let spec_rows = live.clone();
+                let mut step = 0;
+                loop {
+                    for (j, &i) in live.iter().enumerate() {
+                        let s = &batch.seqs[i];
+                        let row = rows[s.row.0 as usize].as_mut().expect("checked");
+                        let greedy = row.sampler.params().is_greedy();
+                        if !greedy && row.q.len() < s.draft as usize * vocab {
+                            row.q.resize(s.draft as usize * vocab, 0.0);
+                        }
+                        let q: &mut [f32] = if greedy {
+                            &mut []
+                        } else {
+                            &mut row.q[step * vocab..(step + 1) * vocab]
+                        };
+                        let row_logits = &mut logits[j * vocab..(j + 1) * vocab];
+                        let t = row.sampler.draft(row_logits, q, scratch);
+                        row.sampler.record(t);
+                        row.proposals.push(t);
+                    }
+                    live.retain(|&i| step + 1 < batch.seqs[i].draft as usize);
+                    if live.is_empty() {
+                        break;
+                    }
+                    tokens.clear();
+                    for &i in &live {
+                        let row = rows[batch.seqs[i].row.0 as usize]
+                            .as_ref()
+                            .expect("checked");
+                        tokens.push(*row.proposals.last().expect("drafted"));
+                    }
+                    {
+                        let mut chunks = Vec::with_capacity(live.len());
+                        for (k, &i) in live.iter().enumerate() {
+                            let row = rows[batch.seqs[i].row.0 as usize]
+                                .as_ref()
+                                .expect("checked");
+                            chunks.push(SeqChunk {
+                                tokens: &tokens[k..k + 1],
+                                position: row.draft_len as usize,
+                                block_table: &row.block_table,
+                                logit_rows: 1,
+                            });
+                        }
+                        logits.resize(live.len() * vocab, 0.0);
+                        model.forward(&chunks, cache, logits)?;
+                    }
+                    for &i in &live {
+                        let row = rows[batch.seqs[i].row.0 as usize]
+                            .as_mut()
+                            .expect("checked");
+                        row.draft_len += 1;
+                    }
+                    step += 1;
+                }
+                for &i in &spec_rows {
+                    let row = rows[batch.seqs[i].row.0 as usize]
+                        .as_mut()
+                        .expect("checked");
+                    for &t in row.proposals.iter().rev() {
+                        row.sampler.unrecord(t);
+                    }
+                }
+                Ok(())
+            }
+        }
     }
 
     fn sample(&mut self, slot: usize) -> anyhow::Result<()> {
@@ -297,23 +616,65 @@ impl Stream {
             vocab,
             rows,
             logits,
+            logit_rows,
             scratch,
             slots,
+            proposer,
+            accept_rule,
             ..
         } = self;
+        let vocab = *vocab;
+        let spec_on = proposer.is_some();
+        let dist_is_model = matches!(proposer, Some(Proposer::Draft(_)));
         let batch = lock(&slots[slot].batch);
         let mut done = lock(&slots[slot].done);
         let out = &mut done.output;
         out.clear();
-        for (k, s) in batch.seqs.iter().filter(|s| s.sample).enumerate() {
+        let mut at = 0usize;
+        for (s, &n_rows) in batch.seqs.iter().zip(&logit_rows[slot]) {
+            let n_rows = n_rows as usize;
+            let rows_logits = &mut logits[slot][at * vocab..(at + n_rows) * vocab];
+            at += n_rows;
+            if !s.sample {
+                continue;
+            }
             let row = rows[s.row.0 as usize]
                 .as_mut()
                 .ok_or_else(|| anyhow!("sampling an uninitialised row"))?;
-            let row_logits = &mut logits[slot][k * *vocab..(k + 1) * *vocab];
-            let (token, lp) = row.sampler.sample(row_logits, scratch);
-            row.pending = Some(token);
-            out.tokens.push(token);
-            out.logprobs.push(lp);
+            if s.host_len > 0 {
+                // The end of a prefill chunk: the first token (the KV is already counted).
+                let (token, lp) = row.sampler.sample(rows_logits, scratch);
+                row.pending = Some(token);
+                out.push_one(token, lp);
+                continue;
+            }
+            // A decode, plain or a round: verification emits 1 to k + 1 tokens (with no
+            // proposals it is exactly plain sampling).
+            let first = out.tokens.len();
+            let dist = match (dist_is_model, row.proposals.is_empty()) {
+                (true, false) => Proposals::Model(&row.q),
+                _ => Proposals::PointMass,
+            };
+            let accepted = row.sampler.verify(
+                rows_logits,
+                &row.proposals,
+                dist,
+                *accept_rule,
+                scratch,
+                out,
+            ) as usize;
+            let emitted = out.tokens.len() - first;
+            out.counts.push(emitted as u32);
+            out.proposed.push(row.proposals.len() as u32);
+            let pending = row.pending.expect("checked at launch");
+            if spec_on {
+                row.tokens.truncate(row.kv_len as usize);
+                row.tokens.push(pending);
+                row.tokens.extend_from_slice(&row.proposals[..accepted]);
+            }
+            row.kv_len += 1 + accepted as u32;
+            row.draft_len = row.draft_len.min(row.kv_len);
+            row.pending = out.tokens.last().copied();
         }
         Ok(())
     }

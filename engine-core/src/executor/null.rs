@@ -103,8 +103,7 @@ impl Executor for NullExecutor {
             let t = Self::token_for(row.seed, row.generated, self.vocab);
             row.generated += 1;
             row.pending = Some(t);
-            out.tokens.push(t);
-            out.logprobs.push(None);
+            out.push_one(t, None);
         }
         Ok(InFlightStep { slot, step })
     }

@@ -14,7 +14,7 @@
 //!     x   += attn · W_oᵀ
 //!     h    = rms_norm(x) * w_post
 //!     x   += (silu(h · W_gateᵀ) * (h · W_upᵀ)) · W_downᵀ  (fused gate|up)
-//!   logits rows = rms_norm(x[last row of each want_logits chunk]) · W_lm_headᵀ
+//!   logits rows = rms_norm(x[last logit_rows rows of each chunk]) · W_lm_headᵀ
 //! ```
 //!
 //! Scratch buffers live in the model and only grow, so a steady stream of similar batches
@@ -37,7 +37,9 @@ pub struct SeqChunk<'a> {
     /// Position of `tokens[0]` (= tokens already in the cache for this sequence).
     pub position: usize,
     pub block_table: &'a [u32],
-    pub want_logits: bool,
+    /// The chunk's last `logit_rows` tokens produce logits (0: none; 1: the next token's, as
+    /// for prefill and decode; more: a speculative verification scores every position).
+    pub logit_rows: usize,
 }
 
 /// One decoder layer. Projections are packed for `linear` (see `linear.rs`).
@@ -169,8 +171,8 @@ impl CpuModel {
 
     /// Runs one batch; see the module doc and the contract in `model/mod.rs`.
     ///
-    /// `logits` must hold at least `vocab_size` values per chunk with `want_logits`; those rows
-    /// are written in chunk order. Errors (before anything is written to the cache) on a token
+    /// `logits` must hold at least `vocab_size` values per logits row; rows are written in
+    /// chunk order, a chunk's rows in position order. Errors (before anything is written to the cache) on a token
     /// outside the vocabulary, a block table too short for the chunk or naming a block outside
     /// the cache, an empty chunk that wants logits, a too-short `logits`, or a cache built for
     /// another model.
@@ -290,7 +292,8 @@ impl CpuModel {
         linear(act, &w.down, x, rows, true);
     }
 
-    /// Final norm and `lm_head` on the last row of each chunk that wants logits, only.
+    /// Final norm and `lm_head` on the rows that want logits (the last `logit_rows` of each
+    /// chunk), only.
     fn final_logits(&mut self, seqs: &[SeqChunk<'_>], n_logits: usize, logits: &mut [f32]) {
         let (hidden, vocab) = (self.config.hidden_size, self.config.vocab_size);
         let s = &mut self.scratch;
@@ -299,10 +302,10 @@ impl CpuModel {
         let mut j = 0;
         for seq in seqs {
             r_end += seq.tokens.len();
-            if seq.want_logits {
-                let last = &s.x[(r_end - 1) * hidden..r_end * hidden];
+            for r in r_end - seq.logit_rows..r_end {
+                let row = &s.x[r * hidden..(r + 1) * hidden];
                 let out = &mut final_rows[j * hidden..][..hidden];
-                rms_norm(last, &self.final_norm, self.config.rms_norm_eps, out);
+                rms_norm(row, &self.final_norm, self.config.rms_norm_eps, out);
                 j += 1;
             }
         }
@@ -350,13 +353,13 @@ impl CpuModel {
                     cache.num_blocks()
                 );
             }
-            if s.want_logits {
-                ensure!(
-                    !s.tokens.is_empty(),
-                    "chunk {i}: wants logits but has no tokens"
-                );
-                n_logits += 1;
-            }
+            ensure!(
+                s.logit_rows <= s.tokens.len(),
+                "chunk {i}: wants {} logits rows but has {} tokens",
+                s.logit_rows,
+                s.tokens.len()
+            );
+            n_logits += s.logit_rows;
         }
         ensure!(
             logits_len >= n_logits * c.vocab_size,

@@ -9,8 +9,8 @@
 //!   lives in block `block_table[p / block_size]` at offset `p % block_size`.
 //! - [`CpuModel::forward`] runs one batch of chunks: for each [`SeqChunk`] it writes the K/V of
 //!   positions `position .. position + tokens.len()` into the cache, attends causally over the
-//!   paged cache (positions `0 ..= p` for the token at `p`), and for chunks with `want_logits`
-//!   writes the logits of the chunk's last token into the next `vocab_size` row of `logits`.
+//!   paged cache (positions `0 ..= p` for the token at `p`), and writes the logits of the
+//!   chunk's last `logit_rows` tokens into the next `vocab_size` rows of `logits`.
 //!
 //! Module map: `config` (the JSON files, [`ModelDir`]) -> `weights` (safetensors; the expected
 //! tensor names and shapes, also used by the generator) -> `cpu` (the forward pass) over

@@ -275,7 +275,7 @@ fn check_chunked(
             tokens: &tokens[pos..pos + n],
             position: pos,
             block_table: &table,
-            want_logits: true,
+            logit_rows: 1,
         };
         model
             .forward(&[chunk], &mut cache, &mut logits)
@@ -370,7 +370,7 @@ fn check_batched(case: &Case, model: &mut CpuModel, rng: &mut Rng) {
         .collect();
     let mut cache = KvCache::new(c, total_blocks + 5, block_size);
     let mut done = vec![0usize; seqs.len()];
-    let mut logits = vec![0.0f32; seqs.len() * c.vocab_size];
+    let mut logits = vec![0.0f32; lens.iter().sum::<usize>() * c.vocab_size];
     let mut step = 0;
     while done.iter().zip(&lens).any(|(d, n)| d < n) {
         let mut batch = Vec::new();
@@ -386,28 +386,32 @@ fn check_batched(case: &Case, model: &mut CpuModel, rng: &mut Rng) {
                 1 + rng.below(left)
             }
             .min(left);
-            let want_logits = rng.below(3) != 0 || n == left;
+            // Usually the last row's logits (prefill, decode), sometimes none, sometimes every
+            // row's (a speculative verification).
+            let logit_rows = match rng.below(4) {
+                _ if n == left => 1,
+                0 => 0,
+                1 => 1 + rng.below(n),
+                _ => 1,
+            };
             batch.push(SeqChunk {
                 tokens: &s[done[i]..done[i] + n],
                 position: done[i],
                 block_table: &tables[i],
-                want_logits,
+                logit_rows,
             });
-            owners.push((i, done[i] + n, want_logits));
+            owners.push((i, done[i] + n, logit_rows));
             done[i] += n;
         }
         model
             .forward(&batch, &mut cache, &mut logits)
             .expect("forward");
         let mut row = 0;
-        for &(i, end, want_logits) in &owners {
-            if want_logits {
+        for &(i, end, logit_rows) in &owners {
+            for (j, want) in wants[i][end - logit_rows..end].iter().enumerate() {
                 let got = &logits[row * c.vocab_size..][..c.vocab_size];
-                assert_close(
-                    got,
-                    &wants[i][end - 1],
-                    &format!("batched step {step}, seq {i} at {end}"),
-                );
+                let at = end - logit_rows + j + 1;
+                assert_close(got, want, &format!("batched step {step}, seq {i} at {at}"));
                 row += 1;
             }
         }
@@ -451,7 +455,7 @@ fn forward_rejects_bad_batches() {
             tokens,
             position: 0,
             block_table: table,
-            want_logits: true,
+            logit_rows: 1,
         };
         model
             .forward(&[chunk], &mut cache, logits)

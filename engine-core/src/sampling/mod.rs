@@ -15,8 +15,9 @@
 //! whatever its batch mates, arrival order or preemptions.
 
 pub mod philox;
+pub mod spec;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use harrier_shared::protocol::{SamplingParams, TokenId, TokenLogprobs};
 
@@ -31,10 +32,21 @@ pub struct RowSampler {
     min_tokens_mask: Vec<TokenId>,
     /// Tokens generated so far (the RNG counter of the next draw).
     generated: u32,
-    /// Prompt and output tokens (repetition penalty); empty unless that penalty is on.
-    seen: HashSet<TokenId>,
+    /// Occurrences of each prompt and output token (repetition penalty: present or not);
+    /// empty unless that penalty is on. Counts, not a set, so that a record can be undone.
+    seen: HashMap<TokenId, u32>,
     /// Output token counts (frequency/presence penalties); empty unless one is on.
     output_counts: HashMap<TokenId, u32>,
+}
+
+/// What [`RowSampler::process`] made of a row of logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Dist {
+    /// Greedy: the chosen token (argmax of the processed logits, ties to the lowest id).
+    Greedy(TokenId),
+    /// The logits now hold unnormalised probabilities (0 for filtered tokens) summing to
+    /// `total` (> 0).
+    Probs { total: f64 },
 }
 
 /// Reusable buffers for [`RowSampler::sample`].
@@ -60,11 +72,13 @@ impl RowSampler {
             seed: *seed,
             min_tokens_mask: min_tokens_mask.clone(),
             generated: 0,
-            seen: HashSet::new(),
+            seen: HashMap::new(),
             output_counts: HashMap::new(),
         };
         if s.repetition_on() {
-            s.seen.extend(prompt.iter().copied());
+            for &t in prompt {
+                *s.seen.entry(t).or_insert(0) += 1;
+            }
         }
         for &t in output {
             s.record(t);
@@ -84,13 +98,43 @@ impl RowSampler {
         self.generated
     }
 
-    fn record(&mut self, token: TokenId) {
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Advances the row past `token` (the RNG counter and the penalty state).
+    pub fn record(&mut self, token: TokenId) {
         self.generated += 1;
         if self.repetition_on() {
-            self.seen.insert(token);
+            *self.seen.entry(token).or_insert(0) += 1;
         }
         if self.counts_on() {
             *self.output_counts.entry(token).or_insert(0) += 1;
+        }
+    }
+
+    /// Undoes the latest [`Self::record`] of `token` (speculative decoding drafts ahead and
+    /// takes its drafted tokens back before verification).
+    pub fn unrecord(&mut self, token: TokenId) {
+        debug_assert!(self.generated > 0, "unrecord without a record");
+        self.generated -= 1;
+        fn dec(m: &mut HashMap<TokenId, u32>, t: TokenId) {
+            if let Some(c) = m.get_mut(&t) {
+                *c -= 1;
+                if *c == 0 {
+                    m.remove(&t);
+                }
+            }
+        }
+        if self.repetition_on() {
+            dec(&mut self.seen, token);
+        }
+        if self.counts_on() {
+            dec(&mut self.output_counts, token);
         }
     }
 
@@ -105,6 +149,25 @@ impl RowSampler {
             scratch.raw.clear();
             scratch.raw.extend_from_slice(logits);
         }
+        let token = match self.process(logits, scratch) {
+            Dist::Greedy(t) => t,
+            Dist::Probs { total } => draw(
+                logits,
+                total,
+                philox::uniform(self.seed, self.generated as u64),
+            ),
+        };
+        let logprobs =
+            want_logprobs.map(|n| logprobs_of(&scratch.raw, token, n as usize, &mut scratch.order));
+        self.record(token);
+        (token, logprobs)
+    }
+
+    /// The whole processing of the row's next-token logits, in vLLM's order, given the row's
+    /// state (tokens recorded so far): logit_bias, penalties, the min_tokens mask, then for
+    /// greedy rows the argmax, otherwise temperature, top-k, softmax, top-p and min-p (the
+    /// logits become unnormalised probabilities). The row does not advance.
+    pub fn process(&self, logits: &mut [f32], scratch: &mut SamplerScratch) -> Dist {
         for &(t, bias) in &self.params.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += bias;
@@ -118,22 +181,17 @@ impl RowSampler {
                 }
             }
         }
-        let token = if self.params.is_greedy() {
-            argmax(logits)
+        if self.params.is_greedy() {
+            Dist::Greedy(argmax(logits))
         } else {
-            let u = philox::uniform(self.seed, self.generated as u64);
-            self.sample_random(logits, u, scratch)
-        };
-        let logprobs =
-            want_logprobs.map(|n| logprobs_of(&scratch.raw, token, n as usize, &mut scratch.order));
-        self.record(token);
-        (token, logprobs)
+            self.to_probs(logits, scratch)
+        }
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {
         let rep = self.params.repetition_penalty;
         if self.repetition_on() {
-            for &t in &self.seen {
+            for &t in self.seen.keys() {
                 if let Some(l) = logits.get_mut(t as usize) {
                     *l = if *l > 0.0 { *l / rep } else { *l * rep };
                 }
@@ -149,7 +207,8 @@ impl RowSampler {
         }
     }
 
-    fn sample_random(&self, logits: &mut [f32], u: f64, scratch: &mut SamplerScratch) -> TokenId {
+    /// Temperature, top-k, softmax, top-p and min-p in place.
+    fn to_probs(&self, logits: &mut [f32], scratch: &mut SamplerScratch) -> Dist {
         let inv_t = 1.0 / self.params.temperature;
         for l in logits.iter_mut() {
             *l *= inv_t;
@@ -173,7 +232,11 @@ impl RowSampler {
         // Softmax in place: logits become unnormalised probabilities.
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         if max == f32::NEG_INFINITY {
-            return argmax(logits);
+            // Everything masked: the lowest id, as greedy would pick (a point mass).
+            let t = argmax(logits);
+            logits.fill(0.0);
+            logits[t as usize] = 1.0;
+            return Dist::Probs { total: 1.0 };
         }
         let mut sum = 0.0f64;
         for l in logits.iter_mut() {
@@ -216,20 +279,25 @@ impl RowSampler {
             }
         }
         let total: f64 = logits.iter().map(|&p| p as f64).sum();
-        let target = u * total;
-        let mut cum = 0.0f64;
-        let mut last_kept = 0;
-        for (i, &p) in logits.iter().enumerate() {
-            if p > 0.0 {
-                cum += p as f64;
-                last_kept = i;
-                if cum > target {
-                    return i as TokenId;
-                }
+        Dist::Probs { total }
+    }
+}
+
+/// Inverse-CDF draw in token-id order from unnormalised probabilities summing to `total`.
+pub fn draw(probs: &[f32], total: f64, u: f64) -> TokenId {
+    let target = u * total;
+    let mut cum = 0.0f64;
+    let mut last_kept = 0;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            cum += p as f64;
+            last_kept = i;
+            if cum > target {
+                return i as TokenId;
             }
         }
-        last_kept as TokenId
     }
+    last_kept as TokenId
 }
 
 /// Index of the largest value, ties to the lowest index; NaN never wins.

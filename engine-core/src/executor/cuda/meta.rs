@@ -369,6 +369,7 @@ mod tests {
             blocks_start: blocks.0,
             blocks_len: blocks.1,
             sample: true,
+            draft: 0,
         }
     }
 

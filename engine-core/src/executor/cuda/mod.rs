@@ -1003,6 +1003,8 @@ impl CudaExecutor {
         let toks = &s.out_h.as_slice()[..s.n_samples];
         out.tokens.extend(toks.iter().map(|&t| t as TokenId));
         out.logprobs.resize(s.n_samples, None);
+        out.counts.resize(s.n_samples, 1);
+        out.proposed.resize(s.n_samples, 0);
         for (k, tok, lp) in s.host_results.drain(..) {
             out.tokens[k] = tok;
             out.logprobs[k] = lp;

@@ -146,6 +146,7 @@ impl Driver {
                 blocks_start: bs_,
                 blocks_len: bl,
                 sample: true,
+                draft: 0,
             });
             self.lens[i] = p.len() as u32;
         }
@@ -167,6 +168,7 @@ impl Driver {
                 blocks_start: bs_,
                 blocks_len: bl,
                 sample: true,
+                draft: 0,
             });
             self.lens[i] += 1;
         }
