@@ -160,10 +160,33 @@ def auth(base_url, model):
         assert e.status_code == 401
 
 
+@check("speculative decoding: greedy text equals the reference server's, counts in usage")
+def speculative(client, model, reference):
+    prompts = ["import os\nimport sys\n\n\ndef main():\n", "class Config:\n    def __init__(self, path):\n",
+               "for i in range(10):\n"]
+    accepted = 0
+    for p in prompts:
+        kw = dict(model=model, prompt=p, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+        want = reference.completions.create(**kw).choices[0].text
+        got = client.completions.create(**kw)
+        assert got.choices[0].text == want, (got.choices[0].text, want)
+        spec = (got.usage.model_extra or {}).get("speculative_decoding")
+        assert spec is not None and spec["draft_tokens"] > 0, got.usage
+        accepted += spec["accepted_tokens"]
+        # Streamed, rounds arrive as chunks of several tokens; the client joins them.
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)
+                       if c.choices)
+        assert text == want, (text, want)
+    assert accepted > 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--api-key", default="EMPTY")
+    ap.add_argument("--reference-base-url",
+                    help="a server of the same model without speculative decoding: the one at "
+                         "--base-url speculates, and its greedy text must equal this one's")
     args = ap.parse_args()
     print(f"openai {openai.__version__} against {args.base_url}")
     client = OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=120)
@@ -177,6 +200,10 @@ def main():
     errors(client, model)
     if args.api_key != "EMPTY":
         auth(args.base_url, model)
+    if args.reference_base_url:
+        reference = OpenAI(base_url=args.reference_base_url, api_key=args.api_key, max_retries=0,
+                           timeout=120)
+        speculative(client, model, reference)
     failed = sum(1 for _, err in RESULTS if err)
     print(f"{len(RESULTS) - failed} passed, {failed} failed")
     sys.exit(1 if failed else 0)

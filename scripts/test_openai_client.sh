@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The official `openai` Python package against a real `harrier serve` (2 front ends, the
-# embedded default model, harrier-cpu). Idempotent set-up: a venv at
+# embedded default model, harrier-cpu), then against one with speculative decoding (the
+# committed draft). Idempotent set-up: a venv at
 # $HARRIER_HOME/venv-openai with openai from PyPI.
 #
 #   scripts/test_openai_client.sh            # builds target/debug/harrier if needed
@@ -29,33 +30,52 @@ if [[ -z "${HARRIER_BIN:-}" ]]; then
     cargo build --quiet -p harrier-frontend --bin harrier
 fi
 
-PORT="$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 KEY="sk-harrier-openai-test"
-OUT="$(mktemp)"
-"$BIN" serve --api-server-count 2 --port "$PORT" --api-key "$KEY" --kv-cache-mib 64 >"$OUT" 2>"$OUT.err" &
-SERVER=$!
+SERVERS=()
+OUTS=()
 cleanup() {
-    if kill -0 "$SERVER" 2>/dev/null; then
-        kill -KILL "$SERVER" 2>/dev/null || true
-    fi
-    rm -f "$OUT" "$OUT.err"
+    for pid in "${SERVERS[@]}"; do
+        if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
+    done
+    for f in "${OUTS[@]}"; do rm -f "$f" "$f.err"; done
 }
 trap cleanup EXIT
 
-for _ in $(seq 1 600); do
-    if grep -q "Harrier is serving" "$OUT"; then break; fi
-    if ! kill -0 "$SERVER" 2>/dev/null; then
-        log "the server exited during start-up:"; cat "$OUT.err" >&2; exit 1
-    fi
-    sleep 0.5
-done
-grep -q "Harrier is serving" "$OUT" || { log "the server did not become ready"; tail -20 "$OUT.err" >&2; exit 1; }
+# start_server PORT ARGS...: starts `harrier serve` in the background, waits until it serves.
+start_server() {
+    local port="$1"; shift
+    local out; out="$(mktemp)"
+    OUTS+=("$out")
+    "$BIN" serve --port "$port" --api-key "$KEY" --kv-cache-mib 64 "$@" >"$out" 2>"$out.err" &
+    local pid=$!
+    SERVERS+=("$pid")
+    for _ in $(seq 1 600); do
+        if grep -q "Harrier is serving" "$out"; then return 0; fi
+        if ! kill -0 "$pid" 2>/dev/null; then
+            log "the server ($*) exited during start-up:"; cat "$out.err" >&2; exit 1
+        fi
+        sleep 0.5
+    done
+    log "the server ($*) did not become ready"; tail -20 "$out.err" >&2; exit 1
+}
+
+PORT="$(free_port)"
+start_server "$PORT" --api-server-count 2
+# The same model with speculative decoding (the committed draft): every check again, plus
+# greedy text equal to the first server's.
+SPEC_PORT="$(free_port)"
+start_server "$SPEC_PORT" --speculative-model engine-core/models/harrier-cpu-draft
 
 status=0
 "$VENV/bin/python" scripts/test_openai_client.py --base-url "http://127.0.0.1:$PORT/v1" --api-key "$KEY" || status=$?
+"$VENV/bin/python" scripts/test_openai_client.py --base-url "http://127.0.0.1:$SPEC_PORT/v1" --api-key "$KEY" \
+    --reference-base-url "http://127.0.0.1:$PORT/v1" || status=$?
 
-kill -TERM "$SERVER"
-if ! wait "$SERVER"; then
-    log "the server did not exit cleanly on SIGTERM"; tail -20 "$OUT.err" >&2; status=1
-fi
+for i in "${!SERVERS[@]}"; do
+    kill -TERM "${SERVERS[$i]}"
+    if ! wait "${SERVERS[$i]}"; then
+        log "a server did not exit cleanly on SIGTERM"; tail -20 "${OUTS[$i]}.err" >&2; status=1
+    fi
+done
 exit "$status"

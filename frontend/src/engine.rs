@@ -219,6 +219,8 @@ async fn connection_task(inner: std::sync::Weak<Inner>) {
                 tracing::info!(endpoint = %opts.endpoint, model = %info.model_name, max_model_len = info.max_model_len, "connected to the engine core");
                 *this.last_info.write().expect("info lock") = Some(info.clone());
                 this.metrics.set_model_name(&info.model_name);
+                this.metrics
+                    .set_speculative_tokens(info.limits.num_speculative_tokens);
                 *this.conn.write().expect("conn lock") = Some(Conn { client, info });
                 this.metrics.set_engine_up(true);
                 this.connected.send_replace(true);
@@ -261,7 +263,7 @@ async fn watch_connection(this: &Inner, mut receiver: ClientReceiver) -> String 
                     match msg {
                         EngineMessage::Outputs(outputs) => {
                             this.metrics.set_engine_stats(&outputs.stats);
-                            if this.processor.send(ProcessorInput::Outputs(outputs)).is_err() {
+                            if this.processor.send(ProcessorInput::Outputs(Box::new(outputs))).is_err() {
                                 return "the output processor stopped".into();
                             }
                         }

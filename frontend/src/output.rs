@@ -50,6 +50,9 @@ pub struct ChoiceDelta {
     pub finish_reason: Option<&'static str>,
     /// Prompt tokens served from the engine's prefix cache (on the choice's first output).
     pub cached_tokens: Option<u32>,
+    /// Speculative decoding's proposals and accepted proposals for this choice (on its last
+    /// delta, when the engine speculates).
+    pub spec: Option<harrier_shared::protocol::SpecDecodeCounts>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -71,7 +74,9 @@ pub struct ChoiceSpec {
 
 pub enum ProcessorInput {
     Register(Vec<ChoiceSpec>),
-    Outputs(EngineCoreOutputs),
+    /// One engine step's outputs (boxed: the step's stats make it many times the other
+    /// variants' size, and the frame was just decoded into its own allocation anyway).
+    Outputs(Box<EngineCoreOutputs>),
     /// The client went away: forget these choices and abort those still running.
     Cancel(Vec<String>),
     /// The engine connection is gone: fail every open choice.
@@ -279,6 +284,7 @@ impl Processor {
             logprobs,
             finish_reason,
             cached_tokens: num_cached_tokens,
+            spec: finish.as_ref().and_then(|f| f.spec),
         });
         if state.tx.send(event).is_err() {
             // Nobody listens any more (the handler is gone): stop generating.
@@ -356,7 +362,7 @@ mod tests {
     }
 
     fn outputs(id: &str, ids: Vec<u32>, finish: Option<Finish>) -> ProcessorInput {
-        ProcessorInput::Outputs(EngineCoreOutputs {
+        ProcessorInput::Outputs(Box::new(EngineCoreOutputs {
             step: 0,
             outputs: vec![RequestOutput {
                 request_id: id.into(),
@@ -366,7 +372,7 @@ mod tests {
                 num_cached_tokens: None,
             }],
             stats: EngineStats::default(),
-        })
+        }))
     }
 
     fn drain(rx: &mut mpsc::UnboundedReceiver<Event>) -> Vec<Event> {
@@ -421,6 +427,7 @@ mod tests {
                 stop_token: None,
                 message: None,
                 timing: None,
+                spec: None,
             }),
         ));
         let ev = drain(&mut rx);
@@ -463,6 +470,7 @@ mod tests {
                     stop_token: Some(128009),
                     message: None,
                     timing: None,
+                    spec: None,
                 }),
             ));
             let ev = drain(&mut rx);
@@ -546,7 +554,7 @@ mod tests {
             rank: 1,
             top: vec![(t, -0.25), (128009, -2.0)],
         };
-        r.p.handle(ProcessorInput::Outputs(EngineCoreOutputs {
+        r.p.handle(ProcessorInput::Outputs(Box::new(EngineCoreOutputs {
             step: 1,
             outputs: vec![RequestOutput {
                 request_id: "a".into(),
@@ -556,7 +564,7 @@ mod tests {
                 num_cached_tokens: Some(0),
             }],
             stats: EngineStats::default(),
-        }));
+        })));
         let ev = drain(&mut rx);
         let Event::Delta(d) = &ev[0] else { panic!() };
         assert_eq!(

@@ -248,6 +248,7 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
     let mut open = gen.num_choices;
     let mut completion_tokens = 0u32;
     let mut cached_tokens = 0u32;
+    let mut spec = None;
     let mut offsets = vec![0usize; gen.num_choices as usize];
     while open > 0 {
         let event = tokio::select! {
@@ -257,6 +258,7 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
         let chunk_ok = match event {
             Some(Event::Delta(d)) => {
                 completion_tokens += d.num_tokens;
+                add_spec(&mut spec, d.spec);
                 if gen.counts_cached(d.index) {
                     cached_tokens += d.cached_tokens.unwrap_or(0);
                 }
@@ -287,9 +289,13 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
         }
     }
     if meta.include_usage
-        && !send(w.usage(
-            Usage::new(gen.prompt_tokens, completion_tokens).with_cached_tokens(cached_tokens),
-        ))
+        && !send(
+            w.usage(
+                Usage::new(gen.prompt_tokens, completion_tokens)
+                    .with_cached_tokens(cached_tokens)
+                    .with_spec(spec),
+            ),
+        )
         .await
     {
         return;
@@ -297,14 +303,28 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
     let _ = send(Bytes::from_static(SSE_DONE)).await;
 }
 
+/// Sums the choices' speculative decoding counts (absent when the engine does not speculate).
+fn add_spec(
+    total: &mut Option<harrier_shared::protocol::SpecDecodeCounts>,
+    choice: Option<harrier_shared::protocol::SpecDecodeCounts>,
+) {
+    if let Some(c) = choice {
+        let t = total.get_or_insert_with(Default::default);
+        t.draft_tokens += c.draft_tokens;
+        t.accepted_tokens += c.accepted_tokens;
+    }
+}
+
 /// Waits for every choice and builds the non-streamed JSON response.
 pub async fn collect(meta: &ResponseMeta, mut gen: Generation) -> Result<String, ApiError> {
     let mut acc = vec![ChoiceAcc::default(); gen.num_choices as usize];
     let mut open = gen.num_choices;
     let mut cached_tokens = 0u32;
+    let mut spec = None;
     while open > 0 {
         match gen.events.recv().await {
             Some(Event::Delta(d)) => {
+                add_spec(&mut spec, d.spec);
                 if gen.counts_cached(d.index) {
                     cached_tokens += d.cached_tokens.unwrap_or(0);
                 }
@@ -322,7 +342,8 @@ pub async fn collect(meta: &ResponseMeta, mut gen: Generation) -> Result<String,
         }
     }
     let usage = Usage::new(gen.prompt_tokens, acc.iter().map(|a| a.tokens).sum())
-        .with_cached_tokens(cached_tokens);
+        .with_cached_tokens(cached_tokens)
+        .with_spec(spec);
     let body = match meta.kind {
         Kind::Completion => serde_json::to_string(&Completion {
             id: &meta.id,
@@ -452,6 +473,7 @@ mod tests {
             logprobs: vec![],
             finish_reason: finish,
             cached_tokens: None,
+            spec: None,
         })
     }
 

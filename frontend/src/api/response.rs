@@ -9,6 +9,18 @@ pub struct Usage {
     pub completion_tokens: u32,
     pub total_tokens: u32,
     pub prompt_tokens_details: PromptTokensDetails,
+    /// Speculative decoding (Harrier's extension; only when the server speculates): tokens
+    /// proposed for this response, those accepted, and their ratio.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative_decoding: Option<SpecUsage>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct SpecUsage {
+    pub draft_tokens: u32,
+    pub accepted_tokens: u32,
+    /// `accepted_tokens / draft_tokens` (0 with no proposals).
+    pub acceptance_rate: f32,
 }
 
 /// OpenAI's `usage.prompt_tokens_details`: prompt tokens served from the prefix cache.
@@ -24,7 +36,21 @@ impl Usage {
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails::default(),
+            speculative_decoding: None,
         }
+    }
+
+    pub fn with_spec(mut self, spec: Option<harrier_shared::protocol::SpecDecodeCounts>) -> Self {
+        self.speculative_decoding = spec.map(|s| SpecUsage {
+            draft_tokens: s.draft_tokens,
+            accepted_tokens: s.accepted_tokens,
+            acceptance_rate: if s.draft_tokens == 0 {
+                0.0
+            } else {
+                s.accepted_tokens as f32 / s.draft_tokens as f32
+            },
+        });
+        self
     }
 
     pub fn with_cached_tokens(mut self, cached_tokens: u32) -> Self {

@@ -40,6 +40,7 @@ fn info(max_model_len: u32, vocab_size: u32) -> EngineInfo {
             max_logprobs: 20,
             block_size: 16,
             num_kv_blocks: 1024,
+            num_speculative_tokens: 0,
         },
     }
 }

@@ -60,6 +60,12 @@ pub struct Metrics {
     engine_prefix_hit_rate: Gauge,
     engine_graph_replays: IntGauge,
     engine_eager_decode: IntGauge,
+    engine_spec_drafts: IntGauge,
+    engine_spec_draft_tokens: IntGauge,
+    engine_spec_accepted_tokens: IntGauge,
+    engine_spec_accepted_per_pos: IntGaugeVec,
+    /// Tokens per speculative round (from the handshake): the per-position series shown.
+    spec_positions: std::sync::atomic::AtomicU32,
     engine_reconnects: IntCounter,
 }
 
@@ -240,6 +246,27 @@ impl Metrics {
                 "engine_eager_decode_steps_total",
                 "Decode-only steps launched eagerly: too large for every graph, or graphs off (engine counter)"
             )),
+            engine_spec_drafts: reg!(engine, gauge(
+                "engine_spec_decode_num_drafts_total",
+                "Speculative rounds that verified at least one proposal (engine counter)"
+            )),
+            engine_spec_draft_tokens: reg!(engine, gauge(
+                "engine_spec_decode_num_draft_tokens_total",
+                "Proposed tokens verified (engine counter)"
+            )),
+            engine_spec_accepted_tokens: reg!(engine, gauge(
+                "engine_spec_decode_num_accepted_tokens_total",
+                "Proposed tokens accepted (engine counter)"
+            )),
+            engine_spec_accepted_per_pos: reg!(engine, IntGaugeVec::new(
+                Opts::new(
+                    "engine_spec_decode_num_accepted_tokens_per_pos_total",
+                    "Proposed tokens accepted at each position of a round, from 0 (engine counter)"
+                ),
+                &["position"]
+            )
+            .expect("gauge")),
+            spec_positions: Default::default(),
             engine_reconnects: reg!(engine, IntCounter::new(
                 "engine_connections_total",
                 "Successful connections (handshakes) to an engine core"
@@ -311,7 +338,26 @@ impl Metrics {
             generation_tokens_total: _,
             graph_replays_total,
             eager_decode_steps_total,
+            spec_drafts_total,
+            spec_draft_tokens_total,
+            spec_accepted_tokens_total,
+            spec_accepted_per_pos_total,
         } = *s;
+        let k = self
+            .spec_positions
+            .load(std::sync::atomic::Ordering::Relaxed) as usize;
+        if k > 0 {
+            self.engine_spec_drafts.set(spec_drafts_total as i64);
+            self.engine_spec_draft_tokens
+                .set(spec_draft_tokens_total as i64);
+            self.engine_spec_accepted_tokens
+                .set(spec_accepted_tokens_total as i64);
+            for (pos, &n) in spec_accepted_per_pos_total.iter().enumerate().take(k) {
+                self.engine_spec_accepted_per_pos
+                    .with_label_values(&[&pos.to_string()])
+                    .set(n as i64);
+            }
+        }
         self.engine_graph_replays.set(graph_replays_total as i64);
         self.engine_eager_decode
             .set(eager_decode_steps_total as i64);
@@ -336,6 +382,13 @@ impl Metrics {
             } else {
                 prefix_cache_hits_total as f64 / prefix_cache_queries_total as f64
             });
+    }
+
+    /// Tokens per speculative round, from the engine's handshake (0: speculation off, no
+    /// per-position series).
+    pub fn set_speculative_tokens(&self, k: u32) {
+        self.spec_positions
+            .store(k, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The served model's name, from the engine's handshake.

@@ -68,6 +68,22 @@ const ALIASES: &[Alias] = &[
         "harrier_engine_prefix_cache_hits_total",
         "vllm:prefix_cache_hits_total",
     ),
+    counter(
+        "harrier_engine_spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_drafts_total",
+    ),
+    counter(
+        "harrier_engine_spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+    ),
+    counter(
+        "harrier_engine_spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+    ),
+    counter(
+        "harrier_engine_spec_decode_num_accepted_tokens_per_pos_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    ),
     alias("harrier_prompt_tokens_total", "vllm:prompt_tokens_total"),
     alias(
         "harrier_generation_tokens_total",
