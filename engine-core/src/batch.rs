@@ -168,3 +168,41 @@ impl StepOutput {
         self.proposed.push(0);
     }
 }
+
+/// Allowed-token bitmasks of a step's constrained rows (structured outputs), set between
+/// `launch_forward` and `finalize_sampling`: bit `t % 32` of word `t / 32` of a mask allows
+/// token `t`; every other token's logit becomes -inf before sampling.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenMasks {
+    /// Index among the step's sampled sequences, per mask.
+    pub samples: Vec<u32>,
+    pub words_per_mask: usize,
+    /// `samples.len() * words_per_mask` words.
+    pub words: Vec<u32>,
+}
+
+impl TokenMasks {
+    pub fn clear(&mut self) {
+        self.samples.clear();
+        self.words.clear();
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// The mask of the `i`-th entry.
+    pub fn mask(&self, i: usize) -> &[u32] {
+        &self.words[i * self.words_per_mask..(i + 1) * self.words_per_mask]
+    }
+
+    /// Sets every disallowed logit of `logits` to -inf.
+    pub fn apply(mask: &[u32], logits: &mut [f32]) {
+        for (t, l) in logits.iter_mut().enumerate() {
+            let allowed = mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1);
+            if !allowed {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}

@@ -329,7 +329,28 @@ fn finish_engine<E: crate::executor::Executor>(
             num_speculative_tokens: cfg.num_speculative_tokens,
         },
     };
-    let engine = EngineCore::new(cfg, facts, exec)?;
+    let mut engine = EngineCore::new(cfg, facts, exec)?;
+    // Structured outputs need the vocabulary as bytes: from the model's tokenizer.json.
+    let tokenizer = dir.path.join("tokenizer.json");
+    if tokenizer.is_file() {
+        let started = std::time::Instant::now();
+        match crate::structured::GrammarCompiler::from_tokenizer_json(
+            &tokenizer,
+            mc.vocab_size,
+            &dir.generation.eos_token_ids,
+        ) {
+            Ok(c) => {
+                tracing::info!(
+                    ms = started.elapsed().as_millis() as u64,
+                    "structured outputs ready (llguidance token trie built)"
+                );
+                engine.enable_structured_outputs(std::sync::Arc::new(c));
+            }
+            Err(e) => tracing::warn!("structured outputs off: {e:#}"),
+        }
+    } else {
+        tracing::info!("structured outputs off: the model directory has no tokenizer.json");
+    }
     Ok(BuiltEngine { engine, info })
 }
 

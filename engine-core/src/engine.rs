@@ -30,6 +30,8 @@ use crate::pipeline::{PipelineState, SlotId, NUM_SLOTS};
 use crate::request::{Origin, Request, RequestId};
 use crate::scheduler::{Decision, OutputSink, Scheduler, SchedulerConfig, StepEntry, StepPlan};
 use crate::splitmix::SplitMix64;
+use crate::structured::{CompileWorker, GrammarCompiler, Waker};
+use std::sync::Arc;
 
 /// The backend failed after dispatch; the engine must exit (its requests were answered).
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +57,18 @@ struct SlotState {
     batch: ExecBatch,
     record: Vec<StepEntry>,
     launched_at: Option<Instant>,
+    /// Token masks of the step's constrained rows.
+    masks: crate::batch::TokenMasks,
+}
+
+/// Structured outputs: the compiler for the served tokenizer, its worker thread (started
+/// with the first constrained request) and the requests waiting for their grammar.
+struct Structured {
+    compiler: Arc<GrammarCompiler>,
+    worker: Option<CompileWorker>,
+    waker: Waker,
+    /// Requests whose grammar is compiling: outside the scheduler until it is ready.
+    compiling: HashMap<RequestId, Request>,
 }
 
 pub struct EngineCore<E: Executor> {
@@ -75,6 +89,7 @@ pub struct EngineCore<E: Executor> {
     last_step_us: u32,
     /// Launch nothing new (in-flight steps still complete).
     paused: bool,
+    structured: Option<Structured>,
 }
 
 impl<E: Executor> EngineCore<E> {
@@ -115,7 +130,56 @@ impl<E: Executor> EngineCore<E> {
             steps_total: 0,
             last_step_us: 0,
             paused: false,
+            structured: None,
         })
+    }
+
+    /// Serves structured outputs with `compiler` (the served tokenizer's). Without it (or
+    /// with a backend that cannot apply token masks) constrained requests are refused.
+    pub fn enable_structured_outputs(&mut self, compiler: Arc<GrammarCompiler>) {
+        self.structured = Some(Structured {
+            compiler,
+            worker: None,
+            waker: Arc::new(|| {}),
+            compiling: HashMap::new(),
+        });
+    }
+
+    /// Called by the grammar compiler thread when a grammar is ready: the server wakes its
+    /// idle engine thread with it.
+    pub fn set_waker(&mut self, waker: Waker) {
+        if let Some(s) = &mut self.structured {
+            s.waker = waker;
+        }
+    }
+
+    /// Moves compiled requests into the scheduler (or finishes those whose grammar failed).
+    fn take_compiled(&mut self) {
+        loop {
+            let Some(s) = &mut self.structured else {
+                return;
+            };
+            let Some((id, result)) = s.worker.as_ref().and_then(CompileWorker::try_recv) else {
+                return;
+            };
+            // Gone if it was aborted while compiling.
+            let Some(mut request) = s.compiling.remove(&RequestId(id)) else {
+                continue;
+            };
+            match result {
+                Ok(grammar) => {
+                    request.grammar = Some(grammar);
+                    self.sched.add(request);
+                }
+                Err(e) => {
+                    if let Some(m) = self.ids.get_mut(&request.origin) {
+                        m.remove(&request.external_id);
+                    }
+                    let message = format!("invalid structured-output constraint: {e}");
+                    self.reject(request.origin, request.external_id, message);
+                }
+            }
+        }
     }
 
     /// The backend (tools compare backend settings on one loaded model).
@@ -158,7 +222,12 @@ impl<E: Executor> EngineCore<E> {
 
     /// True while requests are queued, running or in flight.
     pub fn has_work(&self) -> bool {
-        self.sched.has_work() || !self.pipeline.is_drained()
+        self.sched.has_work()
+            || !self.pipeline.is_drained()
+            || self
+                .structured
+                .as_ref()
+                .is_some_and(|s| !s.compiling.is_empty())
     }
 
     /// Outputs produced since the last call, tagged with their front end.
@@ -244,6 +313,14 @@ impl<E: Executor> EngineCore<E> {
             ))
         } else if let Err(e) = sampling.validate(self.cfg.max_logprobs) {
             Some(format!("{}: {}", e.param, e.message))
+        } else if sampling.structured.is_some()
+            && (self.structured.is_none() || !self.exec.supports_token_masks())
+        {
+            Some(if self.structured.is_none() {
+                "structured outputs need the model's tokenizer.json in its directory".to_string()
+            } else {
+                "structured outputs are not supported on this backend yet".to_string()
+            })
         } else if self
             .ids
             .get(&origin)
@@ -269,6 +346,24 @@ impl<E: Executor> EngineCore<E> {
         // Salted requests hash their first block differently (never 0 = unsalted in practice).
         request.cache_salt =
             cache_salt.map_or(0, |s| xxhash_rust::xxh64::xxh64(s.as_bytes(), 0x5a17_5a17));
+        if let Some(spec) = request.sampling.structured.as_deref().cloned() {
+            let s = self.structured.as_mut().expect("checked above");
+            if s.worker.is_none() {
+                match CompileWorker::start(s.compiler.clone(), s.waker.clone()) {
+                    Ok(w) => s.worker = Some(w),
+                    Err(e) => {
+                        let (origin, rid) = (request.origin, request.external_id.clone());
+                        if let Some(m) = self.ids.get_mut(&origin) {
+                            m.remove(&rid);
+                        }
+                        return self.reject(origin, rid, format!("{e:#}"));
+                    }
+                }
+            }
+            s.worker.as_ref().expect("started").submit(id.0, spec);
+            s.compiling.insert(id, request);
+            return;
+        }
         self.sched.add(request);
     }
 
@@ -276,7 +371,9 @@ impl<E: Executor> EngineCore<E> {
     pub fn abort(&mut self, origin: Origin, request_ids: &[String]) {
         for rid in request_ids {
             if let Some(id) = self.ids.get(&origin).and_then(|m| m.get(rid)).copied() {
-                self.sched.abort(id, &mut self.sink);
+                if !self.abort_compiling(id) {
+                    self.sched.abort(id, &mut self.sink);
+                }
             }
         }
         self.debug_check();
@@ -287,10 +384,43 @@ impl<E: Executor> EngineCore<E> {
         if let Some(m) = self.ids.get(&origin) {
             let ids: Vec<RequestId> = m.values().copied().collect();
             for id in ids {
-                self.sched.abort(id, &mut self.sink);
+                if !self.abort_compiling(id) {
+                    self.sched.abort(id, &mut self.sink);
+                }
             }
         }
         self.debug_check();
+    }
+
+    /// Aborts a request whose grammar is still compiling; false if it is not one.
+    fn abort_compiling(&mut self, id: RequestId) -> bool {
+        let Some(r) = self
+            .structured
+            .as_mut()
+            .and_then(|s| s.compiling.remove(&id))
+        else {
+            return false;
+        };
+        self.sink.push((
+            r.origin,
+            RequestOutput {
+                request_id: r.external_id,
+                new_token_ids: Vec::new(),
+                logprobs: None,
+                finish: Some(Finish {
+                    reason: FinishReason::Abort,
+                    stop_token: None,
+                    message: None,
+                    timing: Some(harrier_shared::protocol::RequestTiming {
+                        queue_s: r.arrived_at.elapsed().as_secs_f32(),
+                        ..Default::default()
+                    }),
+                    spec: None,
+                }),
+                num_cached_tokens: None,
+            },
+        ));
+        true
     }
 
     /// One transition of the loop.
@@ -303,6 +433,7 @@ impl<E: Executor> EngineCore<E> {
     }
 
     fn try_step(&mut self) -> Result<Progress, EngineFatal> {
+        self.take_compiled();
         if !self.pipeline.has_launch() && !self.paused {
             if let Some(slot) = self.pipeline.free_slot() {
                 match self.sched.schedule(self.pipeline.is_drained()) {
@@ -339,6 +470,14 @@ impl<E: Executor> EngineCore<E> {
             Ok(handle) => {
                 st.launched_at = Some(Instant::now());
                 self.pipeline.on_launch(handle);
+                // Constrained rows' masks, computed on this thread while the forward runs.
+                if let Some(s) = &self.structured {
+                    self.sched
+                        .token_masks(&st.record, s.compiler.mask_words(), &mut st.masks);
+                    if !st.masks.is_empty() {
+                        self.exec.set_token_masks(slot, &st.masks).map_err(fatal)?;
+                    }
+                }
             }
             Err(ExecError::Rejected(message)) => {
                 tracing::warn!("step rejected before dispatch, rolling back: {message}");

@@ -36,3 +36,4 @@ pub mod scheduler;
 pub mod server;
 pub mod spec;
 pub mod splitmix;
+pub mod structured;

@@ -77,6 +77,8 @@ pub struct Request {
     /// Speculative decoding: proposals verified for this request and those accepted.
     pub spec_draft_tokens: u32,
     pub spec_accepted_tokens: u32,
+    /// Structured outputs: the compiled constraint, advanced with every committed token.
+    pub grammar: Option<crate::structured::Grammar>,
 }
 
 impl Request {
@@ -114,6 +116,7 @@ impl Request {
             first_token_at: None,
             spec_draft_tokens: 0,
             spec_accepted_tokens: 0,
+            grammar: None,
         }
     }
 

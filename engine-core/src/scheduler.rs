@@ -216,8 +216,14 @@ impl Scheduler {
     }
 
     fn can_dispatch(&self, r: &Request) -> bool {
+        // A constrained row's mask needs its previous token: no run-ahead for it.
+        let depth = if r.grammar.is_some() {
+            1
+        } else {
+            self.cfg.max_inflight_refs
+        };
         !r.finalized
-            && r.inflight_refs < self.cfg.max_inflight_refs
+            && r.inflight_refs < depth
             && r.known_len() < self.cfg.max_model_len
             && r.budgeted_output() < r.sampling.max_tokens
     }
@@ -504,6 +510,9 @@ impl Scheduler {
                         }
                         self.counters.generation_tokens += 1;
                         finish = stop_reason(r, token, &self.cfg);
+                        if finish.is_none() {
+                            finish = advance_grammar(r, token);
+                        }
                         if finish.is_some() {
                             break;
                         }
@@ -522,6 +531,30 @@ impl Scheduler {
         }
         debug_assert_eq!(k, out.counts.len(), "every sampled sequence consumed");
         debug_assert_eq!(at, out.tokens.len(), "every sampled token consumed");
+    }
+
+    /// The allowed-token masks of the constrained rows among `record`'s sampled entries (the
+    /// step just applied), from their grammars' current states.
+    pub fn token_masks(
+        &mut self,
+        record: &[StepEntry],
+        words_per_mask: usize,
+        masks: &mut crate::batch::TokenMasks,
+    ) {
+        masks.clear();
+        masks.words_per_mask = words_per_mask;
+        let eos = &self.cfg.eos_token_ids;
+        for (i, e) in record.iter().filter(|e| e.sample).enumerate() {
+            let Some(r) = self.requests.get_mut(&e.id) else {
+                continue;
+            };
+            if let Some(g) = r.grammar.as_mut() {
+                masks.samples.push(i as u32);
+                let at = masks.words.len();
+                masks.words.resize(at + words_per_mask, 0);
+                g.fill_mask(&mut masks.words[at..], eos);
+            }
+        }
     }
 
     /// Undoes [`Self::apply`] for a step the backend rejected before dispatch: its requests
@@ -723,7 +756,12 @@ impl Planner<'_> {
         while i < self.tail && self.budget > 0 {
             let r = &self.s.requests[&self.s.running[i]];
             if r.decoding && self.s.can_dispatch(r) {
-                let n = 1 + self.s.spec_len();
+                // Constrained rows do not speculate (their proposals would need the grammar).
+                let n = if r.grammar.is_some() {
+                    1
+                } else {
+                    1 + self.s.spec_len()
+                };
                 if n > self.budget {
                     break;
                 }
@@ -861,6 +899,26 @@ fn register_computed_blocks(kv: &mut BlockManager, r: &mut Request) {
         kv.register(r.blocks[i], r.block_hashes[i], &r.block_tokens(i, bs));
     }
     r.num_registered_blocks = r.num_registered_blocks.max(ready as u32);
+}
+
+/// Advances a constrained request's grammar past `token`; a finished grammar ends the
+/// request ("stop"), a token the grammar refuses (cannot happen with the mask applied) ends
+/// it with an error.
+fn advance_grammar(r: &mut Request, token: TokenId) -> Option<Finish> {
+    let g = r.grammar.as_mut()?;
+    match g.consume(token) {
+        Err(e) => Some(error_finish(&format!(
+            "the output left its structured-output constraint: {e}"
+        ))),
+        Ok(()) if g.is_finished() => Some(Finish {
+            reason: FinishReason::Stop,
+            stop_token: None,
+            message: None,
+            timing: None,
+            spec: None,
+        }),
+        Ok(()) => None,
+    }
 }
 
 fn error_finish(message: &str) -> Finish {

@@ -55,6 +55,8 @@ impl Default for ServerOptions {
 #[derive(Debug)]
 pub enum EngineInput {
     Request(Origin, EngineCoreRequest),
+    /// A grammar finished compiling: wakes an idle engine thread.
+    Wake,
     Abort(Origin, Vec<String>),
     FrontendGone(Origin),
     /// Pause, resume or reset, answered by the engine thread.
@@ -90,6 +92,12 @@ where
         .with_context(|| format!("binding the engine socket at {endpoint}"))?;
     tracing::info!(endpoint = %transport.endpoint(), model = %info.model_name, "engine core ready");
     let (input_tx, input_rx) = std_mpsc::channel();
+    let mut engine = engine;
+    let wake_tx = std::sync::Mutex::new(input_tx.clone());
+    engine.set_waker(std::sync::Arc::new(move || {
+        let tx = wake_tx.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = tx.send(EngineInput::Wake);
+    }));
     let (event_tx, mut event_rx) = mpsc::unbounded_channel();
     let (stats_tx, stats_rx) = watch::channel(engine.stats());
     let engine_thread = std::thread::Builder::new()
@@ -361,6 +369,7 @@ fn apply_input<E: Executor>(
     };
     match input {
         EngineInput::Request(origin, r) => engine.add_request(origin, r),
+        EngineInput::Wake => {}
         EngineInput::Abort(origin, ids) => engine.abort(origin, &ids),
         EngineInput::FrontendGone(origin) => engine.abort_origin(origin),
         EngineInput::Utility(origin, call_id, call) => match call {

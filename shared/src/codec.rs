@@ -120,6 +120,10 @@ mod tests {
             ignore_eos: true,
             logprobs: Some(5),
             logit_bias: vec![(3, -100.0), (u32::MAX, 2.5)],
+            structured: Some(Box::new(StructuredOutput::Choice(vec![
+                "a".into(),
+                "é".into(),
+            ]))),
         }
     }
 

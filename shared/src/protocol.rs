@@ -137,6 +137,26 @@ pub struct SamplingParams {
     /// sampling; sorted by token id, each id once.
     #[serde(default)]
     pub logit_bias: Vec<(TokenId, f32)>,
+    /// Constrain the output to a JSON schema, a regex, one of several strings or a grammar.
+    /// (Boxed: rare, and it would double the size of every request message.)
+    #[serde(default)]
+    pub structured: Option<Box<StructuredOutput>>,
+}
+
+/// An output constraint (OpenAI's `response_format`, vLLM's `structured_outputs`). The engine
+/// compiles it with llguidance and masks every step's logits to the tokens it allows.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum StructuredOutput {
+    /// Text matching a JSON schema (the schema's JSON text).
+    JsonSchema(String),
+    /// Any JSON object.
+    JsonObject,
+    /// Text matching a regular expression (Rust `regex` syntax), whole.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// Text of a grammar in llguidance's Lark dialect.
+    Grammar(String),
 }
 
 impl Default for SamplingParams {
@@ -156,6 +176,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             logprobs: None,
             logit_bias: Vec::new(),
+            structured: None,
         }
     }
 }
@@ -191,8 +212,17 @@ impl SamplingParams {
             ignore_eos: _,
             logprobs,
             logit_bias,
+            structured,
         } = self;
         let bad = |param: &'static str, message: String| Err(ParamError { param, message });
+        if let Some(StructuredOutput::Choice(c)) = structured.as_deref() {
+            if c.is_empty() {
+                return bad(
+                    "structured_outputs",
+                    "a choice constraint needs at least one choice".into(),
+                );
+            }
+        }
         if !(temperature.is_finite() && *temperature >= 0.0) {
             return bad(
                 "temperature",

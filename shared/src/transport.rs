@@ -89,6 +89,9 @@ impl fmt::Debug for PeerId {
 }
 
 /// What the socket task hands to the engine.
+// `Message` is far larger than `PeerLost`; each value is moved once through a channel, so
+// boxing would only add an allocation per message.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Inbound {
     /// A well-formed message from a front end.

@@ -76,6 +76,8 @@ enum Proposer {
 #[derive(Default)]
 struct Slot {
     batch: Mutex<ExecBatch>,
+    /// Token masks of the step's constrained rows (empty for most steps).
+    masks: Mutex<crate::batch::TokenMasks>,
     done: Mutex<SlotDone>,
     signal: Condvar,
 }
@@ -211,12 +213,26 @@ impl Executor for CpuExecutor {
         batch.check().map_err(ExecError::Rejected)?;
         let s = &self.slots[slot.0 as usize];
         lock(&s.batch).clone_from(batch);
+        lock(&s.masks).clear();
         self.submit(Work::Forward {
             slot: slot.0 as usize,
         })?;
         let step = self.next_step;
         self.next_step += 1;
         Ok(LaunchHandle { slot, step })
+    }
+
+    fn supports_token_masks(&self) -> bool {
+        true
+    }
+
+    fn set_token_masks(
+        &mut self,
+        slot: SlotId,
+        masks: &crate::batch::TokenMasks,
+    ) -> Result<(), ExecError> {
+        lock(&self.slots[slot.0 as usize].masks).clone_from(masks);
+        Ok(())
     }
 
     fn finalize_sampling(&mut self, handle: LaunchHandle) -> Result<InFlightStep, ExecError> {
@@ -627,10 +643,13 @@ impl Stream {
         let spec_on = proposer.is_some();
         let dist_is_model = matches!(proposer, Some(Proposer::Draft(_)));
         let batch = lock(&slots[slot].batch);
+        let masks = lock(&slots[slot].masks);
+        let mut next_mask = 0;
         let mut done = lock(&slots[slot].done);
         let out = &mut done.output;
         out.clear();
         let mut at = 0usize;
+        let mut sample_index = 0u32;
         for (s, &n_rows) in batch.seqs.iter().zip(&logit_rows[slot]) {
             let n_rows = n_rows as usize;
             let rows_logits = &mut logits[slot][at * vocab..(at + n_rows) * vocab];
@@ -638,6 +657,12 @@ impl Stream {
             if !s.sample {
                 continue;
             }
+            if masks.samples.get(next_mask) == Some(&sample_index) {
+                // A constrained row never speculates: one logits row.
+                crate::batch::TokenMasks::apply(masks.mask(next_mask), rows_logits);
+                next_mask += 1;
+            }
+            sample_index += 1;
             let row = rows[s.row.0 as usize]
                 .as_mut()
                 .ok_or_else(|| anyhow!("sampling an uninitialised row"))?;

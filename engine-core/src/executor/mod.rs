@@ -17,7 +17,7 @@ pub mod cuda;
 pub mod fault;
 pub mod null;
 
-use crate::batch::{ExecBatch, StepOutput};
+use crate::batch::{ExecBatch, StepOutput, TokenMasks};
 use crate::pipeline::{SlotId, SlotOwner};
 
 /// A forward pass enqueued on a slot, not yet sampled.
@@ -88,6 +88,20 @@ pub trait Executor {
     fn counters(&self) -> ExecCounters {
         ExecCounters::default()
     }
+
+    /// Whether [`Executor::set_token_masks`] works (structured outputs).
+    fn supports_token_masks(&self) -> bool {
+        false
+    }
+
+    /// Sets the allowed-token masks of the launched step on `slot` (called after
+    /// `launch_forward`, before `finalize_sampling`; while the forward runs).
+    fn set_token_masks(&mut self, slot: SlotId, masks: &TokenMasks) -> Result<(), ExecError> {
+        let _ = (slot, masks);
+        Err(ExecError::Rejected(
+            "this backend does not apply token masks (structured outputs)".into(),
+        ))
+    }
 }
 
 impl<E: Executor + ?Sized> Executor for Box<E> {
@@ -106,5 +120,11 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
     }
     fn counters(&self) -> ExecCounters {
         (**self).counters()
+    }
+    fn supports_token_masks(&self) -> bool {
+        (**self).supports_token_masks()
+    }
+    fn set_token_masks(&mut self, slot: SlotId, masks: &TokenMasks) -> Result<(), ExecError> {
+        (**self).set_token_masks(slot, masks)
     }
 }
