@@ -122,6 +122,19 @@ pub(crate) fn completion_prompts(
         .collect()
 }
 
+/// On the blocking pool: an output constraint must compile (a 400 naming the field and the
+/// problem otherwise; the engine compiles it again, off its loop, from its cache).
+pub(crate) fn check_structured(
+    t: &TextModel,
+    v: &Validated,
+    info: &EngineInfo,
+) -> Result<(), ApiError> {
+    match (v.sampling.structured.as_deref(), v.structured_param) {
+        (Some(s), Some(p)) => t.check_structured(s, p, info.vocab_size, &info.eos_token_ids),
+        _ => Ok(()),
+    }
+}
+
 pub async fn completions(
     state: Arc<AppState>,
     body: Bytes,
@@ -131,9 +144,13 @@ pub async fn completions(
     let info = state.engine.connected_info()?;
     let (v, prompts) = check_completion(&req, &info, limits(&state, &info))?;
     let add_special = req.add_special_tokens.unwrap_or(true);
+    let (checked, info2) = (v.clone(), info.clone());
     let prompts = state
         .text
-        .run(move |t| completion_prompts(t, prompts, add_special))
+        .run(move |t| {
+            check_structured(t, &checked, &info2)?;
+            completion_prompts(t, prompts, add_special)
+        })
         .await??;
     check_lengths(Kind::Completion, &info, &prompts, &v, COMPLETION_MAX_TOKENS)?;
     let id = new_request_id("cmpl");
@@ -182,7 +199,14 @@ pub async fn chat(state: Arc<AppState>, body: Bytes) -> Result<Response<RespBody
     let req: ChatRequest = parse_json(&body)?;
     let info = state.engine.connected_info()?;
     let v = check_chat(&req, &info, limits(&state, &info))?;
-    let prompt = state.text.run(move |t| chat_prompt(t, &req)).await??;
+    let (checked, info2) = (v.clone(), info.clone());
+    let prompt = state
+        .text
+        .run(move |t| {
+            check_structured(t, &checked, &info2)?;
+            chat_prompt(t, &req)
+        })
+        .await??;
     let prompts = vec![prompt];
     check_lengths(Kind::Chat, &info, &prompts, &v, u32::MAX)?;
     let id = new_request_id("chatcmpl");

@@ -22,6 +22,11 @@ pub struct TextModel {
     pub vocab_size: u32,
     template: Option<ChatTemplate>,
     pool: Arc<Semaphore>,
+    /// The tokenizer file, for structured-output checks (`None`: not loaded from a file).
+    tokenizer_path: Option<PathBuf>,
+    /// Compiles constraints to check them (a 400 that names the problem) before the engine
+    /// sees them; built on first use, with the engine's vocabulary size and EOS ids.
+    grammar: std::sync::OnceLock<Result<harrier_engine::structured::GrammarCompiler, String>>,
 }
 
 /// Where the front end finds its tokenizer and template.
@@ -45,7 +50,41 @@ impl TextModel {
         if template.is_none() {
             tracing::warn!(model = %src.model_dir.display(), "the model has no chat template: /v1/chat/completions will answer 400");
         }
-        Ok(Self::new(tokenizer, template, pool_size))
+        let mut model = Self::new(tokenizer, template, pool_size);
+        model.tokenizer_path = Some(tok_path);
+        Ok(model)
+    }
+
+    /// Compiles `spec` (as the engine will) and answers a 400 naming `param` and the
+    /// problem if it does not compile. Without a tokenizer file the engine checks alone.
+    pub fn check_structured(
+        &self,
+        spec: &harrier_shared::protocol::StructuredOutput,
+        param: &'static str,
+        vocab_size: u32,
+        eos: &[TokenId],
+    ) -> Result<(), ApiError> {
+        let Some(path) = &self.tokenizer_path else {
+            return Ok(());
+        };
+        let compiler = self.grammar.get_or_init(|| {
+            harrier_engine::structured::GrammarCompiler::from_tokenizer_json(
+                path,
+                (vocab_size as usize).max(self.vocab_size as usize),
+                eos,
+            )
+            .map_err(|e| format!("{e:#}"))
+        });
+        match compiler {
+            Ok(c) => c
+                .compile(spec)
+                .map(|_| ())
+                .map_err(|e| ApiError::invalid(param, format!("Invalid constraint: {e}"))),
+            Err(e) => Err(ApiError::invalid(
+                param,
+                format!("Structured outputs are unavailable for this model: {e}"),
+            )),
+        }
     }
 
     pub fn new(tokenizer: Tokenizer, template: Option<ChatTemplate>, pool_size: usize) -> Self {
@@ -55,6 +94,8 @@ impl TextModel {
             vocab_size,
             template,
             pool: Arc::new(Semaphore::new(pool_size.max(1))),
+            tokenizer_path: None,
+            grammar: std::sync::OnceLock::new(),
         }
     }
 

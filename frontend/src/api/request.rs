@@ -6,7 +6,7 @@
 //! [`SamplingParams`] plus the front end's [`OutputParams`]. Unknown fields are ignored, as
 //! OpenAI and vLLM do; known-but-unsupported ones are rejected rather than silently ignored.
 
-use harrier_shared::protocol::{SamplingParams, TokenId};
+use harrier_shared::protocol::{SamplingParams, StructuredOutput, TokenId};
 use serde::Deserialize;
 
 use crate::error::ApiError;
@@ -62,6 +62,16 @@ pub struct SamplingFields {
     pub cache_salt: Option<String>,
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     pub best_of: Option<i64>,
+    /// OpenAI's `response_format`: `{"type": "text" | "json_object" | "json_schema", ...}`.
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM's `structured_outputs`: one of `json` (a schema), `regex`, `choice`, `grammar`
+    /// (Lark), `json_object`.
+    pub structured_outputs: Option<serde_json::Value>,
+    /// vLLM's older spellings of the same (`guided_json`, ...).
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -96,7 +106,6 @@ pub struct ChatRequest {
     pub continue_final_message: Option<bool>,
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     pub add_special_tokens: Option<bool>,
-    pub response_format: Option<serde_json::Value>,
 }
 
 /// `/tokenize`: a prompt or chat messages.
@@ -175,6 +184,8 @@ pub struct OutputParams {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Validated {
     pub sampling: SamplingParams,
+    /// The field the output constraint came from (errors name it), if any.
+    pub structured_param: Option<&'static str>,
     /// `None`: fill in from the context left after the prompt (chat) or 16 (completions).
     pub max_tokens: Option<u32>,
     pub output: OutputParams,
@@ -200,6 +211,99 @@ fn to_u32(param: &str, v: i64, min: i64) -> Result<u32, ApiError> {
         ));
     }
     u32::try_from(v).map_err(|_| ApiError::invalid(param, format!("`{param}` is too large: {v}.")))
+}
+
+/// A JSON schema given as an object (or as its text) to the schema's text.
+fn json_text(v: &serde_json::Value) -> Result<String, String> {
+    match v {
+        serde_json::Value::String(s) => Ok(s.clone()),
+        serde_json::Value::Object(_) | serde_json::Value::Bool(_) => Ok(v.to_string()),
+        _ => Err("a JSON schema must be an object (or its JSON text)".into()),
+    }
+}
+
+/// The output constraint from `response_format`, `structured_outputs` or vLLM's `guided_*`
+/// fields, with the field it came from; at most one of them may constrain.
+fn parse_structured(
+    response_format: Option<&serde_json::Value>,
+    structured_outputs: Option<&serde_json::Value>,
+    guided: [Option<(&'static str, Result<StructuredOutput, String>)>; 4],
+) -> Result<Option<(&'static str, StructuredOutput)>, ApiError> {
+    let mut found: Vec<(&'static str, Result<StructuredOutput, String>)> = Vec::new();
+    if let Some(rf) = response_format {
+        let p = "response_format";
+        match rf.get("type").and_then(|t| t.as_str()) {
+            Some("text") => {}
+            Some("json_object") => found.push((p, Ok(StructuredOutput::JsonObject))),
+            Some("json_schema") => {
+                let schema = rf
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            p,
+                            "`response_format` of type json_schema needs `json_schema.schema`.",
+                        )
+                    })?;
+                found.push((p, json_text(schema).map(StructuredOutput::JsonSchema)));
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    p,
+                    "`response_format.type` must be one of text, json_object, json_schema.",
+                ))
+            }
+        }
+    }
+    if let Some(so) = structured_outputs {
+        let p = "structured_outputs";
+        let obj = so
+            .as_object()
+            .ok_or_else(|| ApiError::invalid(p, "`structured_outputs` must be an object."))?;
+        for (k, v) in obj {
+            let c = match (k.as_str(), v) {
+                (_, serde_json::Value::Null) => continue,
+                ("json", v) => json_text(v).map(StructuredOutput::JsonSchema),
+                ("regex", serde_json::Value::String(r)) => Ok(StructuredOutput::Regex(r.clone())),
+                ("grammar", serde_json::Value::String(g)) => {
+                    Ok(StructuredOutput::Grammar(g.clone()))
+                }
+                ("choice", serde_json::Value::Array(a)) => a
+                    .iter()
+                    .map(|c| c.as_str().map(str::to_owned))
+                    .collect::<Option<Vec<_>>>()
+                    .map(StructuredOutput::Choice)
+                    .ok_or_else(|| "`choice` must be a list of strings".to_string()),
+                ("json_object", serde_json::Value::Bool(true)) => Ok(StructuredOutput::JsonObject),
+                ("json_object", serde_json::Value::Bool(false)) => continue,
+                ("regex" | "grammar" | "choice" | "json_object", _) => {
+                    Err(format!("`structured_outputs.{k}` has the wrong type"))
+                }
+                // vLLM's options that do not constrain by themselves.
+                ("disable_fallback" | "disable_any_whitespace" | "disable_additional_properties"
+                | "whitespace_pattern", _) => continue,
+                (other, _) => Err(format!(
+                    "unknown `structured_outputs` field `{other}` (json, regex, choice, grammar, json_object)"
+                )),
+            };
+            found.push((p, c));
+        }
+    }
+    found.extend(guided.into_iter().flatten());
+    match found.len() {
+        0 => Ok(None),
+        1 => {
+            let (p, c) = found.pop().expect("one");
+            c.map(|c| Some((p, c))).map_err(|e| ApiError::invalid(p, e))
+        }
+        _ => Err(ApiError::invalid(
+            found[1].0,
+            format!(
+                "Only one output constraint is allowed; got {}.",
+                found.iter().map(|f| f.0).collect::<Vec<_>>().join(", ")
+            ),
+        )),
+    }
 }
 
 impl SamplingFields {
@@ -229,7 +333,34 @@ impl SamplingFields {
             cache_salt,
             logit_bias,
             best_of,
+            response_format,
+            structured_outputs,
+            guided_json,
+            guided_regex,
+            guided_choice,
+            guided_grammar,
         } = self;
+        let structured = parse_structured(
+            response_format.as_ref(),
+            structured_outputs.as_ref(),
+            [
+                guided_json.as_ref().map(|v| {
+                    (
+                        "guided_json",
+                        json_text(v).map(StructuredOutput::JsonSchema),
+                    )
+                }),
+                guided_regex
+                    .as_ref()
+                    .map(|r| ("guided_regex", Ok(StructuredOutput::Regex(r.clone())))),
+                guided_choice
+                    .as_ref()
+                    .map(|c| ("guided_choice", Ok(StructuredOutput::Choice(c.clone())))),
+                guided_grammar
+                    .as_ref()
+                    .map(|g| ("guided_grammar", Ok(StructuredOutput::Grammar(g.clone())))),
+            ],
+        )?;
         let max_tokens = max_tokens.map(|v| to_u32("max_tokens", v, 1)).transpose()?;
         let n = to_u32("n", n.unwrap_or(1), 1)?;
         if n > limits.max_n {
@@ -321,6 +452,7 @@ impl SamplingFields {
             ignore_eos: ignore_eos.unwrap_or(false),
             logprobs,
             logit_bias,
+            structured: structured.as_ref().map(|s| Box::new(s.1.clone())),
         };
         // f64 -> f32 may overflow to inf; validate() rejects non-finite values.
         let mut check = sampling.clone();
@@ -331,6 +463,7 @@ impl SamplingFields {
             .validate(limits.max_logprobs)
             .map_err(|e| ApiError::invalid(e.param, e.message))?;
         Ok(Validated {
+            structured_param: structured.map(|s| s.0),
             sampling,
             max_tokens,
             output: OutputParams {
@@ -436,14 +569,6 @@ impl ChatRequest {
                 ))
             }
             Some(_) => {}
-        }
-        if let Some(rf) = &self.response_format {
-            if rf.get("type").and_then(|t| t.as_str()) != Some("text") {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    "Only `response_format` {\"type\": \"text\"} is supported.",
-                ));
-            }
         }
         let mut fields = self.sampling.clone();
         if let Some(m) = self.max_completion_tokens {
@@ -826,14 +951,85 @@ mod tests {
                 Some("top_logprobs"),
             ),
             (
-                r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}"#,
+                r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}"#,
                 Some("response_format"),
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}"#,
+                Some("response_format"),
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}"#,
+                Some("structured_outputs"),
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"choice": [1, 2]}}"#,
+                Some("structured_outputs"),
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "a", "choice": ["b"]}}"#,
+                Some("structured_outputs"),
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"jsonn": {}}}"#,
+                Some("structured_outputs"),
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"choice": []}}"#,
+                Some("structured_outputs"),
             ),
         ];
         for (body, param) in chat_cases {
             let e = chat(body).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(e.param.as_deref(), *param, "{body}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn output_constraints_from_every_spelling() {
+        let m = r#""messages": [{"role": "user", "content": "x"}]"#;
+        for (extra, want, param) in [
+            (r#""response_format": {"type": "text"}"#, None, None),
+            (
+                r#""response_format": {"type": "json_object"}"#,
+                Some(StructuredOutput::JsonObject),
+                Some("response_format"),
+            ),
+            (
+                r#""response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}, "strict": true}}"#,
+                Some(StructuredOutput::JsonSchema(r#"{"type":"integer"}"#.into())),
+                Some("response_format"),
+            ),
+            (
+                r#""structured_outputs": {"regex": "[0-9]+"}"#,
+                Some(StructuredOutput::Regex("[0-9]+".into())),
+                Some("structured_outputs"),
+            ),
+            (
+                r#""structured_outputs": {"choice": ["a", "b"], "disable_fallback": true}"#,
+                Some(StructuredOutput::Choice(vec!["a".into(), "b".into()])),
+                Some("structured_outputs"),
+            ),
+            (
+                r#""structured_outputs": {"grammar": "start: \"x\""}"#,
+                Some(StructuredOutput::Grammar("start: \"x\"".into())),
+                Some("structured_outputs"),
+            ),
+            (
+                r#""structured_outputs": {"json": "{\"type\": \"string\"}"}"#,
+                Some(StructuredOutput::JsonSchema(r#"{"type": "string"}"#.into())),
+                Some("structured_outputs"),
+            ),
+            (
+                r#""guided_choice": ["x"]"#,
+                Some(StructuredOutput::Choice(vec!["x".into()])),
+                Some("guided_choice"),
+            ),
+        ] {
+            let v = chat(&format!("{{{m}, {extra}}}")).unwrap();
+            assert_eq!(v.sampling.structured.map(|s| *s), want, "{extra}");
+            assert_eq!(v.structured_param, param, "{extra}");
         }
     }
 }
