@@ -1093,6 +1093,18 @@ extern "C" __global__ void copy_f32(float* out, const float* in, long long n) {
         out[i] = in[i];
 }
 
+// Structured outputs: logits row rows[m] keeps the tokens allowed by mask m (bit t % 32 of word
+// t / 32 of words[m * words_per_mask ..]); every other logit becomes -inf. Grid: (vocab / 256,
+// masks).
+extern "C" __global__ void apply_token_mask(float* logits, int vocab, const int* rows,
+                                            const unsigned* words, int words_per_mask) {
+    int m = blockIdx.y;
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= vocab) return;
+    unsigned w = words[(long long)m * words_per_mask + (t >> 5)];
+    if (!((w >> (t & 31)) & 1u)) logits[(long long)rows[m] * vocab + t] = -__int_as_float(0x7f800000);
+}
+
 // dst[index[i]] = values[i], i < n. Writes host-sampled tokens into the rows' pending slots
 // (index = rows) and new block-table entries into the per-row tables (index = row * stride + j).
 extern "C" __global__ void scatter_i32(int* dst, const int* index, const int* values, int n) {

@@ -32,6 +32,7 @@ pub const KERNELS: &[&str] = &[
     "sample_tokens",
     "copy_f32",
     "scatter_i32",
+    "apply_token_mask",
     "gemv_bf16",
     "attention_combine",
     "init_row_state",
@@ -752,6 +753,35 @@ impl Kernels {
                 "scatter_i32",
                 ((n.max(0) as u32).div_ceil(128), 1, 1),
                 128,
+                s,
+                &mut p,
+            )
+        }
+    }
+
+    /// Sets every logit of row `rows[m]` that mask `m` does not allow to -inf, for
+    /// `m < n_masks` (structured outputs; bit `t % 32` of word `t / 32` allows token `t`).
+    ///
+    /// # Safety
+    /// `logits` holds the f32 rows named by `rows` (`n_masks` ints); `words` holds
+    /// `n_masks * words_per_mask` words, `words_per_mask >= vocab.div_ceil(32)`.
+    pub unsafe fn apply_token_mask(
+        &self,
+        s: sys::CUstream,
+        logits: u64,
+        vocab: i32,
+        rows: u64,
+        words: u64,
+        words_per_mask: i32,
+        n_masks: u32,
+    ) -> anyhow::Result<()> {
+        let mut p = params![logits, vocab, rows, words, words_per_mask];
+        // SAFETY: argument types match the kernel's.
+        unsafe {
+            self.launch(
+                "apply_token_mask",
+                ((vocab.max(0) as u32).div_ceil(256), n_masks, 1),
+                256,
                 s,
                 &mut p,
             )

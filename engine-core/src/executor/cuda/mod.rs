@@ -218,6 +218,9 @@ struct Slot {
     /// (index among samples, row) of host-sampled sequences.
     host_samples: Vec<(usize, u32)>,
     host_results: Vec<(usize, TokenId, Option<TokenLogprobs>)>,
+    /// Structured outputs: `[logits rows | mask words]` of the step's constrained rows,
+    /// allocated on first use (most servers never constrain).
+    masks: Option<(HostBuf<u32>, DevBuf)>,
 }
 
 /// GPU time between consecutive steps (end of step t's sampling to start of step t+1's inputs).
@@ -406,6 +409,7 @@ impl CudaExecutor {
                 n_samples: 0,
                 host_samples: Vec::new(),
                 host_results: Vec::new(),
+                masks: None,
             });
         }
         // SAFETY: stream created above.
@@ -1063,6 +1067,75 @@ impl Executor for CudaExecutor {
 
     fn counters(&self) -> ExecCounters {
         self.counters
+    }
+
+    fn supports_token_masks(&self) -> bool {
+        true
+    }
+
+    fn set_token_masks(
+        &mut self,
+        slot: SlotId,
+        masks: &crate::batch::TokenMasks,
+    ) -> Result<(), ExecError> {
+        self.check_alive()?;
+        if let Err(e) = self.masks_inner(slot.0 as usize, masks) {
+            return Err(self.fatal(e));
+        }
+        Ok(())
+    }
+}
+
+impl CudaExecutor {
+    /// Uploads the step's token masks on the compute stream, after its forward and before its
+    /// sampling, and masks the logits there. The slot's pinned buffer is not reused before
+    /// the step is committed (I6), so the asynchronous copy reads stable memory.
+    fn masks_inner(&mut self, slot: usize, masks: &crate::batch::TokenMasks) -> anyhow::Result<()> {
+        let n = masks.samples.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let vocab = self.model.config.vocab_size;
+        let wpm = masks.words_per_mask;
+        anyhow::ensure!(
+            wpm >= vocab.div_ceil(32),
+            "token masks of {wpm} words cannot cover {vocab} tokens"
+        );
+        let max_rows = self.caps.max_seqs;
+        let s = &mut self.slots[slot];
+        let need = max_rows + max_rows * wpm;
+        if s.masks
+            .as_ref()
+            .is_none_or(|(h, _)| h.as_slice().len() < need)
+        {
+            s.masks = Some((HostBuf::new(need)?, DevBuf::new(need * 4)?));
+        }
+        let (h, d) = s.masks.as_mut().expect("allocated above");
+        let hs = h.as_mut_slice();
+        for (i, &k) in masks.samples.iter().enumerate() {
+            hs[i] = k;
+        }
+        hs[n..n + n * wpm].copy_from_slice(&masks.words[..n * wpm]);
+        ck(self.ctx.bind_to_thread(), "bind")?;
+        let st = self.compute;
+        // SAFETY: pinned source and device destination of `n + n * wpm` words; the kernel
+        // reads rows `< n_samples` of this step's logits.
+        unsafe {
+            ck(
+                dr::memcpy_htod_async(d.ptr, &h.as_slice()[..n + n * wpm], st),
+                "token masks H2D",
+            )?;
+            self.kernels.apply_token_mask(
+                st,
+                self.model.logits_ptr(),
+                vocab as i32,
+                d.ptr,
+                d.at(n * 4),
+                wpm as i32,
+                n as u32,
+            )?;
+        }
+        Ok(())
     }
 }
 
