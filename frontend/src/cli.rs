@@ -46,6 +46,13 @@ pub struct HttpArgs {
     /// Concurrent tokenization / template jobs (default: the number of cores).
     #[arg(long)]
     pub tokenizer_threads: Option<usize>,
+    /// How tool calls are found in the model's text (and written by forced tool choice).
+    #[arg(long, value_enum)]
+    pub tool_call_parser: Option<crate::tools::ToolCallParser>,
+    /// Let the model decide whether to call tools (`tool_choice: "auto"`, the default with
+    /// `tools`); needs --tool-call-parser.
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
 }
 
 impl HttpArgs {
@@ -57,6 +64,11 @@ impl HttpArgs {
         }
         if !(self.drain_timeout.is_finite() && self.drain_timeout >= 0.0) {
             anyhow::bail!("--drain-timeout must be a non-negative number of seconds");
+        }
+        if self.enable_auto_tool_choice && self.tool_call_parser.is_none() {
+            anyhow::bail!(
+                "--enable-auto-tool-choice needs --tool-call-parser (llama3_json or hermes)"
+            );
         }
         if self.max_n == 0 || self.max_body_bytes == 0 {
             anyhow::bail!("--max-n and --max-body-bytes must be at least 1");
@@ -157,7 +169,15 @@ pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         let std_listener = bind_listener(addr, args.reuse_port).with_context(|| format!("listening on {addr}"))?;
         let listener = tokio::net::TcpListener::from_std(std_listener)?;
         let local = listener.local_addr()?;
-        let cfg = ServerConfig { api_key: args.http.api_key.clone(), max_body_bytes: args.http.max_body_bytes, max_n: args.http.max_n };
+        let cfg = ServerConfig {
+            api_key: args.http.api_key.clone(),
+            max_body_bytes: args.http.max_body_bytes,
+            max_n: args.http.max_n,
+            tools: crate::tools::ToolConfig {
+                parser: args.http.tool_call_parser,
+                enable_auto: args.http.enable_auto_tool_choice,
+            },
+        };
         let state = Arc::new(AppState::new(engine.clone(), text, metrics.clone(), cfg));
         tracing::info!(url = %format!("http://{local}"), model = %model_dir.display(), "front end ready");
         if args.ready_line {

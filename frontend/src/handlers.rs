@@ -176,16 +176,50 @@ pub(crate) fn check_chat(
     req: &ChatRequest,
     info: &EngineInfo,
     limits: Limits,
+    tool_cfg: crate::tools::ToolConfig,
 ) -> Result<Validated, ApiError> {
     check_model(req.model.as_deref(), info)?;
-    req.validate(limits)
+    let mut v = req.validate(limits)?;
+    let tools: Option<Vec<serde_json::Value>> = req
+        .tools
+        .as_ref()
+        .map(|t| {
+            t.iter()
+                .map(serde_json::to_value)
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .transpose()
+        .map_err(|e| ApiError::invalid("tools", format!("`tools` is not valid JSON: {e}")))?;
+    let (mode, template_tools, grammar) = crate::tools::plan(
+        tools.as_deref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+        tool_cfg,
+    )?;
+    if let Some(g) = grammar {
+        if v.sampling.structured.is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "A forced `tool_choice` cannot be combined with another output constraint.",
+            ));
+        }
+        v.sampling.structured = Some(Box::new(g));
+        v.structured_param = Some("tool_choice");
+    }
+    v.tools = mode;
+    v.template_tools = template_tools;
+    Ok(v)
 }
 
 /// `/v1/chat/completions` on the blocking pool: the rendered template, tokenized.
-pub(crate) fn chat_prompt(t: &TextModel, req: &ChatRequest) -> Result<Vec<TokenId>, ApiError> {
+pub(crate) fn chat_prompt(
+    t: &TextModel,
+    req: &ChatRequest,
+    template_tools: bool,
+) -> Result<Vec<TokenId>, ApiError> {
     let input = ChatInput {
         messages: req.messages.as_deref().unwrap_or_default(),
-        tools: req.tools.as_deref(),
+        tools: req.tools.as_deref().filter(|_| template_tools),
         add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
         continue_final_message: req.continue_final_message.unwrap_or(false),
         extra: req.chat_template_kwargs.as_ref(),
@@ -198,13 +232,13 @@ pub async fn chat(state: Arc<AppState>, body: Bytes) -> Result<Response<RespBody
     let arrival = Instant::now();
     let req: ChatRequest = parse_json(&body)?;
     let info = state.engine.connected_info()?;
-    let v = check_chat(&req, &info, limits(&state, &info))?;
+    let v = check_chat(&req, &info, limits(&state, &info), state.cfg.tools)?;
     let (checked, info2) = (v.clone(), info.clone());
     let prompt = state
         .text
         .run(move |t| {
             check_structured(t, &checked, &info2)?;
-            chat_prompt(t, &req)
+            chat_prompt(t, &req, checked.template_tools)
         })
         .await??;
     let prompts = vec![prompt];
@@ -331,6 +365,7 @@ async fn generate(
         kind,
         logprobs: v.output.logprobs,
         include_usage: v.include_usage,
+        tools: v.tools.clone(),
     };
     if v.stream {
         let (btx, brx) = mpsc::channel(64);

@@ -178,6 +178,14 @@ impl Launcher {
             if let Some(n) = self.args.http.tokenizer_threads {
                 cmd.arg("--tokenizer-threads").arg(n.to_string());
             }
+            if let Some(p) = self.args.http.tool_call_parser {
+                use clap::ValueEnum;
+                let name = p.to_possible_value().expect("named").get_name().to_owned();
+                cmd.arg("--tool-call-parser").arg(name);
+            }
+            if self.args.http.enable_auto_tool_choice {
+                cmd.arg("--enable-auto-tool-choice");
+            }
             if let Some(key) = &self.args.http.api_key {
                 cmd.env("HARRIER_API_KEY", key);
             }

@@ -34,6 +34,7 @@ pub mod stop;
 pub mod stream;
 pub mod template;
 pub mod text;
+pub mod tools;
 
 #[cfg(test)]
 mod fuzz_tests;

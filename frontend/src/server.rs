@@ -35,6 +35,7 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     pub max_n: u32,
+    pub tools: crate::tools::ToolConfig,
 }
 
 impl Default for ServerConfig {
@@ -43,6 +44,7 @@ impl Default for ServerConfig {
             api_key: None,
             max_body_bytes: 32 << 20,
             max_n: 128,
+            tools: Default::default(),
         }
     }
 }

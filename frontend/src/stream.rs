@@ -17,12 +17,13 @@ use tokio::sync::mpsc;
 
 use crate::api::response::{
     sse_json, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatLogprobs, ChatMessage,
-    ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs, Delta, OrderedMap, Usage,
-    SSE_DONE,
+    ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs, Delta, FunctionCall,
+    OrderedMap, ToolCallDelta, ToolCallOut, Usage, SSE_DONE,
 };
 use crate::engine::CancelGuard;
 use crate::error::ApiError;
 use crate::output::{ChoiceDelta, Event, TokenLogprob};
+use crate::tools::{self, ToolCall, ToolMode, ToolStream};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -57,6 +58,8 @@ pub struct ResponseMeta {
     pub kind: Kind,
     pub logprobs: bool,
     pub include_usage: bool,
+    /// Chat: how replies use tools (parsed into tool calls, or plain text).
+    pub tools: crate::tools::ToolMode,
 }
 
 /// Per-choice bookkeeping shared by both output modes.
@@ -120,6 +123,7 @@ impl ChunkWriter<'_> {
             delta: Delta {
                 role: Some("assistant"),
                 content: Some(String::new()),
+                tool_calls: None,
             },
             logprobs: None,
             finish_reason: None,
@@ -154,12 +158,40 @@ impl ChunkWriter<'_> {
                     delta: Delta {
                         role: None,
                         content: Some(d.text.clone()),
+                        tool_calls: None,
                     },
                     logprobs,
                     finish_reason: None,
                 })
             }
         }
+    }
+
+    /// One chunk with every tool call of a chat choice, each complete (OpenAI's delta shape).
+    fn tool_calls(&self, index: u32, calls: Vec<ToolCall>) -> Bytes {
+        let deltas = calls
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let out = tool_call_out(c);
+                ToolCallDelta {
+                    index: i as u32,
+                    id: out.id,
+                    kind: out.kind,
+                    function: out.function,
+                }
+            })
+            .collect();
+        self.chat(ChatChunkChoice {
+            index,
+            delta: Delta {
+                role: None,
+                content: None,
+                tool_calls: Some(deltas),
+            },
+            logprobs: None,
+            finish_reason: None,
+        })
     }
 
     fn finish(&self, index: u32, reason: &'static str) -> Bytes {
@@ -250,6 +282,13 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
     let mut cached_tokens = 0u32;
     let mut spec = None;
     let mut offsets = vec![0usize; gen.num_choices as usize];
+    // Chat replies that may hold tool calls: per choice, what is held back.
+    let mut tool_streams: Vec<ToolStream> = match (&meta.kind, &meta.tools) {
+        (Kind::Chat, ToolMode::Auto(_) | ToolMode::Required(_)) => (0..gen.num_choices)
+            .map(|_| ToolStream::new(meta.tools.clone()))
+            .collect(),
+        _ => Vec::new(),
+    };
     while open > 0 {
         let event = tokio::select! {
             ev = gen.events.recv() => ev,
@@ -263,10 +302,27 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
                     cached_tokens += d.cached_tokens.unwrap_or(0);
                 }
                 let mut ok = true;
+                let mut d = d;
+                let mut reason = d.finish_reason;
+                let mut calls = Vec::new();
+                if let Some(ts) = tool_streams.get_mut(d.index as usize) {
+                    d.text = ts.push(&d.text);
+                    if reason.is_some() {
+                        let (rest, c) = ts.finish();
+                        d.text.push_str(&rest);
+                        if !c.is_empty() {
+                            reason = Some("tool_calls");
+                        }
+                        calls = c;
+                    }
+                }
                 if !d.text.is_empty() || !d.logprobs.is_empty() {
                     ok = send(w.text(&d, &mut offsets[d.index as usize])).await;
                 }
-                if let Some(reason) = d.finish_reason {
+                if !calls.is_empty() {
+                    ok = ok && send(w.tool_calls(d.index, calls)).await;
+                }
+                if let Some(reason) = reason {
                     open -= 1;
                     ok = ok && send(w.finish(d.index, reason)).await;
                 }
@@ -301,6 +357,32 @@ pub async fn stream_events(meta: ResponseMeta, mut gen: Generation, tx: mpsc::Se
         return;
     }
     let _ = send(Bytes::from_static(SSE_DONE)).await;
+}
+
+/// A finished chat reply as content and tool calls: parsed when the request used tools
+/// (finish_reason "tool_calls" when it made any), plain content otherwise.
+fn reply(
+    mode: &ToolMode,
+    text: String,
+    finish: Option<&'static str>,
+) -> (Option<String>, Vec<ToolCallOut>, Option<&'static str>) {
+    if let Some((content, calls)) = mode.parser().and_then(|p| tools::parse(p, &text)) {
+        let calls = calls.into_iter().map(tool_call_out).collect();
+        let content = (!content.is_empty()).then_some(content);
+        return (content, calls, Some("tool_calls"));
+    }
+    (Some(text), Vec::new(), finish)
+}
+
+fn tool_call_out(c: ToolCall) -> ToolCallOut {
+    ToolCallOut {
+        id: c.id,
+        kind: "function",
+        function: FunctionCall {
+            name: c.name,
+            arguments: c.arguments,
+        },
+    }
 }
 
 /// Sums the choices' speculative decoding counts (absent when the engine does not speculate).
@@ -371,15 +453,19 @@ pub async fn collect(meta: &ResponseMeta, mut gen: Generation) -> Result<String,
             choices: acc
                 .into_iter()
                 .enumerate()
-                .map(|(i, a)| ChatChoice {
-                    index: i as u32,
-                    message: ChatMessage {
-                        role: "assistant",
-                        content: a.text,
-                        refusal: None,
-                    },
-                    logprobs: meta.logprobs.then_some(ChatLogprobs { content: a.chat_lp }),
-                    finish_reason: a.finish,
+                .map(|(i, a)| {
+                    let (content, tool_calls, finish) = reply(&meta.tools, a.text, a.finish);
+                    ChatChoice {
+                        index: i as u32,
+                        message: ChatMessage {
+                            role: "assistant",
+                            content,
+                            refusal: None,
+                            tool_calls,
+                        },
+                        logprobs: meta.logprobs.then_some(ChatLogprobs { content: a.chat_lp }),
+                        finish_reason: finish,
+                    }
                 })
                 .collect(),
             usage,
@@ -452,6 +538,7 @@ mod tests {
             kind,
             logprobs: false,
             include_usage,
+            tools: ToolMode::Off,
         }
     }
 

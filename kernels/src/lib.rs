@@ -765,6 +765,7 @@ impl Kernels {
     /// # Safety
     /// `logits` holds the f32 rows named by `rows` (`n_masks` ints); `words` holds
     /// `n_masks * words_per_mask` words, `words_per_mask >= vocab.div_ceil(32)`.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn apply_token_mask(
         &self,
         s: sys::CUstream,

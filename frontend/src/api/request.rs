@@ -102,6 +102,7 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     pub tools: Option<Vec<minijinja::Value>>,
     pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
     pub add_generation_prompt: Option<bool>,
     pub continue_final_message: Option<bool>,
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
@@ -186,6 +187,10 @@ pub struct Validated {
     pub sampling: SamplingParams,
     /// The field the output constraint came from (errors name it), if any.
     pub structured_param: Option<&'static str>,
+    /// Chat: how the reply uses tools (set by the handler from `tools` / `tool_choice`).
+    pub tools: crate::tools::ToolMode,
+    /// Chat: whether the tools go to the chat template.
+    pub template_tools: bool,
     /// `None`: fill in from the context left after the prompt (chat) or 16 (completions).
     pub max_tokens: Option<u32>,
     pub output: OutputParams,
@@ -464,6 +469,8 @@ impl SamplingFields {
             .map_err(|e| ApiError::invalid(e.param, e.message))?;
         Ok(Validated {
             structured_param: structured.map(|s| s.0),
+            tools: crate::tools::ToolMode::Off,
+            template_tools: false,
             sampling,
             max_tokens,
             output: OutputParams {

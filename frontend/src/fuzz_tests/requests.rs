@@ -87,8 +87,14 @@ fn completions(body: &[u8], info: &EngineInfo) -> Result<Submitted, ApiError> {
 fn chat(body: &[u8], info: &EngineInfo) -> Result<Submitted, ApiError> {
     let text = text_model();
     let req: ChatRequest = parse_json(body)?;
-    let v = check_chat(&req, info, limits(info))?;
-    let prompts = vec![chat_prompt(&text, &req)?];
+    // Tool calling on, so that fuzzed `tools` / `tool_choice` reach the planner.
+    let tools = crate::tools::ToolConfig {
+        parser: Some(crate::tools::ToolCallParser::Hermes),
+        enable_auto: true,
+    };
+    let v = check_chat(&req, info, limits(info), tools)?;
+    crate::handlers::check_structured(&text, &v, info)?;
+    let prompts = vec![chat_prompt(&text, &req, v.template_tools)?];
     check_lengths(Kind::Chat, info, &prompts, &v, u32::MAX)?;
     Ok(submitted(info, prompts, &v, u32::MAX))
 }

@@ -227,6 +227,8 @@ pub fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
                 let val = m.get_item(&key).unwrap_or_default();
                 if key.as_str() == Some("content") {
                     out.push((key, flatten_content(&val, &param)?));
+                } else if key.as_str() == Some("tool_calls") {
+                    out.push((key, tool_call_arguments_as_objects(val)));
                 } else {
                     out.push((key, val));
                 }
@@ -234,6 +236,29 @@ pub fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
             Ok(Value::from_iter(out))
         })
         .collect()
+}
+
+/// OpenAI sends a tool call's `function.arguments` as JSON text; chat templates (as
+/// transformers renders them) expect the object. Text that is not a JSON object stays text.
+fn tool_call_arguments_as_objects(calls: Value) -> Value {
+    let Ok(mut json) = serde_json::to_value(&calls) else {
+        return calls;
+    };
+    let Some(list) = json.as_array_mut() else {
+        return calls;
+    };
+    for call in list {
+        if let Some(args) = call.pointer_mut("/function/arguments") {
+            if let Some(obj) = args
+                .as_str()
+                .and_then(|s| serde_json::from_str::<serde_json::Value>(s).ok())
+                .filter(serde_json::Value::is_object)
+            {
+                *args = obj;
+            }
+        }
+    }
+    Value::from_serialize(&json)
 }
 
 fn flatten_content(content: &Value, param: &str) -> Result<Value, ApiError> {
