@@ -534,27 +534,49 @@ impl Scheduler {
     }
 
     /// The allowed-token masks of the constrained rows among `record`'s sampled entries (the
-    /// step just applied), from their grammars' current states.
+    /// step just applied), from their grammars' current states. The masks are computed in
+    /// parallel (rayon): one 128k-token mask takes the better part of a millisecond, and the
+    /// constrained rows of a batch would otherwise add up on the engine thread. The small
+    /// vectors here are allocated only for steps with constrained rows.
     pub fn token_masks(
         &mut self,
         record: &[StepEntry],
         words_per_mask: usize,
         masks: &mut crate::batch::TokenMasks,
     ) {
+        use rayon::prelude::*;
         masks.clear();
         masks.words_per_mask = words_per_mask;
-        let eos = &self.cfg.eos_token_ids;
-        for (i, e) in record.iter().filter(|e| e.sample).enumerate() {
-            let Some(r) = self.requests.get_mut(&e.id) else {
-                continue;
-            };
-            if let Some(g) = r.grammar.as_mut() {
-                masks.samples.push(i as u32);
-                let at = masks.words.len();
-                masks.words.resize(at + words_per_mask, 0);
-                g.fill_mask(&mut masks.words[at..], eos);
-            }
+        let wanted: Vec<(RequestId, u32)> = record
+            .iter()
+            .filter(|e| e.sample)
+            .enumerate()
+            .filter(|(_, e)| {
+                self.requests
+                    .get(&e.id)
+                    .is_some_and(|r| r.grammar.is_some())
+            })
+            .map(|(i, e)| (e.id, i as u32))
+            .collect();
+        if wanted.is_empty() {
+            return;
         }
+        masks.samples.extend(wanted.iter().map(|w| w.1));
+        masks.words.resize(wanted.len() * words_per_mask, 0);
+        let mut grammars: Vec<(usize, &mut crate::structured::Grammar)> = self
+            .requests
+            .iter_mut()
+            .filter_map(|(id, r)| {
+                let k = wanted.iter().position(|w| w.0 == *id)?;
+                Some((k, r.grammar.as_mut()?))
+            })
+            .collect();
+        grammars.sort_unstable_by_key(|g| g.0);
+        let eos = &self.cfg.eos_token_ids;
+        grammars
+            .into_par_iter()
+            .zip(masks.words.par_chunks_mut(words_per_mask))
+            .for_each(|((_, g), words)| g.fill_mask(words, eos));
     }
 
     /// Undoes [`Self::apply`] for a step the backend rejected before dispatch: its requests
