@@ -86,9 +86,11 @@ pub struct FrontendArgs {
     /// Hub models: the branch, tag or commit (default `main`).
     #[arg(long, env = "HARRIER_REVISION")]
     pub revision: Option<String>,
-    /// The engine core's address. Default: `engine.sock` in the private socket directory.
-    #[arg(long, env = "HARRIER_ENGINE_ENDPOINT")]
-    pub engine_endpoint: Option<Endpoint>,
+    /// The engine core's address; several, comma-separated (or the option repeated), for
+    /// data parallelism: each request goes to one of them. Default: `engine.sock` in the
+    /// private socket directory.
+    #[arg(long, env = "HARRIER_ENGINE_ENDPOINT", value_delimiter = ',')]
+    pub engine_endpoint: Vec<Endpoint>,
     #[arg(long, env = "HARRIER_SOCKET_DIR")]
     pub socket_dir: Option<PathBuf>,
     #[command(flatten)]
@@ -114,10 +116,18 @@ pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
     args.http.validate()?;
     let model_dir =
         harrier_engine::cli::resolve_model(args.model.as_deref(), args.revision.as_deref())?.dir;
-    let endpoint = match &args.engine_endpoint {
-        Some(e) => e.clone(),
-        None => default_engine_endpoint(&private_socket_dir(args.socket_dir.as_deref())?),
+    let endpoints = if args.engine_endpoint.is_empty() {
+        vec![default_engine_endpoint(&private_socket_dir(
+            args.socket_dir.as_deref(),
+        )?)]
+    } else {
+        args.engine_endpoint.clone()
     };
+    let endpoint = endpoints
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(2);
@@ -154,12 +164,12 @@ pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
                 }
             })
         });
-        let engine = Engine::start(EngineOptions::new(endpoint.clone(), name), text.tokenizer.clone(), metrics.clone())?;
+        let engine = Engine::start(EngineOptions::many(endpoints, name), text.tokenizer.clone(), metrics.clone())?;
         let mut shutdown = std::pin::pin!(harrier_engine::cli::shutdown_signal());
         tracing::info!(%endpoint, "waiting for the engine core");
         loop {
             tokio::select! {
-                ok = engine.wait_connected(Duration::from_secs(10)) => if ok { break } else {
+                ok = engine.wait_all_connected(Duration::from_secs(10)) => if ok { break } else {
                     tracing::info!(%endpoint, error = %engine.last_error(), "still waiting for the engine core");
                 },
                 _ = &mut shutdown => return Ok(()),

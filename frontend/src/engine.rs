@@ -10,7 +10,7 @@
 //! without a restart.
 
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -18,7 +18,7 @@ use std::time::Duration;
 use harrier_shared::client::{ClientReceiver, EngineClient};
 use harrier_shared::endpoint::Endpoint;
 use harrier_shared::protocol::{
-    Abort, EngineCoreRequest, EngineInfo, EngineMessage, FrontendMessage,
+    Abort, EngineCoreRequest, EngineInfo, EngineMessage, FrontendMessage, TokenId,
 };
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, watch};
@@ -30,7 +30,8 @@ use crate::output::{ChoiceSpec, Processor, ProcessorInput};
 
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
-    pub endpoint: Endpoint,
+    /// One engine core, or several (data parallelism): each request goes to one of them.
+    pub endpoints: Vec<Endpoint>,
     /// Name announced in the handshake (logs only; identities are made unique by the client).
     pub name: String,
     /// No message from the engine for this long means it is lost.
@@ -43,8 +44,12 @@ pub struct EngineOptions {
 
 impl EngineOptions {
     pub fn new(endpoint: Endpoint, name: String) -> Self {
+        Self::many(vec![endpoint], name)
+    }
+
+    pub fn many(endpoints: Vec<Endpoint>, name: String) -> Self {
         Self {
-            endpoint,
+            endpoints,
             name,
             liveness_timeout: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(2),
@@ -58,87 +63,196 @@ struct Conn {
     info: EngineInfo,
 }
 
-struct Inner {
-    opts: EngineOptions,
+/// One engine core: its connection (re-made by its connection task) and its load.
+struct Link {
+    index: u32,
+    endpoint: Endpoint,
     conn: RwLock<Option<Conn>>,
     last_info: RwLock<Option<EngineInfo>>,
     last_error: RwLock<String>,
-    connected: watch::Sender<bool>,
+    /// Running + waiting requests in the engine's latest stats (all front ends' requests).
+    reported_load: AtomicU32,
+    /// Choices this front end sent since those stats (not in them yet).
+    sent_since: AtomicU32,
+}
+
+impl Link {
+    fn load(&self) -> u32 {
+        self.reported_load.load(Ordering::Relaxed) + self.sent_since.load(Ordering::Relaxed)
+    }
+
+    fn client(&self) -> Option<EngineClient> {
+        self.conn
+            .read()
+            .expect("conn lock")
+            .as_ref()
+            .map(|c| c.client.clone())
+    }
+}
+
+struct Inner {
+    opts: EngineOptions,
+    links: Vec<Link>,
+    connected: watch::Sender<usize>,
     processor: std_mpsc::Sender<ProcessorInput>,
     metrics: Arc<Metrics>,
 }
 
-/// Cheap to clone; all clones share one connection.
+/// Cheap to clone; all clones share the connections.
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
 }
 
+/// Data parallelism: a request goes to the engine core its prompt prefix hashes to, unless
+/// that one is busier than the least loaded by more than this many requests (then to the
+/// least loaded). Requests sharing a prefix thus meet the same prefix cache while the load
+/// stays even.
+pub const AFFINITY_SLACK: u32 = 4;
+
+/// Prompt tokens hashed for prefix affinity (about one system prompt's worth of blocks).
+const AFFINITY_TOKENS: usize = 64;
+
+/// Which of `loads` (one per connected engine core, `None` when down) a request whose prompt
+/// starts with `prefix` goes to; `None` when every engine core is down.
+pub fn choose_link(loads: &[Option<u32>], prefix: &[TokenId]) -> Option<usize> {
+    let up: Vec<usize> = (0..loads.len()).filter(|&i| loads[i].is_some()).collect();
+    let least = *up.iter().min_by_key(|&&i| (loads[i], i))?;
+    let min = loads[least].expect("up");
+    let mut h = xxhash_rust::xxh64::Xxh64::new(0x5eed);
+    for t in &prefix[..prefix.len().min(AFFINITY_TOKENS)] {
+        h.update(&t.to_le_bytes());
+    }
+    let preferred = up[(h.digest() % up.len() as u64) as usize];
+    if loads[preferred].expect("up") <= min + AFFINITY_SLACK {
+        Some(preferred)
+    } else {
+        Some(least)
+    }
+}
+
 impl Engine {
-    /// Starts the output processor thread, the abort task and the connection task.
-    /// Must be called inside a tokio runtime.
+    /// Starts the output processor thread, the abort task and one connection task per
+    /// engine core. Must be called inside a tokio runtime.
     pub fn start(
         opts: EngineOptions,
         tokenizer: Arc<Tokenizer>,
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<Engine> {
+        anyhow::ensure!(!opts.endpoints.is_empty(), "no engine core endpoint");
         let (proc_tx, proc_rx) = std_mpsc::channel();
         let (abort_tx, abort_rx) = mpsc::unbounded_channel();
         let processor = Processor::new(tokenizer, metrics.clone(), abort_tx);
         std::thread::Builder::new()
             .name("harrier-output".into())
             .spawn(move || processor.run(proc_rx))?;
-        let (connected, _) = watch::channel(false);
-        let engine = Engine {
-            inner: Arc::new(Inner {
-                opts,
+        let (connected, _) = watch::channel(0);
+        metrics.set_engine_count(opts.endpoints.len());
+        let links = opts
+            .endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| Link {
+                index: i as u32,
+                endpoint: e.clone(),
                 conn: RwLock::new(None),
                 last_info: RwLock::new(None),
                 last_error: RwLock::new("not connected yet".into()),
+                reported_load: AtomicU32::new(0),
+                sent_since: AtomicU32::new(0),
+            })
+            .collect();
+        let engine = Engine {
+            inner: Arc::new(Inner {
+                opts,
+                links,
                 connected,
                 processor: proc_tx,
                 metrics,
             }),
         };
         tokio::spawn(abort_task(engine.clone(), abort_rx));
-        tokio::spawn(connection_task(Arc::downgrade(&engine.inner)));
+        for i in 0..engine.inner.links.len() {
+            tokio::spawn(connection_task(Arc::downgrade(&engine.inner), i));
+        }
         Ok(engine)
     }
 
+    /// At least one engine core is connected.
     pub fn is_healthy(&self) -> bool {
-        self.inner.conn.read().expect("conn lock").is_some()
+        self.inner
+            .links
+            .iter()
+            .any(|l| l.conn.read().expect("conn lock").is_some())
     }
 
-    /// The engine's handshake answer (the latest one, also while disconnected).
+    /// An engine's handshake answer (the latest one, also while disconnected).
     pub fn info(&self) -> Option<EngineInfo> {
-        self.inner.last_info.read().expect("info lock").clone()
+        self.inner
+            .links
+            .iter()
+            .find_map(|l| l.last_info.read().expect("info lock").clone())
     }
 
     /// Why the engine is unavailable (for 503 messages).
     pub fn last_error(&self) -> String {
-        self.inner.last_error.read().expect("error lock").clone()
+        self.inner.links[0]
+            .last_error
+            .read()
+            .expect("error lock")
+            .clone()
     }
 
-    /// Waits until connected (true) or `timeout` passed (false).
+    /// Waits until an engine core is connected (true) or `timeout` passed (false).
     pub async fn wait_connected(&self, timeout: Duration) -> bool {
         let mut rx = self.inner.connected.subscribe();
-        let ok = tokio::time::timeout(timeout, rx.wait_for(|c| *c))
+        let ok = tokio::time::timeout(timeout, rx.wait_for(|c| *c > 0))
             .await
             .is_ok();
         ok
     }
 
-    /// Registers the choices with the output processor, then sends their requests. The
-    /// returned guard cancels (and aborts in the engine) whatever is unfinished when dropped.
+    /// Waits until every engine core is connected (start-up: a front end is ready when all
+    /// of them are, so the first requests spread) or `timeout` passed (false).
+    pub async fn wait_all_connected(&self, timeout: Duration) -> bool {
+        let n = self.inner.links.len();
+        let mut rx = self.inner.connected.subscribe();
+        let ok = tokio::time::timeout(timeout, rx.wait_for(|c| *c >= n))
+            .await
+            .is_ok();
+        ok
+    }
+
+    /// Picks the engine core (prefix affinity within [`AFFINITY_SLACK`] of the least
+    /// loaded), registers the choices with the output processor, then sends their requests
+    /// there. The returned guard cancels (and aborts in the engine) whatever is unfinished
+    /// when dropped.
     pub async fn submit(
         &self,
         requests: Vec<EngineCoreRequest>,
-        specs: Vec<ChoiceSpec>,
+        mut specs: Vec<ChoiceSpec>,
     ) -> Result<CancelGuard, ApiError> {
-        let client = match &*self.inner.conn.read().expect("conn lock") {
-            Some(c) => c.client.clone(),
-            None => return Err(ApiError::engine_unavailable(&self.last_error())),
+        let links = &self.inner.links;
+        let loads: Vec<Option<u32>> = links
+            .iter()
+            .map(|l| l.conn.read().expect("conn lock").as_ref().map(|_| l.load()))
+            .collect();
+        let prefix = requests
+            .first()
+            .map(|r| r.prompt_token_ids.as_slice())
+            .unwrap_or_default();
+        let Some(i) = choose_link(&loads, prefix) else {
+            return Err(ApiError::engine_unavailable(&self.last_error()));
         };
+        let link = &links[i];
+        let Some(client) = link.client() else {
+            return Err(ApiError::engine_unavailable(&self.last_error()));
+        };
+        link.sent_since
+            .fetch_add(specs.len() as u32, Ordering::Relaxed);
+        for s in &mut specs {
+            s.link = link.index;
+        }
         let guard = CancelGuard {
             ids: specs.iter().map(|s| s.engine_id.clone()).collect(),
             processor: self.inner.processor.clone(),
@@ -155,28 +269,29 @@ impl Engine {
         Ok(guard)
     }
 
-    /// Drops the connection: the socket task says `Goodbye` and the engine aborts whatever
+    /// Drops the connections: the socket tasks say `Goodbye` and the engines abort whatever
     /// this front end still had running.
     pub async fn close(&self) {
-        let conn = self.inner.conn.write().expect("conn lock").take();
-        drop(conn);
+        for l in &self.inner.links {
+            let conn = l.conn.write().expect("conn lock").take();
+            drop(conn);
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
+    /// Aborts go to every connected engine core: each ignores ids it does not know, and the
+    /// front end need not remember where each request went.
     async fn send_abort(&self, ids: Vec<String>) {
-        let client = self
-            .inner
-            .conn
-            .read()
-            .expect("conn lock")
-            .as_ref()
-            .map(|c| c.client.clone());
-        if let Some(client) = client {
-            if let Err(e) = client
-                .send(FrontendMessage::Abort(Abort { request_ids: ids }))
-                .await
-            {
-                tracing::debug!(error = %e, "abort not sent (engine connection lost)");
+        for l in &self.inner.links {
+            if let Some(client) = l.client() {
+                if let Err(e) = client
+                    .send(FrontendMessage::Abort(Abort {
+                        request_ids: ids.clone(),
+                    }))
+                    .await
+                {
+                    tracing::debug!(error = %e, "abort not sent (engine connection lost)");
+                }
             }
         }
     }
@@ -206,31 +321,49 @@ async fn abort_task(engine: Engine, mut rx: mpsc::UnboundedReceiver<Vec<String>>
     }
 }
 
-async fn connection_task(inner: std::sync::Weak<Inner>) {
+async fn connection_task(inner: std::sync::Weak<Inner>, index: usize) {
     let mut failures = 0u64;
     loop {
         let Some(this) = inner.upgrade() else { return };
         let opts = this.opts.clone();
+        let endpoint = this.links[index].endpoint.clone();
         drop(this);
-        match EngineClient::connect(&opts.endpoint, &opts.name, opts.connect_timeout).await {
+        match EngineClient::connect(&endpoint, &opts.name, opts.connect_timeout).await {
             Ok((client, receiver, info)) => {
                 let Some(this) = inner.upgrade() else { return };
                 failures = 0;
-                tracing::info!(endpoint = %opts.endpoint, model = %info.model_name, max_model_len = info.max_model_len, "connected to the engine core");
-                *this.last_info.write().expect("info lock") = Some(info.clone());
+                let link = &this.links[index];
+                tracing::info!(endpoint = %endpoint, engine = index, model = %info.model_name, max_model_len = info.max_model_len, "connected to the engine core");
+                if let Some(other) = this.links.iter().find_map(|l| {
+                    let i = l.last_info.read().expect("info lock");
+                    i.as_ref()
+                        .filter(|i| {
+                            l.index != link.index
+                                && (i.model_name != info.model_name
+                                    || i.vocab_size != info.vocab_size)
+                        })
+                        .cloned()
+                }) {
+                    tracing::error!(engine = index, model = %info.model_name, other = %other.model_name, "engine cores serve different models; requests may reach either");
+                }
+                *link.last_info.write().expect("info lock") = Some(info.clone());
                 this.metrics.set_model_name(&info.model_name);
                 this.metrics
                     .set_speculative_tokens(info.limits.num_speculative_tokens);
-                *this.conn.write().expect("conn lock") = Some(Conn { client, info });
-                this.metrics.set_engine_up(true);
-                this.connected.send_replace(true);
-                let reason = watch_connection(&this, receiver).await;
-                tracing::error!(endpoint = %opts.endpoint, %reason, "engine core lost; answering 503 and reconnecting");
-                *this.last_error.write().expect("error lock") = reason.clone();
-                let conn = this.conn.write().expect("conn lock").take();
-                this.metrics.set_engine_up(false);
-                this.connected.send_replace(false);
-                let _ = this.processor.send(ProcessorInput::EngineLost(reason));
+                *link.conn.write().expect("conn lock") = Some(Conn { client, info });
+                this.metrics.set_engine_up(index, true);
+                this.connected.send_modify(|c| *c += 1);
+                let reason = watch_connection(&this, index, receiver).await;
+                tracing::error!(endpoint = %endpoint, engine = index, %reason, "engine core lost; its requests fail, reconnecting");
+                *link.last_error.write().expect("error lock") = reason.clone();
+                let conn = link.conn.write().expect("conn lock").take();
+                link.reported_load.store(0, Ordering::Relaxed);
+                link.sent_since.store(0, Ordering::Relaxed);
+                this.metrics.set_engine_up(index, false);
+                this.connected.send_modify(|c| *c -= 1);
+                let _ = this
+                    .processor
+                    .send(ProcessorInput::EngineLost(index as u32, reason));
                 drop(conn);
             }
             Err(e) => {
@@ -238,9 +371,9 @@ async fn connection_task(inner: std::sync::Weak<Inner>) {
                 let Some(this) = inner.upgrade() else { return };
                 let msg = format!("{e:#}");
                 if failures == 1 || failures.is_multiple_of(40) {
-                    tracing::warn!(endpoint = %opts.endpoint, error = %msg, attempts = failures, "cannot reach the engine core; retrying");
+                    tracing::warn!(endpoint = %endpoint, error = %msg, attempts = failures, "cannot reach the engine core; retrying");
                 }
-                *this.last_error.write().expect("error lock") = msg;
+                *this.links[index].last_error.write().expect("error lock") = msg;
                 drop(this);
                 tokio::time::sleep(opts.retry_interval).await;
             }
@@ -250,10 +383,17 @@ async fn connection_task(inner: std::sync::Weak<Inner>) {
 
 /// Forwards engine messages until the connection is lost or the engine stops talking;
 /// returns why.
-async fn watch_connection(this: &Inner, mut receiver: ClientReceiver) -> String {
+async fn watch_connection(this: &Inner, index: usize, mut receiver: ClientReceiver) -> String {
     let timeout = this.opts.liveness_timeout;
+    let link = &this.links[index];
     let mut last_seen = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let stats_seen = |s: &harrier_shared::protocol::EngineStats| {
+        link.reported_load
+            .store(s.num_running + s.num_waiting, Ordering::Relaxed);
+        link.sent_since.store(0, Ordering::Relaxed);
+        this.metrics.set_engine_stats(index, s);
+    };
     loop {
         tokio::select! {
             msg = receiver.recv() => match msg {
@@ -262,12 +402,12 @@ async fn watch_connection(this: &Inner, mut receiver: ClientReceiver) -> String 
                     last_seen = Instant::now();
                     match msg {
                         EngineMessage::Outputs(outputs) => {
-                            this.metrics.set_engine_stats(&outputs.stats);
+                            stats_seen(&outputs.stats);
                             if this.processor.send(ProcessorInput::Outputs(Box::new(outputs))).is_err() {
                                 return "the output processor stopped".into();
                             }
                         }
-                        EngineMessage::Heartbeat(stats) => this.metrics.set_engine_stats(&stats),
+                        EngineMessage::Heartbeat(stats) => stats_seen(&stats),
                         EngineMessage::UtilityReply(_) | EngineMessage::Welcome(_) | EngineMessage::Rejected(_) => {}
                     }
                 }
@@ -295,16 +435,49 @@ pub fn new_request_id(prefix: &str) -> String {
 impl Engine {
     /// The connected engine's handshake answer, or a 503.
     pub fn connected_info(&self) -> Result<EngineInfo, ApiError> {
-        match &*self.inner.conn.read().expect("conn lock") {
-            Some(c) => Ok(c.info.clone()),
-            None => Err(ApiError::engine_unavailable(&self.last_error())),
-        }
+        self.inner
+            .links
+            .iter()
+            .find_map(|l| {
+                l.conn
+                    .read()
+                    .expect("conn lock")
+                    .as_ref()
+                    .map(|c| c.info.clone())
+            })
+            .ok_or_else(|| ApiError::engine_unavailable(&self.last_error()))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requests_follow_their_prefix_unless_that_engine_is_busier() {
+        let a: Vec<TokenId> = (0..100).collect();
+        let b: Vec<TokenId> = (5..105).collect();
+        let even = [Some(3), Some(3)];
+        let pa = choose_link(&even, &a).unwrap();
+        // The same prefix (past the hashed tokens too) goes to the same engine.
+        let mut a2 = a[..AFFINITY_TOKENS].to_vec();
+        a2.push(7);
+        assert_eq!(choose_link(&even, &a2), Some(pa));
+        // Prefixes spread: among 64 different ones both engines are chosen.
+        let picks: std::collections::HashSet<usize> = (0..64u32)
+            .map(|k| choose_link(&even, &[k, k + 1]).unwrap())
+            .collect();
+        assert_eq!(picks.len(), 2);
+        // Busier by more than the slack: the least loaded takes it.
+        let mut loads = [Some(0), Some(0)];
+        loads[pa] = Some(AFFINITY_SLACK + 1);
+        assert_eq!(choose_link(&loads, &a), Some(1 - pa));
+        loads[pa] = Some(AFFINITY_SLACK);
+        assert_eq!(choose_link(&loads, &a), Some(pa));
+        // Engines that are down take nothing; none up: none.
+        assert_eq!(choose_link(&[None, Some(9)], &b), Some(1));
+        assert_eq!(choose_link(&[None, None], &b), None);
+    }
 
     #[test]
     fn request_ids_are_unique() {

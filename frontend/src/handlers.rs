@@ -341,6 +341,7 @@ async fn generate(
             });
             specs.push(ChoiceSpec {
                 engine_id,
+                link: 0, // set by Engine::submit
                 index,
                 prompt_ids: prompt.clone(),
                 output: output.clone(),

@@ -39,6 +39,11 @@ pub struct ServeArgs {
     /// Number of front-end processes (all serve the same port through SO_REUSEPORT).
     #[arg(long, default_value_t = 1)]
     pub api_server_count: u32,
+    /// Engine cores (data parallelism): each has its own scheduler and KV cache (and GPU:
+    /// engine core i sees GPU i); every front end spreads requests over them. An engine
+    /// core that dies fails only its own requests and is restarted.
+    #[arg(long, default_value_t = 1)]
+    pub data_parallel_size: u32,
     #[command(flatten)]
     pub http: HttpArgs,
     /// Seconds to wait for the engine and front ends to become ready.
@@ -54,6 +59,12 @@ pub fn run_serve(args: ServeArgs, raw_args: &[String]) -> anyhow::Result<()> {
     if args.api_server_count == 0 {
         bail!("--api-server-count must be at least 1");
     }
+    if args.data_parallel_size == 0 {
+        bail!("--data-parallel-size must be at least 1");
+    }
+    if args.data_parallel_size > 1 && args.engine.endpoint.is_some() {
+        bail!("--endpoint names one engine core; with --data-parallel-size the launcher places the engine cores' sockets itself");
+    }
     // Resolved once here (a Hub model is fetched now, with its progress on this terminal);
     // the children get the local directory, and the engine the Hub id as its served name.
     let resolved = harrier_engine::cli::resolve_model(
@@ -66,9 +77,16 @@ pub fn run_serve(args: ServeArgs, raw_args: &[String]) -> anyhow::Result<()> {
         _ => None,
     };
     let socket_dir = private_socket_dir(args.engine.socket_dir.as_deref())?;
-    let endpoint = match &args.engine.endpoint {
-        Some(e) => e.clone(),
-        None => Endpoint::Ipc(socket_dir.join(format!("engine-{}.sock", std::process::id()))),
+    let endpoints = match &args.engine.endpoint {
+        Some(e) => vec![e.clone()],
+        None if args.data_parallel_size == 1 => vec![Endpoint::Ipc(
+            socket_dir.join(format!("engine-{}.sock", std::process::id())),
+        )],
+        None => (0..args.data_parallel_size)
+            .map(|i| {
+                Endpoint::Ipc(socket_dir.join(format!("engine-{}-{i}.sock", std::process::id())))
+            })
+            .collect(),
     };
     // The front ends' shared metrics directory (removed when the launcher exits).
     let metrics_dir = tempfile::Builder::new()
@@ -84,7 +102,7 @@ pub fn run_serve(args: ServeArgs, raw_args: &[String]) -> anyhow::Result<()> {
             args,
             model,
             served_name,
-            endpoint,
+            endpoints,
             metrics_dir,
             raw_args: raw_args.to_vec(),
         }
@@ -97,7 +115,8 @@ struct Launcher {
     model: PathBuf,
     /// `--served-model-name` for the engine when the user gave none (a Hub id).
     served_name: Option<String>,
-    endpoint: Endpoint,
+    /// One per engine core.
+    endpoints: Vec<Endpoint>,
     metrics_dir: tempfile::TempDir,
     raw_args: Vec<String>,
 }
@@ -109,7 +128,8 @@ struct Proc {
 
 enum Outcome {
     Signal,
-    ChildExited(String, std::process::ExitStatus),
+    /// The name, its index in the process list, and its status.
+    ChildExited(String, usize, std::process::ExitStatus),
 }
 
 impl Launcher {
@@ -130,20 +150,19 @@ impl Launcher {
             None
         };
         let mut signals = Signals::new()?;
-        let mut engine_cmd = Command::new(&exe);
-        engine_cmd
-            .arg("engine-core")
-            .arg("--model")
-            .arg(&self.model)
-            .arg("--endpoint")
-            .arg(self.endpoint.to_string());
-        if let Some(name) = &self.served_name {
-            engine_cmd.arg("--served-model-name").arg(name);
+        let n_engines = self.endpoints.len();
+        let first = self.spawn_engine(&exe, 0, None)?;
+        let pgid = first.child.id().context("engine pid")? as i32;
+        let mut engines = vec![first];
+        for i in 1..n_engines {
+            engines.push(self.spawn_engine(&exe, i, Some(pgid))?);
         }
-        engine_cmd.args(engine_passthrough(&self.raw_args));
-        let engine = spawn(engine_cmd, "engine-core", None, false)?;
-        let pgid = engine.child.id().context("engine pid")? as i32;
-        tracing::info!(pid = pgid, endpoint = %self.endpoint, model = %self.model.display(), "started the engine core");
+        let engine_endpoints = self
+            .endpoints
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
         let (ready_tx, mut ready_rx) = mpsc::unbounded_channel();
         let mut frontends = Vec::new();
         for i in 0..self.args.api_server_count {
@@ -152,7 +171,7 @@ impl Launcher {
                 .arg("--model")
                 .arg(&self.model)
                 .arg("--engine-endpoint")
-                .arg(self.endpoint.to_string());
+                .arg(&engine_endpoints);
             cmd.arg("--host")
                 .arg(self.args.http.host.to_string())
                 .arg("--port")
@@ -194,7 +213,7 @@ impl Launcher {
             frontends.push(p);
         }
         drop(ready_tx);
-        let mut procs: Vec<Proc> = std::iter::once(engine).chain(frontends).collect();
+        let mut procs: Vec<Proc> = engines.into_iter().chain(frontends).collect();
 
         // Start-up: every front end ready, then /health 200 on the shared port.
         let host = if self.args.http.host.is_unspecified() {
@@ -229,10 +248,30 @@ impl Launcher {
                     host.to_string()
                 };
                 let shown = SocketAddr::new(display_host.parse().unwrap_or(host), port);
-                println!("Harrier is serving {} at http://{shown}/v1 ({} front end(s), engine pid {pgid}). Ctrl-C stops it.", self.model_name(), self.args.api_server_count);
-                tokio::select! {
-                    o = wait_any(&mut procs) => Ok(o),
-                    _ = signals.recv() => Ok(Outcome::Signal),
+                let cores = if n_engines > 1 {
+                    format!(", {n_engines} engine cores")
+                } else {
+                    String::new()
+                };
+                println!("Harrier is serving {} at http://{shown}/v1 ({} front end(s){cores}, engine pid {pgid}). Ctrl-C stops it.", self.model_name(), self.args.api_server_count);
+                loop {
+                    let o = tokio::select! {
+                        o = wait_any(&mut procs) => o,
+                        _ = signals.recv() => break Ok(Outcome::Signal),
+                    };
+                    // With several engine cores, one that dies is restarted; the others
+                    // keep serving and the front ends reconnect to it.
+                    match o {
+                        Outcome::ChildExited(name, i, status) if n_engines > 1 && i < n_engines => {
+                            tracing::error!(%name, %status, "an engine core exited; its requests failed; restarting it");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            match self.spawn_engine(&exe, i, Some(pgid)) {
+                                Ok(p) => procs[i] = p,
+                                Err(e) => break Err(e),
+                            }
+                        }
+                        o => break Ok(o),
+                    }
                 }
             }
             Some(o) => o,
@@ -244,7 +283,7 @@ impl Launcher {
                 );
                 Ok(())
             }
-            Ok(Outcome::ChildExited(name, status)) => Err(anyhow::anyhow!(
+            Ok(Outcome::ChildExited(name, _, status)) => Err(anyhow::anyhow!(
                 "{name} exited unexpectedly ({status}); stopping"
             )),
             Err(e) => Err(e),
@@ -254,6 +293,43 @@ impl Launcher {
         }
         self.shutdown(&mut procs, pgid, &mut signals).await;
         result
+    }
+
+    /// Engine core `i`, in process group `pgid` (a new one for the first). With several
+    /// engine cores on CUDA, engine core `i` sees only GPU `i` (of CUDA_VISIBLE_DEVICES when
+    /// set).
+    fn spawn_engine(
+        &self,
+        exe: &std::path::Path,
+        i: usize,
+        pgid: Option<i32>,
+    ) -> anyhow::Result<Proc> {
+        let mut cmd = Command::new(exe);
+        cmd.arg("engine-core")
+            .arg("--model")
+            .arg(&self.model)
+            .arg("--endpoint")
+            .arg(self.endpoints[i].to_string());
+        if let Some(name) = &self.served_name {
+            cmd.arg("--served-model-name").arg(name);
+        }
+        cmd.args(engine_passthrough(&self.raw_args));
+        if self.endpoints.len() > 1 && self.args.engine.device != harrier_engine::cli::Device::Cpu {
+            let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+            let gpu = visible
+                .as_deref()
+                .and_then(|v| v.split(',').nth(i).map(str::to_owned))
+                .unwrap_or_else(|| i.to_string());
+            cmd.env("CUDA_VISIBLE_DEVICES", gpu);
+        }
+        let name = if self.endpoints.len() > 1 {
+            format!("engine-core-{i}")
+        } else {
+            "engine-core".to_string()
+        };
+        let p = spawn(cmd, &name, pgid, false)?;
+        tracing::info!(pid = p.child.id(), endpoint = %self.endpoints[i], model = %self.model.display(), "started the engine core");
+        Ok(p)
     }
 
     fn model_name(&self) -> String {
@@ -273,7 +349,7 @@ impl Launcher {
     async fn shutdown(&self, procs: &mut [Proc], pgid: i32, signals: &mut Signals) {
         let drain =
             Duration::from_secs_f64(self.args.http.drain_timeout.max(0.0)) + Duration::from_secs(5);
-        let (engine, frontends) = procs.split_first_mut().expect("engine first");
+        let (engines, frontends) = procs.split_at_mut(self.endpoints.len());
         for p in frontends.iter_mut() {
             terminate(p);
         }
@@ -290,9 +366,16 @@ impl Launcher {
         for p in frontends.iter_mut() {
             let _ = p.child.start_kill();
         }
-        terminate(engine);
+        for e in engines.iter() {
+            terminate(e);
+        }
+        let engines_done = async {
+            for e in engines.iter_mut() {
+                let _ = e.child.wait().await;
+            }
+        };
         tokio::select! {
-            _ = engine.child.wait() => {},
+            _ = engines_done => {},
             _ = tokio::time::sleep(Duration::from_secs(15)) => tracing::warn!("the engine core did not stop in time; killing it"),
             _ = signals.recv() => tracing::warn!("second signal: stopping at once"),
         }
@@ -304,8 +387,10 @@ impl Launcher {
         for p in procs.iter_mut() {
             let _ = p.child.wait().await;
         }
-        if let Endpoint::Ipc(path) = &self.endpoint {
-            let _ = std::fs::remove_file(path);
+        for e in &self.endpoints {
+            if let Endpoint::Ipc(path) = e {
+                let _ = std::fs::remove_file(path);
+            }
         }
     }
 }
@@ -378,12 +463,12 @@ async fn wait_any(procs: &mut [Proc]) -> Outcome {
             (p.name.clone(), status)
         })
     });
-    let ((name, status), _, _) = futures::future::select_all(waits).await;
+    let ((name, status), i, _) = futures::future::select_all(waits).await;
     match status {
-        Ok(s) => Outcome::ChildExited(name, s),
+        Ok(s) => Outcome::ChildExited(name, i, s),
         Err(e) => {
             tracing::error!(%name, error = %e, "cannot wait for a child");
-            Outcome::ChildExited(name, std::process::ExitStatus::default())
+            Outcome::ChildExited(name, i, std::process::ExitStatus::default())
         }
     }
 }

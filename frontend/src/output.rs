@@ -65,6 +65,8 @@ pub enum Event {
 /// A choice to track, registered before its request is sent to the engine.
 pub struct ChoiceSpec {
     pub engine_id: String,
+    /// The engine core it was sent to (data parallelism: [`crate::engine::Engine`]'s links).
+    pub link: u32,
     pub index: u32,
     pub prompt_ids: Arc<Vec<TokenId>>,
     pub output: Arc<OutputParams>,
@@ -79,11 +81,12 @@ pub enum ProcessorInput {
     Outputs(Box<EngineCoreOutputs>),
     /// The client went away: forget these choices and abort those still running.
     Cancel(Vec<String>),
-    /// The engine connection is gone: fail every open choice.
-    EngineLost(String),
+    /// The connection to one engine core is gone: fail its open choices.
+    EngineLost(u32, String),
 }
 
 struct ChoiceState {
+    link: u32,
     index: u32,
     prompt_len: u32,
     output: Arc<OutputParams>,
@@ -136,6 +139,7 @@ impl Processor {
                 for spec in specs {
                     let ChoiceSpec {
                         engine_id,
+                        link,
                         index,
                         prompt_ids,
                         output,
@@ -143,6 +147,7 @@ impl Processor {
                         arrival,
                     } = spec;
                     let state = ChoiceState {
+                        link,
                         index,
                         prompt_len: prompt_ids.len() as u32,
                         detok: Detokenizer::new(
@@ -175,13 +180,18 @@ impl Processor {
                     .collect();
                 self.send_aborts(aborts);
             }
-            ProcessorInput::EngineLost(reason) => {
-                for (_, state) in self.choices.drain() {
+            ProcessorInput::EngineLost(link, reason) => {
+                let metrics = &self.metrics;
+                self.choices.retain(|_, state| {
+                    if state.link != link {
+                        return true;
+                    }
                     let _ = state
                         .tx
                         .send(Event::Failed(ApiError::engine_unavailable(&reason)));
-                    self.metrics.requests.with_label_values(&["error"]).inc();
-                }
+                    metrics.requests.with_label_values(&["error"]).inc();
+                    false
+                });
             }
         }
         self.metrics.running_here.set(self.choices.len() as i64);
@@ -351,6 +361,7 @@ mod tests {
         let (tx, rx) = mpsc::unbounded_channel();
         let spec = ChoiceSpec {
             engine_id: id.into(),
+            link: 0,
             index: 0,
             prompt_ids: Arc::new(vec![128000, 9906]),
             output: Arc::new(output),
@@ -522,17 +533,20 @@ mod tests {
     }
 
     #[test]
-    fn engine_lost_fails_every_choice() {
+    fn engine_lost_fails_the_choices_of_that_engine_only() {
         let mut r = rig();
         let mut rx1 = register(&mut r.p, "a", skip_special());
         let mut rx2 = register(&mut r.p, "b", skip_special());
-        r.p.handle(ProcessorInput::EngineLost("gone".into()));
+        r.p.handle(ProcessorInput::EngineLost(1, "other engine core".into()));
+        assert_eq!(r.p.open_choices(), 2, "choices of engine 0 stay open");
+        r.p.handle(ProcessorInput::EngineLost(0, "gone".into()));
         for rx in [&mut rx1, &mut rx2] {
             let ev = drain(rx);
             assert!(
                 matches!(&ev[..], [Event::Failed(e)] if e.status == hyper::StatusCode::SERVICE_UNAVAILABLE)
             );
         }
+        assert_eq!(r.p.open_choices(), 0);
     }
 
     #[test]

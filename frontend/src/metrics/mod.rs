@@ -47,6 +47,12 @@ pub struct Metrics {
     pub running_here: IntGauge,
     pub aborts_sent: IntCounter,
     engine_up: IntGauge,
+    /// Per engine core (data parallelism): up, and its running and waiting requests.
+    engine_core_up: IntGaugeVec,
+    engine_core_requests: IntGaugeVec,
+    engine_core_generation_tokens: IntGaugeVec,
+    /// Each engine core's latest stats (the engine series are their sums).
+    engine_stats: std::sync::Mutex<Vec<Option<EngineStats>>>,
     engine_running: IntGauge,
     engine_waiting: IntGauge,
     engine_kv_used: IntGauge,
@@ -86,6 +92,37 @@ const TOKEN_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
     50000.0, 100000.0, 200000.0,
 ];
+
+/// Engine cores' stats added up (the last step's duration: the largest).
+fn sum_stats<'a>(all: impl Iterator<Item = &'a EngineStats>) -> EngineStats {
+    let mut t = EngineStats::default();
+    for s in all {
+        t.num_running += s.num_running;
+        t.num_waiting += s.num_waiting;
+        t.kv_blocks_used += s.kv_blocks_used;
+        t.kv_blocks_total += s.kv_blocks_total;
+        t.last_step_us = t.last_step_us.max(s.last_step_us);
+        t.steps_total += s.steps_total;
+        t.preemptions_total += s.preemptions_total;
+        t.prefix_cache_queries_total += s.prefix_cache_queries_total;
+        t.prefix_cache_hits_total += s.prefix_cache_hits_total;
+        t.prompt_tokens_total += s.prompt_tokens_total;
+        t.generation_tokens_total += s.generation_tokens_total;
+        t.graph_replays_total += s.graph_replays_total;
+        t.eager_decode_steps_total += s.eager_decode_steps_total;
+        t.spec_drafts_total += s.spec_drafts_total;
+        t.spec_draft_tokens_total += s.spec_draft_tokens_total;
+        t.spec_accepted_tokens_total += s.spec_accepted_tokens_total;
+        for (a, b) in t
+            .spec_accepted_per_pos_total
+            .iter_mut()
+            .zip(&s.spec_accepted_per_pos_total)
+        {
+            *a += b;
+        }
+    }
+    t
+}
 
 impl Metrics {
     /// The metrics of front end `frontend` (its index), reporting only itself until
@@ -201,8 +238,30 @@ impl Metrics {
             .expect("counter")),
             engine_up: reg!(engine, gauge(
                 "engine_up",
-                "1 while the engine core answers, else 0"
+                "Engine cores that answer (1 without data parallelism; 0 when none does)"
             )),
+            engine_core_up: reg!(engine, IntGaugeVec::new(
+                Opts::new("engine_core_up", "1 while this engine core answers, else 0"),
+                &["engine"]
+            )
+            .expect("gauge")),
+            engine_core_requests: reg!(engine, IntGaugeVec::new(
+                Opts::new(
+                    "engine_core_requests",
+                    "Requests running or waiting in this engine core"
+                ),
+                &["engine", "state"]
+            )
+            .expect("gauge")),
+            engine_core_generation_tokens: reg!(engine, IntGaugeVec::new(
+                Opts::new(
+                    "engine_core_generation_tokens_total",
+                    "Tokens this engine core generated (engine counter)"
+                ),
+                &["engine"]
+            )
+            .expect("gauge")),
+            engine_stats: std::sync::Mutex::new(vec![None]),
             engine_running: reg!(engine, gauge(
                 "engine_num_requests_running",
                 "Requests the engine is running"
@@ -323,7 +382,41 @@ impl Metrics {
         }
     }
 
-    pub fn set_engine_stats(&self, s: &EngineStats) {
+    /// How many engine cores this front end talks to (data parallelism).
+    pub fn set_engine_count(&self, n: usize) {
+        *self.engine_stats.lock().expect("stats lock") = vec![None; n.max(1)];
+        for i in 0..n {
+            self.engine_core_up
+                .with_label_values(&[&i.to_string()])
+                .set(0);
+        }
+    }
+
+    /// Records engine core `index`'s stats; the engine series report the sum over engine
+    /// cores (counters of a core that went away keep their last value).
+    pub fn set_engine_stats(&self, index: usize, s: &EngineStats) {
+        let e = index.to_string();
+        self.engine_core_requests
+            .with_label_values(&[&e, "running"])
+            .set(s.num_running.into());
+        self.engine_core_requests
+            .with_label_values(&[&e, "waiting"])
+            .set(s.num_waiting.into());
+        self.engine_core_generation_tokens
+            .with_label_values(&[&e])
+            .set(s.generation_tokens_total as i64);
+        let total = {
+            let mut all = self.engine_stats.lock().expect("stats lock");
+            if index >= all.len() {
+                all.resize(index + 1, None);
+            }
+            all[index] = Some(*s);
+            sum_stats(all.iter().flatten())
+        };
+        self.set_total_stats(&total);
+    }
+
+    fn set_total_stats(&self, s: &EngineStats) {
         let EngineStats {
             num_running,
             num_waiting,
@@ -396,10 +489,31 @@ impl Metrics {
         *self.model_name.write().expect("model name lock") = name.to_string();
     }
 
-    pub fn set_engine_up(&self, up: bool) {
-        self.engine_up.set(i64::from(up));
+    pub fn set_engine_up(&self, index: usize, up: bool) {
+        let e = index.to_string();
+        self.engine_core_up
+            .with_label_values(&[&e])
+            .set(i64::from(up));
+        self.engine_up.add(if up { 1 } else { -1 });
         if up {
             self.engine_reconnects.inc();
+        } else {
+            // A core that went away runs nothing and holds no KV any more.
+            let mut all = self.engine_stats.lock().expect("stats lock");
+            if let Some(Some(st)) = all.get_mut(index) {
+                st.num_running = 0;
+                st.num_waiting = 0;
+                st.kv_blocks_used = 0;
+                st.kv_blocks_total = 0;
+            }
+            let total = sum_stats(all.iter().flatten());
+            drop(all);
+            self.set_total_stats(&total);
+            for state in ["running", "waiting"] {
+                self.engine_core_requests
+                    .with_label_values(&[&e, state])
+                    .set(0);
+            }
         }
     }
 
@@ -437,16 +551,55 @@ mod tests {
         m.set_model_name("m");
         m.requests.with_label_values(&["stop"]).inc();
         m.ttft.observe(0.05);
-        m.set_engine_stats(&EngineStats {
-            num_running: 3,
-            kv_blocks_used: 5,
-            kv_blocks_total: 10,
-            prefix_cache_queries_total: 4,
-            prefix_cache_hits_total: 1,
-            graph_replays_total: 7,
-            eager_decode_steps_total: 2,
-            ..Default::default()
-        });
+        m.set_engine_stats(
+            0,
+            &EngineStats {
+                num_running: 3,
+                kv_blocks_used: 5,
+                kv_blocks_total: 10,
+                prefix_cache_queries_total: 4,
+                prefix_cache_hits_total: 1,
+                graph_replays_total: 7,
+                eager_decode_steps_total: 2,
+                ..Default::default()
+            },
+        );
+        // A second engine core (data parallelism): the engine series are sums.
+        m.set_engine_up(0, true);
+        m.set_engine_up(1, true);
+        m.set_engine_stats(
+            1,
+            &EngineStats {
+                num_running: 2,
+                kv_blocks_total: 30,
+                ..Default::default()
+            },
+        );
+        let text = m.render();
+        assert!(
+            text.contains("harrier_engine_num_requests_running 5"),
+            "{text}"
+        );
+        assert!(
+            text.contains("harrier_engine_kv_cache_usage_ratio 0.125"),
+            "{text}"
+        );
+        assert!(text.contains("harrier_engine_up 2"), "{text}");
+        assert!(
+            text.contains("harrier_engine_core_requests{engine=\"1\",state=\"running\"} 2"),
+            "{text}"
+        );
+        m.set_engine_up(1, false);
+        let text = m.render();
+        assert!(
+            text.contains("harrier_engine_num_requests_running 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("harrier_engine_core_up{engine=\"1\"} 0"),
+            "{text}"
+        );
+        m.set_engine_stats(1, &EngineStats::default());
         let text = m.render();
         assert!(
             text.contains("harrier_requests_total{finish_reason=\"stop\"} 1"),
