@@ -207,7 +207,7 @@ log "docker compose config ($("$COMPOSE" version --short 2>/dev/null || true))"
 # A clean environment, so the defaults in the file are what is checked.
 compose() {
     env -u HARRIER_MODEL -u HARRIER_MODELS_DIR -u HARRIER_ENGINE_ARGS -u HARRIER_FRONTEND_ARGS \
-        -u HARRIER_PORT -u HARRIER_BIND -u HARRIER_GPU -u HARRIER_FRONTENDS -u HARRIER_DEVICE \
+        -u HARRIER_PORT -u HARRIER_BIND -u HARRIER_GPU -u HARRIER_GPU_1 -u HARRIER_FRONTENDS -u HARRIER_DEVICE \
         -u HARRIER_IMAGE "$COMPOSE" --project-directory deploy "$@"
 }
 [[ ! -e deploy/.env ]] || log "note: deploy/.env exists and is used for the compose checks"
@@ -215,11 +215,13 @@ compose -f deploy/docker-compose.yml config --quiet
 compose -f deploy/docker-compose.yml -f deploy/docker-compose.cpu.yml config --quiet
 compose -f deploy/docker-compose.yml config --format json >"$WORK/compose.json"
 compose -f deploy/docker-compose.yml -f deploy/docker-compose.cpu.yml config --format json >"$WORK/compose-cpu.json"
-"$PYTHON" - "$WORK/compose.json" "$WORK/compose-cpu.json" deploy/Dockerfile <<'EOF'
+compose -f deploy/docker-compose.yml -f deploy/docker-compose.dp.yml config --format json >"$WORK/compose-dp.json"
+"$PYTHON" - "$WORK/compose.json" "$WORK/compose-cpu.json" deploy/Dockerfile "$WORK/compose-dp.json" <<'EOF'
 import json, re, sys
 
 gpu, cpu = (json.load(open(p)) for p in sys.argv[1:3])
 dockerfile = open(sys.argv[3]).read()
+dp = json.load(open(sys.argv[4]))
 errors = []
 
 def check(cond, msg):
@@ -252,6 +254,22 @@ for name in ("engine-core", "frontend"):
     check("ipc:///run/harrier/engine.sock" in s[name]["command"], f"{name}: not on ipc:///run/harrier/engine.sock")
 check(s["frontend"]["depends_on"]["engine-core"]["condition"] == "service_healthy",
       "frontend does not wait for a healthy engine-core")
+d = dp["services"]
+check(set(d) == {"engine-core", "engine-core-1", "frontend", "lb"}, f"dp services: {sorted(d)}")
+e1 = d.get("engine-core-1", {})
+check("ipc:///run/harrier/engine-1.sock" in e1.get("command", "") and
+      "engine-1.sock" in " ".join(e1.get("healthcheck", {}).get("test", [])),
+      "dp: engine-core-1 is not on (or not checked at) engine-1.sock")
+ids = [i for dev in e1.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+       for i in dev.get("device_ids", [])]
+check(ids == ["1"], f"dp: engine-core-1 must reserve GPU 1, got {ids}")
+check({v["target"]: v for v in e1.get("volumes", [])}.get("/run/harrier", {}).get("source") == "sockets",
+      "dp: engine-core-1 does not share the socket volume")
+check("ipc:///run/harrier/engine.sock,ipc:///run/harrier/engine-1.sock" in d["frontend"]["command"],
+      "dp: front ends are not given both engine cores")
+check(all(d["frontend"]["depends_on"].get(e, {}).get("condition") == "service_healthy"
+          for e in ("engine-core", "engine-core-1")),
+      "dp: front ends do not wait for both engine cores")
 opts = gpu["volumes"]["sockets"].get("driver_opts", {})
 uid = re.search(r"ARG HARRIER_UID=(\d+)", dockerfile).group(1)
 check(f"uid={uid}" in opts.get("o", "") and f"gid={uid}" in opts.get("o", "") and "mode=0700" in opts.get("o", ""),
