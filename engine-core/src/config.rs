@@ -92,6 +92,12 @@ impl EngineConfig {
                 self.num_speculative_tokens
             ));
         }
+        if self.max_num_batched_tokens < 1 + self.num_speculative_tokens {
+            return err(format!(
+                "max_num_batched_tokens ({}) must fit one speculative round of 1 + {} tokens",
+                self.max_num_batched_tokens, self.num_speculative_tokens
+            ));
+        }
         // A speculative round may write up to `num_speculative_tokens` positions past the
         // model length (see `Scheduler::spec_len`).
         let blocks_for_one =
@@ -158,6 +164,16 @@ mod tests {
             },
             EngineConfig {
                 num_kv_blocks: 10,
+                ..base.clone()
+            },
+            EngineConfig {
+                max_num_seqs: 2,
+                max_num_batched_tokens: 4,
+                num_speculative_tokens: 4,
+                ..base.clone()
+            },
+            EngineConfig {
+                num_speculative_tokens: 17,
                 ..base.clone()
             },
         ] {
