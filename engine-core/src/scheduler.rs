@@ -143,6 +143,8 @@ pub struct Scheduler {
     kv: BlockManager,
     free_rows: Vec<RowId>,
     counters: SchedulerCounters,
+    /// Requests with a structured-output grammar (token masks are computed only when some).
+    num_constrained: usize,
 }
 
 /// Outputs produced by scheduler transitions, tagged with the front end to send them to.
@@ -160,6 +162,7 @@ impl Scheduler {
             kv,
             free_rows,
             counters: SchedulerCounters::default(),
+            num_constrained: 0,
         }
     }
 
@@ -208,6 +211,7 @@ impl Scheduler {
 
     /// Queues a validated request.
     pub fn add(&mut self, mut request: Request) {
+        self.num_constrained += request.grammar.is_some() as usize;
         let id = request.id;
         debug_assert!(!self.requests.contains_key(&id), "duplicate request id");
         extend_block_hashes(&self.kv, &mut request);
@@ -547,6 +551,9 @@ impl Scheduler {
         use rayon::prelude::*;
         masks.clear();
         masks.words_per_mask = words_per_mask;
+        if self.num_constrained == 0 {
+            return; // the common step: nothing to look up
+        }
         let wanted: Vec<(RequestId, u32)> = record
             .iter()
             .filter(|e| e.sample)
@@ -689,6 +696,7 @@ impl Scheduler {
         let done = matches!(self.requests.get(&id), Some(r) if r.finalized && r.inflight_refs == 0);
         if done {
             let mut r = self.requests.remove(&id).expect("checked");
+            self.num_constrained -= r.grammar.is_some() as usize;
             self.kv.free(&mut r.blocks);
             if let Some(row) = r.row.take() {
                 self.free_rows.push(row);

@@ -178,6 +178,7 @@ impl CpuExecutor {
             logits: Default::default(),
             logit_rows: Default::default(),
             tokens: Vec::new(),
+            spans: Vec::new(),
             proposer,
             accept_rule,
             scratch: SamplerScratch::default(),
@@ -301,6 +302,8 @@ struct Stream {
     /// Logits rows of each sequence of the slot's batch (in sequence order).
     logit_rows: [Vec<u32>; NUM_SLOTS],
     tokens: Vec<u32>,
+    /// Each sequence's (position, start in `tokens`, token count) in the step being built.
+    spans: Vec<(usize, usize, usize)>,
     scratch: SamplerScratch,
     proposer: Option<Proposer>,
     accept_rule: AcceptRule,
@@ -420,13 +423,13 @@ impl Stream {
             logits,
             logit_rows,
             tokens,
+            spans,
             ..
         } = self;
         tokens.clear();
+        spans.clear();
         let logit_rows = &mut logit_rows[slot];
         logit_rows.clear();
-        // Each sequence's (position, token count) in `tokens`.
-        let mut spans = Vec::with_capacity(batch.seqs.len());
         for s in &batch.seqs {
             let row = rows[s.row.0 as usize].as_mut().expect("checked above");
             let start = tokens.len();
@@ -454,7 +457,7 @@ impl Stream {
             spans.push((position, start, tokens.len() - start));
         }
         let mut chunks = Vec::with_capacity(batch.seqs.len());
-        for (s, &(position, start, n)) in batch.seqs.iter().zip(&spans) {
+        for (s, &(position, start, n)) in batch.seqs.iter().zip(spans.iter()) {
             let row = rows[s.row.0 as usize].as_ref().expect("checked above");
             chunks.push(SeqChunk {
                 tokens: &tokens[start..start + n],
