@@ -533,9 +533,31 @@ impl<E: Executor> EngineCore<E> {
                 timing: None,
                 spec: None,
             };
+            self.finish_compiling(&finish);
             self.sched.finish_all(finish, &mut self.sink);
         }
         drained
+    }
+
+    /// Finishes every request still waiting for its grammar (shutdown, engine-fatal error).
+    fn finish_compiling(&mut self, finish: &Finish) {
+        let Some(s) = &mut self.structured else {
+            return;
+        };
+        let mut waiting: Vec<Request> = s.compiling.drain().map(|(_, r)| r).collect();
+        waiting.sort_by_key(|r| r.id);
+        for r in waiting {
+            self.sink.push((
+                r.origin,
+                RequestOutput {
+                    request_id: r.external_id,
+                    new_token_ids: Vec::new(),
+                    logprobs: None,
+                    finish: Some(finish.clone()),
+                    num_cached_tokens: None,
+                },
+            ));
+        }
     }
 
     /// Engine-fatal path: every accepted request gets an error; all state is released.
@@ -548,6 +570,7 @@ impl<E: Executor> EngineCore<E> {
             timing: None,
             spec: None,
         };
+        self.finish_compiling(&finish);
         self.sched.finish_all(finish, &mut self.sink);
         self.pipeline.clear();
         for st in &mut self.slots {

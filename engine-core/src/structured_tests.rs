@@ -272,3 +272,33 @@ fn invalid_constraints_and_aborts_while_compiling_finish_cleanly() {
         "{ok:?}"
     );
 }
+
+#[test]
+fn shutdown_answers_requests_still_compiling() {
+    let (mut e, _) = engine(false);
+    // A schema large enough to take a moment; shut down at once.
+    let props: Vec<String> = (0..200)
+        .map(|i| format!("\"p{i}\": {{\"type\": \"integer\"}}"))
+        .collect();
+    let schema = format!(
+        "{{\"type\": \"object\", \"properties\": {{{}}}}}",
+        props.join(", ")
+    );
+    e.add_request(
+        Origin(0),
+        EngineCoreRequest {
+            request_id: "s".into(),
+            prompt_token_ids: PROMPT.to_vec(),
+            sampling: params(0.0, 0, StructuredOutput::JsonSchema(schema)),
+            arrival_time: 0.0,
+            cache_salt: None,
+        },
+    );
+    e.shutdown().unwrap();
+    let outs: Vec<_> = e.take_outputs().collect();
+    assert_eq!(outs.len(), 1, "{outs:?}");
+    assert_eq!(
+        outs[0].1.finish.as_ref().unwrap().reason,
+        FinishReason::Abort
+    );
+}
