@@ -236,6 +236,7 @@ fn null_engine(
         enable_prefix_caching: caching,
         policy: Default::default(),
         num_speculative_tokens: 0,
+        spec_disable_batch_size: None,
     };
     Ok(EngineCore::new(
         cfg,

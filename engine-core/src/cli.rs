@@ -103,6 +103,11 @@ pub struct EngineCoreArgs {
     /// N-gram proposer: the longest suffix looked up.
     #[arg(long, default_value_t = 4)]
     pub ngram_max: usize,
+    /// Speculative decoding: rounds propose nothing while more than this many requests are
+    /// decoding (large decode batches gain nothing from it; docs/speculative.md). Default:
+    /// always speculate.
+    #[arg(long)]
+    pub speculative_disable_by_batch_size: Option<u32>,
 }
 
 /// What `--speculative-*` ask for, checked.
@@ -293,6 +298,7 @@ fn engine_config(
         enable_prefix_caching: !args.no_prefix_caching,
         policy: args.scheduling_policy,
         num_speculative_tokens,
+        spec_disable_batch_size: args.speculative_disable_by_batch_size,
     };
     cfg.validate()?;
     Ok(cfg)

@@ -41,6 +41,9 @@ pub struct EngineConfig {
     /// Speculative decoding: tokens proposed per decode round (0: off; the backend proposes
     /// and verifies them, see [`crate::scheduler::Scheduler::spec_len`]).
     pub num_speculative_tokens: u32,
+    /// Rounds propose nothing while more requests than this decode (see
+    /// [`crate::scheduler::SchedulerConfig::spec_disable_batch_size`]).
+    pub spec_disable_batch_size: Option<u32>,
 }
 
 impl Default for EngineConfig {
@@ -56,6 +59,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             policy: crate::scheduler::SchedulingPolicy::DecodeFirst,
             num_speculative_tokens: 0,
+            spec_disable_batch_size: None,
         }
     }
 }

@@ -110,6 +110,7 @@ impl<E: Executor> EngineCore<E> {
             enable_prefix_caching: cfg.enable_prefix_caching,
             policy: cfg.policy,
             num_speculative_tokens: cfg.num_speculative_tokens,
+            spec_disable_batch_size: cfg.spec_disable_batch_size,
         });
         let seed_state = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

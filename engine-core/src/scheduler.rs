@@ -55,6 +55,10 @@ pub struct SchedulerConfig {
     /// Speculative decoding: tokens proposed per decode round (0: off). See
     /// [`Scheduler::spec_len`] for how a round is booked.
     pub num_speculative_tokens: u32,
+    /// Speculation pays only while decode steps are small: with more than this many requests
+    /// decoding, rounds propose nothing (vLLM's `speculative_disable_by_batch_size`). The
+    /// price: while the rule switches with load, a seeded request's text depends on it.
+    pub spec_disable_batch_size: Option<u32>,
 }
 
 /// Which work gets the token budget first.
@@ -782,12 +786,19 @@ impl Planner<'_> {
 
     /// Running requests that decode, oldest admission first: one token each.
     fn decodes(&mut self) {
+        let spec_off = self.s.cfg.spec_disable_batch_size.is_some_and(|max| {
+            self.s.running[..self.tail]
+                .iter()
+                .filter(|id| self.s.requests[*id].decoding)
+                .count() as u32
+                > max
+        });
         let mut i = 0;
         while i < self.tail && self.budget > 0 {
             let r = &self.s.requests[&self.s.running[i]];
             if r.decoding && self.s.can_dispatch(r) {
                 // Constrained rows do not speculate (their proposals would need the grammar).
-                let n = if r.grammar.is_some() {
+                let n = if r.grammar.is_some() || spec_off {
                     1
                 } else {
                     1 + self.s.spec_len()

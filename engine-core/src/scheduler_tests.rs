@@ -21,6 +21,7 @@ fn cfg(max_num_seqs: u32, budget: u32, blocks: u32, depth: u8) -> SchedulerConfi
         enable_prefix_caching: true,
         policy: SchedulingPolicy::DecodeFirst,
         num_speculative_tokens: 0,
+        spec_disable_batch_size: None,
     }
 }
 

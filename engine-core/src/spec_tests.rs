@@ -36,6 +36,7 @@ struct Setup {
     prefix_caching: bool,
     rule: AcceptRule,
     sync: bool,
+    disable_batch: Option<u32>,
 }
 
 impl Setup {
@@ -49,6 +50,7 @@ impl Setup {
             prefix_caching: true,
             rule: AcceptRule::Lossless,
             sync: false,
+            disable_batch: None,
         }
     }
 
@@ -87,6 +89,7 @@ impl Setup {
             } else {
                 self.k
             },
+            spec_disable_batch_size: self.disable_batch,
             pipeline: if self.sync {
                 PipelineDepth::Sync
             } else {
@@ -613,4 +616,41 @@ fn preemption_prefix_caching_and_aborts_in_the_middle_of_rounds() {
             assert_eq!(o.after_finish, 0);
         }
     }
+}
+
+#[test]
+fn large_decode_batches_turn_speculation_off() {
+    // 32 requests decoding at once, speculation off above 8: the rounds of the crowded phase
+    // propose nothing, greedy text is unchanged, and the tail (8 or fewer left) speculates.
+    let work: Vec<_> = greedy_work(40)
+        .into_iter()
+        .enumerate()
+        .map(|(i, (id, p, s))| {
+            (
+                id,
+                p,
+                SamplingParams {
+                    max_tokens: 8 + 2 * i as u32,
+                    ..s
+                },
+            )
+        })
+        .collect();
+    let off = run(&mut Setup::new(Method::Off).engine(), &work, &[]);
+    let mut always = Setup::new(Method::Ngram).engine();
+    let a = run(&mut always, &work, &[]);
+    let mut ruled = Setup {
+        disable_batch: Some(8),
+        ..Setup::new(Method::Ngram)
+    }
+    .engine();
+    let r = run(&mut ruled, &work, &[]);
+    assert_same_tokens(&off, &a, "always");
+    assert_same_tokens(&off, &r, "with the batch-size rule");
+    let (da, dr) = (
+        always.stats().spec_drafts_total,
+        ruled.stats().spec_drafts_total,
+    );
+    assert!(dr > 0, "the tail speculates");
+    assert!(dr < da / 2, "crowded rounds still speculated: {dr} vs {da}");
 }
