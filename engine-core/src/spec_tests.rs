@@ -654,3 +654,67 @@ fn large_decode_batches_turn_speculation_off() {
     assert!(dr > 0, "the tail speculates");
     assert!(dr < da / 2, "crowded rounds still speculated: {dr} vs {da}");
 }
+
+#[test]
+fn pause_and_prefix_cache_reset_in_the_middle_of_rounds() {
+    let work = greedy_work(40);
+    let off = run(&mut Setup::new(Method::Off).engine(), &work, &[]);
+    let mut e = Setup::new(Method::Draft).engine();
+    for (id, prompt, sampling) in &work {
+        e.add_request(
+            Origin(0),
+            EngineCoreRequest {
+                request_id: id.clone(),
+                prompt_token_ids: prompt.clone(),
+                sampling: sampling.clone(),
+                arrival_time: 0.0,
+                cache_salt: None,
+            },
+        );
+    }
+    let mut outs: HashMap<String, Vec<TokenId>> = HashMap::new();
+    fn collect(e: &mut EngineCore<CpuExecutor>, outs: &mut HashMap<String, Vec<TokenId>>) {
+        for (_, o) in e.take_outputs() {
+            outs.entry(o.request_id.clone())
+                .or_default()
+                .extend_from_slice(&o.new_token_ids);
+        }
+    }
+    // Run until rounds are in flight, then pause: in-flight rounds complete, nothing new
+    // launches; reset the prefix cache while paused and again after resuming, mid-rounds.
+    for _ in 0..40 {
+        e.step().unwrap();
+    }
+    collect(&mut e, &mut outs);
+    e.pause();
+    while !e.is_drained() {
+        e.step().unwrap();
+    }
+    collect(&mut e, &mut outs);
+    let frozen: usize = outs.values().map(Vec::len).sum();
+    for _ in 0..5 {
+        assert_eq!(
+            e.step().unwrap(),
+            Progress::Idle,
+            "paused engine launched work"
+        );
+    }
+    collect(&mut e, &mut outs);
+    assert_eq!(outs.values().map(Vec::len).sum::<usize>(), frozen);
+    e.reset_prefix_cache();
+    e.resume();
+    for i in 0.. {
+        if i == 7 {
+            e.reset_prefix_cache();
+        }
+        let p = e.step().unwrap();
+        collect(&mut e, &mut outs);
+        if p == Progress::Idle && !e.has_work() {
+            break;
+        }
+    }
+    assert_eq!(e.scheduler().kv().num_used(), 0);
+    for (id, o) in &off {
+        assert_eq!(&outs[id], &o.tokens, "{id}");
+    }
+}
