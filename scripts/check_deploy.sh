@@ -145,7 +145,7 @@ HADOLINT="$TOOLS/bin/hadolint"
 
 # ---- systemd ----------------------------------------------------------------------------------
 
-UNITS=(harrier-engine.service harrier-frontend@.service harrier.target)
+UNITS=(harrier-engine.service harrier-engine@.service harrier-frontend@.service harrier.target)
 log "systemd units: ${UNITS[*]}"
 
 # verify wants the executables to exist: check copies whose paths point at the built binary
@@ -166,8 +166,8 @@ for u in "${UNITS[@]}"; do
 done
 (
     cd "$WORK/units"
-    out="$(systemd-analyze verify --man=no harrier-engine.service harrier-frontend@0.service \
-        harrier-frontend@1.service harrier.target 2>&1)" || {
+    out="$(systemd-analyze verify --man=no harrier-engine.service harrier-engine@1.service \
+        harrier-frontend@0.service harrier-frontend@1.service harrier.target 2>&1)" || {
         echo "$out" >&2
         die "systemd-analyze verify failed"
     }
@@ -175,7 +175,7 @@ done
         echo "$out" >&2
         die "systemd-analyze verify printed warnings"
     fi
-    for u in harrier-engine.service harrier-frontend@0.service; do
+    for u in harrier-engine.service harrier-engine@1.service harrier-frontend@0.service; do
         systemd-analyze security --offline=yes --threshold="$MAX_EXPOSURE" "$u" >"$WORK/security-$u.txt" 2>&1 || {
             cat "$WORK/security-$u.txt" >&2
             die "$u: exposure above $MAX_EXPOSURE/100 (systemd-analyze security)"
@@ -183,6 +183,18 @@ done
         log "$(grep -o 'Overall exposure level.*' "$WORK/security-$u.txt")"
     done
 )
+
+# harrier-engine@.service (engine cores 1, 2, ...) is harrier-engine.service but for the
+# lines about its number (systemd has no includes): they must not drift apart.
+engine_lines() {
+    grep -v -e '^#' -e '%i' -e 'HARRIER_ENGINE_ENDPOINT' -e '^RuntimeDirectory=' \
+        -e '^Description=' -e 'nvidia-modprobe' "$1"
+}
+if ! drift="$(diff <(engine_lines deploy/systemd/harrier-engine.service) \
+    <(engine_lines deploy/systemd/harrier-engine@.service))"; then
+    echo "$drift" >&2
+    die "harrier-engine@.service differs from harrier-engine.service beyond its %i lines"
+fi
 
 mkdir -p "$WORK/sysroot/etc"
 systemd-sysusers --root="$WORK/sysroot" "$ROOT/deploy/systemd/harrier.sysusers" >/dev/null 2>&1

@@ -111,18 +111,30 @@ pub struct FrontendArgs {
     pub ready_line: bool,
 }
 
+/// The engine cores a front end talks to: `--engine-endpoint` (repeated options add up: the
+/// systemd units name engine core 0 and HARRIER_FRONTEND_ARGS the others; an address named
+/// twice is one engine core), or the default socket.
+fn engine_endpoints(args: &FrontendArgs) -> anyhow::Result<Vec<Endpoint>> {
+    if args.engine_endpoint.is_empty() {
+        return Ok(vec![default_engine_endpoint(&private_socket_dir(
+            args.socket_dir.as_deref(),
+        )?)]);
+    }
+    let mut v: Vec<Endpoint> = Vec::new();
+    for e in &args.engine_endpoint {
+        if !v.contains(e) {
+            v.push(e.clone());
+        }
+    }
+    Ok(v)
+}
+
 /// Runs a front end until SIGTERM/SIGINT (then drains and exits 0).
 pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
     args.http.validate()?;
     let model_dir =
         harrier_engine::cli::resolve_model(args.model.as_deref(), args.revision.as_deref())?.dir;
-    let endpoints = if args.engine_endpoint.is_empty() {
-        vec![default_engine_endpoint(&private_socket_dir(
-            args.socket_dir.as_deref(),
-        )?)]
-    } else {
-        args.engine_endpoint.clone()
-    };
+    let endpoints = engine_endpoints(&args)?;
     let endpoint = endpoints
         .iter()
         .map(ToString::to_string)
@@ -167,9 +179,15 @@ pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         let engine = Engine::start(EngineOptions::many(endpoints, name), text.tokenizer.clone(), metrics.clone())?;
         let mut shutdown = std::pin::pin!(harrier_engine::cli::shutdown_signal());
         tracing::info!(%endpoint, "waiting for the engine core");
+        // Every engine core answering, so the first requests spread; after a minute, serve
+        // with those that do (a core that is down fails nothing while it is not used).
+        let waiting_since = std::time::Instant::now();
         loop {
             tokio::select! {
-                ok = engine.wait_all_connected(Duration::from_secs(10)) => if ok { break } else {
+                ok = engine.wait_all_connected(Duration::from_secs(10)) => if ok { break } else if engine.is_healthy() && waiting_since.elapsed() > Duration::from_secs(60) {
+                    tracing::warn!(%endpoint, error = %engine.last_error(), "serving without every engine core; the others join when they answer");
+                    break;
+                } else {
                     tracing::info!(%endpoint, error = %engine.last_error(), "still waiting for the engine core");
                 },
                 _ = &mut shutdown => return Ok(()),
@@ -205,4 +223,35 @@ pub fn run_frontend(args: FrontendArgs) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_endpoints_add_up_and_repeats_count_once() {
+        #[derive(clap::Parser)]
+        struct W {
+            #[command(flatten)]
+            a: FrontendArgs,
+        }
+        let parse = |args: &[&str]| {
+            let mut all = vec!["harrier"];
+            all.extend_from_slice(args);
+            <W as clap::Parser>::try_parse_from(all).unwrap().a
+        };
+        let a = parse(&[
+            "--engine-endpoint",
+            "tcp://127.0.0.1:5000",
+            "--engine-endpoint",
+            "tcp://127.0.0.1:5001,tcp://127.0.0.1:5000",
+        ]);
+        let got: Vec<String> = engine_endpoints(&a)
+            .unwrap()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(got, ["tcp://127.0.0.1:5000", "tcp://127.0.0.1:5001"]);
+    }
 }

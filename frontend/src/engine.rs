@@ -194,13 +194,20 @@ impl Engine {
             .find_map(|l| l.last_info.read().expect("info lock").clone())
     }
 
-    /// Why the engine is unavailable (for 503 messages).
+    /// Why the engine (the first engine core that is down) is unavailable, for 503
+    /// messages and logs.
     pub fn last_error(&self) -> String {
-        self.inner.links[0]
-            .last_error
-            .read()
-            .expect("error lock")
-            .clone()
+        let links = &self.inner.links;
+        let down = links
+            .iter()
+            .find(|l| l.conn.read().expect("conn lock").is_none())
+            .unwrap_or(&links[0]);
+        let e = down.last_error.read().expect("error lock").clone();
+        if links.len() > 1 {
+            format!("engine core {} ({}): {e}", down.index, down.endpoint)
+        } else {
+            e
+        }
     }
 
     /// Waits until an engine core is connected (true) or `timeout` passed (false).
