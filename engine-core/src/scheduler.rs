@@ -778,7 +778,14 @@ impl Planner<'_> {
             self.tail -= 1;
             let victim = &self.s.requests[&self.s.running[self.tail]];
             self.plan.preempt.push(victim.id);
-            self.free_blocks += victim.blocks.len() as u32;
+            // Only blocks the victim holds alone come free: a prefix-cache block it shares
+            // with another running request stays in use (counting it made a plan the pool
+            // could not honour).
+            self.free_blocks += victim
+                .blocks
+                .iter()
+                .filter(|&&b| self.s.kv.ref_count(b) == 1)
+                .count() as u32;
             self.needs_drain = true;
         }
         need <= self.free_blocks
