@@ -173,9 +173,6 @@ impl<E: Executor> EngineCore<E> {
                     self.sched.add(request);
                 }
                 Err(e) => {
-                    if let Some(m) = self.ids.get_mut(&request.origin) {
-                        m.remove(&request.external_id);
-                    }
                     let message = format!("invalid structured-output constraint: {e}");
                     self.reject(request.origin, request.external_id, message);
                 }
@@ -269,19 +266,26 @@ impl<E: Executor> EngineCore<E> {
 
     fn reject(&mut self, origin: Origin, request_id: String, message: String) {
         tracing::debug!(%request_id, "request rejected: {message}");
+        let finish = Finish {
+            reason: FinishReason::Error,
+            stop_token: None,
+            message: Some(message),
+            timing: None,
+            spec: None,
+        };
+        self.push_finish(origin, request_id, finish);
+    }
+
+    /// The last output of a request the scheduler never held (rejected, or ended while its
+    /// grammar compiled). `take_outputs` forgets its id.
+    fn push_finish(&mut self, origin: Origin, request_id: String, finish: Finish) {
         self.sink.push((
             origin,
             RequestOutput {
                 request_id,
                 new_token_ids: Vec::new(),
                 logprobs: None,
-                finish: Some(Finish {
-                    reason: FinishReason::Error,
-                    stop_token: None,
-                    message: Some(message),
-                    timing: None,
-                    spec: None,
-                }),
+                finish: Some(finish),
                 num_cached_tokens: None,
             },
         ));
@@ -353,11 +357,7 @@ impl<E: Executor> EngineCore<E> {
                 match CompileWorker::start(s.compiler.clone(), s.waker.clone()) {
                     Ok(w) => s.worker = Some(w),
                     Err(e) => {
-                        let (origin, rid) = (request.origin, request.external_id.clone());
-                        if let Some(m) = self.ids.get_mut(&origin) {
-                            m.remove(&rid);
-                        }
-                        return self.reject(origin, rid, format!("{e:#}"));
+                        return self.reject(request.origin, request.external_id, format!("{e:#}"))
                     }
                 }
             }
@@ -402,25 +402,14 @@ impl<E: Executor> EngineCore<E> {
         else {
             return false;
         };
-        self.sink.push((
-            r.origin,
-            RequestOutput {
-                request_id: r.external_id,
-                new_token_ids: Vec::new(),
-                logprobs: None,
-                finish: Some(Finish {
-                    reason: FinishReason::Abort,
-                    stop_token: None,
-                    message: None,
-                    timing: Some(harrier_shared::protocol::RequestTiming {
-                        queue_s: r.arrived_at.elapsed().as_secs_f32(),
-                        ..Default::default()
-                    }),
-                    spec: None,
-                }),
-                num_cached_tokens: None,
-            },
-        ));
+        let finish = Finish {
+            reason: FinishReason::Abort,
+            stop_token: None,
+            message: None,
+            timing: Some(r.timing(Instant::now())),
+            spec: None,
+        };
+        self.push_finish(r.origin, r.external_id, finish);
         true
     }
 
@@ -548,16 +537,7 @@ impl<E: Executor> EngineCore<E> {
         let mut waiting: Vec<Request> = s.compiling.drain().map(|(_, r)| r).collect();
         waiting.sort_by_key(|r| r.id);
         for r in waiting {
-            self.sink.push((
-                r.origin,
-                RequestOutput {
-                    request_id: r.external_id,
-                    new_token_ids: Vec::new(),
-                    logprobs: None,
-                    finish: Some(finish.clone()),
-                    num_cached_tokens: None,
-                },
-            ));
+            self.push_finish(r.origin, r.external_id, finish.clone());
         }
     }
 

@@ -93,10 +93,9 @@ where
     tracing::info!(endpoint = %transport.endpoint(), model = %info.model_name, "engine core ready");
     let (input_tx, input_rx) = std_mpsc::channel();
     let mut engine = engine;
-    let wake_tx = std::sync::Mutex::new(input_tx.clone());
+    let wake_tx = input_tx.clone();
     engine.set_waker(std::sync::Arc::new(move || {
-        let tx = wake_tx.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = tx.send(EngineInput::Wake);
+        let _ = wake_tx.send(EngineInput::Wake);
     }));
     let (event_tx, mut event_rx) = mpsc::unbounded_channel();
     let (stats_tx, stats_rx) = watch::channel(engine.stats());
