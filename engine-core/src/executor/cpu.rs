@@ -60,16 +60,28 @@ struct DraftState {
     cache: KvCache,
     logits: Vec<f32>,
     tokens: Vec<u32>,
+    /// The first draft forward's chunks, and the rows still drafting (kept across steps so
+    /// that a round allocates nothing once capacities settle).
+    spans: Vec<DraftSpan>,
+    live: Vec<usize>,
+}
+
+/// One chunk of the first draft forward of a step.
+struct DraftSpan {
+    /// Index of the sequence in the step's batch.
+    seq: usize,
+    position: usize,
+    /// `tokens[start..end]` are the chunk's.
+    start: usize,
+    end: usize,
+    /// A speculative row (logits of its last token) rather than a prefill chunk.
+    drafts: bool,
 }
 
 /// The proposer with its state on the compute thread.
 enum Proposer {
     Draft(Box<DraftState>),
-    Ngram {
-        min: usize,
-        max: usize,
-        context: Vec<u32>,
-    },
+    Ngram { min: usize, max: usize },
 }
 
 /// A slot's host-side buffers, shared with the compute thread.
@@ -160,13 +172,11 @@ impl CpuExecutor {
                     cache,
                     logits: Vec::new(),
                     tokens: Vec::new(),
+                    spans: Vec::new(),
+                    live: Vec::new(),
                 })))
             }
-            Some(CpuProposer::Ngram { min, max }) => Some(Proposer::Ngram {
-                min,
-                max,
-                context: Vec::new(),
-            }),
+            Some(CpuProposer::Ngram { min, max }) => Some(Proposer::Ngram { min, max }),
         };
         let slots: Arc<[Slot; NUM_SLOTS]> = Arc::new(Default::default());
         let (tx, rx) = mpsc::channel();
@@ -485,13 +495,21 @@ impl Stream {
         } = self;
         let vocab = *vocab;
         match proposer.as_mut().expect("checked by the caller") {
-            Proposer::Ngram { min, max, context } => {
+            Proposer::Ngram { min, max } => {
                 for s in batch.seqs.iter().filter(|s| s.draft > 0) {
                     let row = rows[s.row.0 as usize].as_mut().expect("checked");
-                    context.clear();
-                    context.extend_from_slice(&row.tokens[..row.kv_len as usize]);
-                    context.push(row.pending.expect("checked"));
-                    ngram_propose(context, *min, *max, s.draft as usize, &mut row.proposals);
+                    // The context is the computed tokens and the pending one: pushed for the
+                    // lookup and taken back, rather than copied.
+                    debug_assert_eq!(row.tokens.len(), row.kv_len as usize);
+                    row.tokens.push(row.pending.expect("checked"));
+                    ngram_propose(
+                        &row.tokens,
+                        *min,
+                        *max,
+                        s.draft as usize,
+                        &mut row.proposals,
+                    );
+                    row.tokens.pop();
                 }
                 Ok(())
             }
@@ -501,21 +519,22 @@ impl Stream {
                     cache,
                     logits,
                     tokens,
+                    spans,
+                    live,
                 } = &mut **draft;
                 // First forward: every speculative row catches up (the tokens the draft has
                 // not seen, ending with the pending token; logits of the last) and every
                 // prefill chunk runs as in the target (no logits).
                 tokens.clear();
-                // (sequence index, position, start in `tokens`, logits rows)
-                let mut spans: Vec<(usize, usize, usize, usize)> = Vec::new();
+                spans.clear();
                 for (i, s) in batch.seqs.iter().enumerate() {
                     let row = rows[s.row.0 as usize].as_ref().expect("checked");
                     let start = tokens.len();
-                    if s.draft > 0 {
+                    let (position, drafts) = if s.draft > 0 {
                         let from = (row.draft_len as usize).min(row.kv_len as usize);
                         tokens.extend_from_slice(&row.tokens[from..row.kv_len as usize]);
                         tokens.push(row.pending.expect("checked"));
-                        spans.push((i, from, start, 1));
+                        (from, true)
                     } else if s.host_len > 0 {
                         let host =
                             &batch.host_tokens[s.host_start as usize..][..s.host_len as usize];
@@ -523,46 +542,49 @@ impl Stream {
                         if s.uses_pending_token() {
                             tokens.push(row.pending.expect("checked"));
                         }
-                        spans.push((i, s.position as usize, start, 0));
-                    }
+                        (s.position as usize, false)
+                    } else {
+                        continue;
+                    };
+                    spans.push(DraftSpan {
+                        seq: i,
+                        position,
+                        start,
+                        end: tokens.len(),
+                        drafts,
+                    });
                 }
                 if spans.is_empty() {
                     return Ok(());
                 }
-                let ends: Vec<usize> = spans
+                // (Chunks borrow the step's token and block-table slices: built per forward,
+                // as in `forward`.)
+                let chunks: Vec<SeqChunk<'_>> = spans
                     .iter()
-                    .skip(1)
-                    .map(|s| s.2)
-                    .chain(std::iter::once(tokens.len()))
-                    .collect();
-                {
-                    let mut chunks = Vec::with_capacity(spans.len());
-                    for (&(i, position, start, n_logits), &end) in spans.iter().zip(&ends) {
-                        let row = rows[batch.seqs[i].row.0 as usize]
+                    .map(|sp| SeqChunk {
+                        tokens: &tokens[sp.start..sp.end],
+                        position: sp.position,
+                        block_table: &rows[batch.seqs[sp.seq].row.0 as usize]
                             .as_ref()
-                            .expect("checked");
-                        chunks.push(SeqChunk {
-                            tokens: &tokens[start..end],
-                            position,
-                            block_table: &row.block_table,
-                            logit_rows: n_logits,
-                        });
-                    }
-                    let n_spec = spans.iter().filter(|s| s.3 == 1).count();
-                    logits.resize(n_spec * vocab, 0.0);
-                    model.forward(&chunks, cache, logits)?;
-                }
-                for (&(i, position, start, _), &end) in spans.iter().zip(&ends) {
-                    let row = rows[batch.seqs[i].row.0 as usize]
+                            .expect("checked")
+                            .block_table,
+                        logit_rows: sp.drafts as usize,
+                    })
+                    .collect();
+                logits.resize(spans.iter().filter(|sp| sp.drafts).count() * vocab, 0.0);
+                model.forward(&chunks, cache, logits)?;
+                drop(chunks);
+                for sp in spans.iter() {
+                    let row = rows[batch.seqs[sp.seq].row.0 as usize]
                         .as_mut()
                         .expect("checked");
-                    row.draft_len = (position + end - start) as u32;
+                    row.draft_len = (sp.position + sp.end - sp.start) as u32;
                 }
                 // Then one forward per further proposal. `live[j]` owns logits row `j`; each
                 // proposal is drawn from the draft's processed distribution given the tokens
                 // drafted before it (recorded, and taken back once all are drafted).
-                let mut live: Vec<usize> = spans.iter().filter(|s| s.3 == 1).map(|s| s.0).collect();
-                let spec_rows = live.clone();
+                live.clear();
+                live.extend(spans.iter().filter(|sp| sp.drafts).map(|sp| sp.seq));
                 let mut step = 0;
                 loop {
                     for (j, &i) in live.iter().enumerate() {
@@ -587,29 +609,31 @@ impl Stream {
                         break;
                     }
                     tokens.clear();
-                    for &i in &live {
+                    tokens.extend(live.iter().map(|&i| {
                         let row = rows[batch.seqs[i].row.0 as usize]
                             .as_ref()
                             .expect("checked");
-                        tokens.push(*row.proposals.last().expect("drafted"));
-                    }
-                    {
-                        let mut chunks = Vec::with_capacity(live.len());
-                        for (k, &i) in live.iter().enumerate() {
+                        *row.proposals.last().expect("drafted")
+                    }));
+                    let chunks: Vec<SeqChunk<'_>> = live
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &i)| {
                             let row = rows[batch.seqs[i].row.0 as usize]
                                 .as_ref()
                                 .expect("checked");
-                            chunks.push(SeqChunk {
+                            SeqChunk {
                                 tokens: &tokens[k..k + 1],
                                 position: row.draft_len as usize,
                                 block_table: &row.block_table,
                                 logit_rows: 1,
-                            });
-                        }
-                        logits.resize(live.len() * vocab, 0.0);
-                        model.forward(&chunks, cache, logits)?;
-                    }
-                    for &i in &live {
+                            }
+                        })
+                        .collect();
+                    logits.resize(live.len() * vocab, 0.0);
+                    model.forward(&chunks, cache, logits)?;
+                    drop(chunks);
+                    for &i in live.iter() {
                         let row = rows[batch.seqs[i].row.0 as usize]
                             .as_mut()
                             .expect("checked");
@@ -617,8 +641,8 @@ impl Stream {
                     }
                     step += 1;
                 }
-                for &i in &spec_rows {
-                    let row = rows[batch.seqs[i].row.0 as usize]
+                for sp in spans.iter().filter(|sp| sp.drafts) {
+                    let row = rows[batch.seqs[sp.seq].row.0 as usize]
                         .as_mut()
                         .expect("checked");
                     for &t in row.proposals.iter().rev() {
