@@ -117,11 +117,8 @@ struct Out {
 
 /// Runs `work` to the end (all submitted at once); `abort_after`: ids to abort once they have
 /// that many tokens.
-fn run(
-    e: &mut EngineCore<CpuExecutor>,
-    work: &[(String, Vec<TokenId>, SamplingParams)],
-    abort_after: &[(&str, usize)],
-) -> HashMap<String, Out> {
+/// Queues `work` (from front end 0).
+fn submit(e: &mut EngineCore<CpuExecutor>, work: &[(String, Vec<TokenId>, SamplingParams)]) {
     for (id, prompt, sampling) in work {
         e.add_request(
             Origin(0),
@@ -134,6 +131,14 @@ fn run(
             },
         );
     }
+}
+
+fn run(
+    e: &mut EngineCore<CpuExecutor>,
+    work: &[(String, Vec<TokenId>, SamplingParams)],
+    abort_after: &[(&str, usize)],
+) -> HashMap<String, Out> {
+    submit(e, work);
     let mut outs: HashMap<String, Out> = HashMap::new();
     let mut aborted = Vec::new();
     loop {
@@ -660,18 +665,7 @@ fn pause_and_prefix_cache_reset_in_the_middle_of_rounds() {
     let work = greedy_work(40);
     let off = run(&mut Setup::new(Method::Off).engine(), &work, &[]);
     let mut e = Setup::new(Method::Draft).engine();
-    for (id, prompt, sampling) in &work {
-        e.add_request(
-            Origin(0),
-            EngineCoreRequest {
-                request_id: id.clone(),
-                prompt_token_ids: prompt.clone(),
-                sampling: sampling.clone(),
-                arrival_time: 0.0,
-                cache_salt: None,
-            },
-        );
-    }
+    submit(&mut e, &work);
     let mut outs: HashMap<String, Vec<TokenId>> = HashMap::new();
     fn collect(e: &mut EngineCore<CpuExecutor>, outs: &mut HashMap<String, Vec<TokenId>>) {
         for (_, o) in e.take_outputs() {

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{default_model, free_port, runtime, Api, Proc, MODEL_NAME};
+use common::{runtime, Api, MODEL_NAME};
 use hyper::StatusCode;
 use serde_json::json;
 
@@ -48,33 +48,23 @@ fn engine_pids(launcher: i32) -> Vec<(i32, String)> {
 
 #[test]
 fn requests_spread_and_a_dead_engine_core_fails_only_its_own() {
-    let model = default_model();
-    let port = free_port();
-    let port_s = port.to_string();
-    let mut serve = Proc::spawn(
-        "harrier serve",
-        &[
-            "serve",
-            "--model",
-            model.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--data-parallel-size",
-            "2",
-            "--api-server-count",
-            "2",
-            "--port",
-            &port_s,
-            "--kv-cache-mib",
-            "32",
-        ],
-    );
-    let line = serve.wait_for_line("Harrier is serving", Duration::from_secs(300));
+    let common::Served {
+        proc: mut serve,
+        line,
+        api,
+        ..
+    } = common::serve(&[
+        "--device",
+        "cpu",
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "2",
+    ]);
     assert!(line.contains("2 engine cores"), "{line}");
     let launcher = serve.pid();
     let pids = engine_pids(launcher);
     assert_eq!(pids.len(), 2, "{pids:?}");
-    let api = Api::new(port, None);
     runtime().block_on(async {
         // Distinct prompts spread over both engine cores.
         let mut tasks = Vec::new();

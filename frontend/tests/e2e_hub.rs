@@ -70,18 +70,14 @@ fn full(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
 
 fn handle(req: Request<hyper::body::Incoming>, state: &Mutex<HubState>) -> Response<Body> {
     let path = req.uri().path().to_string();
-    let range = req
-        .headers()
-        .get("range")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
-    let auth = req
-        .headers()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
+    let header = |name: &str| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    let (range, auth) = (header("range"), header("authorization"));
     state
         .lock()
         .unwrap()

@@ -6,36 +6,17 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{default_model, free_port, group_alive, runtime, Api, Proc};
+use common::{group_alive, runtime, Api, Proc};
 use hyper::StatusCode;
 use serde_json::json;
 
-/// Starts `harrier serve`; returns it, its port and the engine's pid (= the children's group).
+/// Starts `harrier serve` with 2 front ends; returns it, its port and the engine's pid (= the
+/// children's group).
 fn serve(extra: &[&str]) -> (Proc, u16, i32) {
-    let model = default_model();
-    let port = free_port();
-    let port_s = port.to_string();
-    let mut args = vec![
-        "serve",
-        "--model",
-        model.to_str().unwrap(),
-        "--api-server-count",
-        "2",
-        "--port",
-        &port_s,
-        "--kv-cache-mib",
-        "32",
-    ];
+    let mut args = vec!["--api-server-count", "2"];
     args.extend_from_slice(extra);
-    let mut p = Proc::spawn("harrier serve", &args);
-    let line = p.wait_for_line("Harrier is serving", Duration::from_secs(300));
-    let pid: i32 = line
-        .split("engine pid ")
-        .nth(1)
-        .and_then(|r| r.split(')').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no engine pid in {line:?}"));
-    (p, port, pid)
+    let s = common::serve(&args);
+    (s.proc, s.port, s.engine_pid)
 }
 
 fn wait_group_gone(pgid: i32, timeout: Duration) {

@@ -8,9 +8,8 @@
 mod common;
 
 use std::path::PathBuf;
-use std::time::Duration;
 
-use common::{default_model, free_port, runtime, Api, Proc, BIN, MODEL_NAME};
+use common::{default_model, runtime, Api, Proc, BIN, MODEL_NAME};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 
@@ -19,22 +18,8 @@ fn draft_dir() -> PathBuf {
 }
 
 fn serve(extra: &[&str]) -> (Proc, Api) {
-    let model = default_model();
-    let port = free_port();
-    let port_s = port.to_string();
-    let mut args = vec![
-        "serve",
-        "--model",
-        model.to_str().unwrap(),
-        "--port",
-        &port_s,
-        "--kv-cache-mib",
-        "32",
-    ];
-    args.extend_from_slice(extra);
-    let mut p = Proc::spawn("harrier serve", &args);
-    p.wait_for_line("Harrier is serving", Duration::from_secs(300));
-    (p, Api::new(port, None))
+    let s = common::serve(extra);
+    (s.proc, s.api)
 }
 
 const PROMPTS: &[&str] = &[

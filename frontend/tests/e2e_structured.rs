@@ -5,31 +5,13 @@
 
 mod common;
 
-use std::time::Duration;
-
-use common::{default_model, free_port, runtime, Api, Proc, MODEL_NAME};
+use common::{runtime, MODEL_NAME};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 
 #[test]
 fn constraints_hold_over_http() {
-    let model = default_model();
-    let port = free_port();
-    let port_s = port.to_string();
-    let mut p = Proc::spawn(
-        "harrier serve",
-        &[
-            "serve",
-            "--model",
-            model.to_str().unwrap(),
-            "--port",
-            &port_s,
-            "--kv-cache-mib",
-            "32",
-        ],
-    );
-    p.wait_for_line("Harrier is serving", Duration::from_secs(300));
-    let api = Api::new(port, None);
+    let common::Served { proc: _p, api, .. } = common::serve(&[]);
     runtime().block_on(async {
         // JSON schema on chat, sampled.
         let schema = json!({"type": "object", "properties": {

@@ -7,29 +7,13 @@
 
 mod common;
 
-use std::time::Duration;
-
-use common::{default_model, free_port, runtime, Api, Proc, MODEL_NAME};
+use common::{runtime, Api, Proc, MODEL_NAME};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 
 fn serve(extra: &[&str]) -> (Proc, Api) {
-    let model = default_model();
-    let port = free_port();
-    let port_s = port.to_string();
-    let mut args = vec![
-        "serve",
-        "--model",
-        model.to_str().unwrap(),
-        "--port",
-        &port_s,
-        "--kv-cache-mib",
-        "32",
-    ];
-    args.extend_from_slice(extra);
-    let mut p = Proc::spawn("harrier serve", &args);
-    p.wait_for_line("Harrier is serving", Duration::from_secs(300));
-    (p, Api::new(port, None))
+    let s = common::serve(extra);
+    (s.proc, s.api)
 }
 
 fn tools() -> Value {

@@ -138,6 +138,50 @@ impl Drop for Proc {
     }
 }
 
+/// A running `harrier serve`.
+pub struct Served {
+    pub proc: Proc,
+    pub port: u16,
+    /// The first engine core's pid: the group of the launcher's children.
+    pub engine_pid: i32,
+    /// The launcher's readiness line.
+    pub line: String,
+    pub api: Api,
+}
+
+/// `harrier serve` of the embedded model on a free port (32 MiB of KV) with `extra`
+/// options, once it says it serves.
+pub fn serve(extra: &[&str]) -> Served {
+    let model = default_model();
+    let port = free_port();
+    let port_s = port.to_string();
+    let mut args = vec![
+        "serve",
+        "--model",
+        model.to_str().unwrap(),
+        "--port",
+        &port_s,
+        "--kv-cache-mib",
+        "32",
+    ];
+    args.extend_from_slice(extra);
+    let mut proc = Proc::spawn("harrier serve", &args);
+    let line = proc.wait_for_line("Harrier is serving", Duration::from_secs(300));
+    let engine_pid: i32 = line
+        .split("engine pid ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no engine pid in {line:?}"));
+    Served {
+        proc,
+        port,
+        engine_pid,
+        line,
+        api: Api::new(port, None),
+    }
+}
+
 /// Whether any process is still in group `pgid`.
 pub fn group_alive(pgid: i32) -> bool {
     // SAFETY: signal 0 only checks for existence.
