@@ -7,7 +7,7 @@
 //!
 //! Two kinds of model are checked:
 //! - random-weight presets (`scripts/gpu/parity.sh` generates each with `harrier gen-model` and a
-//!   fixed seed): here the same preset is regenerated with the fixture's seed (the generator is
+//!   fixed seed; `scripts/gpu/gemma3_check.sh` micro-gemma3): here the same preset is regenerated with the fixture's seed (the generator is
 //!   deterministic on any machine);
 //! - the committed trained models (`engine-core/models/<name>`, fixtures from
 //!   `scripts/gpu/train.sh` on held-out text prompts, `"seed": null`): loaded as they are.
@@ -22,7 +22,9 @@ mod model_support;
 
 use std::path::PathBuf;
 
-use harrier_engine::model::{expected_tensors, Checkpoint, CpuModel, ModelConfig, ModelDir};
+use harrier_engine::model::{
+    expected_tensors, Checkpoint, CpuModel, LayerAttention, ModelConfig, ModelDir, RopeScaling,
+};
 use model_support::{gen_preset, greedy_batch};
 use serde_json::Value;
 
@@ -129,7 +131,47 @@ fn check_config(name: &str, cfg: &Value, c: &ModelConfig) {
         Some(c.tie_word_embeddings),
         "{name}: config tie_word_embeddings differs from the fixture's"
     );
-    let rope = &cfg["rope_parameters"];
+    // Gemma 3 nests its RoPE by layer type; the full layers' is ModelConfig's rope_theta.
+    let gemma = c.sliding.is_some();
+    let rope = match gemma {
+        true => &cfg["rope_parameters"]["full_attention"],
+        false => &cfg["rope_parameters"],
+    };
+    if let Some(s) = &c.sliding {
+        let local = cfg["rope_parameters"]["sliding_attention"]["rope_theta"].as_f64();
+        assert_eq!(
+            local,
+            Some(s.rope_theta as f64),
+            "{name}: sliding rope_theta"
+        );
+        assert_eq!(
+            cfg["sliding_window"].as_u64(),
+            Some(s.window as u64),
+            "{name}: window"
+        );
+        let types: Vec<&str> = s
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerAttention::Sliding => "sliding_attention",
+                LayerAttention::Full => "full_attention",
+            })
+            .collect();
+        assert_eq!(
+            cfg["layer_types"],
+            serde_json::json!(types),
+            "{name}: layer_types"
+        );
+        assert_eq!(
+            cfg["query_pre_attn_scalar"].as_f64(),
+            c.query_pre_attn_scalar.map(f64::from),
+            "{name}: query_pre_attn_scalar"
+        );
+        assert_eq!(
+            cfg["hidden_activation"], "gelu_pytorch_tanh",
+            "{name}: activation"
+        );
+    }
     for (key, want, ours) in [
         ("rms_norm_eps", &cfg["rms_norm_eps"], c.rms_norm_eps),
         ("rope_theta", &rope["rope_theta"], c.rope_theta),
@@ -144,7 +186,14 @@ fn check_config(name: &str, cfg: &Value, c: &ModelConfig) {
     }
     match (rope["rope_type"].as_str(), &c.rope_scaling) {
         (Some("default"), None) => {}
-        (Some("llama3"), Some(s)) => {
+        (Some("linear"), Some(RopeScaling::Linear { factor })) => {
+            assert_eq!(
+                rope["factor"].as_f64(),
+                Some(*factor as f64),
+                "{name}: rope factor"
+            );
+        }
+        (Some("llama3"), Some(RopeScaling::Llama3(s))) => {
             for (key, ours) in [
                 ("factor", s.factor as f64),
                 ("low_freq_factor", s.low_freq_factor as f64),
@@ -231,6 +280,12 @@ fn parity_micro_qwen3() {
 #[test]
 fn parity_tiny() {
     check_preset("tiny");
+}
+
+/// Gemma 3 (window 32, so the prompts of 100 and 200 tokens and their decodes cross it).
+#[test]
+fn parity_micro_gemma3() {
+    check_preset("micro-gemma3");
 }
 
 #[test]

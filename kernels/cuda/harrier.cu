@@ -76,37 +76,63 @@ __device__ float block_max(float v, float* sh) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Embedding: out[t] = table[token(t)], where token(t) = tok_src[t] if >= 0 (from the host), else
-// pending[-tok_src[t] - 1] (the row's last sampled token, written on the device by sampling).
+// Embedding: out[t] = table[token(t)] (times scale when it is not 1: Gemma's sqrt(hidden), already
+// rounded to the storage type by the host, the product rounded as a bf16 multiply), where
+// token(t) = tok_src[t] if >= 0 (from the host), else pending[-tok_src[t] - 1] (the row's last
+// sampled token, written on the device by sampling).
 extern "C" __global__ void embed_tokens(elem* out, const elem* table, const int* tok_src, const int* pending,
-                                        int hidden, int vocab) {
+                                        int hidden, int vocab, float scale) {
     int t = blockIdx.x;
     int s = tok_src[t];
     int tok = s >= 0 ? s : pending[-s - 1];
     if (tok < 0 || tok >= vocab) tok = 0;
     const elem* row = table + (size_t)tok * hidden;
     elem* o = out + (size_t)t * hidden;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = row[i];
+    if (scale == 1.0f) {
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = row[i];
+    } else {
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = f2e(e2f(row[i]) * scale);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Residual add + RMSNorm, Hugging Face's bf16 rounding points:
 //   x = bf16(resid + delta)            (when delta != 0; written back to resid)
 //   out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
+// With w_off != 0 (Gemma: RMSNorm scales by 1 + w, in fp32, one rounding at the end):
+//   out = bf16(x * rsqrt(mean(x^2) + eps) * (w_off + w))
+// With delta_w != 0 (Gemma's post-attention and post-feedforward norms) the delta is normed
+// first, the same way: x = bf16(resid + bf16(norm(delta) * (w_off + delta_w))).
 // Block i handles row src = rows ? rows[i] : i and writes out row i (rows: the final norm over
 // the rows that want logits).
-extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const elem* w, elem* out, const int* rows,
-                                       int hidden, float eps) {
+__device__ __forceinline__ float norm_scale(float xn, const elem* w, int j, float w_off) {
+    return w_off != 0.0f ? xn * (w_off + e2f(w[j])) : e2f(w[j]) * rnd(xn);
+}
+
+extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const elem* delta_w, const elem* w, elem* out,
+                                       const int* rows, int hidden, float eps, float w_off) {
     __shared__ float sh[32];
     int i = blockIdx.x;
     int src = rows ? rows[i] : i;
     elem* x = resid + (size_t)src * hidden;
     const elem* d = delta ? delta + (size_t)src * hidden : 0;
+    float dinv = 0.0f;
+    if (d && delta_w) {
+        float ds = 0.0f;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            float v = e2f(d[j]);
+            ds += v * v;
+        }
+        ds = block_sum(ds, sh);
+        dinv = rsqrtf(ds / (float)hidden + eps);
+    }
     float ss = 0.0f;
     for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
         float v = e2f(x[j]);
         if (d) {
-            v = rnd(v + e2f(d[j]));
+            float dv = e2f(d[j]);
+            if (delta_w) dv = rnd(norm_scale(dv * dinv, delta_w, j, w_off));
+            v = rnd(v + dv);
             x[j] = f2e(v);
         }
         ss += v * v;
@@ -116,19 +142,19 @@ extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const ele
     elem* o = out + (size_t)i * hidden;
     for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
         float v = e2f(x[j]);
-        o[j] = f2e(e2f(w[j]) * rnd(v * inv));
+        o[j] = f2e(norm_scale(v * inv, w, j, w_off));
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per token: (Qwen3) per-head RMSNorm of q and k, RoPE (rotate-half, bf16 cos/sin as HF), q
+// Per token: (Qwen3, Gemma 3) per-head RMSNorm of q and k (Gemma's 1 + w with w_off = 1), RoPE (rotate-half, bf16 cos/sin as HF), q
 // rotated in place, k and v stored in the paged cache at slot_mapping[t]
 // (cache layout [num_blocks * block_size, nkv, hd]). One warp per head, the heads of a token
 // spread over gridDim.y blocks (at batch 1 one block looping over 48 heads took 7.5 us a layer);
 // hd <= 256, hd % 64 == 0.
 extern "C" __global__ void rope_kv_write(elem* qkv, int qkv_stride, int nh, int nkv, int hd, const int* positions,
                                          const float* inv_freq, const elem* q_norm, const elem* k_norm, float eps,
-                                         const int* slot_mapping, elem* k_cache, elem* v_cache) {
+                                         float w_off, const int* slot_mapping, elem* k_cache, elem* v_cache) {
     int t = blockIdx.x;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     int half = hd >> 1;
@@ -159,8 +185,8 @@ extern "C" __global__ void rope_kv_write(elem* qkv, int qkv_stride, int nh, int 
         for (int i = lane; i < half; i += 32) {
             float a = e2f(x[i]), b = e2f(x[i + half]);
             if (nw_) {
-                a = rnd(e2f(nw_[i]) * rnd(a * inv));
-                b = rnd(e2f(nw_[i + half]) * rnd(b * inv));
+                a = rnd(norm_scale(a * inv, nw_, i, w_off));
+                b = rnd(norm_scale(b * inv, nw_, i + half, w_off));
             }
             float ang = pos * inv_freq[i];
             float c = rnd(cosf(ang)), s = rnd(sinf(ang));
@@ -173,16 +199,32 @@ extern "C" __global__ void rope_kv_write(elem* qkv, int qkv_stride, int nh, int 
 }
 
 // ---------------------------------------------------------------------------------------------
-// out[r, i] = bf16(bf16(silu(gate)) * up), rows of gu = [gate | up].
-extern "C" __global__ void silu_mul(elem* out, const elem* gu, int inter, long long total) {
+// out[r, i] = bf16(bf16(act(gate)) * up), rows of gu = [gate | up]; act is SiLU (silu_mul) or
+// the tanh approximation of GELU (gelu_tanh_mul: torch's gelu(approximate="tanh"), Gemma).
+template <bool GELU>
+__device__ __forceinline__ void gated_act(elem* out, const elem* gu, int inter, long long total) {
     for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < total; k += (long long)gridDim.x * blockDim.x) {
         long long r = k / inter;
         int i = (int)(k - r * inter);
         float g = e2f(gu[r * 2 * inter + i]);
         float u = e2f(gu[r * 2 * inter + inter + i]);
-        float a = rnd(g / (1.0f + expf(-g)));
+        float a;
+        if (GELU) {
+            const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+            a = rnd(0.5f * g * (1.0f + tanhf(k0 * (g + k1 * g * g * g))));
+        } else {
+            a = rnd(g / (1.0f + expf(-g)));
+        }
         out[k] = f2e(a * u);
     }
+}
+
+extern "C" __global__ void silu_mul(elem* out, const elem* gu, int inter, long long total) {
+    gated_act<false>(out, gu, inter, total);
+}
+
+extern "C" __global__ void gelu_tanh_mul(elem* out, const elem* gu, int inter, long long total) {
+    gated_act<true>(out, gu, inter, total);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -549,6 +591,8 @@ extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_
     }
     GQA_CASE(1, 2) GQA_CASE(1, 4) GQA_CASE(2, 2) GQA_CASE(2, 4) GQA_CASE(3, 2) GQA_CASE(3, 4) GQA_CASE(4, 2)
     GQA_CASE(4, 4) GQA_CASE(6, 2) GQA_CASE(6, 4) GQA_CASE(8, 2) GQA_CASE(8, 4)
+    // Head dim 256 (Gemma 3): G * hd must fit GQA_MAX_ELEMS.
+    GQA_CASE(1, 8) GQA_CASE(2, 8) GQA_CASE(4, 8)
 #undef GQA_CASE
 }
 

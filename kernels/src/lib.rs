@@ -27,6 +27,7 @@ pub const KERNELS: &[&str] = &[
     "add_rmsnorm",
     "rope_kv_write",
     "silu_mul",
+    "gelu_tanh_mul",
     "paged_attention",
     "apply_row_inits",
     "sample_tokens",
@@ -55,12 +56,17 @@ const GQA_THREADS: u32 = 8 * 32;
 const GQA_SMALL_BLOCKS_FROM: u32 = 512;
 
 /// Whether `paged_attention_gqa` has an instance for this head layout (G = nh / nkv query
-/// heads per KV head in 1, 2, 3, 4, 6, 8; head dim 64 or 128).
+/// heads per KV head in 1, 2, 3, 4, 6, 8 with head dim 64 or 128; G in 1, 2, 4 with head dim
+/// 256).
 pub fn gqa_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
-    nkv > 0
-        && nh.is_multiple_of(nkv)
-        && matches!(nh / nkv, 1 | 2 | 3 | 4 | 6 | 8)
-        && (hd == 64 || hd == 128)
+    if nkv == 0 || !nh.is_multiple_of(nkv) {
+        return false;
+    }
+    match hd {
+        64 | 128 => matches!(nh / nkv, 1 | 2 | 3 | 4 | 6 | 8),
+        256 => matches!(nh / nkv, 1 | 2 | 4),
+        _ => false,
+    }
 }
 
 /// Whether `prefill_attention` handles head dimension `hd`.
@@ -389,7 +395,7 @@ impl Kernels {
         )
     }
 
-    /// `out[t] = table[token(t)]`, `t < n`.
+    /// `out[t] = table[token(t)] * scale`, `t < n` (scale 1: a copy).
     ///
     /// # Safety
     /// Device addresses must be valid for `n` tokens of `hidden` bf16 values.
@@ -404,13 +410,16 @@ impl Kernels {
         n: u32,
         hidden: i32,
         vocab: i32,
+        scale: f32,
     ) -> anyhow::Result<()> {
-        let mut p = params![out, table, tok_src, pending, hidden, vocab];
+        let mut p = params![out, table, tok_src, pending, hidden, vocab, scale];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("embed_tokens", (n, 1, 1), 256, s, &mut p) }
     }
 
-    /// Residual add (when `delta != 0`) and RMSNorm of `n` rows (selected by `rows` when not 0).
+    /// Residual add (when `delta != 0`; the delta RMSNormed by `delta_w` first when that is
+    /// not 0) and RMSNorm of `n` rows (selected by `rows` when not 0). Norm weights scale by
+    /// `w_off + w` in fp32 when `w_off` is not 0 (Gemma: 1), else as Llama's.
     ///
     /// # Safety
     /// Device addresses must be valid for the rows touched.
@@ -419,15 +428,15 @@ impl Kernels {
         &self,
         s: sys::CUstream,
         resid: u64,
-        delta: u64,
+        (delta, delta_w): (u64, u64),
         w: u64,
         out: u64,
         rows: u64,
         n: u32,
         hidden: i32,
-        eps: f32,
+        (eps, w_off): (f32, f32),
     ) -> anyhow::Result<()> {
-        let mut p = params![resid, delta, w, out, rows, hidden, eps];
+        let mut p = params![resid, delta, delta_w, w, out, rows, hidden, eps, w_off];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("add_rmsnorm", (n, 1, 1), NORM_THREADS, s, &mut p) }
     }
@@ -449,7 +458,7 @@ impl Kernels {
         inv_freq: u64,
         q_norm: u64,
         k_norm: u64,
-        eps: f32,
+        (eps, w_off): (f32, f32),
         slot_mapping: u64,
         k_cache: u64,
         v_cache: u64,
@@ -466,6 +475,7 @@ impl Kernels {
             q_norm,
             k_norm,
             eps,
+            w_off,
             slot_mapping,
             k_cache,
             v_cache
@@ -484,17 +494,18 @@ impl Kernels {
         }
     }
 
-    /// `out = silu(gate) * up` over `rows` rows of `[gate | up]`.
+    /// `out = act(gate) * up` over `rows` rows of `[gate | up]`: SiLU, or with `gelu` the tanh
+    /// approximation of GELU (`gelu_tanh_mul`).
     ///
     /// # Safety
     /// Device addresses must be valid for `rows * inter` outputs.
-    pub unsafe fn silu_mul(
+    pub unsafe fn gated_act(
         &self,
         s: sys::CUstream,
-        out: u64,
-        gu: u64,
+        (out, gu): (u64, u64),
         inter: i32,
         rows: u32,
+        gelu: bool,
     ) -> anyhow::Result<()> {
         let total = rows as i64 * inter as i64;
         let blocks = ((total + 255) / 256).clamp(1, 65_535) as u32;
@@ -502,7 +513,7 @@ impl Kernels {
         // SAFETY: argument types match the kernel's.
         unsafe {
             self.launch(
-                "silu_mul",
+                if gelu { "gelu_tanh_mul" } else { "silu_mul" },
                 (if total == 0 { 0 } else { blocks }, 1, 1),
                 256,
                 s,
@@ -913,7 +924,10 @@ mod tests {
         assert_eq!(define("GQA_WARPS") * 32, GQA_THREADS);
         assert!(gqa_attention_supports(32, 8, 64) && gqa_attention_supports(16, 8, 128));
         assert!(gqa_attention_supports(24, 8, 128));
-        assert!(!gqa_attention_supports(40, 8, 128) && !gqa_attention_supports(32, 8, 256));
+        assert!(!gqa_attention_supports(40, 8, 128) && !gqa_attention_supports(48, 8, 256));
+        // Gemma 3 1B (4 / 1) and 4B (8 / 4) at head dim 256: G * hd within GQA_MAX_ELEMS.
+        assert!(gqa_attention_supports(4, 1, 256) && gqa_attention_supports(8, 4, 256));
+        assert!(SOURCE.contains("#define GQA_MAX_ELEMS 1024"));
         assert_eq!(16 * define("PF_WARPS") as usize, PREFILL_TILE);
     }
 

@@ -57,7 +57,7 @@ def config_summary(cfg):
         "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
         "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
         "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rope_scaling",
-        "rope_parameters",
+        "rope_parameters", "layer_types", "sliding_window", "query_pre_attn_scalar", "hidden_activation",
     ]
     out = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}
     out["head_dim"] = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -2,7 +2,7 @@
 
 Training ends on a step count (never a clock), so a rerun gives the same model up to GPU
 nondeterminism. Every model is a Llama or Qwen3 with tied embeddings, trained on windows of
-`seq` tokens sampled from the corpus stream (batch x seq tokens a step), AdamW with a linear
+`seq` tokens sampled from the corpus stream (one Gemma 3 on request) (batch x seq tokens a step), AdamW with a linear
 warm-up and a cosine decay to 10% of `lr`.
 """
 
@@ -15,7 +15,7 @@ LLAMA32_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "
 @dataclass(frozen=True)
 class Spec:
     name: str
-    arch: str  # "llama" | "qwen3"
+    arch: str  # "llama" | "qwen3" | "gemma3"
     hidden: int
     layers: int
     heads: int
@@ -33,12 +33,15 @@ class Spec:
     # Distillation: the (already trained) model of the family whose next-token distribution
     # this one learns (forward KL at every position) instead of the corpus' next token.
     teacher: str | None = None
+    # Gemma 3: the sliding layers' window (every sixth layer is full).
+    window: int = 0
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
 
     def params(self, vocab):
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.inter + 2 * self.hidden
-        if self.arch == "qwen3":
+        norms = 4 if self.arch == "gemma3" else 2
+        per_layer = self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.inter + norms * self.hidden
+        if self.arch in ("qwen3", "gemma3"):
             per_layer += 2 * self.head_dim
         return vocab * self.hidden + self.layers * per_layer + self.hidden
 
@@ -97,6 +100,12 @@ GPU = Family(
         Spec("trained-draft-2l-distilled", "llama", hidden=1024, layers=2, heads=16, kv_heads=4, head_dim=64,
              inter=4096, steps=700, lr=2e-3, seed=206, max_pos=131072, rope=LLAMA32_ROPE,
              teacher="trained-llama-1b"),
+        # A Gemma 3 (head_dim 256, 4 query heads to 1 KV head as the 1B; two full layers among
+        # twelve) with a window of 128, so the held-out prompts (up to 256 tokens) cross it.
+        Spec("trained-gemma3-150m", "gemma3", hidden=768, layers=12, heads=4, kv_heads=1, head_dim=256,
+             inter=3072, steps=720, lr=1.5e-3, seed=207, max_pos=32768, rms_eps=1e-6, window=128,
+             rope={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     ),
 )
 

@@ -29,6 +29,11 @@ import torch.nn.functional as F
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
 
+try:  # transformers 5 names it so; older releases too since 4.50
+    from transformers import Gemma3TextConfig
+except ImportError:  # pragma: no cover - only families without Gemma can train then
+    Gemma3TextConfig = None
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import corpus as corpus_mod  # noqa: E402
 import families  # noqa: E402
@@ -49,9 +54,16 @@ def hf_config(spec, vocab, sp):
         vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=spec.inter,
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
         head_dim=spec.head_dim, max_position_embeddings=spec.max_pos, rms_norm_eps=spec.rms_eps,
-        tie_word_embeddings=True, rope_parameters=dict(spec.rope), bos_token_id=sp[tok_mod.BOS],
+        tie_word_embeddings=True, rope_parameters=json.loads(json.dumps(spec.rope)), bos_token_id=sp[tok_mod.BOS],
         eos_token_id=[i for i in (sp[tok_mod.EOS_TEXT], sp[tok_mod.EOM], sp[tok_mod.EOT]) if i is not None],
     )
+    if spec.arch == "gemma3":
+        # Gemma 3 text: 5 sliding layers to 1 full, GELU-tanh, (1 + w) norms, scaled embeddings.
+        if Gemma3TextConfig is None:
+            raise SystemExit("this transformers has no Gemma3TextConfig")
+        layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(spec.layers)]
+        return Gemma3TextConfig(**common, sliding_window=spec.window, layer_types=layer_types,
+                                query_pre_attn_scalar=spec.head_dim, hidden_activation="gelu_pytorch_tanh")
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[spec.arch]
     return cls(**common)
 

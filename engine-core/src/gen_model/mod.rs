@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
-pub use presets::{config_json, generation_config_json, Preset, SpecialIds};
+pub use presets::{config_json, gemma3_config_json, generation_config_json, Preset, SpecialIds};
 pub use writer::{tensor_specs, write_safetensors, TensorSpec, WeightInit};
 
 use crate::model::{ModelConfig, WeightDtype, INDEX_FILE, SINGLE_FILE};

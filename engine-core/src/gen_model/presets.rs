@@ -10,6 +10,17 @@
 //! | llama-3.1-8b  | Llama |   4096 |     32 |  32 / 8  |      128 | 14336 | 128256 | bf16  | no   |
 //! | qwen3-0.6b    | Qwen3 |   1024 |     28 |  16 / 8  |      128 |  3072 | 151936 | bf16  | yes  |
 //! | qwen3-4b      | Qwen3 |   2560 |     36 |  32 / 8  |      128 |  9728 | 151936 | bf16  | yes  |
+//! | micro-gemma3  | Gemma3|     64 |      6 |   4 / 2  |       64 |   128 |   1024 | f32   | yes  |
+//! | gemma-3-1b    | Gemma3|   1152 |     26 |   4 / 1  |      256 |  6912 | 262144 | bf16  | yes  |
+//! | gemma-3-4b    | Gemma3|   2560 |     34 |   8 / 4  |      256 | 10240 | 262208 | bf16  | yes  |
+//!
+//! Gemma 3 presets: five sliding layers to one full (`sliding_window_pattern` 6), bases 1e4
+//! (sliding) and 1e6 (full), `query_pre_attn_scalar` 256, windows 512 (1B) and 1024 (4B), the
+//! 4B's full layers with linear RoPE scaling 8 (its text tower as released). micro-gemma3 has a
+//! window of 32 (test prompts cross it), `query_pre_attn_scalar` 48 (not head_dim, so a wrong
+//! scale shows), linear scaling 8 on its full layer, and writes the 5.x form of the config
+//! (`layer_types`, `rope_parameters` per layer type) where the release presets write the 4.x
+//! keys their Hugging Face releases carry; both are parsed.
 //!
 //! Llama presets use Llama 3 RoPE scaling: the real-model presets as released (factor 32 for
 //! 3.2, 8 for 3.1, original context 8192); `tiny` factor 8 over an original context of 2048
@@ -20,7 +31,10 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::model::{Architecture, ModelConfig, RopeScaling, WeightDtype};
+use crate::model::{
+    Activation, Architecture, LayerAttention, Llama3Scaling, ModelConfig, RopeScaling,
+    SlidingWindow, WeightDtype,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Preset {
@@ -32,6 +46,9 @@ pub enum Preset {
     Llama31_8b,
     Qwen3_0_6b,
     Qwen3_4b,
+    MicroGemma3,
+    Gemma3_1b,
+    Gemma3_4b,
 }
 
 /// Token ids a preset declares.
@@ -46,7 +63,7 @@ pub struct SpecialIds {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 8] = [
+    pub const ALL: [Preset; 11] = [
         Preset::Micro,
         Preset::MicroQwen3,
         Preset::Tiny,
@@ -55,6 +72,9 @@ impl Preset {
         Preset::Llama31_8b,
         Preset::Qwen3_0_6b,
         Preset::Qwen3_4b,
+        Preset::MicroGemma3,
+        Preset::Gemma3_1b,
+        Preset::Gemma3_4b,
     ];
 
     pub fn name(self) -> &'static str {
@@ -67,6 +87,9 @@ impl Preset {
             Preset::Llama31_8b => "llama-3.1-8b",
             Preset::Qwen3_0_6b => "qwen3-0.6b",
             Preset::Qwen3_4b => "qwen3-4b",
+            Preset::MicroGemma3 => "micro-gemma3",
+            Preset::Gemma3_1b => "gemma-3-1b",
+            Preset::Gemma3_4b => "gemma-3-4b",
         }
     }
 
@@ -77,8 +100,9 @@ impl Preset {
     /// The preset's `ModelConfig` (the table of the module doc).
     #[rustfmt::skip]
     pub fn config(self) -> ModelConfig {
-        use Architecture::{Llama, Qwen3};
+        use Architecture::{Gemma3, Llama, Qwen3};
         use WeightDtype::{Bf16, F16, F32};
+        let linear8 = Some(RopeScaling::Linear { factor: 8.0 });
         match self {
             Preset::Micro => dims(Llama, 64, 2, 4, 2, 16, 128, 1024, F32, false, None, 2048),
             Preset::MicroQwen3 => dims(Qwen3, 64, 2, 4, 2, 32, 128, 1024, F16, true, None, 2048),
@@ -88,6 +112,9 @@ impl Preset {
             Preset::Llama31_8b => dims(Llama, 4096, 32, 32, 8, 128, 14336, 128256, Bf16, false, llama3_rope(8.0, 8192), 131072),
             Preset::Qwen3_0_6b => dims(Qwen3, 1024, 28, 16, 8, 128, 3072, 151936, Bf16, true, None, 40960),
             Preset::Qwen3_4b => dims(Qwen3, 2560, 36, 32, 8, 128, 9728, 151936, Bf16, true, None, 40960),
+            Preset::MicroGemma3 => gemma3(dims(Gemma3, 64, 6, 4, 2, 64, 128, 1024, F32, true, linear8, 2048), 32, 48.0),
+            Preset::Gemma3_1b => gemma3(dims(Gemma3, 1152, 26, 4, 1, 256, 6912, 262144, Bf16, true, None, 32768), 512, 256.0),
+            Preset::Gemma3_4b => gemma3(dims(Gemma3, 2560, 34, 8, 4, 256, 10240, 262208, Bf16, true, linear8, 131072), 1024, 256.0),
         }
     }
 
@@ -118,6 +145,19 @@ impl Preset {
                 generation_eos: vec![151645, 151643],
                 pad: Some(151643),
             },
+            Preset::MicroGemma3 => SpecialIds {
+                bos: 1022,
+                config_eos: json!([1023, 1021]),
+                generation_eos: vec![1023, 1021],
+                pad: Some(0),
+            },
+            // <bos> 2, <eos> 1, <end_of_turn> 106, <pad> 0.
+            Preset::Gemma3_1b | Preset::Gemma3_4b => SpecialIds {
+                bos: 2,
+                config_eos: json!([1, 106]),
+                generation_eos: vec![1, 106],
+                pad: Some(0),
+            },
         }
     }
 
@@ -125,21 +165,45 @@ impl Preset {
         matches!(self, Preset::Qwen3_0_6b | Preset::Qwen3_4b)
     }
 
+    fn is_gemma_release(self) -> bool {
+        matches!(self, Preset::Gemma3_1b | Preset::Gemma3_4b)
+    }
+
     /// `config.json` of this preset under config `c` (the preset's, maybe with another dtype).
     pub fn config_json(self, c: &ModelConfig) -> Value {
+        if c.architecture == Architecture::Gemma3 {
+            return gemma3_config_json(c, &self.special_ids(), self == Preset::MicroGemma3);
+        }
         // Llama 3.1 8B's config has no head_dim (it is hidden / heads); the others spell it out.
         config_json(c, &self.special_ids(), self == Preset::Llama31_8b)
     }
 }
 
-/// `config.json` for `c`, with every key the Hugging Face releases carry.
 fn llama3_rope(factor: f32, original: usize) -> Option<RopeScaling> {
-    Some(RopeScaling {
+    Some(RopeScaling::Llama3(Llama3Scaling {
         factor,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
         original_max_position_embeddings: original,
-    })
+    }))
+}
+
+/// Gemma 3's additions to a `dims` row: the 5:1 sliding pattern, the window, the local RoPE
+/// base, GELU-tanh and `query_pre_attn_scalar`.
+fn gemma3(mut c: ModelConfig, window: usize, query_pre_attn_scalar: f32) -> ModelConfig {
+    c.sliding = Some(SlidingWindow {
+        window,
+        layers: (0..c.num_layers)
+            .map(|i| match (i + 1) % 6 {
+                0 => LayerAttention::Full,
+                _ => LayerAttention::Sliding,
+            })
+            .collect(),
+        rope_theta: 10_000.0,
+    });
+    c.hidden_act = Activation::GeluTanh;
+    c.query_pre_attn_scalar = Some(query_pre_attn_scalar);
+    c
 }
 
 /// One row of the preset table (columns as in the module doc); theta and eps by architecture.
@@ -160,7 +224,7 @@ fn dims(
 ) -> ModelConfig {
     let (rope_theta, rms_norm_eps) = match architecture {
         Architecture::Llama => (500_000.0, 1e-5),
-        Architecture::Qwen3 => (1_000_000.0, 1e-6),
+        Architecture::Qwen3 | Architecture::Gemma3 => (1_000_000.0, 1e-6),
     };
     ModelConfig {
         architecture,
@@ -177,6 +241,9 @@ fn dims(
         max_position_embeddings,
         tie_word_embeddings,
         dtype: Some(dtype),
+        hidden_act: Activation::Silu,
+        query_pre_attn_scalar: None,
+        sliding: None,
     }
 }
 
@@ -218,7 +285,11 @@ pub fn config_json(c: &ModelConfig, ids: &SpecialIds, omit_head_dim: bool) -> Va
             put(
                 "rope_scaling",
                 match &c.rope_scaling {
-                    Some(s) => json!({
+                    Some(RopeScaling::Linear { factor }) => json!({
+                        "factor": f32_json(*factor),
+                        "rope_type": "linear",
+                    }),
+                    Some(RopeScaling::Llama3(s)) => json!({
                         "factor": f32_json(s.factor),
                         "high_freq_factor": f32_json(s.high_freq_factor),
                         "low_freq_factor": f32_json(s.low_freq_factor),
@@ -235,8 +306,92 @@ pub fn config_json(c: &ModelConfig, ids: &SpecialIds, omit_head_dim: bool) -> Va
             put("sliding_window", Value::Null);
             put("use_sliding_window", json!(false));
         }
+        Architecture::Gemma3 => unreachable!("Gemma 3 configs come from gemma3_config_json"),
     }
     Value::Object(m)
+}
+
+/// `config.json` of a Gemma 3 text model: the 4.x keys of the Hugging Face release
+/// (`rope_theta`, `rope_local_base_freq`, `rope_scaling`, `sliding_window_pattern`), or with
+/// `v5` the form transformers 5 writes (`layer_types`, `rope_parameters` per layer type).
+pub fn gemma3_config_json(c: &ModelConfig, ids: &SpecialIds, v5: bool) -> Value {
+    let sliding = c
+        .sliding
+        .as_ref()
+        .expect("a Gemma 3 config has sliding layers");
+    let dtype = c.dtype.unwrap_or(WeightDtype::Bf16).torch_name();
+    let scaling = match &c.rope_scaling {
+        None => Value::Null,
+        Some(RopeScaling::Linear { factor }) => {
+            json!({"factor": f32_json(*factor), "rope_type": "linear"})
+        }
+        Some(other) => panic!("Gemma 3 presets use linear RoPE scaling, not {other:?}"),
+    };
+    let mut m = json!({
+        "architectures": [c.architecture.hf_name()],
+        "model_type": c.architecture.model_type(),
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": null,
+        "bos_token_id": ids.bos,
+        "eos_token_id": ids.config_eos.clone(),
+        "final_logit_softcapping": null,
+        "head_dim": c.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": c.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "num_attention_heads": c.num_heads,
+        "num_hidden_layers": c.num_layers,
+        "num_key_value_heads": c.num_kv_heads,
+        "pad_token_id": ids.pad,
+        // transformers 5 validates this field as an int.
+        "query_pre_attn_scalar": c.query_pre_attn_scalar.map(|q| match q.fract() == 0.0 {
+            true => json!(q as i64),
+            false => f32_json(q),
+        }),
+        "rms_norm_eps": f32_json(c.rms_norm_eps),
+        "sliding_window": sliding.window,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "torch_dtype": dtype,
+        "use_cache": true,
+        "vocab_size": c.vocab_size,
+    });
+    let obj = m.as_object_mut().expect("object");
+    if v5 {
+        let types: Vec<&str> = sliding
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerAttention::Sliding => "sliding_attention",
+                LayerAttention::Full => "full_attention",
+            })
+            .collect();
+        let mut full = json!({"rope_type": "default", "rope_theta": f32_json(c.rope_theta)});
+        if let Value::Object(s) = &scaling {
+            for (k, v) in s {
+                full[k] = v.clone();
+            }
+        }
+        obj.insert("layer_types".into(), json!(types));
+        obj.insert(
+            "rope_parameters".into(),
+            json!({
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": f32_json(sliding.rope_theta)},
+            }),
+        );
+        obj.insert("transformers_version".into(), json!("5.0.0"));
+    } else {
+        obj.insert("cache_implementation".into(), json!("hybrid"));
+        obj.insert("rope_local_base_freq".into(), f32_json(sliding.rope_theta));
+        obj.insert("rope_scaling".into(), scaling);
+        obj.insert("rope_theta".into(), f32_json(c.rope_theta));
+        obj.insert("sliding_window_pattern".into(), json!(6));
+        obj.insert("transformers_version".into(), json!("4.50.0.dev0"));
+    }
+    m
 }
 
 /// An f32 as the shortest decimal that reads back to it (`1e-5`, not `9.99999974e-6`).
@@ -257,6 +412,11 @@ pub fn generation_config_json(preset: Preset) -> Value {
         g["pad_token_id"] = json!(ids.pad);
         g["temperature"] = json!(0.6);
         g["top_k"] = json!(20);
+        g["top_p"] = json!(0.95);
+    } else if preset.is_gemma_release() {
+        g["cache_implementation"] = json!("hybrid");
+        g["pad_token_id"] = json!(ids.pad);
+        g["top_k"] = json!(64);
         g["top_p"] = json!(0.95);
     } else {
         if let Some(pad) = ids.pad {

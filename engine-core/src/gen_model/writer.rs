@@ -35,7 +35,8 @@ use crate::model::{
 ///   not the token's own embedding, decide the next token. (With 0.02 throughout, a small
 ///   model with tied embeddings mostly predicts its input token: logits degenerate into
 ///   "repeat the last token".)
-/// - norm weights: `1 + N(0, norm_std)` (never all ones, so a skipped or misread norm shows).
+/// - norm weights: `1 + N(0, norm_std)` (never all ones, so a skipped or misread norm shows);
+///   Gemma's, which scale by `1 + w`, `N(0, norm_std)`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WeightInit {
     pub matrix_std: f32,
@@ -68,11 +69,12 @@ impl TensorSpec {
 
 /// The tensors of a checkpoint of `config`, in order, with their distributions.
 pub fn tensor_specs(config: &ModelConfig, init: WeightInit) -> Vec<TensorSpec> {
+    let norm_mean = 1.0 - config.architecture.norm_weight_offset();
     expected_tensors(config)
         .into_iter()
         .map(|(name, shape)| {
             let (mean, std) = match shape[..] {
-                [_] => (1.0, init.norm_std),
+                [_] => (norm_mean, init.norm_std),
                 _ if name == EMBED || name == LM_HEAD => (0.0, init.matrix_std),
                 [_, fan_in] => (0.0, init.matrix_std.max(1.0 / (fan_in as f32).sqrt())),
                 _ => (0.0, init.matrix_std),

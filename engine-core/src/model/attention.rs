@@ -4,7 +4,8 @@
 //! token decodes. Row `r` belongs to sequence `row_seq[r]` at absolute position `row_pos[r]`;
 //! its K/V (and those of every earlier position of its sequence) are already in the cache, so
 //! causality is simply "attend to positions `0 ..= row_pos[r]`" — within a chunk that is the
-//! causal mask, across chunks it is the cached prefix.
+//! causal mask, across chunks it is the cached prefix. A sliding-window layer (window `w`)
+//! attends to `row_pos[r] - w + 1 ..= row_pos[r]` only.
 //!
 //! For each (query head `h`, row `r`), with `g = num_heads / num_kv_heads`:
 //!
@@ -44,6 +45,10 @@ pub struct AttnShape {
     pub head_dim: usize,
     /// Row stride of `q` (the fused q|k|v row width).
     pub q_stride: usize,
+    /// Softmax scale of the scores (`head_dim^-1/2`, or Gemma's `query_pre_attn_scalar^-1/2`).
+    pub scale: f32,
+    /// Sliding window: the row at `p` attends to positions `p - w + 1 ..= p` only.
+    pub window: Option<usize>,
 }
 
 /// Attention of layer `layer` for every row; see the module doc.
@@ -66,21 +71,23 @@ pub fn paged_attention(
         num_kv_heads,
         head_dim,
         q_stride,
+        scale,
+        window,
     } = shape;
     let rows = row_seq.len();
     debug_assert_eq!(out_hm.len(), num_heads * rows * head_dim);
     let group = num_heads / num_kv_heads;
-    let scale = (head_dim as f64).powf(-0.5) as f32;
     let (k_cache, v_cache) = cache.layer(layer);
 
     let item = |idx: usize, out: &mut [f32]| {
         let (h, r) = (idx / rows, idx % rows);
         let seq = &seqs[row_seq[r] as usize];
         let ctx = row_pos[r] as usize + 1;
+        let start = window.map_or(0, |w| ctx.saturating_sub(w));
         let kv_off = (h / group) * head_dim;
         let qv = &q[r * q_stride + h * head_dim..][..head_dim];
-        // Offsets of the K/V rows of positions 0..ctx, read through the block table.
-        let rows_of = || (0..ctx).map(|p| cache.slot_offset(seq.block_table, p) + kv_off);
+        // Offsets of the K/V rows of positions start..ctx, read through the block table.
+        let rows_of = || (start..ctx).map(|p| cache.slot_offset(seq.block_table, p) + kv_off);
         SCORES.with_borrow_mut(|scores| {
             scores.clear();
             let mut max = f32::NEG_INFINITY;
@@ -102,7 +109,11 @@ pub fn paged_attention(
         });
     };
 
-    let work: usize = row_pos.iter().map(|&p| p as usize + 1).sum::<usize>() * num_heads * head_dim;
+    let visible = |p: u32| {
+        let ctx = p as usize + 1;
+        window.map_or(ctx, |w| ctx.min(w))
+    };
+    let work: usize = row_pos.iter().map(|&p| visible(p)).sum::<usize>() * num_heads * head_dim;
     if work < PARALLEL_MIN_WORK {
         out_hm
             .chunks_mut(head_dim)

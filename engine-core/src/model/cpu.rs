@@ -1,4 +1,4 @@
-//! The CPU forward pass (f32) of Llama 3.x and Qwen3.
+//! The CPU forward pass (f32) of Llama 3.x, Qwen3 and Gemma 3.
 //!
 //! One call runs a batch of [`SeqChunk`]s laid end to end as rows `0 .. T`:
 //!
@@ -17,15 +17,22 @@
 //!   logits rows = rms_norm(x[last logit_rows rows of each chunk]) · W_lm_headᵀ
 //! ```
 //!
+//! Gemma 3 differs in: embeddings times `sqrt(hidden)`; every RMSNorm scales by `1 + w` (folded
+//! into the weights at load, exact in f32 as transformers computes it); q/k norms as Qwen3;
+//! sliding layers attend to the last `window` positions with their own RoPE base; scores
+//! scaled by `query_pre_attn_scalar^-1/2`; the attention and MLP outputs are normed before
+//! their residual adds (`x += rms_norm(attn · W_oᵀ) * w_post`, MLP input norm `w_pre_ff`,
+//! output norm `w_post_ff`); the MLP gate is GELU-tanh.
+//!
 //! Scratch buffers live in the model and only grow, so a steady stream of similar batches
 //! allocates nothing.
 
 use anyhow::{bail, ensure};
 
 use super::attention::{paged_attention, AttnShape};
-use super::config::{Architecture, ModelConfig, ModelError};
+use super::config::{Activation, LayerAttention, ModelConfig, ModelError};
 use super::linear::{linear, PackedWeight};
-use super::ops::{rms_norm, rms_norm_in_place, silu_mul};
+use super::ops::{gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul};
 use super::rope::{self, Rope};
 use super::weights::{Checkpoint, LayerTensor, EMBED, FINAL_NORM, LM_HEAD};
 use super::{KvCache, ModelDir};
@@ -47,13 +54,17 @@ struct LayerWeights {
     input_norm: Vec<f32>,
     /// Fused `[q; k; v]`: hidden -> (nh + 2 nkv) hd.
     qkv: PackedWeight,
-    /// Qwen3 only: per-head norms of q and k (`[head_dim]`).
+    /// Qwen3 and Gemma 3: per-head norms of q and k (`[head_dim]`).
     qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     o: PackedWeight,
     post_norm: Vec<f32>,
+    /// Gemma 3: the MLP's input and output norms (`post_norm` then norms the attention output).
+    ff_norms: Option<(Vec<f32>, Vec<f32>)>,
     /// Fused `[gate; up]`: hidden -> 2 intermediate.
     gate_up: PackedWeight,
     down: PackedWeight,
+    /// `Some(w)`: sliding-window attention over the last `w` positions, with the sliding RoPE.
+    window: Option<usize>,
 }
 
 #[derive(Default)]
@@ -65,8 +76,13 @@ struct Scratch {
     attn: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
+    /// A projection's output before its norm (Gemma 3's sandwich norms).
+    delta: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// The sliding layers' RoPE tables (Gemma 3).
+    cos_local: Vec<f32>,
+    sin_local: Vec<f32>,
     row_seq: Vec<u32>,
     row_pos: Vec<u32>,
     logit_rows: Vec<f32>,
@@ -88,6 +104,10 @@ pub struct CpuModel {
     final_norm: Vec<f32>,
     lm_head: PackedWeight,
     rope: Rope,
+    /// The sliding layers' RoPE (Gemma 3).
+    rope_local: Option<Rope>,
+    /// The embedding multiplier (Gemma 3: `sqrt(hidden)`).
+    embed_scale: f32,
     scratch: Scratch,
 }
 
@@ -100,6 +120,13 @@ impl CpuModel {
         ckpt.check(&config)?;
         let get = |name: &str, shape: Vec<usize>| -> Result<Vec<f32>, ModelError> {
             Ok(ckpt.get(name, &shape)?.to_f32())
+        };
+        // Norm weights with Gemma's `1 + w` folded in (f32, as transformers computes it).
+        let offset = config.architecture.norm_weight_offset();
+        let norm = |name: &str| -> Result<Vec<f32>, ModelError> {
+            let mut w = get(name, vec![config.hidden_size])?;
+            w.iter_mut().for_each(|v| *v += offset);
+            Ok(w)
         };
         // [out, in] tensors stacked along `out`, packed.
         let fuse = |layer: usize, parts: &[LayerTensor]| -> Result<PackedWeight, ModelError> {
@@ -126,10 +153,20 @@ impl CpuModel {
         );
         for l in 0..config.num_layers {
             progress.inc(1);
-            let one = |t: LayerTensor| get(&t.name(l), t.shape(&config));
-            let qk_norm = match config.architecture {
-                Architecture::Qwen3 => Some((one(LayerTensor::QNorm)?, one(LayerTensor::KNorm)?)),
-                Architecture::Llama => None,
+            let one = |t: LayerTensor| -> Result<Vec<f32>, ModelError> {
+                let mut w = get(&t.name(l), t.shape(&config))?;
+                if t.is_norm() {
+                    w.iter_mut().for_each(|v| *v += offset);
+                }
+                Ok(w)
+            };
+            let qk_norm = match config.architecture.has_qk_norm() {
+                true => Some((one(LayerTensor::QNorm)?, one(LayerTensor::KNorm)?)),
+                false => None,
+            };
+            let ff_norms = match config.architecture.sandwich_norms() {
+                true => Some((one(LayerTensor::PreFfNorm)?, one(LayerTensor::PostFfNorm)?)),
+                false => None,
             };
             layers.push(LayerWeights {
                 input_norm: one(LayerTensor::InputNorm)?,
@@ -140,8 +177,10 @@ impl CpuModel {
                 qk_norm,
                 o: packed(l, LayerTensor::OProj)?,
                 post_norm: one(LayerTensor::PostNorm)?,
+                ff_norms,
                 gate_up: fuse(l, &[LayerTensor::GateProj, LayerTensor::UpProj])?,
                 down: packed(l, LayerTensor::DownProj)?,
+                window: config.layer_window(l),
             });
         }
         progress.finish();
@@ -157,9 +196,15 @@ impl CpuModel {
         Ok(CpuModel {
             embed,
             layers,
-            final_norm: get(FINAL_NORM, vec![h])?,
+            final_norm: norm(FINAL_NORM)?,
             lm_head,
-            rope: Rope::new(&config),
+            rope: Rope::new(&config, LayerAttention::Full),
+            rope_local: config
+                .sliding
+                .as_ref()
+                .map(|_| Rope::new(&config, LayerAttention::Sliding)),
+            // The f32 model computes as transformers' fp32 one does.
+            embed_scale: config.embed_scale(crate::model::WeightDtype::F32),
             scratch: Scratch::default(),
             config,
         })
@@ -203,6 +248,8 @@ impl CpuModel {
             embed,
             lm_head,
             rope,
+            rope_local,
+            embed_scale,
             scratch: s,
             ..
         } = self;
@@ -211,6 +258,9 @@ impl CpuModel {
         s.row_pos.clear();
         let cos = grow(&mut s.cos, rows * half);
         let sin = grow(&mut s.sin, rows * half);
+        let local_len = if rope_local.is_some() { rows * half } else { 0 };
+        let cos_l = grow(&mut s.cos_local, local_len);
+        let sin_l = grow(&mut s.sin_local, local_len);
         let x = grow(&mut s.x, rows * hidden);
         let mut r = 0;
         for (i, seq) in seqs.iter().enumerate() {
@@ -223,8 +273,18 @@ impl CpuModel {
                     Some(e) => row.copy_from_slice(&e[tok as usize * hidden..][..hidden]),
                     None => lm_head.row_into(tok as usize, row),
                 }
+                if *embed_scale != 1.0 {
+                    row.iter_mut().for_each(|v| *v *= *embed_scale);
+                }
                 let (c, sn) = (&mut cos[r * half..][..half], &mut sin[r * half..][..half]);
                 rope.cos_sin(pos, c, sn);
+                if let Some(rl) = rope_local {
+                    let (c, sn) = (
+                        &mut cos_l[r * half..][..half],
+                        &mut sin_l[r * half..][..half],
+                    );
+                    rl.cos_sin(pos, c, sn);
+                }
                 r += 1;
             }
         }
@@ -255,6 +315,10 @@ impl CpuModel {
         let attn = grow(&mut s.attn, rows * nh * hd);
         let gate_up = grow(&mut s.gate_up, rows * 2 * inter);
         let act = grow(&mut s.act, rows * inter);
+        let (cos, sin) = match w.window {
+            Some(_) => (&s.cos_local, &s.sin_local),
+            None => (&s.cos, &s.sin),
+        };
 
         rms_norm(x, &w.input_norm, eps, h);
         linear(h, &w.qkv, qkv, rows, false);
@@ -265,7 +329,7 @@ impl CpuModel {
                 rms_norm_in_place(q, qn, eps);
                 rms_norm_in_place(k, kn, eps);
             }
-            let (cr, sr) = (&s.cos[r * half..][..half], &s.sin[r * half..][..half]);
+            let (cr, sr) = (&cos[r * half..][..half], &sin[r * half..][..half]);
             rope::apply(q, hd, cr, sr);
             rope::apply(k, hd, cr, sr);
         }
@@ -275,6 +339,8 @@ impl CpuModel {
             num_kv_heads: nkv,
             head_dim: hd,
             q_stride: qkv_dim,
+            scale: c.attention_scale(),
+            window: w.window,
         };
         paged_attention(
             qkv, cache, layer, seqs, &s.row_seq, &s.row_pos, shape, attn_hm,
@@ -285,11 +351,31 @@ impl CpuModel {
                 attn[r * nh * hd + hh * hd..][..hd].copy_from_slice(src);
             }
         }
-        linear(attn, &w.o, x, rows, true);
-        rms_norm(x, &w.post_norm, eps, h);
-        linear(h, &w.gate_up, gate_up, rows, false);
-        silu_mul(gate_up, inter, act);
-        linear(act, &w.down, x, rows, true);
+        let act_fn = match c.hidden_act {
+            Activation::Silu => silu_mul,
+            Activation::GeluTanh => gelu_tanh_mul,
+        };
+        match &w.ff_norms {
+            None => {
+                linear(attn, &w.o, x, rows, true);
+                rms_norm(x, &w.post_norm, eps, h);
+                linear(h, &w.gate_up, gate_up, rows, false);
+                act_fn(gate_up, inter, act);
+                linear(act, &w.down, x, rows, true);
+            }
+            Some((pre_ff, post_ff)) => {
+                let delta = grow(&mut s.delta, rows * hidden);
+                linear(attn, &w.o, delta, rows, false);
+                rms_norm_in_place(delta, &w.post_norm, eps);
+                add(x, delta);
+                rms_norm(x, pre_ff, eps, h);
+                linear(h, &w.gate_up, gate_up, rows, false);
+                act_fn(gate_up, inter, act);
+                linear(act, &w.down, delta, rows, false);
+                rms_norm_in_place(delta, post_ff, eps);
+                add(x, delta);
+            }
+        }
     }
 
     /// Final norm and `lm_head` on the rows that want logits (the last `logit_rows` of each
@@ -367,6 +453,13 @@ impl CpuModel {
             c.vocab_size
         );
         Ok(n_logits)
+    }
+}
+
+/// `x += d`.
+fn add(x: &mut [f32], d: &[f32]) {
+    for (a, b) in x.iter_mut().zip(d) {
+        *a += b;
     }
 }
 

@@ -33,7 +33,8 @@ mod fuzz_tests;
 mod reference_tests;
 
 pub use config::{
-    Architecture, GenerationConfig, ModelConfig, ModelDir, ModelError, RopeScaling, WeightDtype,
+    Activation, Architecture, GenerationConfig, LayerAttention, Llama3Scaling, ModelConfig,
+    ModelDir, ModelError, RopeScaling, SlidingWindow, WeightDtype,
 };
 pub use cpu::{CpuModel, SeqChunk};
 pub use kv_cache::KvCache;

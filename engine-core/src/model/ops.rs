@@ -47,6 +47,19 @@ pub fn silu_mul(gu: &[f32], inter: usize, out: &mut [f32]) {
     }
 }
 
+/// `out[r, i] = gelu_tanh(gu[r, i]) * gu[r, inter + i]` (torch's `gelu(approximate="tanh")`,
+/// transformers' `gelu_pytorch_tanh`), rows of `gu` being `[gate | up]`.
+pub fn gelu_tanh_mul(gu: &[f32], inter: usize, out: &mut [f32]) {
+    const K: f32 = 0.797_884_6; // sqrt(2 / pi)
+    for (g, o) in gu.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)) {
+        let (gate, up) = g.split_at(inter);
+        for ((o, &a), &b) in o.iter_mut().zip(gate).zip(up) {
+            let inner = K * (a + 0.044_715 * a * a * a);
+            *o = 0.5 * a * (1.0 + inner.tanh()) * b;
+        }
+    }
+}
+
 /// Dot product with 8 independent partial sums (vectorizes).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {

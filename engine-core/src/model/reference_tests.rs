@@ -6,9 +6,12 @@
 
 use serde_json::json;
 
-use super::{Architecture, Checkpoint, CpuModel, KvCache, LayerTensor, ModelConfig, ModelDir};
-use super::{RopeScaling, SeqChunk, WeightDtype};
-use crate::gen_model::{config_json, write_model, ModelSpec, SpecialIds, WeightInit};
+use super::WeightDtype;
+use super::{Activation, Architecture, Checkpoint, CpuModel, KvCache, LayerTensor, ModelConfig};
+use super::{LayerAttention, Llama3Scaling, ModelDir, RopeScaling, SeqChunk, SlidingWindow};
+use crate::gen_model::{
+    config_json, gemma3_config_json, write_model, ModelSpec, SpecialIds, WeightInit,
+};
 use crate::splitmix::SplitMix64;
 
 const TOL: f64 = 1e-4;
@@ -49,24 +52,77 @@ fn case(
         head_dim,
         rms_norm_eps: 1e-5,
         rope_theta: 10_000.0,
-        rope_scaling: scaling.then_some(RopeScaling {
+        rope_scaling: scaling.then_some(RopeScaling::Llama3(Llama3Scaling {
             factor: 8.0,
             low_freq_factor: 1.0,
             high_freq_factor: 4.0,
             original_max_position_embeddings: 64,
-        }),
+        })),
         max_position_embeddings: 4096,
         tie_word_embeddings: arch == Architecture::Qwen3,
         dtype: Some(WeightDtype::F32),
+        hidden_act: Activation::Silu,
+        query_pre_attn_scalar: None,
+        sliding: None,
     };
+    make_case(config, seed)
+}
+
+/// A Gemma 3 case: three layers (sliding, full, sliding) with `window`, linear RoPE scaling on
+/// the full layer, a `query_pre_attn_scalar` that is not head_dim.
+fn gemma_case(
+    hidden: usize,
+    heads: usize,
+    kv: usize,
+    head_dim: usize,
+    window: usize,
+    seed: u64,
+) -> Case {
+    let mut c = case(
+        Architecture::Llama,
+        hidden,
+        heads,
+        kv,
+        head_dim,
+        103,
+        false,
+        seed,
+    )
+    .config;
+    c.architecture = Architecture::Gemma3;
+    c.num_layers = 3;
+    c.rms_norm_eps = 1e-6;
+    c.rope_theta = 1_000_000.0;
+    c.rope_scaling = Some(RopeScaling::Linear { factor: 4.0 });
+    c.tie_word_embeddings = true;
+    c.hidden_act = Activation::GeluTanh;
+    c.query_pre_attn_scalar = Some(head_dim as f32 * 1.5);
+    c.sliding = Some(SlidingWindow {
+        window,
+        layers: vec![
+            LayerAttention::Sliding,
+            LayerAttention::Full,
+            LayerAttention::Sliding,
+        ],
+        rope_theta: 10_000.0,
+    });
+    make_case(c, seed)
+}
+
+fn make_case(config: ModelConfig, seed: u64) -> Case {
+    let hidden = config.hidden_size;
     let ids = SpecialIds {
         bos: 0,
         config_eos: json!(1),
         generation_eos: vec![1],
         pad: None,
     };
+    let config_json = match config.architecture {
+        Architecture::Gemma3 => gemma3_config_json(&config, &ids, true),
+        _ => config_json(&config, &ids, false),
+    };
     let spec = ModelSpec {
-        config_json: config_json(&config, &ids, false),
+        config_json,
         generation_json: json!({"eos_token_id": [1]}),
         dtype: WeightDtype::F32,
         seed,
@@ -108,11 +164,13 @@ fn reference_logits(c: &ModelConfig, dir: &ModelDir, tokens: &[u32]) -> Vec<Vec<
         tokens.len(),
     );
     let eps = c.rms_norm_eps as f64;
+    let gemma = c.architecture == Architecture::Gemma3;
+    let w_off = if gemma { 1.0 } else { 0.0 };
     let norm = |x: &[f64], w: &[f64]| -> Vec<f64> {
         let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
         x.iter()
             .zip(w)
-            .map(|(v, w)| w * v / (ms + eps).sqrt())
+            .map(|(v, w)| (w_off + w) * v / (ms + eps).sqrt())
             .collect()
     };
     let matvec = |w: &[f64], x: &[f64]| -> Vec<f64> {
@@ -120,29 +178,39 @@ fn reference_logits(c: &ModelConfig, dir: &ModelDir, tokens: &[u32]) -> Vec<Vec<
             .map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum())
             .collect()
     };
-    // inv_freq in f64, llama3 bands written out again.
-    let inv_freq: Vec<f64> = (0..hd / 2)
-        .map(|i| {
-            let f = 1.0 / (c.rope_theta as f64).powf(2.0 * i as f64 / hd as f64);
-            let Some(s) = &c.rope_scaling else { return f };
-            let (lo, hi, fac) = (
-                s.low_freq_factor as f64,
-                s.high_freq_factor as f64,
-                s.factor as f64,
-            );
-            let old = s.original_max_position_embeddings as f64;
-            let wavelen = 2.0 * std::f64::consts::PI / f;
-            if wavelen < old / hi {
-                f
-            } else if wavelen > old / lo {
-                f / fac
-            } else {
-                let smooth = (old / wavelen - lo) / (hi - lo);
-                (1.0 - smooth) * f / fac + smooth * f
-            }
-        })
-        .collect();
-    let rope = |v: &mut [f64], pos: usize| {
+    // inv_freq in f64 per layer kind, llama3 bands and linear scaling written out again.
+    let inv_freq_of = |kind: LayerAttention| -> Vec<f64> {
+        let (theta, scaling) = match (kind, &c.sliding) {
+            (LayerAttention::Sliding, Some(sw)) => (sw.rope_theta as f64, None),
+            _ => (c.rope_theta as f64, c.rope_scaling.as_ref()),
+        };
+        (0..hd / 2)
+            .map(|i| {
+                let f = 1.0 / theta.powf(2.0 * i as f64 / hd as f64);
+                let s = match scaling {
+                    None => return f,
+                    Some(RopeScaling::Linear { factor }) => return f / *factor as f64,
+                    Some(RopeScaling::Llama3(s)) => s,
+                };
+                let (lo, hi, fac) = (
+                    s.low_freq_factor as f64,
+                    s.high_freq_factor as f64,
+                    s.factor as f64,
+                );
+                let old = s.original_max_position_embeddings as f64;
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                if wavelen < old / hi {
+                    f
+                } else if wavelen > old / lo {
+                    f / fac
+                } else {
+                    let smooth = (old / wavelen - lo) / (hi - lo);
+                    (1.0 - smooth) * f / fac + smooth * f
+                }
+            })
+            .collect()
+    };
+    let rope = |v: &mut [f64], pos: usize, inv_freq: &[f64]| {
         for head in v.chunks_mut(hd) {
             let half = hd / 2;
             for i in 0..half {
@@ -153,12 +221,31 @@ fn reference_logits(c: &ModelConfig, dir: &ModelDir, tokens: &[u32]) -> Vec<Vec<
             }
         }
     };
+    let scale = match c.query_pre_attn_scalar {
+        Some(q) => 1.0 / (q as f64).sqrt(),
+        None => 1.0 / (hd as f64).sqrt(),
+    };
     let embed = get("model.embed_tokens.weight", vec![c.vocab_size, h]);
+    let embed_scale = if gemma { (h as f64).sqrt() } else { 1.0 };
     let mut xs: Vec<Vec<f64>> = tokens
         .iter()
-        .map(|&t| embed[t as usize * h..][..h].to_vec())
+        .map(|&t| {
+            embed[t as usize * h..][..h]
+                .iter()
+                .map(|v| v * embed_scale)
+                .collect()
+        })
         .collect();
     for l in 0..c.num_layers {
+        let kind = c
+            .sliding
+            .as_ref()
+            .map_or(LayerAttention::Full, |s| s.layers[l]);
+        let inv_freq = inv_freq_of(kind);
+        let window = match (kind, &c.sliding) {
+            (LayerAttention::Sliding, Some(sw)) => sw.window,
+            _ => usize::MAX,
+        };
         let w = |t: LayerTensor| get(&t.name(l), t.shape(c));
         let (wq, wk, wv, wo) = (
             w(LayerTensor::QProj),
@@ -172,8 +259,9 @@ fn reference_logits(c: &ModelConfig, dir: &ModelDir, tokens: &[u32]) -> Vec<Vec<
             w(LayerTensor::UpProj),
             w(LayerTensor::DownProj),
         );
-        let qk_norm = (c.architecture == Architecture::Qwen3)
+        let qk_norm = matches!(c.architecture, Architecture::Qwen3 | Architecture::Gemma3)
             .then(|| (w(LayerTensor::QNorm), w(LayerTensor::KNorm)));
+        let ff_norms = gemma.then(|| (w(LayerTensor::PreFfNorm), w(LayerTensor::PostFfNorm)));
         let mut qs = Vec::new();
         let mut ks = Vec::new();
         let mut vs = Vec::new();
@@ -184,8 +272,8 @@ fn reference_logits(c: &ModelConfig, dir: &ModelDir, tokens: &[u32]) -> Vec<Vec<
                 q = q.chunks(hd).flat_map(|hq| norm(hq, qn)).collect();
                 k = k.chunks(hd).flat_map(|hk| norm(hk, kn)).collect();
             }
-            rope(&mut q, pos);
-            rope(&mut k, pos);
+            rope(&mut q, pos, &inv_freq);
+            rope(&mut k, pos, &inv_freq);
             qs.push(q);
             ks.push(k);
             vs.push(matvec(&wv, &hn));
@@ -195,35 +283,52 @@ fn reference_logits(c: &ModelConfig, dir: &ModelDir, tokens: &[u32]) -> Vec<Vec<
             for head in 0..nh {
                 let kvh = head / (nh / nkv);
                 let q = &qs[t][head * hd..][..hd];
-                let scores: Vec<f64> = (0..=t)
+                // Keys t - window + 1 ..= t (transformers: kv_idx > q_idx - sliding_window).
+                let first = (t + 1).saturating_sub(window);
+                let scores: Vec<f64> = (first..=t)
                     .map(|s| {
                         q.iter()
                             .zip(&ks[s][kvh * hd..][..hd])
                             .map(|(a, b)| a * b)
                             .sum::<f64>()
-                            / (hd as f64).sqrt()
+                            * scale
                     })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                 let z: f64 = e.iter().sum();
-                for (s, p) in e.iter().enumerate() {
+                for (s, p) in (first..).zip(e.iter()) {
                     for d in 0..hd {
                         attn[head * hd + d] += p / z * vs[s][kvh * hd + d];
                     }
                 }
             }
-            let o = matvec(&wo, &attn);
+            let mut o = matvec(&wo, &attn);
+            if gemma {
+                o = norm(&o, &n_post);
+            }
             let x = &mut xs[t];
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            let hn = norm(x, &n_post);
+            let hn = match &ff_norms {
+                Some((pre, _)) => norm(x, pre),
+                None => norm(x, &n_post),
+            };
             let (g, u) = (matvec(&wg, &hn), matvec(&wu, &hn));
             let act: Vec<f64> = g
                 .iter()
                 .zip(&u)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .map(|(g, u)| match c.hidden_act {
+                    Activation::Silu => g / (1.0 + (-g).exp()) * u,
+                    Activation::GeluTanh => {
+                        let k = (2.0 / std::f64::consts::PI).sqrt();
+                        0.5 * g * (1.0 + (k * (g + 0.044715 * g * g * g)).tanh()) * u
+                    }
+                })
                 .collect();
-            let d = matvec(&wd, &act);
+            let mut d = matvec(&wd, &act);
+            if let Some((_, post)) = &ff_norms {
+                d = norm(&d, post);
+            }
             x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
         }
     }
@@ -442,6 +547,35 @@ fn qwen3_gqa4_head_dim_64() {
 #[test]
 fn qwen3_gqa2_head_dim_16() {
     run_case(&case(Architecture::Qwen3, 64, 4, 2, 16, 64, false, 5), 15);
+}
+
+#[test]
+fn gemma3_window_8_gqa2_head_dim_16() {
+    run_case(&gemma_case(64, 4, 2, 16, 8, 7), 16);
+}
+
+#[test]
+fn gemma3_window_5_mqa_head_dim_32() {
+    run_case(&gemma_case(48, 2, 1, 32, 5, 8), 17);
+}
+
+/// The reference's window is live: a window of 4 changes the logits from position 4 on and
+/// not before (so the Gemma cases above test windowed attention, not full attention); a window
+/// wider than the sequence passes the CPU model too.
+#[test]
+fn gemma3_window_changes_logits_only_past_it() {
+    let wide = gemma_case(64, 4, 2, 16, 1000, 9);
+    let tokens: Vec<u32> = (0..41).map(|i| (i * 7 % 103) as u32).collect();
+    let a = reference_logits(&wide.config, &wide.model_dir, &tokens);
+    let mut narrow_cfg = wide.config.clone();
+    if let Some(s) = &mut narrow_cfg.sliding {
+        s.window = 4;
+    }
+    let b = reference_logits(&narrow_cfg, &wide.model_dir, &tokens);
+    // The window matters from position 4 on, and not before.
+    assert_eq!(a[3], b[3]);
+    assert_ne!(a[40], b[40]);
+    run_case(&wide, 18);
 }
 
 #[test]

@@ -11,32 +11,45 @@
 //!   out = x * [cos | cos] + [-x2 | x1] * [sin | sin]
 //! ```
 
-use super::config::{ModelConfig, RopeScaling};
+use super::config::{LayerAttention, Llama3Scaling, ModelConfig, RopeScaling};
 
 pub struct Rope {
     inv_freq: Vec<f32>,
 }
 
-/// The inverse frequencies of `config` (Llama 3 scaled when it says so), `head_dim / 2` of
-/// them. The CUDA backend uploads these same values.
-pub fn inv_freq(config: &ModelConfig) -> Vec<f32> {
+/// The inverse frequencies of the layers of kind `kind` (`head_dim / 2` of them): full layers
+/// use `rope_theta` and `rope_scaling`; sliding layers (Gemma 3) their own unscaled base. The
+/// CUDA backend uploads these same values.
+pub fn inv_freq(config: &ModelConfig, kind: LayerAttention) -> Vec<f32> {
     let dim = config.head_dim;
-    let base = config.rope_theta;
+    let (base, scaling) = match (kind, &config.sliding) {
+        (LayerAttention::Sliding, Some(s)) => (s.rope_theta, None),
+        _ => (config.rope_theta, config.rope_scaling.as_ref()),
+    };
     let mut inv_freq: Vec<f32> = (0..dim / 2)
         .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
         .collect();
-    if let Some(s) = &config.rope_scaling {
-        for f in &mut inv_freq {
-            *f = llama3_scale(*f, s);
+    match scaling {
+        None => {}
+        Some(RopeScaling::Llama3(s)) => {
+            for f in &mut inv_freq {
+                *f = llama3_scale(*f, s);
+            }
+        }
+        // transformers' `_compute_linear_scaling_rope_parameters`: inv_freq / factor, in f32.
+        Some(RopeScaling::Linear { factor }) => {
+            for f in &mut inv_freq {
+                *f /= factor;
+            }
         }
     }
     inv_freq
 }
 
 impl Rope {
-    pub fn new(config: &ModelConfig) -> Rope {
+    pub fn new(config: &ModelConfig, kind: LayerAttention) -> Rope {
         Rope {
-            inv_freq: inv_freq(config),
+            inv_freq: inv_freq(config, kind),
         }
     }
 
@@ -52,7 +65,7 @@ impl Rope {
 }
 
 /// transformers' `_compute_llama3_parameters`, one frequency at a time, in f32.
-fn llama3_scale(inv_freq: f32, s: &RopeScaling) -> f32 {
+fn llama3_scale(inv_freq: f32, s: &Llama3Scaling) -> f32 {
     let old_context_len = s.original_max_position_embeddings as f32;
     let low_freq_wavelen = old_context_len / s.low_freq_factor;
     let high_freq_wavelen = old_context_len / s.high_freq_factor;
@@ -91,7 +104,7 @@ mod tests {
         let m = crate::gen_model::Preset::from_name("llama-3.2-1b")
             .unwrap()
             .config();
-        let f = inv_freq(&m);
+        let f = inv_freq(&m, LayerAttention::Full);
         assert_eq!(f.len(), m.head_dim / 2);
         assert_eq!(f[0], 1.0);
         // Llama 3 scaling divides the lowest frequencies by the factor (32 for 3.2).
@@ -108,7 +121,7 @@ mod tests {
 
     #[test]
     fn llama3_scaling_bands() {
-        let s = RopeScaling {
+        let s = Llama3Scaling {
             factor: 8.0,
             low_freq_factor: 1.0,
             high_freq_factor: 4.0,

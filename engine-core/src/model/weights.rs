@@ -33,7 +33,13 @@ pub enum LayerTensor {
     OProj,
     QNorm,
     KNorm,
+    /// `post_attention_layernorm`: the MLP input norm of Llama and Qwen3, the attention
+    /// output norm of Gemma 3.
     PostNorm,
+    /// Gemma 3's MLP input norm.
+    PreFfNorm,
+    /// Gemma 3's MLP output norm.
+    PostFfNorm,
     GateProj,
     UpProj,
     DownProj,
@@ -50,6 +56,8 @@ impl LayerTensor {
             LayerTensor::QNorm => "self_attn.q_norm.weight",
             LayerTensor::KNorm => "self_attn.k_norm.weight",
             LayerTensor::PostNorm => "post_attention_layernorm.weight",
+            LayerTensor::PreFfNorm => "pre_feedforward_layernorm.weight",
+            LayerTensor::PostFfNorm => "post_feedforward_layernorm.weight",
             LayerTensor::GateProj => "mlp.gate_proj.weight",
             LayerTensor::UpProj => "mlp.up_proj.weight",
             LayerTensor::DownProj => "mlp.down_proj.weight",
@@ -68,7 +76,10 @@ impl LayerTensor {
             c.intermediate_size,
         );
         match self {
-            LayerTensor::InputNorm | LayerTensor::PostNorm => vec![h],
+            LayerTensor::InputNorm
+            | LayerTensor::PostNorm
+            | LayerTensor::PreFfNorm
+            | LayerTensor::PostFfNorm => vec![h],
             LayerTensor::QProj => vec![q, h],
             LayerTensor::KProj | LayerTensor::VProj => vec![kv, h],
             LayerTensor::OProj => vec![h, q],
@@ -88,6 +99,10 @@ impl LayerTensor {
                 InputNorm, QProj, KProj, VProj, OProj, QNorm, KNorm, PostNorm, GateProj, UpProj,
                 DownProj,
             ],
+            Architecture::Gemma3 => &[
+                InputNorm, QProj, KProj, VProj, OProj, QNorm, KNorm, PostNorm, PreFfNorm,
+                PostFfNorm, GateProj, UpProj, DownProj,
+            ],
         }
     }
     /// Norm weights (1-D) as opposed to projection matrices.
@@ -96,6 +111,8 @@ impl LayerTensor {
             self,
             LayerTensor::InputNorm
                 | LayerTensor::PostNorm
+                | LayerTensor::PreFfNorm
+                | LayerTensor::PostFfNorm
                 | LayerTensor::QNorm
                 | LayerTensor::KNorm
         )

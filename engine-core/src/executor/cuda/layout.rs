@@ -160,11 +160,18 @@ pub const MAX_DECODE_SPLITS: usize = 32;
 pub const DECODE_TARGET_BLOCKS: usize = 256;
 
 /// Splits per token for a decode step of `batch` rows (the padded batch when a graph bucket
-/// holds it, so eager steps and replays cut the context the same way) and `num_heads` query
-/// heads; 1 means no split.
+/// holds it) and `num_heads` query heads; 1 means no split.
+///
+/// The batch is rounded up to a power of two first, so a batch and the graph bucket it pads to
+/// split alike whenever no power of two lies between them (the default buckets hold every power
+/// of two): a graph run and an all-eager run of the same requests then compute bit-identical
+/// attention. Without the rounding a model with few heads (Gemma 3 1B: 4) split a batch of 25
+/// three ways eagerly and two ways in its bucket of 32, and greedy text could differ at a near
+/// tie (check-graphs' oversize scenario, H100, 2026-11-24).
 pub fn decode_attention_splits(batch: usize, num_heads: usize) -> usize {
+    let batch = batch.max(1).next_power_of_two();
     DECODE_TARGET_BLOCKS
-        .div_ceil((batch * num_heads).max(1))
+        .div_ceil(batch * num_heads.max(1))
         .clamp(1, MAX_DECODE_SPLITS)
 }
 
@@ -297,8 +304,12 @@ pub fn weight_bytes(m: &ModelConfig, elem: usize) -> usize {
     let per_layer = m.qkv_dim() * h
         + m.num_heads * m.head_dim * h
         + 3 * i * h
-        + 2 * h
-        + if matches!(m.architecture, crate::model::Architecture::Qwen3) {
+        + if m.architecture.sandwich_norms() {
+            4
+        } else {
+            2
+        } * h
+        + if m.architecture.has_qk_norm() {
             2 * m.head_dim
         } else {
             0
@@ -388,9 +399,21 @@ mod tests {
 
     #[test]
     fn decode_attention_splits_by_batch() {
-        // 32 heads (1B/3B/8B): 8 splits at batch 1, 2 at batch 4, none from 8.
+        // 32 heads (1B/3B/8B): 8 splits at batch 1, 2 at batch 3-4, none from 5 (rounded to 8).
         let s = |b| decode_attention_splits(b, 32);
-        assert_eq!([1, 2, 3, 4, 7, 8, 256].map(s), [8, 4, 3, 2, 2, 1, 1]);
+        assert_eq!([1, 2, 3, 4, 5, 7, 8, 256].map(s), [8, 4, 2, 2, 1, 1, 1, 1]);
+        // A batch and the default bucket it pads to split alike, for any head count.
+        let buckets = GraphBuckets::new(&crate::config::default_graph_sizes(256), 256);
+        for heads in [1usize, 4, 8, 16, 32] {
+            for b in 1..=256 {
+                let (_, padded) = buckets.bucket_for(b).expect("bucket");
+                assert_eq!(
+                    decode_attention_splits(b, heads),
+                    decode_attention_splits(padded, heads),
+                    "batch {b} (bucket {padded}), {heads} heads"
+                );
+            }
+        }
         // 16 heads (0.6B): 16 at batch 1; 4 heads: the cap.
         assert_eq!(decode_attention_splits(1, 16), 16);
         assert_eq!(decode_attention_splits(1, 4), MAX_DECODE_SPLITS);

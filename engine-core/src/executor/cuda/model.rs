@@ -12,8 +12,8 @@ use super::blas::Blas;
 use super::layout::{Capacities, ScratchSizes};
 use super::{ck, DevBuf};
 use crate::model::{
-    Architecture, Checkpoint, LayerTensor, ModelConfig, ModelDir, WeightDtype, EMBED, FINAL_NORM,
-    LM_HEAD,
+    Activation, Checkpoint, LayerAttention, LayerTensor, ModelConfig, ModelDir, WeightDtype, EMBED,
+    FINAL_NORM, LM_HEAD,
 };
 
 struct Layer {
@@ -22,8 +22,14 @@ struct Layer {
     qk_norm: Option<(DevBuf, DevBuf)>,
     o: DevBuf,
     post_norm: DevBuf,
+    /// Gemma 3: the MLP's input and output norms (`post_norm` norms the attention output).
+    ff_norms: Option<(DevBuf, DevBuf)>,
     gate_up: DevBuf,
     down: DevBuf,
+    /// Sliding window in keys (0: full attention).
+    window: i32,
+    /// Sliding layers use `inv_freq_local`.
+    local_rope: bool,
 }
 
 struct Scratch {
@@ -76,6 +82,8 @@ pub struct GpuModel {
     final_norm: DevBuf,
     layers: Vec<Layer>,
     inv_freq: DevBuf,
+    /// The sliding layers' RoPE frequencies (Gemma 3).
+    inv_freq_local: Option<DevBuf>,
     scratch: Scratch,
     /// Per layer K and V: `[num_blocks * block_size, nkv, hd]` elements each.
     kv: Option<DevBuf>,
@@ -178,12 +186,19 @@ impl GpuModel {
         );
         for l in 0..c.num_layers {
             progress.inc(1);
-            let qk_norm = match c.architecture {
-                Architecture::Qwen3 => Some((
+            let qk_norm = match c.architecture.has_qk_norm() {
+                true => Some((
                     one(&[lt(LayerTensor::QNorm, l)])?,
                     one(&[lt(LayerTensor::KNorm, l)])?,
                 )),
-                Architecture::Llama => None,
+                false => None,
+            };
+            let ff_norms = match c.architecture.sandwich_norms() {
+                true => Some((
+                    one(&[lt(LayerTensor::PreFfNorm, l)])?,
+                    one(&[lt(LayerTensor::PostFfNorm, l)])?,
+                )),
+                false => None,
             };
             layers.push(Layer {
                 input_norm: one(&[lt(LayerTensor::InputNorm, l)])?,
@@ -195,8 +210,15 @@ impl GpuModel {
                 qk_norm,
                 o: one(&[lt(LayerTensor::OProj, l)])?,
                 post_norm: one(&[lt(LayerTensor::PostNorm, l)])?,
+                ff_norms,
                 gate_up: one(&[lt(LayerTensor::GateProj, l), lt(LayerTensor::UpProj, l)])?,
                 down: one(&[lt(LayerTensor::DownProj, l)])?,
+                window: c
+                    .layer_window(l)
+                    .unwrap_or(0)
+                    .try_into()
+                    .unwrap_or(i32::MAX),
+                local_rope: c.layer_attention(l) == LayerAttention::Sliding,
             });
         }
         progress.finish();
@@ -208,7 +230,17 @@ impl GpuModel {
             Some(one(&[(LM_HEAD.to_string(), vec![v, h])])?)
         };
         let final_norm = one(&[(FINAL_NORM.to_string(), vec![h])])?;
-        let inv_freq = upload(&crate::model::rope::inv_freq(&c), stream)?;
+        let inv_freq = upload(
+            &crate::model::rope::inv_freq(&c, LayerAttention::Full),
+            stream,
+        )?;
+        let inv_freq_local = match &c.sliding {
+            Some(_) => Some(upload(
+                &crate::model::rope::inv_freq(&c, LayerAttention::Sliding),
+                stream,
+            )?),
+            None => None,
+        };
         let _ = caps;
         let scratch = Scratch {
             x: DevBuf::new(sizes.x)?,
@@ -232,6 +264,7 @@ impl GpuModel {
             final_norm,
             layers,
             inv_freq,
+            inv_freq_local,
             scratch,
             kv: None,
             kv_layer_bytes: 0,
@@ -279,8 +312,14 @@ impl GpuModel {
         let qkv_dim = c.qkv_dim();
         let t = m.n_tokens;
         let s = &self.scratch;
-        let eps = c.rms_norm_eps;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let eps = (c.rms_norm_eps, c.architecture.norm_weight_offset());
+        let scale = c.attention_scale();
+        let storage = match self.dtype {
+            Dtype::Bf16 => WeightDtype::Bf16,
+            Dtype::F32 => WeightDtype::F32,
+        };
+        let embed_scale = c.embed_scale(storage);
+        let gelu = c.hidden_act == Activation::GeluTanh;
         if t * hid * self.dtype.size() > s.x.bytes
             || m.n_samples * c.vocab_size * 4 > s.logits.bytes
         {
@@ -301,13 +340,16 @@ impl GpuModel {
                 t as u32,
                 hid as i32,
                 c.vocab_size as i32,
+                embed_scale,
             )?;
+            // The pending residual delta (the previous layer's MLP output) and, for Gemma, the
+            // norm it takes before its add.
+            let mut pending: (u64, u64) = (0, 0);
             for (li, w) in self.layers.iter().enumerate() {
-                let delta = if li == 0 { 0 } else { s.delta.ptr };
                 k.add_rmsnorm(
                     stream,
                     s.x.ptr,
-                    delta,
+                    pending,
                     w.input_norm.ptr,
                     s.h.ptr,
                     0,
@@ -339,7 +381,10 @@ impl GpuModel {
                     nkv as i32,
                     hd as i32,
                     m.positions,
-                    self.inv_freq.ptr,
+                    match (&self.inv_freq_local, w.local_rope) {
+                        (Some(f), true) => f.ptr,
+                        _ => self.inv_freq.ptr,
+                    },
                     qn,
                     kn,
                     eps,
@@ -363,7 +408,7 @@ impl GpuModel {
                     hd: hd as i32,
                     block_size: self.block_size as i32,
                     scale,
-                    window: 0,
+                    window: w.window,
                 };
                 // Prefill tiles (if any), then every other token through one per-token kernel.
                 let (list, n_att) = if m.n_pf_tiles > 0 {
@@ -394,16 +439,14 @@ impl GpuModel {
                     nh * hd,
                     false,
                 )?;
+                // Llama: x += delta, h = norm(x) * post_norm. Gemma: x += norm(delta) *
+                // post_norm, h = norm(x) * pre_ff.
+                let (attn_delta, mlp_norm) = match &w.ff_norms {
+                    None => ((s.delta.ptr, 0), w.post_norm.ptr),
+                    Some((pre_ff, _)) => ((s.delta.ptr, w.post_norm.ptr), pre_ff.ptr),
+                };
                 k.add_rmsnorm(
-                    stream,
-                    s.x.ptr,
-                    s.delta.ptr,
-                    w.post_norm.ptr,
-                    s.h.ptr,
-                    0,
-                    t as u32,
-                    hid as i32,
-                    eps,
+                    stream, s.x.ptr, attn_delta, mlp_norm, s.h.ptr, 0, t as u32, hid as i32, eps,
                 )?;
                 self.blas.gemm(
                     k,
@@ -414,7 +457,13 @@ impl GpuModel {
                     hid,
                     false,
                 )?;
-                k.silu_mul(stream, s.act.ptr, s.gate_up.ptr, inter as i32, t as u32)?;
+                k.gated_act(
+                    stream,
+                    (s.act.ptr, s.gate_up.ptr),
+                    inter as i32,
+                    t as u32,
+                    gelu,
+                )?;
                 self.blas.gemm(
                     k,
                     stream,
@@ -424,12 +473,16 @@ impl GpuModel {
                     inter,
                     false,
                 )?;
+                pending = (
+                    s.delta.ptr,
+                    w.ff_norms.as_ref().map_or(0, |(_, post)| post.ptr),
+                );
             }
             if m.n_samples > 0 {
                 k.add_rmsnorm(
                     stream,
                     s.x.ptr,
-                    s.delta.ptr,
+                    pending,
                     self.final_norm.ptr,
                     s.final_h.ptr,
                     m.logit_rows,

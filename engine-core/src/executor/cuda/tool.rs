@@ -8,7 +8,7 @@
 //!   its tiles leave, through a token list, as the executor runs them) and the grouped (per KV
 //!   head) kernel over every token, against an f64
 //!   reference on fresh random inputs (random lengths, chunk sizes, shuffled
-//!   block tables, GQA groups 1, 2, 3, 4, 6, 8, head dims 64 and 128, sliding windows, padding rows, random split
+//!   block tables, GQA groups 1, 2, 3, 4, 6, 8, head dims 64, 128 and 256, sliding windows, padding rows, random split
 //!   sizes and counts), outputs and partials poisoned with NaN before each launch.
 //! - `check-sampling --model DIR`: the GPU sampler's distribution (temperature, top-k, top-p,
 //!   min-p) against the probabilities computed on the host from the same logits: 2,048 seeded
@@ -553,15 +553,25 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
     println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten | grouped rel. error | unwritten |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in 0..cases {
-        let hd = [64usize, 128][case % 2];
-        let group = [1usize, 2, 3, 4, 6, 8][(case / 2) % 6];
+        // Every seventh case has Gemma 3's head dim 256 (grouped kernel for G 1, 2, 4; no
+        // prefill tiles, as the executor does).
+        let hd = if case % 7 == 6 {
+            256
+        } else {
+            [64usize, 128][case % 2]
+        };
+        let group = match hd {
+            256 => [1usize, 2, 4][(case / 7) % 3],
+            _ => [1usize, 2, 3, 4, 6, 8][(case / 2) % 6],
+        };
         let nkv = 1 + rng.below(3) as usize;
         let nh = nkv * group;
         let bs = 16usize;
-        let window = if case % 5 == 4 {
-            1 + rng.below(48) as i32
-        } else {
-            0
+        // Short windows, and Gemma-sized ones (up to 600) in every other windowed case.
+        let window = match case % 10 {
+            4 => 1 + rng.below(48) as i32,
+            9 => 1 + rng.below(600) as i32,
+            _ => 0,
         };
         let seqs = 1 + rng.below(4) as usize;
         // Per sequence: context length after the chunk, and the chunk (queries) at its end.
@@ -622,7 +632,8 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let (mut tiles, mut list) = (Vec::new(), Vec::new());
         let mut first = 0;
         for &count in &chunks {
-            match layout::prefill_tiles(first, count) {
+            let tiles_ok = harrier_kernels::prefill_attention_supports(hd);
+            match layout::prefill_tiles(first, count).filter(|_| tiles_ok) {
                 Some(ts) => ts.for_each(|(a, b)| tiles.extend([a as i32, b as i32])),
                 None => list.extend((first..first + count).map(|x| x as i32)),
             }

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Gemma 3 on the GPU machine (issue 15), in one device call:
+#   fixtures:  micro-gemma3 (seed 5) through transformers fp32 -> $OUT/parity_micro-gemma3.json
+#              for tests/parity.rs (window 32: the prompts of 100 and 200 tokens cross it);
+#   parity32:  CUDA fp32 vs transformers fp32 (bar < 1e-4, identical greedy): micro-gemma3, and
+#              the gemma-3-1b shape on prompts of 1, 700 and 2,000 tokens (window 512), 16
+#              decode steps past them;
+#   parity:    the same gemma-3-1b prompts in bf16 (random weights: --rel-bar 2e-2);
+#   attention: check-attention, 70 cases (ten at head dim 256, windows up to 600);
+#   graphs:    check-graphs on the gemma-3-1b shape (graphs == eager through the scheduler);
+#   train:     trains trained-gemma3-150m (scripts/train, Llama 3 tokenizer: carry
+#              .gpu/llama3/tokenizer.json) and checks bf16 fidelity on its held-out prompts;
+#   bench:     harrier-cuda-tool bench on gemma-3-1b, batches BATCHES, context 512.
+# Build and carry .gpu/ as for cuda_check.sh. STAGES (default: all but train and bench).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-/tmp/harrier-gemma3-out}"
+W=/tmp/harrier-gemma3-work
+STAGES="${STAGES:-fixtures parity32 parity attention graphs}"
+BATCHES="${BATCHES:-1,8,32,128,256}"
+LLAMA3="${LLAMA3:-.gpu/llama3/tokenizer.json}"
+. scripts/gpu/common.sh
+
+long_prompts() { # vocab -> $W/long_prompts.json
+    python3 -c "
+import json, random
+r = random.Random(15)
+json.dump([[r.randrange($1) for _ in range(n)] for n in (1, 700, 2000)], open('$W/long_prompts.json', 'w'))"
+}
+
+for st in $STAGES; do
+    echo "== $st"
+    case "$st" in
+    fixtures)
+        "$H" gen-model --preset micro-gemma3 --seed 5 --out "$W/micro-gemma3-f32" --no-tokenizer 2>>"$OUT/gen.log"
+        timeout 300 python3 scripts/gpu/parity_fixtures.py --out "$OUT" "micro-gemma3:5:$W/micro-gemma3-f32" 2>&1 |
+            tail -3
+        ;;
+    parity32)
+        gen micro-gemma3
+        timeout 240 python3 scripts/gpu/cuda_parity.py --tool "$T" --model "$W/micro-gemma3" --dtype float32 \
+            --work "$W/p32-micro" --json "$OUT/parity32_micro-gemma3.json" 2>>"$OUT/parity.log" | cut -c1-700
+        gen gemma-3-1b
+        long_prompts 262144
+        timeout 400 python3 scripts/gpu/cuda_parity.py --tool "$T" --model "$W/gemma-3-1b" --dtype float32 \
+            --prompts "$W/long_prompts.json" --work "$W/p32-1b" --json "$OUT/parity32_gemma-3-1b.json" \
+            2>>"$OUT/parity.log" | cut -c1-700
+        ;;
+    parity)
+        gen gemma-3-1b
+        long_prompts 262144
+        timeout 300 python3 scripts/gpu/cuda_parity.py --tool "$T" --model "$W/gemma-3-1b" --rel-bar 2e-2 \
+            --prompts "$W/long_prompts.json" --work "$W/p16-1b" --json "$OUT/parity_gemma-3-1b.json" \
+            2>>"$OUT/parity.log" | cut -c1-700
+        ;;
+    attention)
+        timeout 180 "$T" check-attention --cases 70 2>&1 | tail -4 | tee "$OUT/attention.txt"
+        ;;
+    graphs)
+        gen gemma-3-1b
+        timeout 300 "$T" check-graphs --model "$W/gemma-3-1b" 2>&1 | tail -40 | tee "$OUT/graphs.txt"
+        ;;
+    train)
+        timeout 480 python3 scripts/train/train.py --family gpu --out "$W/train" --llama3-tokenizer "$LLAMA3" \
+            --only trained-gemma3-150m 2>&1 | tail -12 | tee "$OUT/train.log"
+        timeout 240 python3 scripts/gpu/cuda_parity.py --tool "$T" --model "$W/train/trained-gemma3-150m" \
+            --prompts "$W/train/heldout_prompts.json" --work "$W/fid" --json "$OUT/fidelity_gemma3.json" \
+            2>>"$OUT/parity.log" | cut -c1-700
+        ;;
+    bench)
+        gen gemma-3-1b
+        timeout 400 "$T" bench --model "$W/gemma-3-1b" --batches "$BATCHES" --context 512 --steps 64 \
+            --json "$OUT/bench_gemma-3-1b.json" 2>&1 | grep -v "^{" | tee -a "$OUT/bench.log"
+        ;;
+    esac
+done
+ls -l "$OUT"
