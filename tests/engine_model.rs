@@ -321,6 +321,33 @@ fn preemption_under_memory_pressure_loses_nothing() {
 #[test]
 fn prefix_caching_on_and_off_give_the_same_tokens() {
     let model = micro_model();
+    let runs = caching_runs(model.path(), &[(true, 2048), (false, 2048)]);
+    assert_eq!(runs[1].1.prefix_cache_hits_total, 0);
+}
+
+/// Gemma 3 with a window of 32 (micro-gemma3): prompts of 101-107 tokens sharing 100, so cache
+/// hits, chunked prefill (16-token budget) and decode all cross the window; every run must give
+/// the tokens of the run with neither caching nor chunking.
+#[test]
+fn gemma3_sliding_window_survives_prefix_caching_and_chunked_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), &ModelSpec::from_preset(Preset::MicroGemma3, 12)).unwrap();
+    let runs = caching_runs(
+        dir.path(),
+        &[(true, 2048), (false, 2048), (true, 16), (false, 16)],
+    );
+    assert_eq!(runs[1].1.prefix_cache_hits_total, 0);
+}
+
+/// Runs a shared-prefix workload in two waves once per `(prefix caching, token budget)`;
+/// asserts every run gives the first's tokens, and that caching runs hit the shared prefix.
+fn caching_runs(
+    model: &Path,
+    configs: &[(bool, u32)],
+) -> Vec<(
+    HashMap<String, Collected>,
+    harrier_shared::protocol::EngineStats,
+)> {
     let system: Vec<u32> = (0..100).map(|t| (t * 29 + 3) % 1000).collect();
     let work: Vec<(String, Vec<u32>, SamplingParams)> = (0..16u32)
         .map(|i| {
@@ -339,13 +366,14 @@ fn prefix_caching_on_and_off_give_the_same_tokens() {
             (format!("c{i}"), p, s)
         })
         .collect();
-    let run = |caching: bool| {
+    let run = |caching: bool, budget: u32| {
         let args = EngineCoreArgs {
             max_num_seqs: 8,
             no_prefix_caching: !caching,
+            max_num_batched_tokens: budget,
             ..EngineCoreArgs::defaults()
         };
-        let built = build_cpu_engine(&args, model.path()).unwrap();
+        let built = build_cpu_engine(&args, model).unwrap();
         let _server = TestServer::start(built.engine, built.info);
         rt().block_on(async {
             let mut c = Client::connect(&_server.endpoint).await;
@@ -361,20 +389,23 @@ fn prefix_caching_on_and_off_give_the_same_tokens() {
             (c.results.clone(), stats)
         })
     };
-    let (on, on_stats) = run(true);
-    let (off, off_stats) = run(false);
-    assert!(
-        on_stats.prefix_cache_hits_total >= 8 * 96,
-        "second wave hits the shared system prompt: {on_stats:?}"
-    );
-    assert_eq!(off_stats.prefix_cache_hits_total, 0);
-    for (id, _, _) in &work {
-        assert_eq!(
-            on[id].tokens, off[id].tokens,
-            "{id}: caching changed the output"
-        );
-        assert_eq!(on[id].finish, Some(FinishReason::Length));
+    let runs: Vec<_> = configs.iter().map(|&(c, b)| run(c, b)).collect();
+    for (&(caching, budget), (out, stats)) in configs.iter().zip(&runs) {
+        if caching {
+            assert!(
+                stats.prefix_cache_hits_total >= 8 * 96,
+                "second wave hits the shared system prompt: {stats:?}"
+            );
+        }
+        for (id, _, _) in &work {
+            assert_eq!(
+                out[id].tokens, runs[0].0[id].tokens,
+                "{id}: caching {caching}, budget {budget} changed the output"
+            );
+            assert_eq!(out[id].finish, Some(FinishReason::Length));
+        }
     }
+    runs
 }
 
 #[test]

@@ -34,7 +34,8 @@ pub struct HttpArgs {
     /// tokenizer.json to use instead of the model directory's.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Jinja chat template file to use instead of the model's.
+    /// Jinja chat template file to use instead of the model's, or a built-in one by name:
+    /// `llama3.1`, `gemma3`.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
     /// Largest accepted request body in bytes.

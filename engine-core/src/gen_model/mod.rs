@@ -15,6 +15,8 @@
 mod presets;
 mod rng;
 mod tokenizer;
+
+pub use tokenizer::{builtin_chat_template, BUILTIN_CHAT_TEMPLATES};
 mod writer;
 
 use std::path::{Path, PathBuf};
@@ -226,7 +228,16 @@ pub fn run(args: &GenModelArgs) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let files = write_model(&args.out, &spec)?;
     if let Some(t) = &tokenizer {
-        tokenizer::write_tokenizer_files(&args.out, t, spec.config.max_position_embeddings)?;
+        let template = match spec.config.architecture {
+            crate::model::Architecture::Gemma3 => tokenizer::GEMMA3_CHAT_TEMPLATE,
+            _ => tokenizer::LLAMA31_CHAT_TEMPLATE,
+        };
+        tokenizer::write_tokenizer_files(
+            &args.out,
+            t,
+            spec.config.max_position_embeddings,
+            template,
+        )?;
     }
     eprintln!(
         "gen-model: wrote {} ({} weight file{}, {:?}, seed {}) in {:.1}s",

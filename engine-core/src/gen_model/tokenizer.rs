@@ -1,7 +1,8 @@
 //! Tokenizer files of a generated model: `tokenizer.json` copied as is, and a
 //! `tokenizer_config.json` as Llama 3.1 Instruct's (special tokens taken from the copied
-//! tokenizer's `added_tokens`, bos `<|begin_of_text|>`, eos `<|eot_id|>`, and the Llama 3.1
-//! chat template verbatim).
+//! tokenizer's `added_tokens`, bos `<|begin_of_text|>`, eos `<|eot_id|>`, and the chat template
+//! verbatim: Llama 3.1's, or Gemma 3's for the Gemma presets, whose turns then render around
+//! the stand-in tokenizer's bos).
 
 use std::path::Path;
 
@@ -11,10 +12,30 @@ use serde_json::{json, Map, Value};
 /// The `chat_template` of Llama 3.1 Instruct's `tokenizer_config.json`, byte for byte.
 pub const LLAMA31_CHAT_TEMPLATE: &str = include_str!("llama31_chat_template.jinja");
 
+/// The `chat_template` of Gemma 3 instruct releases' `tokenizer_config.json` (user/model turns
+/// between `<start_of_turn>` and `<end_of_turn>`, the system message prefixed to the first user
+/// turn).
+pub const GEMMA3_CHAT_TEMPLATE: &str = include_str!("gemma3_chat_template.jinja");
+
+/// The chat templates built into Harrier, by the names `--chat-template` accepts.
+pub const BUILTIN_CHAT_TEMPLATES: &[(&str, &str)] = &[
+    ("llama3.1", LLAMA31_CHAT_TEMPLATE),
+    ("gemma3", GEMMA3_CHAT_TEMPLATE),
+];
+
+/// The built-in chat template called `name`.
+pub fn builtin_chat_template(name: &str) -> Option<&'static str> {
+    BUILTIN_CHAT_TEMPLATES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, t)| *t)
+}
+
 pub fn write_tokenizer_files(
     out: &Path,
     tokenizer: &Path,
     model_max_length: usize,
+    chat_template: &str,
 ) -> anyhow::Result<()> {
     let bytes =
         std::fs::read(tokenizer).with_context(|| format!("reading {}", tokenizer.display()))?;
@@ -48,7 +69,7 @@ pub fn write_tokenizer_files(
     let config = json!({
         "added_tokens_decoder": decoder,
         "bos_token": "<|begin_of_text|>",
-        "chat_template": LLAMA31_CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": true,
         "eos_token": "<|eot_id|>",
         "model_input_names": ["input_ids", "attention_mask"],
@@ -77,7 +98,7 @@ mod tests {
         std::fs::write(&tok, src.to_string()).expect("write");
         let out = dir.path().join("m");
         std::fs::create_dir(&out).expect("mkdir");
-        write_tokenizer_files(&out, &tok, 8192).expect("write files");
+        write_tokenizer_files(&out, &tok, 8192, LLAMA31_CHAT_TEMPLATE).expect("write files");
         let cfg: Value = serde_json::from_slice(
             &std::fs::read(out.join("tokenizer_config.json")).expect("read"),
         )

@@ -65,10 +65,7 @@ impl ChatTemplate {
             };
         let special_tokens = special_tokens(&config);
         let source = if let Some(p) = override_path {
-            Some(
-                std::fs::read_to_string(p)
-                    .with_context(|| format!("reading chat template {}", p.display()))?,
-            )
+            Some(read_override(p)?)
         } else if let Ok(s) = std::fs::read_to_string(dir.join("chat_template.jinja")) {
             Some(s)
         } else if let Ok(s) = std::fs::read_to_string(dir.join("chat_template.json")) {
@@ -153,6 +150,29 @@ fn error_chain(e: &Error) -> String {
         src = inner.source();
     }
     s
+}
+
+/// `--chat-template`: a Jinja file, or the name of a built-in template (`llama3.1`, `gemma3`)
+/// when no file has that name.
+fn read_override(p: &Path) -> anyhow::Result<String> {
+    match std::fs::read_to_string(p) {
+        Ok(s) => Ok(s),
+        Err(e) => {
+            let name = p.to_string_lossy();
+            if let Some(t) = harrier_engine::gen_model::builtin_chat_template(&name) {
+                return Ok(t.to_string());
+            }
+            let names: Vec<&str> = harrier_engine::gen_model::BUILTIN_CHAT_TEMPLATES
+                .iter()
+                .map(|(n, _)| *n)
+                .collect();
+            Err(anyhow::anyhow!(
+                "chat template {}: {e}, and no built-in template has that name (built-in: {})",
+                p.display(),
+                names.join(", ")
+            ))
+        }
+    }
 }
 
 fn template_field(v: &serde_json::Value) -> anyhow::Result<Option<String>> {

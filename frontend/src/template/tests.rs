@@ -183,3 +183,43 @@ fn template_from_tokenizer_config() {
         .unwrap()
         .is_none());
 }
+
+/// `--chat-template gemma3` picks the built-in Gemma 3 template (with the model's own special
+/// tokens) when no file has that name; an unknown name lists the built-ins.
+#[test]
+fn builtin_templates_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"bos_token": "<bos>", "eos_token": "<eos>"}"#,
+    )
+    .unwrap();
+    let tmpl = ChatTemplate::from_model_dir(dir.path(), Some(Path::new("gemma3")))
+        .unwrap()
+        .unwrap();
+    let messages: Vec<Value> = serde_json::from_str(
+        r#"[{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]"#,
+    )
+    .unwrap();
+    let input = ChatInput {
+        messages: &messages,
+        tools: None,
+        add_generation_prompt: true,
+        continue_final_message: false,
+        extra: None,
+    };
+    assert_eq!(
+        tmpl.render(&input).unwrap(),
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.\
+         <end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    );
+    let e = ChatTemplate::from_model_dir(dir.path(), Some(Path::new("gemma-9")))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("gemma-9") && e.contains("llama3.1, gemma3"),
+        "{e}"
+    );
+}
