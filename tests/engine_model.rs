@@ -321,29 +321,39 @@ fn preemption_under_memory_pressure_loses_nothing() {
 #[test]
 fn prefix_caching_on_and_off_give_the_same_tokens() {
     let model = micro_model();
-    let runs = caching_runs(model.path(), &[(true, 2048), (false, 2048)]);
+    let runs = caching_runs(model.path(), &[(true, 2048, true), (false, 2048, true)]);
     assert_eq!(runs[1].1.prefix_cache_hits_total, 0);
 }
 
 /// Gemma 3 with a window of 32 (micro-gemma3): prompts of 101-107 tokens sharing 100, so cache
-/// hits, chunked prefill (16-token budget) and decode all cross the window; every run must give
-/// the tokens of the run with neither caching nor chunking.
+/// hits, chunked prefill (16-token budget) and decode all cross the window; every run, with
+/// window-sized KV for the sliding layers or full KV in every layer, must give the tokens of
+/// the first (full KV, no caching, no chunking).
 #[test]
 fn gemma3_sliding_window_survives_prefix_caching_and_chunked_prefill() {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &ModelSpec::from_preset(Preset::MicroGemma3, 12)).unwrap();
     let runs = caching_runs(
         dir.path(),
-        &[(true, 2048), (false, 2048), (true, 16), (false, 16)],
+        &[
+            (false, 2048, false),
+            (true, 2048, false),
+            (true, 16, false),
+            (false, 2048, true),
+            (true, 2048, true),
+            (true, 16, true),
+            (false, 16, true),
+        ],
     );
-    assert_eq!(runs[1].1.prefix_cache_hits_total, 0);
+    assert_eq!(runs[0].1.prefix_cache_hits_total, 0);
 }
 
-/// Runs a shared-prefix workload in two waves once per `(prefix caching, token budget)`;
-/// asserts every run gives the first's tokens, and that caching runs hit the shared prefix.
+/// Runs a shared-prefix workload in two waves once per `(prefix caching, token budget,
+/// window-sized sliding KV)`; asserts every run gives the first's tokens, and that caching
+/// runs hit the shared prefix.
 fn caching_runs(
     model: &Path,
-    configs: &[(bool, u32)],
+    configs: &[(bool, u32, bool)],
 ) -> Vec<(
     HashMap<String, Collected>,
     harrier_shared::protocol::EngineStats,
@@ -366,11 +376,12 @@ fn caching_runs(
             (format!("c{i}"), p, s)
         })
         .collect();
-    let run = |caching: bool, budget: u32| {
+    let run = |caching: bool, budget: u32, hybrid: bool| {
         let args = EngineCoreArgs {
             max_num_seqs: 8,
             no_prefix_caching: !caching,
             max_num_batched_tokens: budget,
+            disable_hybrid_kv_cache_manager: !hybrid,
             ..EngineCoreArgs::defaults()
         };
         let built = build_cpu_engine(&args, model).unwrap();
@@ -389,8 +400,8 @@ fn caching_runs(
             (c.results.clone(), stats)
         })
     };
-    let runs: Vec<_> = configs.iter().map(|&(c, b)| run(c, b)).collect();
-    for (&(caching, budget), (out, stats)) in configs.iter().zip(&runs) {
+    let runs: Vec<_> = configs.iter().map(|&(c, b, h)| run(c, b, h)).collect();
+    for (&(caching, budget, _), (out, stats)) in configs.iter().zip(&runs) {
         if caching {
             assert!(
                 stats.prefix_cache_hits_total >= 8 * 96,

@@ -16,11 +16,18 @@ use harrier_engine::request::Origin;
 use harrier_shared::protocol::{EngineCoreRequest, FinishReason, SamplingParams};
 use proptest::prelude::*;
 
-fn model_dir() -> &'static Path {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
+/// `micro`, or `micro-gemma3` (window 32: its sliding layers keep window-sized KV in a pool of
+/// their own, which the references, run with full KV in every layer, check).
+fn model_dir(preset: Preset) -> &'static Path {
+    static MICRO: OnceLock<tempfile::TempDir> = OnceLock::new();
+    static GEMMA: OnceLock<tempfile::TempDir> = OnceLock::new();
+    let cell = match preset {
+        Preset::MicroGemma3 => &GEMMA,
+        _ => &MICRO,
+    };
+    cell.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        write_model(dir.path(), &ModelSpec::from_preset(Preset::Micro, 5)).unwrap();
+        write_model(dir.path(), &ModelSpec::from_preset(preset, 5)).unwrap();
         dir
     })
     .path()
@@ -34,24 +41,28 @@ struct Spec {
     stop_at: Option<usize>,
 }
 
-fn engine(args: EngineCoreArgs) -> EngineCore<CpuExecutor> {
-    build_cpu_engine(&args, model_dir()).unwrap().engine
+fn engine(args: EngineCoreArgs, preset: Preset) -> EngineCore<CpuExecutor> {
+    build_cpu_engine(&args, model_dir(preset)).unwrap().engine
 }
 
 /// Tokens of `spec` run alone on a synchronous engine with a roomy KV cache (memoised).
-fn reference(spec: &Spec) -> (Vec<u32>, FinishReason) {
+fn reference(spec: &Spec, preset: Preset) -> (Vec<u32>, FinishReason) {
     type Memo = Mutex<HashMap<String, (Vec<u32>, FinishReason)>>;
     static MEMO: OnceLock<Memo> = OnceLock::new();
-    let key = format!("{:?}{:?}", spec.prompt, spec.sampling);
+    let key = format!("{preset:?}{:?}{:?}", spec.prompt, spec.sampling);
     if let Some(hit) = MEMO.get_or_init(Default::default).lock().unwrap().get(&key) {
         return hit.clone();
     }
-    let mut e = engine(EngineCoreArgs {
-        sync: true,
-        max_num_seqs: 1,
-        num_kv_blocks: Some(64),
-        ..EngineCoreArgs::defaults()
-    });
+    let mut e = engine(
+        EngineCoreArgs {
+            sync: true,
+            max_num_seqs: 1,
+            num_kv_blocks: Some(64),
+            disable_hybrid_kv_cache_manager: true,
+            ..EngineCoreArgs::defaults()
+        },
+        preset,
+    );
     e.add_request(
         Origin(0),
         EngineCoreRequest {
@@ -164,6 +175,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_case(
     specs: &[Spec],
     events: &[(u32, Event)],
@@ -172,15 +184,19 @@ fn run_case(
     block_size: u32,
     num_kv_blocks: u32,
     caching: bool,
+    preset: Preset,
 ) -> Result<(), TestCaseError> {
     // Turn `stop_at` into a stop id taken from the reference run without it.
     let specs: Vec<Spec> = specs
         .iter()
         .map(|s| {
-            let (free_run, _) = reference(&Spec {
-                stop_at: None,
-                ..s.clone()
-            });
+            let (free_run, _) = reference(
+                &Spec {
+                    stop_at: None,
+                    ..s.clone()
+                },
+                preset,
+            );
             let mut s = s.clone();
             if let Some(&stop) = s.stop_at.and_then(|j| free_run.get(j)) {
                 s.sampling.stop_token_ids = vec![stop];
@@ -199,7 +215,7 @@ fn run_case(
         no_prefix_caching: !caching,
         ..EngineCoreArgs::defaults()
     };
-    let mut e = engine(args);
+    let mut e = engine(args, preset);
     let mut arrived = vec![false; specs.len()];
     let mut results: HashMap<String, (Vec<u32>, Option<FinishReason>, usize)> = HashMap::new();
     let submit = |e: &mut EngineCore<CpuExecutor>, i: usize, arrived: &mut Vec<bool>| {
@@ -262,7 +278,7 @@ fn run_case(
         let id = format!("q{i}");
         let (tokens, finish, after) = results.get(&id).cloned().unwrap_or_default();
         prop_assert_eq!(after, 0, "{} got output after its finish", id);
-        let (want, want_finish) = reference(s);
+        let (want, want_finish) = reference(s, preset);
         match finish {
             Some(FinishReason::Abort) => {
                 prop_assert!(aborted[i], "{} aborted without an abort", id);
@@ -296,6 +312,16 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 64, max_shrink_iters: 200, ..ProptestConfig::default() })]
     #[test]
     fn random_interleavings_match_unbatched_reference((specs, events, sync, max_num_seqs, block_size, num_kv_blocks, caching) in case_strategy()) {
-        run_case(&specs, &events, sync, max_num_seqs, block_size, num_kv_blocks, caching)?;
+        run_case(&specs, &events, sync, max_num_seqs, block_size, num_kv_blocks, caching, Preset::Micro)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, max_shrink_iters: 100, ..ProptestConfig::default() })]
+    /// Gemma 3 with window-sized KV for its sliding layers (prompts and outputs up to 96 tokens
+    /// cross the window of 32) against references with full KV in every layer.
+    #[test]
+    fn sliding_window_kv_matches_full_kv_references((specs, events, sync, max_num_seqs, block_size, num_kv_blocks, caching) in case_strategy()) {
+        run_case(&specs, &events, sync, max_num_seqs, block_size, num_kv_blocks, caching, Preset::MicroGemma3)?;
     }
 }

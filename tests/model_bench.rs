@@ -52,6 +52,7 @@ fn tiny_forward_timings() {
                 tokens: &prompts[i],
                 position: 0,
                 block_table: &tables[i],
+                local_block_table: &[],
                 logit_rows: 1,
             })
             .collect();
@@ -68,6 +69,7 @@ fn tiny_forward_timings() {
                     tokens: &next[i..i + 1],
                     position: prompt_len + step,
                     block_table: &tables[i],
+                    local_block_table: &[],
                     logit_rows: 1,
                 })
                 .collect();

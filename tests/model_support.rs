@@ -63,6 +63,7 @@ pub fn greedy_batch(
             tokens: p,
             position: 0,
             block_table: t,
+            local_block_table: &[],
             logit_rows: 1,
         })
         .collect();
@@ -81,6 +82,7 @@ pub fn greedy_batch(
                 tokens: &out[i][step..step + 1],
                 position: prompts[i].len() + step,
                 block_table: &tables[i],
+                local_block_table: &[],
                 logit_rows: 1,
             })
             .collect();

@@ -34,6 +34,11 @@ pub struct SeqInput {
     /// `new_blocks[start..start + len]` are appended to the row's block table before the step.
     pub blocks_start: u32,
     pub blocks_len: u32,
+    /// The next `local_blocks_len` entries of `new_blocks` (after the row's `blocks_len`) are
+    /// appended to its sliding-window block table (0 unless the engine keeps window-sized KV
+    /// for sliding layers; then a row starts with its whole table, released entries as the
+    /// scratch block 0).
+    pub local_blocks_len: u32,
     /// Sample a token after this chunk (its last position reaches the end of the sequence).
     pub sample: bool,
     /// Speculative decoding (decode entries only, `host_len == 0`): tokens to propose and
@@ -125,7 +130,8 @@ impl ExecBatch {
             if (s.host_start + s.host_len) as usize > self.host_tokens.len() {
                 return Err(format!("seq {i}: host token range out of bounds"));
             }
-            if (s.blocks_start + s.blocks_len) as usize > self.new_blocks.len() {
+            if (s.blocks_start + s.blocks_len + s.local_blocks_len) as usize > self.new_blocks.len()
+            {
                 return Err(format!("seq {i}: block range out of bounds"));
             }
         }

@@ -237,6 +237,7 @@ fn null_engine(
         policy: Default::default(),
         num_speculative_tokens: 0,
         spec_disable_batch_size: None,
+        local_kv: None,
     };
     Ok(EngineCore::new(
         cfg,

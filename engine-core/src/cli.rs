@@ -64,6 +64,10 @@ pub struct EngineCoreArgs {
     /// Turn off prefix caching (reuse of KV blocks shared with earlier requests).
     #[arg(long)]
     pub no_prefix_caching: bool,
+    /// Keep full KV in every layer of a sliding-window model (Gemma 3) instead of giving its
+    /// sliding layers a window-sized pool of their own (vLLM's flag of the same name).
+    #[arg(long)]
+    pub disable_hybrid_kv_cache_manager: bool,
     /// Which work gets each step's token budget first.
     #[arg(long, value_enum, default_value_t = crate::scheduler::SchedulingPolicy::DecodeFirst)]
     pub scheduling_policy: crate::scheduler::SchedulingPolicy,
@@ -277,6 +281,7 @@ fn engine_config(
     model_len: u32,
     num_kv_blocks: u32,
     num_speculative_tokens: u32,
+    local_kv: Option<crate::scheduler::LocalKvConfig>,
 ) -> anyhow::Result<EngineConfig> {
     let kv_tokens = num_kv_blocks.saturating_sub(1) * args.block_size;
     let cfg = EngineConfig {
@@ -299,9 +304,43 @@ fn engine_config(
         policy: args.scheduling_policy,
         num_speculative_tokens,
         spec_disable_batch_size: args.speculative_disable_by_batch_size,
+        local_kv,
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// The sliding layers' window when they get a window-sized KV pool of their own: the model
+/// has sliding layers and full ones, and neither the flag nor speculative decoding turns it
+/// off (a model whose layers all slide keeps one pool).
+fn hybrid_window(
+    args: &EngineCoreArgs,
+    mc: &crate::model::ModelConfig,
+    speculating: bool,
+) -> Option<u32> {
+    let s = mc.sliding.as_ref()?;
+    let mixed = s.layers.contains(&crate::model::LayerAttention::Sliding)
+        && s.layers.contains(&crate::model::LayerAttention::Full);
+    if !mixed || args.disable_hybrid_kv_cache_manager {
+        return None;
+    }
+    if speculating {
+        tracing::warn!("speculative decoding keeps full KV in the sliding-window layers (window-sized KV does not combine with it yet)");
+        return None;
+    }
+    u32::try_from(s.window).ok()
+}
+
+/// Blocks of the sliding layers' pool: every running request's window (at most the model
+/// length) plus the two blocks a misaligned window and its next token straddle, one step's
+/// worth of chunk tokens, and the scratch block. With that much the local pool never limits
+/// the batch; the scheduler copes with less (chunks shrink, preemption).
+fn local_pool_demand(args: &EngineCoreArgs, window: u32, model_len: u32) -> u32 {
+    let bs = args.block_size;
+    let per_request = window.min(model_len.max(1)).div_ceil(bs) + 2;
+    args.max_num_seqs
+        .saturating_mul(per_request)
+        .saturating_add(args.max_num_batched_tokens.div_ceil(bs) + 1)
 }
 
 /// Wraps a backend into an engine and the handshake answer front ends receive.
@@ -397,13 +436,42 @@ pub fn build_cpu_engine(
             (Some(CpuProposer::Draft(Box::new(dmodel))), bpb, *k)
         }
     };
+    let model_len = model_len_limit(args, mc)?;
+    // Sliding layers in a pool of their own: its blocks cost only those layers' bytes, and
+    // the full pool's blocks only the full layers'.
+    let window = hybrid_window(args, mc, k > 0);
+    let budget = args.kv_cache_mib << 20;
+    let (target_bpb, local_kv) = match window {
+        None => (target_bpb, None),
+        Some(w) => {
+            let local_bpb = KvCache::bytes_per_local_block(mc, args.block_size as usize) as u64;
+            let least = w.div_ceil(args.block_size) + 3;
+            let blocks = match args.num_kv_blocks {
+                Some(_) => local_pool_demand(args, w, model_len),
+                // At most half the budget when the budget is what sizes the pools.
+                None => local_pool_demand(args, w, model_len)
+                    .min(((budget / 2) / local_bpb.max(1)).min(u32::MAX as u64) as u32)
+                    .max(least),
+            };
+            (
+                KvCache::bytes_per_full_block(mc, args.block_size as usize) as u64,
+                Some(crate::scheduler::LocalKvConfig {
+                    window: w,
+                    num_blocks: blocks,
+                }),
+            )
+        }
+    };
+    let local_bytes = local_kv.map_or(0, |l| {
+        l.num_blocks as u64 * KvCache::bytes_per_local_block(mc, args.block_size as usize) as u64
+    });
     // The draft's KV shares the target's block ids: one block costs both.
     let bytes_per_block = target_bpb + draft_bpb;
     let num_kv_blocks = match args.num_kv_blocks {
         Some(n) => n,
-        None => ((args.kv_cache_mib << 20) / bytes_per_block).min(u32::MAX as u64) as u32,
+        None => (budget.saturating_sub(local_bytes) / bytes_per_block).min(u32::MAX as u64) as u32,
     };
-    let cfg = engine_config(args, model_len_limit(args, mc)?, num_kv_blocks, k)?;
+    let cfg = engine_config(args, model_len, num_kv_blocks, k, local_kv)?;
     let (max_model_len, kv_tokens) = (cfg.max_model_len, (num_kv_blocks - 1) * args.block_size);
     tracing::info!(
         model = %dir.name,
@@ -415,6 +483,16 @@ pub fn build_cpu_engine(
         pipeline = ?cfg.pipeline,
         "CPU engine configured"
     );
+    if let Some(l) = local_kv {
+        tracing::info!(
+            full_layers_kv_blocks = num_kv_blocks,
+            full_layers_kv_tokens = kv_tokens,
+            sliding_layers_kv_blocks = l.num_blocks,
+            sliding_window = l.window,
+            sliding_layers_kv_mib = local_bytes >> 20,
+            "KV capacity per attention type: the sliding-window layers keep window-sized KV in a pool of their own"
+        );
+    }
     match &spec {
         SpecChoice::Off => {}
         SpecChoice::Draft { model, k } => tracing::info!(
@@ -436,6 +514,7 @@ pub fn build_cpu_engine(
         mc,
         CpuExecutorConfig {
             num_kv_blocks,
+            num_local_kv_blocks: local_kv.map(|l| l.num_blocks),
             block_size: args.block_size,
             max_rows: args.max_num_seqs,
         },
@@ -482,7 +561,7 @@ pub fn build_cuda_engine(
     )
     .with_context(|| format!("starting the CUDA backend for {}", model_dir.display()))?;
     let num_kv_blocks = start.kv_blocks;
-    let cfg = engine_config(args, max_model_len, num_kv_blocks, 0)?;
+    let cfg = engine_config(args, max_model_len, num_kv_blocks, 0, None)?;
     let max_model_len = cfg.max_model_len;
     tracing::info!(
         model = %dir.name,

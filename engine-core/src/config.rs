@@ -44,6 +44,9 @@ pub struct EngineConfig {
     /// Rounds propose nothing while more requests than this decode (see
     /// [`crate::scheduler::SchedulerConfig::spec_disable_batch_size`]).
     pub spec_disable_batch_size: Option<u32>,
+    /// Window-sized KV for the sliding-window layers in a pool of their own (see
+    /// [`crate::scheduler::LocalKvConfig`]); `None`: every layer keeps full KV in one pool.
+    pub local_kv: Option<crate::scheduler::LocalKvConfig>,
 }
 
 impl Default for EngineConfig {
@@ -60,6 +63,7 @@ impl Default for EngineConfig {
             policy: crate::scheduler::SchedulingPolicy::DecodeFirst,
             num_speculative_tokens: 0,
             spec_disable_batch_size: None,
+            local_kv: None,
         }
     }
 }
@@ -101,6 +105,21 @@ impl EngineConfig {
                 "max_num_batched_tokens ({}) must fit one speculative round of 1 + {} tokens",
                 self.max_num_batched_tokens, self.num_speculative_tokens
             ));
+        }
+        if let Some(l) = self.local_kv {
+            // One request's window, the block its next token opens, and the scratch block.
+            let least = l.window.div_ceil(self.block_size) + 3;
+            if l.window == 0 || l.num_blocks < least {
+                return err(format!(
+                    "the sliding-window KV pool needs at least {least} blocks for a window of {} (got {})",
+                    l.window, l.num_blocks
+                ));
+            }
+            if self.num_speculative_tokens > 0 {
+                return err(
+                    "window-sized KV does not combine with speculative decoding yet".into(),
+                );
+            }
         }
         // A speculative round may write up to `num_speculative_tokens` positions past the
         // model length (see `Scheduler::spec_len`).

@@ -111,6 +111,7 @@ impl<E: Executor> EngineCore<E> {
             policy: cfg.policy,
             num_speculative_tokens: cfg.num_speculative_tokens,
             spec_disable_batch_size: cfg.spec_disable_batch_size,
+            local_kv: cfg.local_kv,
         });
         let seed_state = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

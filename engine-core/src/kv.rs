@@ -240,15 +240,25 @@ impl BlockManager {
     /// evicted before their prefixes) and empties it. Hashed blocks stay cached.
     pub fn free(&mut self, table: &mut Vec<BlockId>) {
         for block in table.drain(..).rev() {
-            let m = &mut self.meta[block.0 as usize];
-            assert!(m.ref_count > 0, "double free of {block:?}");
-            m.ref_count -= 1;
-            if m.ref_count == 0 {
-                if !self.caching {
-                    self.evict(block.0);
-                }
-                self.push_back(block.0);
+            self.release(block);
+        }
+    }
+
+    /// Drops one reference to `block` (a table entry that is given up alone: a sliding-window
+    /// block no token can see any more). The scratch block is skipped: tables use it for such
+    /// released entries.
+    pub fn release(&mut self, block: BlockId) {
+        if block == SCRATCH_BLOCK {
+            return;
+        }
+        let m = &mut self.meta[block.0 as usize];
+        assert!(m.ref_count > 0, "double free of {block:?}");
+        m.ref_count -= 1;
+        if m.ref_count == 0 {
+            if !self.caching {
+                self.evict(block.0);
             }
+            self.push_back(block.0);
         }
     }
 

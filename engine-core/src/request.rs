@@ -59,6 +59,11 @@ pub struct Request {
     /// input is that token, still on the device. False while (re)computing a prefill.
     pub decoding: bool,
     pub blocks: Vec<BlockId>,
+    /// The block table of the sliding-window layers' pool (when the model has them and the
+    /// engine keeps their KV window-sized): entries below `local_released` are
+    /// [`crate::kv::SCRATCH_BLOCK`], given back once no token could see them.
+    pub local_blocks: Vec<BlockId>,
+    pub local_released: u32,
     /// Chained hashes of the full blocks of prompt + committed output (prefix caching).
     pub block_hashes: Vec<BlockHash>,
     /// Leading blocks of `blocks` registered in the prefix cache.
@@ -106,6 +111,8 @@ impl Request {
             row: None,
             decoding: false,
             blocks: Vec::new(),
+            local_blocks: Vec::new(),
+            local_released: 0,
             block_hashes: Vec::new(),
             num_registered_blocks: 0,
             cache_salt: 0,

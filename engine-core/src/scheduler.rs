@@ -37,7 +37,7 @@ use std::time::Instant;
 use harrier_shared::protocol::{Finish, FinishReason, RequestOutput, SpecDecodeCounts, TokenId};
 
 use crate::batch::{ExecBatch, RowId, RowInit, SeqInput, StepOutput};
-use crate::kv::{BlockId, BlockManager};
+use crate::kv::{BlockId, BlockManager, SCRATCH_BLOCK};
 use crate::request::{Origin, Request, RequestId, RequestStatus};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -59,6 +59,34 @@ pub struct SchedulerConfig {
     /// decoding, rounds propose nothing (vLLM's `speculative_disable_by_batch_size`). The
     /// price: while the rule switches with load, a seeded request's text depends on it.
     pub spec_disable_batch_size: Option<u32>,
+    /// Window-sized KV for sliding-window layers (Gemma 3); `None`: one pool for every layer.
+    pub local_kv: Option<LocalKvConfig>,
+}
+
+/// The sliding-window layers' own block pool (vLLM's hybrid KV cache manager, two groups).
+///
+/// A request holds two block tables: the full-attention layers' (`Request::blocks`, one block
+/// per `block_size` positions as ever) and the sliding layers' (`Request::local_blocks`). A
+/// token at position `p` of a sliding layer reads positions `p - window + 1 ..= p` only, so the
+/// local table's leading blocks that no token at or after the request's next position can see
+/// are given back to the pool when the request's next step is applied (the step before it
+/// still reads them, but it runs first on the same stream, and whoever gets the block next
+/// writes it in a later step). Such entries become the scratch block. A long request thus holds
+/// about `window / block_size + 1` local blocks plus its current chunk's.
+///
+/// Prefix caching covers both pools with the same chained block hashes: a cache hit of `h`
+/// blocks counts only if the local pool still holds the blocks of the window before position
+/// `h * block_size` (the local table then starts with scratch entries up to there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalKvConfig {
+    pub window: u32,
+    /// Blocks of the local pool (block 0 is its scratch block).
+    pub num_blocks: u32,
+}
+
+/// Leading blocks of a sliding-window table that no token at a position `>= pos` can see.
+pub fn local_dead_blocks(pos: u32, window: u32, block_size: u32) -> u32 {
+    (pos + 1).saturating_sub(window) / block_size
 }
 
 /// Which work gets the token budget first.
@@ -145,6 +173,8 @@ pub struct Scheduler {
     /// Admission order: the tail is preempted first.
     running: Vec<RequestId>,
     kv: BlockManager,
+    /// The sliding-window layers' pool ([`LocalKvConfig`]).
+    local: Option<BlockManager>,
     free_rows: Vec<RowId>,
     counters: SchedulerCounters,
     /// Requests with a structured-output grammar (token masks are computed only when some).
@@ -157,6 +187,9 @@ pub type OutputSink = Vec<(Origin, RequestOutput)>;
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
         let kv = BlockManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching);
+        let local = cfg
+            .local_kv
+            .map(|l| BlockManager::new(l.num_blocks, cfg.block_size, cfg.enable_prefix_caching));
         let free_rows = (0..cfg.max_num_seqs).rev().map(RowId).collect();
         Self {
             cfg,
@@ -164,6 +197,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             kv,
+            local,
             free_rows,
             counters: SchedulerCounters::default(),
             num_constrained: 0,
@@ -196,6 +230,39 @@ impl Scheduler {
         &self.kv
     }
 
+    /// The sliding-window layers' pool, when the engine keeps their KV window-sized.
+    pub fn local_kv(&self) -> Option<&BlockManager> {
+        self.local.as_ref()
+    }
+
+    /// Local-table blocks to allocate and (unshared) blocks given back when `r` computes
+    /// positions `pos .. pos + n` (both 0 without a local pool).
+    fn local_step(&self, r: &Request, pos: u32, n: u32) -> (u32, u32) {
+        let (Some(local), Some(l)) = (&self.local, self.cfg.local_kv) else {
+            return (0, 0);
+        };
+        let alloc = local
+            .blocks_for(pos + n)
+            .saturating_sub(r.local_blocks.len() as u32);
+        let dead =
+            local_dead_blocks(pos, l.window, self.cfg.block_size).min(r.local_blocks.len() as u32);
+        let freed = r.local_blocks[r.local_released.min(dead) as usize..dead as usize]
+            .iter()
+            .filter(|&&b| b != SCRATCH_BLOCK && local.ref_count(b) == 1)
+            .count() as u32;
+        (alloc, freed)
+    }
+
+    /// Local blocks `r` holds alone (what preempting it gives back).
+    fn local_unshared(&self, r: &Request) -> u32 {
+        self.local.as_ref().map_or(0, |local| {
+            r.local_blocks
+                .iter()
+                .filter(|&&b| b != SCRATCH_BLOCK && local.ref_count(b) == 1)
+                .count() as u32
+        })
+    }
+
     pub fn counters(&self) -> SchedulerCounters {
         self.counters
     }
@@ -211,6 +278,9 @@ impl Scheduler {
     /// Forgets every cached block hash (see [`BlockManager::reset_cache`]).
     pub fn reset_prefix_cache(&mut self) {
         self.kv.reset_cache();
+        if let Some(local) = &mut self.local {
+            local.reset_cache();
+        }
     }
 
     /// Queues a validated request.
@@ -277,6 +347,7 @@ impl Scheduler {
             drained,
             budget: self.cfg.max_num_batched_tokens,
             free_blocks: self.kv.num_free(),
+            free_local: self.local.as_ref().map_or(0, BlockManager::num_free),
             free_rows: self.free_rows.len() as u32,
             tail: self.running.len(),
             needs_drain: false,
@@ -321,6 +392,23 @@ impl Scheduler {
         for p in plan.entries.iter().filter(|p| p.admit) {
             self.admit(p.id, p.cached_blocks, batch);
         }
+        // Sliding-window blocks no token of these steps can see go back before anything is
+        // allocated (the planner counted them free).
+        if let (Some(local), Some(l)) = (&mut self.local, self.cfg.local_kv) {
+            for p in &plan.entries {
+                let r = self
+                    .requests
+                    .get_mut(&p.id)
+                    .expect("planned request exists");
+                let dead = local_dead_blocks(r.num_computed_tokens, l.window, self.cfg.block_size)
+                    .min(r.local_blocks.len() as u32);
+                for i in r.local_released..dead {
+                    let b = std::mem::replace(&mut r.local_blocks[i as usize], SCRATCH_BLOCK);
+                    local.release(b);
+                }
+                r.local_released = r.local_released.max(dead);
+            }
+        }
         for p in &plan.entries {
             let r = self
                 .requests
@@ -352,6 +440,20 @@ impl Scheduler {
             batch
                 .new_blocks
                 .extend(r.blocks[before..].iter().map(|b| b.0));
+            let mut local_blocks_len = 0;
+            if let Some(local) = &mut self.local {
+                let before = if p.admit { 0 } else { r.local_blocks.len() };
+                let need = local
+                    .blocks_for(position + p.num_tokens)
+                    .saturating_sub(r.local_blocks.len() as u32);
+                local
+                    .allocate(need, &mut r.local_blocks)
+                    .expect("planned local blocks are free");
+                batch
+                    .new_blocks
+                    .extend(r.local_blocks[before..].iter().map(|b| b.0));
+                local_blocks_len = (r.local_blocks.len() - before) as u32;
+            }
             r.num_computed_tokens += p.num_tokens;
             // A decode (plain or speculative) always samples and books 1 + draft outputs; a
             // chunk samples when it reaches the end of the known sequence.
@@ -370,7 +472,7 @@ impl Scheduler {
                 r.inflight_refs <= self.cfg.max_inflight_refs,
                 "I4: inflight_refs above depth"
             );
-            register_computed_blocks(&mut self.kv, r);
+            register_computed_blocks(&mut self.kv, self.local.as_mut(), r);
             batch.seqs.push(SeqInput {
                 row,
                 position,
@@ -379,6 +481,7 @@ impl Scheduler {
                 host_len,
                 blocks_start,
                 blocks_len: (r.blocks.len() - before) as u32,
+                local_blocks_len,
                 sample,
                 draft: if decode { p.num_tokens - 1 } else { 0 },
             });
@@ -399,6 +502,23 @@ impl Scheduler {
         debug_assert!(r.blocks.is_empty());
         self.kv
             .acquire_cached(&r.block_hashes[..cached_blocks as usize], &mut r.blocks);
+        if let (Some(local), Some(l)) = (&mut self.local, self.cfg.local_kv) {
+            // The window before the hit point, from the local pool (the planner checked it is
+            // cached); blocks before it are scratch entries.
+            debug_assert!(r.local_blocks.is_empty());
+            let lo = local_dead_blocks(
+                cached_blocks * self.cfg.block_size,
+                l.window,
+                self.cfg.block_size,
+            )
+            .min(cached_blocks);
+            r.local_blocks.resize(lo as usize, SCRATCH_BLOCK);
+            local.acquire_cached(
+                &r.block_hashes[lo as usize..cached_blocks as usize],
+                &mut r.local_blocks,
+            );
+            r.local_released = lo;
+        }
         r.num_computed_tokens = cached_blocks * self.cfg.block_size;
         r.num_registered_blocks = cached_blocks;
         if self.cfg.enable_prefix_caching {
@@ -438,6 +558,10 @@ impl Scheduler {
             "I5: preemption only on a drained pipeline"
         );
         self.kv.free(&mut r.blocks);
+        if let Some(local) = &mut self.local {
+            local.free(&mut r.local_blocks);
+        }
+        r.local_released = 0;
         if let Some(row) = r.row.take() {
             self.free_rows.push(row);
         }
@@ -527,7 +651,7 @@ impl Scheduler {
                     }
                     r.first_token_at.get_or_insert_with(Instant::now);
                     extend_block_hashes(&self.kv, r);
-                    register_computed_blocks(&mut self.kv, r);
+                    register_computed_blocks(&mut self.kv, self.local.as_mut(), r);
                     r.reported_first = true;
                     sink.push((r.origin, output));
                     if let Some(finish) = finish {
@@ -702,6 +826,9 @@ impl Scheduler {
             let mut r = self.requests.remove(&id).expect("checked");
             self.num_constrained -= r.grammar.is_some() as usize;
             self.kv.free(&mut r.blocks);
+            if let Some(local) = &mut self.local {
+                local.free(&mut r.local_blocks);
+            }
             if let Some(row) = r.row.take() {
                 self.free_rows.push(row);
             }
@@ -719,7 +846,36 @@ impl Scheduler {
         }
         let mut rows = 0;
         let mut refs: HashMap<BlockId, u32> = HashMap::new();
+        let mut local_refs: HashMap<BlockId, u32> = HashMap::new();
         for r in self.requests.values() {
+            if let (Some(local), Some(l)) = (&self.local, self.cfg.local_kv) {
+                for (i, b) in r.local_blocks.iter().enumerate() {
+                    assert_eq!(
+                        *b == SCRATCH_BLOCK,
+                        (i as u32) < r.local_released,
+                        "{:?}: local entry {i} released iff below {}",
+                        r.id,
+                        r.local_released
+                    );
+                    if *b != SCRATCH_BLOCK {
+                        *local_refs.entry(*b).or_default() += 1;
+                    }
+                }
+                if r.num_computed_tokens > 0 {
+                    assert!(
+                        r.local_blocks.len() as u32 >= local.blocks_for(r.num_computed_tokens),
+                        "{:?} computed past its local blocks",
+                        r.id
+                    );
+                }
+                // Nothing a future token can see was given back.
+                let dead = local_dead_blocks(r.num_computed_tokens, l.window, self.cfg.block_size);
+                assert!(
+                    r.local_released <= dead,
+                    "{:?} gave back local blocks a later token reads",
+                    r.id
+                );
+            }
             let c = counts.get(&r.id).copied().unwrap_or(0);
             assert_eq!(
                 r.inflight_refs, c,
@@ -748,6 +904,17 @@ impl Scheduler {
             assert_eq!(self.kv.ref_count(b), n, "ref count of {b:?}");
         }
         self.kv.check();
+        if let Some(local) = &self.local {
+            assert_eq!(
+                local_refs.len() as u32,
+                local.num_used(),
+                "local blocks leaked"
+            );
+            for (b, n) in local_refs {
+                assert_eq!(local.ref_count(b), n, "local ref count of {b:?}");
+            }
+            local.check();
+        }
         for id in counts.keys() {
             assert!(
                 self.requests.contains_key(id),
@@ -763,6 +930,8 @@ struct Planner<'a> {
     drained: bool,
     budget: u32,
     free_blocks: u32,
+    /// Free blocks of the sliding-window pool (0 without one).
+    free_local: u32,
     free_rows: u32,
     /// `running[..tail]` may still run; `running[tail..]` are preempted by this plan.
     tail: usize,
@@ -773,8 +942,8 @@ struct Planner<'a> {
 impl Planner<'_> {
     /// Frees blocks for `running[i]` by preempting from the tail (never `running[i]` itself
     /// or anything admitted before it); true if `need` blocks are then available.
-    fn reserve(&mut self, need: u32, i: usize) -> bool {
-        while need > self.free_blocks && self.tail > i + 1 {
+    fn reserve(&mut self, need: u32, need_local: u32, i: usize) -> bool {
+        while (need > self.free_blocks || need_local > self.free_local) && self.tail > i + 1 {
             self.tail -= 1;
             let victim = &self.s.requests[&self.s.running[self.tail]];
             self.plan.preempt.push(victim.id);
@@ -786,9 +955,10 @@ impl Planner<'_> {
                 .iter()
                 .filter(|&&b| self.s.kv.ref_count(b) == 1)
                 .count() as u32;
+            self.free_local += self.s.local_unshared(victim);
             self.needs_drain = true;
         }
-        need <= self.free_blocks
+        need <= self.free_blocks && need_local <= self.free_local
     }
 
     /// Running requests that decode, oldest admission first: one token each.
@@ -818,8 +988,10 @@ impl Planner<'_> {
                     .kv
                     .blocks_for(r.num_computed_tokens + n)
                     .saturating_sub(r.blocks.len() as u32);
-                if self.reserve(need, i) {
+                let (alloc_l, freed_l) = self.s.local_step(r, r.num_computed_tokens, n);
+                if self.reserve(need, alloc_l.saturating_sub(freed_l), i) {
                     self.free_blocks -= need;
+                    self.free_local = self.free_local + freed_l - alloc_l;
                     self.budget -= n;
                     self.plan.entries.push(Planned {
                         id: r.id,
@@ -857,7 +1029,13 @@ impl Planner<'_> {
             }
             let held = r.blocks.len() as u32;
             let fit = (held + self.free_blocks) * bs - r.num_computed_tokens;
-            let chunk = left.min(self.budget).min(fit);
+            let mut chunk = left.min(self.budget).min(fit);
+            if self.s.local.is_some() {
+                // The chunk's KV is written to the local pool before its window is read.
+                let (_, freed_l) = self.s.local_step(r, r.num_computed_tokens, 0);
+                let room = (r.local_blocks.len() as u32 + self.free_local + freed_l) * bs;
+                chunk = chunk.min(room.saturating_sub(r.num_computed_tokens));
+            }
             if chunk == 0 {
                 self.needs_drain |= !self.drained;
                 continue;
@@ -867,6 +1045,8 @@ impl Planner<'_> {
                 .kv
                 .blocks_for(r.num_computed_tokens + chunk)
                 .saturating_sub(held);
+            let (alloc_l, freed_l) = self.s.local_step(r, r.num_computed_tokens, chunk);
+            self.free_local = self.free_local + freed_l - alloc_l;
             self.budget -= chunk;
             self.needs_drain = true;
             self.plan.entries.push(Planned {
@@ -895,15 +1075,43 @@ impl Planner<'_> {
                 *r.block_tokens(i, bs as usize) == *stored
             });
             // At least one token is computed, to produce the next token's logits.
-            let hits = hits.min((host - 1) / bs);
+            let mut hits = hits.min((host - 1) / bs);
+            let mut need_local = 0;
+            if let (Some(local), Some(l)) = (&self.s.local, self.s.cfg.local_kv) {
+                // A hit counts only with the window before it in the local pool.
+                let lo_of = |h: u32| local_dead_blocks(h * bs, l.window, bs).min(h);
+                let window_cached = |h: u32| {
+                    let lo = lo_of(h);
+                    local.lookup(&r.block_hashes[lo as usize..h as usize], |i, stored| {
+                        *r.block_tokens(lo as usize + i, bs as usize) == *stored
+                    }) == h - lo
+                };
+                while hits > 0 && !window_cached(hits) {
+                    hits -= 1;
+                }
+                let lo = lo_of(hits) as usize;
+                let chunk = (host - hits * bs).min(self.budget);
+                need_local = local.blocks_for(hits * bs + chunk) - hits
+                    + local.count_free_hits(&r.block_hashes[lo..hits as usize]);
+                // The local pool may also bound the first chunk (its KV is written there).
+            }
             let cached = hits * bs;
-            let chunk = (host - cached).min(self.budget);
+            let mut chunk = (host - cached).min(self.budget);
+            if self.s.local.is_some() && need_local > self.free_local {
+                let over = (need_local - self.free_local) * bs;
+                chunk = chunk.saturating_sub(over);
+                need_local = self.free_local;
+                if chunk == 0 {
+                    break;
+                }
+            }
             let need = self.s.kv.blocks_for(cached + chunk) - hits
                 + self.s.kv.count_free_hits(&r.block_hashes[..hits as usize]);
             if need > self.free_blocks {
                 break;
             }
             self.free_blocks -= need;
+            self.free_local -= need_local;
             self.free_rows -= 1;
             self.budget -= chunk;
             self.needs_drain = true;
@@ -935,7 +1143,13 @@ fn extend_block_hashes(kv: &BlockManager, r: &mut Request) {
 
 /// Registers the request's full blocks whose KV is computed (or being computed by a launched
 /// step: any later reader runs after it on the same stream).
-fn register_computed_blocks(kv: &mut BlockManager, r: &mut Request) {
+/// Sliding-window blocks are registered in their own pool under the same hashes (entries
+/// already given back are skipped: a hit then ends before them).
+fn register_computed_blocks(
+    kv: &mut BlockManager,
+    mut local: Option<&mut BlockManager>,
+    r: &mut Request,
+) {
     if !kv.caching() {
         return;
     }
@@ -944,7 +1158,14 @@ fn register_computed_blocks(kv: &mut BlockManager, r: &mut Request) {
         .min(r.block_hashes.len())
         .min(r.blocks.len());
     for i in r.num_registered_blocks as usize..ready {
-        kv.register(r.blocks[i], r.block_hashes[i], &r.block_tokens(i, bs));
+        let tokens = r.block_tokens(i, bs);
+        kv.register(r.blocks[i], r.block_hashes[i], &tokens);
+        if let Some(local) = local.as_deref_mut() {
+            match r.local_blocks.get(i) {
+                Some(&b) if b != SCRATCH_BLOCK => local.register(b, r.block_hashes[i], &tokens),
+                _ => {}
+            }
+        }
     }
     r.num_registered_blocks = r.num_registered_blocks.max(ready as u32);
 }

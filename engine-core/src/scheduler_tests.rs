@@ -22,6 +22,7 @@ fn cfg(max_num_seqs: u32, budget: u32, blocks: u32, depth: u8) -> SchedulerConfi
         policy: SchedulingPolicy::DecodeFirst,
         num_speculative_tokens: 0,
         spec_disable_batch_size: None,
+        local_kv: None,
     }
 }
 
@@ -33,6 +34,10 @@ struct Harness {
     forced: Vec<(RequestId, u32, TokenId)>,
     /// The backend's view of each row's block table, rebuilt from batches only.
     rows: std::collections::HashMap<RowId, Vec<u32>>,
+    /// The same for the sliding-window tables.
+    local_rows: std::collections::HashMap<RowId, Vec<u32>>,
+    /// Most local blocks one request held alive, after any step.
+    max_local_live: usize,
 }
 
 impl Harness {
@@ -43,6 +48,8 @@ impl Harness {
             sink: Vec::new(),
             forced: Vec::new(),
             rows: Default::default(),
+            local_rows: Default::default(),
+            max_local_live: 0,
         }
     }
 
@@ -82,6 +89,7 @@ impl Harness {
             // What a backend learns from the batch must equal the scheduler's block tables.
             for init in &batch.row_inits {
                 self.rows.insert(init.row, Vec::new());
+                self.local_rows.insert(init.row, Vec::new());
             }
             for (seq, e) in batch.seqs.iter().zip(&record) {
                 let table = self
@@ -100,6 +108,33 @@ impl Harness {
                     e.id
                 );
                 assert!(table.len() as u32 * 4 >= seq.position + seq.num_tokens);
+                // The local table: entries given back are stale on the backend; the rest match.
+                let local = self.local_rows.get_mut(&seq.row).expect("row initialised");
+                let mid = (seq.blocks_start + seq.blocks_len) as usize;
+                local
+                    .extend_from_slice(&batch.new_blocks[mid..mid + seq.local_blocks_len as usize]);
+                let released = r.local_released as usize;
+                assert_eq!(
+                    local[released.min(local.len())..],
+                    r.local_blocks[released.min(r.local_blocks.len())..]
+                        .iter()
+                        .map(|b| b.0)
+                        .collect::<Vec<_>>(),
+                    "backend local table of {:?}",
+                    e.id
+                );
+                if let Some(l) = self.s.config().local_kv {
+                    assert!(local.len() as u32 * 4 >= seq.position + seq.num_tokens);
+                    // Every position the step's tokens read is in a live entry.
+                    let first_read = (seq.position + 1).saturating_sub(l.window) / 4;
+                    assert!(
+                        r.local_released <= first_read,
+                        "{:?} reads a released block",
+                        e.id
+                    );
+                    let live = r.local_blocks.len() - released;
+                    self.max_local_live = self.max_local_live.max(live);
+                }
             }
             self.in_flight.push_back((record, batch));
         }
@@ -599,4 +634,106 @@ mod speculative {
             }
         }
     }
+}
+
+/// Window-sized KV (sliding-window layers' own pool): window 8, blocks of 4.
+fn local_cfg(max_num_seqs: u32, budget: u32, blocks: u32, local_blocks: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        local_kv: Some(LocalKvConfig {
+            window: 8,
+            num_blocks: local_blocks,
+        }),
+        ..cfg(max_num_seqs, budget, blocks, 2)
+    }
+}
+
+#[test]
+fn sliding_window_blocks_are_given_back_as_the_window_moves() {
+    for depth in [1usize, 2] {
+        let mut h = Harness::new(local_cfg(2, 8, 64, 40));
+        h.add(1, 37, 40);
+        h.run(depth);
+        let (toks, fin) = h.outputs_of(1);
+        assert_eq!((toks.len(), fin), (40, Some(FinishReason::Length)));
+        // 77 positions would need 20 blocks; a window of 8 with chunks of 8 needs at most
+        // the window's 2-3 blocks and the chunk's 2-3.
+        assert!(
+            h.max_local_live <= 6,
+            "held {} local blocks",
+            h.max_local_live
+        );
+        assert_eq!(h.s.local_kv().unwrap().num_used(), 0);
+        assert_eq!(h.s.kv().num_used(), 0);
+    }
+}
+
+#[test]
+fn a_small_sliding_window_pool_bounds_chunks_and_everything_finishes() {
+    // 12 local blocks (one scratch) for 4 requests whose windows need 3-4 each: chunks shrink,
+    // requests wait or are preempted, every one finishes with its tokens.
+    let mut h = Harness::new(local_cfg(4, 16, 200, 12));
+    for i in 0..12u64 {
+        h.add(i, 1 + (i as usize * 11) % 37, 1 + (i as u32 * 7) % 13);
+        if i % 4 == 1 {
+            h.forced.push((RequestId(i), 3, EOS));
+        }
+    }
+    h.run(2);
+    assert!(
+        h.s.counters().preemptions > 0,
+        "the small pool forces a preemption"
+    );
+    for i in 0..12u64 {
+        let max = 1 + (i as u32 * 7) % 13;
+        let (toks, fin) = h.outputs_of(i);
+        if i % 4 == 1 && max > 3 {
+            assert_eq!(
+                (toks, fin),
+                (vec![1000, 1001, 1002, EOS], Some(FinishReason::Stop))
+            );
+        } else {
+            assert_eq!(
+                (toks, fin),
+                ((1000..1000 + max).collect(), Some(FinishReason::Length)),
+                "request {i}"
+            );
+        }
+    }
+    assert_eq!(h.s.local_kv().unwrap().num_used(), 0);
+}
+
+#[test]
+fn prefix_hits_need_the_window_before_them_in_the_sliding_pool() {
+    let mut h = Harness::new(local_cfg(4, 64, 64, 64));
+    h.add(1, 30, 2); // blocks 0..7 full (28 tokens), window 8
+    h.run(2);
+    // Request 1's local blocks before its last window went back to the pool but keep their
+    // hashes until reused: every full block is still a hit, and the new request's local
+    // table starts with scratch entries up to the window before its hit.
+    h.add(2, 30, 2);
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
+    assert_eq!(plan.entries[0].cached_blocks, 7);
+    let r = h.s.request(RequestId(2)).unwrap();
+    // Position 28's window starts at 21: block 5 onwards must be live.
+    assert_eq!(r.local_released, 5);
+    assert!(r.local_blocks[..5]
+        .iter()
+        .all(|&b| b == crate::kv::SCRATCH_BLOCK));
+    h.run(2);
+    assert_eq!(h.outputs_of(2).0, h.outputs_of(1).0);
+
+    // Once the sliding pool reused those blocks, a hit stops where the window is missing.
+    let mut h = Harness::new(local_cfg(4, 64, 64, 64));
+    h.add(1, 30, 2);
+    h.run(2);
+    h.s.local.as_mut().unwrap().reset_cache();
+    h.add(2, 30, 2);
+    let Decision::Launch(plan) = h.launch() else {
+        panic!()
+    };
+    assert_eq!(plan.entries[0].cached_blocks, 0, "no local window: no hit");
+    h.run(2);
+    assert_eq!(h.outputs_of(2).0, h.outputs_of(1).0);
 }

@@ -71,6 +71,7 @@ impl Setup {
             &dir.config,
             CpuExecutorConfig {
                 num_kv_blocks: self.num_kv_blocks,
+                num_local_kv_blocks: None,
                 block_size: 16,
                 max_rows: self.max_num_seqs,
             },

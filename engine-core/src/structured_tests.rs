@@ -33,6 +33,7 @@ fn engine(spec: bool) -> (EngineCore<CpuExecutor>, Arc<GrammarCompiler>) {
         &d.config,
         CpuExecutorConfig {
             num_kv_blocks: 1024,
+            num_local_kv_blocks: None,
             block_size: 16,
             max_rows: 32,
         },

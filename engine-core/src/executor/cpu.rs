@@ -41,6 +41,8 @@ use crate::spec::ngram_propose;
 #[derive(Debug, Clone)]
 pub struct CpuExecutorConfig {
     pub num_kv_blocks: u32,
+    /// Blocks of the sliding-window layers' own pool (a hybrid cache), if any.
+    pub num_local_kv_blocks: Option<u32>,
     pub block_size: u32,
     pub max_rows: u32,
 }
@@ -148,10 +150,22 @@ impl CpuExecutor {
         proposer: Option<CpuProposer>,
         accept_rule: AcceptRule,
     ) -> anyhow::Result<Self> {
-        let cache = KvCache::new(
-            kv_config,
-            cfg.num_kv_blocks as usize,
-            cfg.block_size as usize,
+        let cache = match cfg.num_local_kv_blocks {
+            Some(local) => KvCache::hybrid(
+                kv_config,
+                cfg.num_kv_blocks as usize,
+                local as usize,
+                cfg.block_size as usize,
+            ),
+            None => KvCache::new(
+                kv_config,
+                cfg.num_kv_blocks as usize,
+                cfg.block_size as usize,
+            ),
+        };
+        anyhow::ensure!(
+            proposer.is_none() || cfg.num_local_kv_blocks.is_none(),
+            "speculative decoding does not combine with window-sized KV yet"
         );
         let proposer = match proposer {
             None => None,
@@ -285,6 +299,8 @@ impl Drop for CpuExecutor {
 /// Per-row state on the "device".
 struct RowState {
     block_table: Vec<u32>,
+    /// The sliding-window layers' table (a hybrid cache; see `SeqInput::local_blocks_len`).
+    local_block_table: Vec<u32>,
     /// The last token sampled for this row: the input of its next decode.
     pending: Option<u32>,
     sampler: RowSampler,
@@ -387,6 +403,7 @@ impl Stream {
             }
             *row = Some(RowState {
                 block_table: Vec::new(),
+                local_block_table: Vec::new(),
                 pending: None,
                 sampler: RowSampler::new(init),
                 kv_len: 0,
@@ -402,8 +419,14 @@ impl Stream {
                 .get_mut(s.row.0 as usize)
                 .and_then(Option::as_mut)
                 .ok_or_else(|| anyhow!("step names uninitialised row {}", s.row.0))?;
-            let range = s.blocks_start as usize..(s.blocks_start + s.blocks_len) as usize;
-            row.block_table.extend_from_slice(&batch.new_blocks[range]);
+            let (start, mid) = (
+                s.blocks_start as usize,
+                (s.blocks_start + s.blocks_len) as usize,
+            );
+            row.block_table
+                .extend_from_slice(&batch.new_blocks[start..mid]);
+            row.local_block_table
+                .extend_from_slice(&batch.new_blocks[mid..mid + s.local_blocks_len as usize]);
             row.proposals.clear();
             if s.uses_pending_token() {
                 anyhow::ensure!(
@@ -473,6 +496,7 @@ impl Stream {
                 tokens: &tokens[start..start + n],
                 position,
                 block_table: &row.block_table,
+                local_block_table: &row.local_block_table,
                 logit_rows: logit_rows[chunks.len()] as usize,
             });
         }
@@ -568,6 +592,7 @@ impl Stream {
                             .as_ref()
                             .expect("checked")
                             .block_table,
+                        local_block_table: &[],
                         logit_rows: sp.drafts as usize,
                     })
                     .collect();
@@ -626,6 +651,7 @@ impl Stream {
                                 tokens: &tokens[k..k + 1],
                                 position: row.draft_len as usize,
                                 block_table: &row.block_table,
+                                local_block_table: &[],
                                 logit_rows: 1,
                             }
                         })

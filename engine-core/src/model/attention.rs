@@ -78,6 +78,7 @@ pub fn paged_attention(
     debug_assert_eq!(out_hm.len(), num_heads * rows * head_dim);
     let group = num_heads / num_kv_heads;
     let (k_cache, v_cache) = cache.layer(layer);
+    let local = cache.is_local(layer);
 
     let item = |idx: usize, out: &mut [f32]| {
         let (h, r) = (idx / rows, idx % rows);
@@ -87,7 +88,12 @@ pub fn paged_attention(
         let kv_off = (h / group) * head_dim;
         let qv = &q[r * q_stride + h * head_dim..][..head_dim];
         // Offsets of the K/V rows of positions start..ctx, read through the block table.
-        let rows_of = || (start..ctx).map(|p| cache.slot_offset(seq.block_table, p) + kv_off);
+        let table = if local {
+            seq.local_block_table
+        } else {
+            seq.block_table
+        };
+        let rows_of = || (start..ctx).map(|p| cache.slot_offset(table, p) + kv_off);
         SCORES.with_borrow_mut(|scores| {
             scores.clear();
             let mut max = f32::NEG_INFINITY;

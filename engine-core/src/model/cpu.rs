@@ -44,6 +44,9 @@ pub struct SeqChunk<'a> {
     /// Position of `tokens[0]` (= tokens already in the cache for this sequence).
     pub position: usize,
     pub block_table: &'a [u32],
+    /// The sliding-window layers' block table when the cache is hybrid (else empty; see
+    /// `KvCache::hybrid`).
+    pub local_block_table: &'a [u32],
     /// The chunk's last `logit_rows` tokens produce logits (0: none; 1: the next token's, as
     /// for prefill and decode; more: a speculative verification scores every position).
     pub logit_rows: usize,
@@ -425,19 +428,20 @@ impl CpuModel {
             }
             let end = s.position + s.tokens.len();
             let need = end.div_ceil(cache.block_size());
-            ensure!(
-                s.block_table.len() >= need,
-                "chunk {i}: block table has {} blocks, positions up to {end} need {need}",
-                s.block_table.len()
-            );
-            if let Some(&b) = s.block_table[..need]
-                .iter()
-                .find(|&&b| b as usize >= cache.num_blocks())
-            {
-                bail!(
-                    "chunk {i}: block {b} outside the cache ({} blocks)",
-                    cache.num_blocks()
+            let tables = [
+                ("", s.block_table, cache.num_blocks()),
+                ("local ", s.local_block_table, cache.num_local_blocks()),
+            ];
+            let hybrid = cache.num_local_blocks() > 0;
+            for (kind, table, blocks) in tables.into_iter().take(1 + hybrid as usize) {
+                ensure!(
+                    table.len() >= need,
+                    "chunk {i}: {kind}block table has {} blocks, positions up to {end} need {need}",
+                    table.len()
                 );
+                if let Some(&b) = table[..need].iter().find(|&&b| b as usize >= blocks) {
+                    bail!("chunk {i}: {kind}block {b} outside the cache ({blocks} blocks)");
+                }
             }
             ensure!(
                 s.logit_rows <= s.tokens.len(),
@@ -474,9 +478,15 @@ fn write_kv(
     kv_width: usize,
 ) {
     let mut r = 0;
+    let local = cache.is_local(layer);
     for seq in seqs {
+        let table = if local {
+            seq.local_block_table
+        } else {
+            seq.block_table
+        };
         for t in 0..seq.tokens.len() {
-            let off = cache.slot_offset(seq.block_table, seq.position + t);
+            let off = cache.slot_offset(table, seq.position + t);
             let row = &qkv[r * qkv_dim..][..qkv_dim];
             let (kc, vc) = cache.layer_mut(layer);
             kc[off..off + kv_width].copy_from_slice(&row[k_at..k_at + kv_width]);

@@ -17,19 +17,76 @@
 //! Attention reads K/V straight from these blocks through the block table; nothing is gathered
 //! into a contiguous copy. Blocks may be shared read-only between sequences (prefix caching):
 //! a forward pass only writes the positions its chunks compute.
+//!
+//! A hybrid cache ([`KvCache::hybrid`], for sliding-window models) gives the sliding layers
+//! arrays of their own pool's `num_local_blocks` blocks, addressed through the sequence's local
+//! block table (`crate::scheduler::LocalKvConfig`).
 
-use super::ModelConfig;
+use super::{LayerAttention, ModelConfig};
 
 pub struct KvCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     num_blocks: usize,
+    /// Blocks of the sliding layers' pool (hybrid caches; else 0).
+    num_local_blocks: usize,
+    /// Per layer: addressed through the local block table.
+    local: Vec<bool>,
     block_size: usize,
     num_kv_heads: usize,
     head_dim: usize,
 }
 
 impl KvCache {
+    /// A cache whose sliding-window layers keep `num_local_blocks` blocks of their own pool
+    /// and whose full-attention layers keep `num_blocks`.
+    pub fn hybrid(
+        config: &ModelConfig,
+        num_blocks: usize,
+        num_local_blocks: usize,
+        block_size: usize,
+    ) -> KvCache {
+        let mut c = KvCache::new(config, 0, block_size);
+        let slot = block_size * config.num_kv_heads * config.head_dim;
+        c.local = (0..config.num_layers)
+            .map(|l| config.layer_attention(l) == LayerAttention::Sliding)
+            .collect();
+        for (l, &local) in c.local.iter().enumerate() {
+            let blocks = if local { num_local_blocks } else { num_blocks };
+            let n = blocks
+                .checked_mul(slot)
+                .expect("KvCache: size overflows usize");
+            c.k[l] = vec![0.0; n];
+            c.v[l] = vec![0.0; n];
+        }
+        c.num_blocks = num_blocks;
+        c.num_local_blocks = num_local_blocks;
+        c
+    }
+
+    /// Whether layer `layer` is addressed through the local block table.
+    pub fn is_local(&self, layer: usize) -> bool {
+        self.local.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Blocks of the sliding layers' pool (0 unless hybrid).
+    pub fn num_local_blocks(&self) -> usize {
+        self.num_local_blocks
+    }
+
+    /// Bytes of one block of the sliding layers' pool (hybrid caches).
+    pub fn bytes_per_local_block(config: &ModelConfig, block_size: usize) -> usize {
+        let sliding = (0..config.num_layers)
+            .filter(|&l| config.layer_attention(l) == LayerAttention::Sliding)
+            .count();
+        sliding * 2 * block_size * config.num_kv_heads * config.head_dim * 4
+    }
+
+    /// Bytes of one block of the full layers' pool of a hybrid cache.
+    pub fn bytes_per_full_block(config: &ModelConfig, block_size: usize) -> usize {
+        Self::bytes_per_block(config, block_size) - Self::bytes_per_local_block(config, block_size)
+    }
+
     /// Allocates zeroed K/V for `num_blocks` blocks of `block_size` tokens (pages are touched
     /// lazily by the OS, so an oversized cache costs address space, not memory, until used).
     pub fn new(config: &ModelConfig, num_blocks: usize, block_size: usize) -> KvCache {
@@ -46,6 +103,8 @@ impl KvCache {
             k: alloc(),
             v: alloc(),
             num_blocks,
+            num_local_blocks: 0,
+            local: vec![false; config.num_layers],
             block_size,
             num_kv_heads: config.num_kv_heads,
             head_dim: config.head_dim,
@@ -90,8 +149,10 @@ impl KvCache {
         (&mut self.k[layer], &mut self.v[layer])
     }
 
-    /// Copies block `src` onto block `dst` in every layer (copy-on-write of a shared block).
+    /// Copies block `src` onto block `dst` in every layer (copy-on-write of a shared block;
+    /// not for hybrid caches, whose pools number their blocks apart).
     pub fn copy_block(&mut self, src: usize, dst: usize) {
+        debug_assert_eq!(self.num_local_blocks, 0, "copy_block on a hybrid cache");
         let n = self.block_size * self.token_stride();
         for arr in self.k.iter_mut().chain(self.v.iter_mut()) {
             arr.copy_within(src * n..(src + 1) * n, dst * n);

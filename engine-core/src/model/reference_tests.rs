@@ -380,6 +380,7 @@ fn check_chunked(
             tokens: &tokens[pos..pos + n],
             position: pos,
             block_table: &table,
+            local_block_table: &[],
             logit_rows: 1,
         };
         model
@@ -503,6 +504,7 @@ fn check_batched(case: &Case, model: &mut CpuModel, rng: &mut Rng) {
                 tokens: &s[done[i]..done[i] + n],
                 position: done[i],
                 block_table: &tables[i],
+                local_block_table: &[],
                 logit_rows,
             });
             owners.push((i, done[i] + n, logit_rows));
@@ -589,6 +591,7 @@ fn forward_rejects_bad_batches() {
             tokens,
             position: 0,
             block_table: table,
+            local_block_table: &[],
             logit_rows: 1,
         };
         model

@@ -368,6 +368,7 @@ mod tests {
             host_len: host.1,
             blocks_start: blocks.0,
             blocks_len: blocks.1,
+            local_blocks_len: 0,
             sample: true,
             draft: 0,
         }

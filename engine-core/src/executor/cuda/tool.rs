@@ -145,6 +145,7 @@ impl Driver {
                 host_len: p.len() as u32,
                 blocks_start: bs_,
                 blocks_len: bl,
+                local_blocks_len: 0,
                 sample: true,
                 draft: 0,
             });
@@ -167,6 +168,7 @@ impl Driver {
                 host_len: 0,
                 blocks_start: bs_,
                 blocks_len: bl,
+                local_blocks_len: 0,
                 sample: true,
                 draft: 0,
             });
