@@ -542,6 +542,7 @@ pub fn build_cuda_engine(
     }
     let started = std::time::Instant::now();
     let max_model_len = model_len_limit(args, mc)?;
+    let window = hybrid_window(args, mc, false);
     let (exec, start) = CudaExecutor::new(
         &dir,
         &CudaExecutorConfig {
@@ -557,11 +558,21 @@ pub fn build_cuda_engine(
                 ModelDtype::Auto | ModelDtype::Bfloat16 => harrier_kernels::Dtype::Bf16,
                 ModelDtype::Float32 => harrier_kernels::Dtype::F32,
             },
+            local_kv_blocks: window.map(|w| local_pool_demand(args, w, max_model_len)),
         },
     )
     .with_context(|| format!("starting the CUDA backend for {}", model_dir.display()))?;
     let num_kv_blocks = start.kv_blocks;
-    let cfg = engine_config(args, max_model_len, num_kv_blocks, 0, None)?;
+    let local_kv =
+        window
+            .zip(start.local_kv_blocks)
+            .map(|(window, blocks)| crate::scheduler::LocalKvConfig {
+                window,
+                // The executor's count leaves out its padding scratch block; the scheduler's pool
+                // reserves its own block 0 as scratch, which the executor's pool also has.
+                num_blocks: blocks,
+            });
+    let cfg = engine_config(args, max_model_len, num_kv_blocks, 0, local_kv)?;
     let max_model_len = cfg.max_model_len;
     tracing::info!(
         model = %dir.name,
@@ -583,6 +594,17 @@ pub fn build_cuda_engine(
         pipeline = ?cfg.pipeline,
         "CUDA engine configured"
     );
+    if let Some(l) = local_kv {
+        tracing::info!(
+            full_layers_kv_blocks = num_kv_blocks,
+            full_layers_kv_tokens = start.kv_tokens,
+            full_layers_kv_mib = start.kv_bytes >> 20,
+            sliding_layers_kv_blocks = l.num_blocks,
+            sliding_window = l.window,
+            sliding_layers_kv_mib = start.local_kv_bytes >> 20,
+            "KV capacity per attention type: the sliding-window layers keep window-sized KV in a pool of their own"
+        );
+    }
     finish_engine(args, &dir, cfg, exec)
 }
 

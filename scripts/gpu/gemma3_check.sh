@@ -10,7 +10,16 @@
 #   graphs:    check-graphs on the gemma-3-1b shape (graphs == eager through the scheduler);
 #   train:     trains trained-gemma3-150m (scripts/train, Llama 3 tokenizer: carry
 #              .gpu/llama3/tokenizer.json) and checks bf16 fidelity on its held-out prompts;
-#   bench:     harrier-cuda-tool bench on gemma-3-1b, batches BATCHES, context 512.
+#   bench:     harrier-cuda-tool bench on gemma-3-1b, batches BATCHES, context 512;
+#   hybrid:    window-sized KV for the sliding layers on CUDA: micro-gemma3 in fp32 served by
+#              CUDA (own sliding pool) vs the CPU, and CUDA vs CUDA with
+#              --disable-hybrid-kv-cache-manager (scripts/gpu/hybrid_check.py: prompts of up to
+#              700 tokens, window 32, prefix-cache hits), then check-graphs on gemma-3-1b (the
+#              real scheduler with both pools);
+#   capacity:  gemma-3-1b bf16, 256 requests of 8,000 tokens in and 64 out through
+#              `harrier bench serve`, with and without window-sized KV
+#              (--gpu-memory-utilization 0.5 so that full KV cannot hold them all): the start-up
+#              log's KV capacity per attention type and the throughput.
 # Build and carry .gpu/ as for cuda_check.sh. STAGES (default: all but train and bench).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -66,6 +75,41 @@ for st in $STAGES; do
         timeout 240 python3 scripts/gpu/cuda_parity.py --tool "$T" --model "$W/train/trained-gemma3-150m" \
             --prompts "$W/train/heldout_prompts.json" --work "$W/fid" --json "$OUT/fidelity_gemma3.json" \
             2>>"$OUT/parity.log" | cut -c1-700
+        ;;
+    hybrid)
+        "$H" gen-model --preset micro-gemma3 --seed 5 --out "$W/micro-gemma3-f32" --no-tokenizer 2>>"$OUT/gen.log"
+        cp .gpu/tokenizer.json "$W/micro-gemma3-f32/" 2>/dev/null || gunzip -c .gpu/llama3-tokenizer.json.gz >"$W/micro-gemma3-f32/tokenizer.json"
+        serve() { # name port args...
+            local name=$1 port=$2; shift 2
+            "$H" serve "$W/micro-gemma3-f32" --port "$port" "$@" >"$OUT/$name.out" 2>"$OUT/$name.err" &
+            echo $! >"$W/$name.pid"
+            for _ in $(seq 1 240); do grep -q "Harrier is serving" "$OUT/$name.out" && return 0; sleep 0.5; done
+            echo "$name did not start"; tail -5 "$OUT/$name.err"
+        }
+        serve cpu 8151 --device cpu
+        serve cuda 8152 --device cuda --dtype float32
+        serve cudafull 8153 --device cuda --dtype float32 --disable-hybrid-kv-cache-manager
+        grep -ho "KV capacity per attention type.*\|sliding_layers_kv_blocks=[0-9]*" "$OUT/cuda.err" | head -2
+        echo "-- CUDA hybrid vs CPU hybrid"; python3 scripts/gpu/hybrid_check.py --base http://127.0.0.1:8152 --reference http://127.0.0.1:8151
+        echo "-- CUDA hybrid vs CUDA full KV"; python3 scripts/gpu/hybrid_check.py --base http://127.0.0.1:8152 --reference http://127.0.0.1:8153
+        kill -TERM $(cat "$W/cpu.pid" "$W/cuda.pid" "$W/cudafull.pid"); wait
+        gen gemma-3-1b
+        timeout 300 "$T" check-graphs --model "$W/gemma-3-1b" 2>&1 | tail -12 | tee "$OUT/graphs_hybrid.txt"
+        ;;
+    capacity)
+        gen gemma-3-1b
+        for mode in window full; do
+            extra=""; [[ $mode == full ]] && extra="--disable-hybrid-kv-cache-manager"
+            "$H" engine-core --model "$W/gemma-3-1b" --device cuda --endpoint tcp://127.0.0.1:5611 --max-num-seqs 256 \
+                --max-num-batched-tokens 8192 --max-model-len 8192 --gpu-memory-utilization 0.5 $extra 2>"$OUT/cap_$mode.err" &
+            E=$!
+            for _ in $(seq 1 240); do grep -q "engine core ready" "$OUT/cap_$mode.err" && break; sleep 0.5; done
+            echo "== capacity, $mode KV"
+            grep -o "kv_blocks=[0-9]*\|kv_tokens=[0-9]*\|kv_mib=[0-9]*\|sliding_layers_kv_blocks=[0-9]*\|sliding_layers_kv_mib=[0-9]*" "$OUT/cap_$mode.err" | tr '\n' ' '; echo
+            timeout 280 "$H" bench serve --engine-endpoint tcp://127.0.0.1:5611 --num-prompts 256 --input-len 8000 \
+                --output-len 64 --no-progress --json "$OUT/cap_$mode.json" 2>&1 | grep -iE "throughput|duration|successful|TTFT"
+            kill -TERM "$E"; wait "$E"
+        done
         ;;
     bench)
         gen gemma-3-1b

@@ -40,6 +40,9 @@ pub struct Capacities {
     /// Blocks per sequence: ceil(max_model_len / block_size).
     pub max_blocks_per_seq: usize,
     pub block_size: usize,
+    /// Sliding-window layers keep their KV in a pool of their own, addressed through a second
+    /// block table per row (`crate::scheduler::LocalKvConfig`).
+    pub hybrid: bool,
 }
 
 impl Capacities {
@@ -54,7 +57,14 @@ impl Capacities {
             max_seqs,
             max_blocks_per_seq: max_model_len.div_ceil(block_size).max(1),
             block_size,
+            hybrid: false,
         }
+    }
+
+    /// Words of one block-table array, `[max_seqs + 1, max_blocks_per_seq]` (the last row is
+    /// the graph padding rows'). A hybrid cache's local tables follow the full ones.
+    pub fn bt_words(&self) -> usize {
+        (self.max_seqs + 1) * self.max_blocks_per_seq
     }
 }
 
@@ -64,6 +74,8 @@ pub struct MetaLayout {
     pub tok_src: usize,
     pub positions: usize,
     pub slot_mapping: usize,
+    /// The sliding layers' KV slots (hybrid caches; an empty section otherwise).
+    pub slot_mapping_local: usize,
     pub tok_row: usize,
     pub logit_rows: usize,
     pub sample_rows: usize,
@@ -86,11 +98,13 @@ impl MetaLayout {
         let tok_src = 0;
         let positions = tok_src + t;
         let slot_mapping = positions + t;
-        let tok_row = slot_mapping + t;
+        let slot_mapping_local = slot_mapping + t;
+        let tok_row = slot_mapping_local + if c.hybrid { t } else { 0 };
         let logit_rows = tok_row + t;
         let sample_rows = logit_rows + s;
         let init_rows = sample_rows + s;
-        let bt_cap = c.max_seqs * c.max_blocks_per_seq;
+        // A row's whole table (twice with local tables) may arrive in one step.
+        let bt_cap = c.max_seqs * c.max_blocks_per_seq * if c.hybrid { 2 } else { 1 };
         let bt_index = init_rows + s;
         let bt_value = bt_index + round(bt_cap);
         let pf_tiles = bt_value + round(bt_cap);
@@ -100,6 +114,7 @@ impl MetaLayout {
             tok_src,
             positions,
             slot_mapping,
+            slot_mapping_local,
             tok_row,
             logit_rows,
             sample_rows,
@@ -295,6 +310,14 @@ impl ScratchSizes {
 /// Bytes of one KV block (K and V of every layer), `elem` bytes per element.
 pub fn kv_bytes_per_block(m: &ModelConfig, block_size: usize, elem: usize) -> usize {
     m.num_layers * 2 * block_size * m.num_kv_heads * m.head_dim * elem
+}
+
+/// Bytes of one block of the sliding layers' pool of a hybrid cache (their K and V only).
+pub fn local_kv_bytes_per_block(m: &ModelConfig, block_size: usize, elem: usize) -> usize {
+    let sliding = (0..m.num_layers)
+        .filter(|&l| m.layer_attention(l) == crate::model::LayerAttention::Sliding)
+        .count();
+    sliding * 2 * block_size * m.num_kv_heads * m.head_dim * elem
 }
 
 /// Bytes of the weights as uploaded, `elem` bytes per element (fused q|k|v and gate|up;

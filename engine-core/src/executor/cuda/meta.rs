@@ -13,6 +13,9 @@ pub(crate) struct HostRow {
     /// The row's block table as the device holds it (entries are appended, never rewritten,
     /// until the row is re-initialised).
     pub block_table: Vec<u32>,
+    /// The sliding-window layers' table (hybrid caches); entries the scheduler gave back stay
+    /// here stale (no token reads them).
+    pub local_block_table: Vec<u32>,
     /// A sample was launched for this row: its pending token exists on the device.
     pub has_pending: bool,
     /// `Some` when this row samples on the host.
@@ -23,6 +26,7 @@ impl HostRow {
     pub fn new(host_sampler: Option<RowSampler>) -> Self {
         Self {
             block_table: Vec::new(),
+            local_block_table: Vec::new(),
             has_pending: false,
             host_sampler,
         }
@@ -164,12 +168,20 @@ pub(crate) fn fill_step(
     for seq in &batch.seqs {
         let r = seq.row.0 as usize;
         let row = rows[r].as_mut().expect("validated: the row is initialised");
-        let new = &batch.new_blocks
-            [seq.blocks_start as usize..(seq.blocks_start + seq.blocks_len) as usize];
-        for &b in new {
+        let mid = (seq.blocks_start + seq.blocks_len) as usize;
+        for &b in &batch.new_blocks[seq.blocks_start as usize..mid] {
             meta[l.bt_index + n.bt_updates] = (r * stride + row.block_table.len()) as i32;
             meta[l.bt_value + n.bt_updates] = b as i32;
             row.block_table.push(b);
+            n.bt_updates += 1;
+        }
+        // Local tables live after the full ones in the same device array.
+        let local_base = caps.bt_words();
+        for &b in &batch.new_blocks[mid..mid + seq.local_blocks_len as usize] {
+            meta[l.bt_index + n.bt_updates] =
+                (local_base + r * stride + row.local_block_table.len()) as i32;
+            meta[l.bt_value + n.bt_updates] = b as i32;
+            row.local_block_table.push(b);
             n.bt_updates += 1;
         }
         let first = n.tokens;
@@ -199,6 +211,10 @@ pub(crate) fn fill_step(
             };
             meta[l.positions + t] = pos as i32;
             meta[l.slot_mapping + t] = (row.block_table[pos / bs] as usize * bs + pos % bs) as i32;
+            if caps.hybrid {
+                meta[l.slot_mapping_local + t] =
+                    (row.local_block_table[pos / bs] as usize * bs + pos % bs) as i32;
+            }
             meta[l.tok_row + t] = r as i32;
             n.tokens += 1;
         }
@@ -226,7 +242,7 @@ pub(crate) fn fill_padding(
     meta: &mut [i32],
     l: &MetaLayout,
     range: Range<usize>,
-    scratch_block: usize,
+    (scratch_block, local_scratch): (usize, Option<usize>),
     block_size: usize,
     pad_row: usize,
 ) {
@@ -234,16 +250,21 @@ pub(crate) fn fill_padding(
         meta[l.tok_src + i] = 0;
         meta[l.positions + i] = -1;
         meta[l.slot_mapping + i] = (scratch_block * block_size + i % block_size) as i32;
+        if let Some(b) = local_scratch {
+            meta[l.slot_mapping_local + i] = (b * block_size + i % block_size) as i32;
+        }
         meta[l.tok_row + i] = pad_row as i32;
         meta[l.logit_rows + i] = i as i32;
     }
 }
 
-/// What a step may use: capacities, the vocabulary and the engine's KV blocks.
+/// What a step may use: capacities, the vocabulary and the engine's KV blocks (of both pools
+/// with a hybrid cache).
 pub(crate) struct Limits {
     pub caps: Capacities,
     pub vocab: u32,
     pub kv_blocks: u32,
+    pub local_kv_blocks: u32,
 }
 
 const MARK_SEEN: u8 = 1;
@@ -303,11 +324,25 @@ fn check_batch(
             lim.vocab
         ));
     }
-    if let Some(&b) = batch.new_blocks.iter().find(|&&b| b >= lim.kv_blocks) {
-        return Err(format!(
-            "block {b} outside the cache ({} blocks)",
-            lim.kv_blocks
-        ));
+    for s in &batch.seqs {
+        let mid = (s.blocks_start + s.blocks_len) as usize;
+        let full = &batch.new_blocks[s.blocks_start as usize..mid];
+        let local = &batch.new_blocks[mid..mid + s.local_blocks_len as usize];
+        if let Some(&b) = full.iter().find(|&&b| b >= lim.kv_blocks) {
+            return Err(format!(
+                "block {b} outside the cache ({} blocks)",
+                lim.kv_blocks
+            ));
+        }
+        if !c.hybrid && !local.is_empty() {
+            return Err("sliding-window blocks for a cache without a sliding-window pool".into());
+        }
+        if let Some(&b) = local.iter().find(|&&b| b >= lim.local_kv_blocks) {
+            return Err(format!(
+                "sliding-window block {b} outside the cache ({} blocks)",
+                lim.local_kv_blocks
+            ));
+        }
     }
     for init in &batch.row_inits {
         let r = init.row.0 as usize;
@@ -325,9 +360,13 @@ fn check_batch(
             return Err(format!("row {r} appears twice in one step"));
         }
         marks[r] |= MARK_SEEN;
-        let (have, pending) = match (&rows[r], marks[r] & MARK_REINIT != 0) {
-            (_, true) => (0, false),
-            (Some(row), false) => (row.block_table.len(), row.has_pending),
+        let (have, have_local, pending) = match (&rows[r], marks[r] & MARK_REINIT != 0) {
+            (_, true) => (0, 0, false),
+            (Some(row), false) => (
+                row.block_table.len(),
+                row.local_block_table.len(),
+                row.has_pending,
+            ),
             (None, false) => return Err(format!("step names uninitialised row {r}")),
         };
         if s.uses_pending_token() && !pending {
@@ -342,6 +381,14 @@ fn check_batch(
             return Err(format!(
                 "row {r}: block table of {blocks} blocks too short for position {end}"
             ));
+        }
+        if c.hybrid {
+            let local = have_local + s.local_blocks_len as usize;
+            if local > c.max_blocks_per_seq || end.div_ceil(c.block_size) > local {
+                return Err(format!(
+                    "row {r}: sliding-window table of {local} blocks does not fit position {end}"
+                ));
+            }
         }
     }
     Ok(())
@@ -633,7 +680,7 @@ mod tests {
     #[test]
     fn padding_rows_touch_only_the_scratch_block() {
         let (_, l, mut meta) = setup();
-        fill_padding(&mut meta, &l, 3..6, 9, 4, 4);
+        fill_padding(&mut meta, &l, 3..6, (9, None), 4, 4);
         assert_eq!(&meta[l.positions + 3..l.positions + 6], [-1, -1, -1]);
         assert_eq!(&meta[l.slot_mapping + 3..l.slot_mapping + 6], [39, 36, 37]);
         assert_eq!(&meta[l.tok_row + 3..l.tok_row + 6], [4, 4, 4]);
@@ -654,6 +701,77 @@ mod tests {
         }
     }
 
+    /// A hybrid cache: local blocks follow a row's full ones in `new_blocks`, land in the local
+    /// half of the block-table array, and give the sliding layers their own slots; padding
+    /// writes into the local pool's scratch block too; validation checks the local pool.
+    #[test]
+    fn hybrid_caches_fill_local_tables_and_slots() {
+        let mut caps = Capacities::new(64, 4, 64, 4);
+        caps.hybrid = true;
+        let l = MetaLayout::new(&caps);
+        assert_eq!(l.tok_row - l.slot_mapping_local, 64);
+        let mut meta = vec![i32::MIN; l.len];
+        let mut rows: Vec<Option<HostRow>> = vec![Some(HostRow::new(None)), None, None, None];
+        // A prefill of 6 tokens at position 0: full blocks 7, 3; local blocks 2, 5.
+        let mut s = seq(0, 0, 6, (0, 6), (0, 2));
+        s.local_blocks_len = 2;
+        let batch = ExecBatch {
+            seqs: vec![s],
+            host_tokens: vec![10, 11, 12, 13, 14, 15],
+            new_blocks: vec![7, 3, 2, 5],
+            ..Default::default()
+        };
+        let n = fill_step(
+            &mut meta,
+            &l,
+            &caps,
+            &batch,
+            &mut rows,
+            &mut Vec::new(),
+            false,
+        );
+        assert_eq!(n.bt_updates, 4);
+        let base = caps.bt_words() as i32;
+        assert_eq!(&meta[l.bt_index..l.bt_index + 4], [0, 1, base, base + 1]);
+        assert_eq!(&meta[l.bt_value..l.bt_value + 4], [7, 3, 2, 5]);
+        assert_eq!(
+            &meta[l.slot_mapping..l.slot_mapping + 6],
+            [28, 29, 30, 31, 12, 13]
+        );
+        assert_eq!(
+            &meta[l.slot_mapping_local..l.slot_mapping_local + 6],
+            [8, 9, 10, 11, 20, 21]
+        );
+        assert_eq!(rows[0].as_ref().unwrap().local_block_table, [2, 5]);
+        fill_padding(&mut meta, &l, 6..8, (9, Some(11)), 4, 4);
+        assert_eq!(
+            &meta[l.slot_mapping_local + 6..l.slot_mapping_local + 8],
+            [46, 47]
+        );
+
+        let lim = Limits {
+            caps,
+            vocab: 100,
+            kv_blocks: 10,
+            local_kv_blocks: 5,
+        };
+        let mut marks = vec![0u8; 4];
+        let mut rows: Vec<Option<HostRow>> = vec![Some(HostRow::new(None)), None, None, None];
+        let e = validate(&batch, &lim, &rows, &mut marks).unwrap_err();
+        assert!(e.contains("sliding-window block 5 outside"), "{e}");
+        let mut short = batch.clone();
+        short.seqs[0].local_blocks_len = 1;
+        short.new_blocks.pop();
+        let e = validate(&short, &lim, &rows, &mut marks).unwrap_err();
+        assert!(e.contains("sliding-window table of 1 blocks"), "{e}");
+        rows[0] = Some(HostRow::new(None));
+        let lim = Limits {
+            local_kv_blocks: 6,
+            ..lim
+        };
+        assert!(validate(&batch, &lim, &rows, &mut marks).is_ok());
+    }
+
     #[test]
     fn validate_refuses_what_the_kernels_cannot_run() {
         let caps = Capacities::new(16, 4, 16, 4); // 4 blocks of 4 per sequence
@@ -661,6 +779,7 @@ mod tests {
             caps,
             vocab: 100,
             kv_blocks: 10,
+            local_kv_blocks: 0,
         };
         let mut rows: Vec<Option<HostRow>> = vec![None, Some(HostRow::new(None)), None, None];
         rows[1].as_mut().unwrap().block_table = vec![3];

@@ -184,6 +184,10 @@ pub struct CudaExecutorConfig {
     pub graph_sizes: Vec<usize>,
     /// Storage type of weights, activations and the KV cache.
     pub dtype: Dtype,
+    /// A hybrid cache: the sliding-window layers' own pool of (at most) this many blocks, the
+    /// engine's [`crate::scheduler::LocalKvConfig`] demand; sized before the full pool, and
+    /// given at most half the memory budget.
+    pub local_kv_blocks: Option<u32>,
 }
 
 /// Words of row state (penalty rows' prompt and output tokens, logit_bias pairs) one step can
@@ -239,6 +243,8 @@ pub struct CudaExecutor {
     layout: MetaLayout,
     /// Usable KV blocks (the engine's); block `num_kv_blocks` is the padding rows' scratch.
     num_kv_blocks: u32,
+    /// The same for the sliding layers' pool of a hybrid cache.
+    num_local_kv_blocks: Option<u32>,
     rows_d: DevBuf,
     pending_d: DevBuf,
     /// Per-row block tables, `[max_rows + 1, max_blocks_per_seq]` (the last row: padding).
@@ -297,6 +303,9 @@ pub struct CudaStartInfo {
     pub kv_blocks: u32,
     pub kv_tokens: u64,
     pub kv_bytes: usize,
+    /// Blocks of the sliding layers' pool (hybrid caches) and their bytes.
+    pub local_kv_blocks: Option<u32>,
+    pub local_kv_bytes: usize,
     pub kernels_from_cache: bool,
     /// Batch sizes with captured decode graphs (empty: eager only).
     pub graph_sizes: Vec<usize>,
@@ -353,12 +362,13 @@ impl CudaExecutor {
                 mc.num_kv_heads
             );
         }
-        let caps = Capacities::new(
+        let mut caps = Capacities::new(
             cfg.max_num_batched_tokens as usize,
             cfg.max_num_seqs as usize,
             cfg.max_model_len as usize,
             cfg.block_size as usize,
         );
+        caps.hybrid = cfg.local_kv_blocks.is_some();
         let elem = cfg.dtype.size();
         let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
         let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype)?;
@@ -370,7 +380,8 @@ impl CudaExecutor {
             (max_rows + 1) * caps.max_blocks_per_seq < i32::MAX as usize,
             "max_num_seqs x max_model_len / block_size is too large for 32-bit block-table indices"
         );
-        let row_bt_d = DevBuf::new((max_rows + 1) * caps.max_blocks_per_seq * 4)?;
+        // Full tables, then (hybrid) the sliding layers' tables.
+        let row_bt_d = DevBuf::new(caps.bt_words() * if caps.hybrid { 2 } else { 1 } * 4)?;
         let pen_counts_d = DevBuf::new(scratch_sizes.penalty_counts)?;
         let pen_seen_d = DevBuf::new(scratch_sizes.penalty_seen)?;
         let bias_ids_d = DevBuf::new(scratch_sizes.logit_bias / 2)?;
@@ -434,15 +445,28 @@ impl CudaExecutor {
                 "CUDA graph sizes above min(max_num_seqs, max_num_batched_tokens) (or 0) ignored"
             );
         }
-        // One more block than the engine gets: the scratch block of graph padding rows.
+        // A hybrid cache: the sliding layers' pool first (its demand, at most half the
+        // budget), then the full layers' blocks cost only those layers' bytes.
+        let local_bpb = layout::local_kv_bytes_per_block(&mc, caps.block_size, elem);
+        let bpb = if caps.hybrid { bpb - local_bpb } else { bpb };
+        let (free, total) = ck(dr::mem_get_info(), "cuMemGetInfo")?;
+        let budget = (total as f64 * cfg.gpu_memory_utilization) as usize;
+        // One more block than the engine gets in each pool: the graph padding rows' scratch.
+        let num_local = cfg.local_kv_blocks.map(|want| {
+            let fit = (budget.saturating_sub(total - free) / 2) / local_bpb.max(1);
+            match cfg.num_kv_blocks {
+                Some(_) => want as usize + 1,
+                None => (want as usize).min(fit) + 1,
+            }
+        });
+        let local_bytes = num_local.map_or(0, |n| n * local_bpb);
         let num_kv_blocks = match cfg.num_kv_blocks {
             Some(n) => n as usize + 1,
             None => {
                 // Everything but the KV cache and the graphs is allocated now (weights,
                 // activations at their largest, slots, cuBLAS workspace): the KV cache gets the
                 // rest of the budget.
-                let (free, total) = ck(dr::mem_get_info(), "cuMemGetInfo")?;
-                let used = total - free + num_graphs * GRAPH_RESERVE_BYTES;
+                let used = total - free + num_graphs * GRAPH_RESERVE_BYTES + local_bytes;
                 layout::kv_blocks_for(total, used, cfg.gpu_memory_utilization, bpb)
             }
         };
@@ -453,7 +477,18 @@ impl CudaExecutor {
             );
         }
         let num_kv_blocks = num_kv_blocks.min(i32::MAX as usize / caps.block_size) as u32;
-        model.alloc_kv(num_kv_blocks as usize, caps.block_size)?;
+        let num_local = num_local.map(|n| n.min(i32::MAX as usize / caps.block_size) as u32);
+        if let Some(n) = num_local {
+            anyhow::ensure!(
+                n >= 3,
+                "no room for the sliding-window KV pool ({n} blocks)"
+            );
+        }
+        model.alloc_kv(
+            num_kv_blocks as usize,
+            num_local.map(|n| n as usize),
+            caps.block_size,
+        )?;
         let usable = num_kv_blocks - 1;
         let mut info = CudaStartInfo {
             device_name,
@@ -464,6 +499,8 @@ impl CudaExecutor {
             kv_blocks: usable,
             kv_tokens: usable as u64 * caps.block_size as u64,
             kv_bytes: num_kv_blocks as usize * bpb,
+            local_kv_blocks: num_local.map(|n| n - 1),
+            local_kv_bytes: num_local.map_or(0, |n| n as usize * local_bpb),
             kernels_from_cache: kernels.from_cache,
             graph_sizes: buckets.sizes().to_vec(),
             graph_count: num_graphs,
@@ -478,6 +515,7 @@ impl CudaExecutor {
             caps,
             layout,
             num_kv_blocks: usable,
+            num_local_kv_blocks: num_local.map(|n| n - 1),
             rows_d,
             pending_d,
             row_bt_d,
@@ -551,6 +589,8 @@ impl CudaExecutor {
             tok_src: d.at(l.tok_src * 4),
             positions: d.at(l.positions * 4),
             slot_mapping: d.at(l.slot_mapping * 4),
+            slot_mapping_local: d.at(l.slot_mapping_local * 4),
+            row_block_tables_local: self.row_bt_d.at(self.caps.bt_words() * 4),
             tok_row: d.at(l.tok_row * 4),
             logit_rows: d.at(l.logit_rows * 4),
             row_block_tables: self.row_bt_d.ptr,
@@ -573,7 +613,10 @@ impl CudaExecutor {
             self.slots[slot].meta_h.as_mut_slice(),
             &self.layout,
             range,
-            self.num_kv_blocks as usize,
+            (
+                self.num_kv_blocks as usize,
+                self.num_local_kv_blocks.map(|n| n as usize),
+            ),
             self.caps.block_size,
             self.caps.max_seqs,
         );
@@ -734,6 +777,7 @@ impl CudaExecutor {
             caps: self.caps,
             vocab: self.model.config.vocab_size as u32,
             kv_blocks: self.num_kv_blocks,
+            local_kv_blocks: self.num_local_kv_blocks.unwrap_or(0),
         };
         meta::validate(batch, &lim, &self.rows, &mut self.row_marks)
     }

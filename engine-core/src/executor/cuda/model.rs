@@ -53,6 +53,9 @@ pub(crate) struct StepMeta {
     pub tok_src: u64,
     pub positions: u64,
     pub slot_mapping: u64,
+    /// The sliding layers' slots and block tables (hybrid caches; else unused).
+    pub slot_mapping_local: u64,
+    pub row_block_tables_local: u64,
     pub tok_row: u64,
     pub logit_rows: u64,
     /// `[rows + 1, bt_stride]` block ids.
@@ -85,9 +88,11 @@ pub struct GpuModel {
     /// The sliding layers' RoPE frequencies (Gemma 3).
     inv_freq_local: Option<DevBuf>,
     scratch: Scratch,
-    /// Per layer K and V: `[num_blocks * block_size, nkv, hd]` elements each.
+    /// Per layer K and V: `[num_blocks * block_size, nkv, hd]` elements each (a hybrid cache's
+    /// sliding layers: `num_local_blocks`).
     kv: Option<DevBuf>,
-    kv_layer_bytes: usize,
+    /// Per layer: byte offsets of its K and V in `kv`, and whether it uses the local pool.
+    kv_layers: Vec<(usize, usize, bool)>,
     block_size: usize,
     pub blas: Blas,
 }
@@ -267,18 +272,39 @@ impl GpuModel {
             inv_freq_local,
             scratch,
             kv: None,
-            kv_layer_bytes: 0,
+            kv_layers: Vec::new(),
             block_size: caps.block_size,
             blas,
         })
     }
 
-    pub(crate) fn alloc_kv(&mut self, num_blocks: usize, block_size: usize) -> anyhow::Result<()> {
+    /// Allocates the KV cache: `num_blocks` blocks for every layer, or with
+    /// `num_local_blocks` a hybrid cache whose sliding layers get that many instead.
+    pub(crate) fn alloc_kv(
+        &mut self,
+        num_blocks: usize,
+        num_local_blocks: Option<usize>,
+        block_size: usize,
+    ) -> anyhow::Result<()> {
         let c = &self.config;
-        let per = num_blocks * block_size * c.num_kv_heads * c.head_dim * self.dtype.size();
-        self.kv_layer_bytes = per;
+        let slot = block_size * c.num_kv_heads * c.head_dim * self.dtype.size();
+        let mut at = 0;
+        self.kv_layers = (0..c.num_layers)
+            .map(|l| {
+                let local =
+                    num_local_blocks.is_some() && c.layer_attention(l) == LayerAttention::Sliding;
+                let per = slot
+                    * if local {
+                        num_local_blocks.unwrap_or(0)
+                    } else {
+                        num_blocks
+                    };
+                at += 2 * per;
+                (at - 2 * per, at - per, local)
+            })
+            .collect();
         self.block_size = block_size;
-        self.kv = Some(DevBuf::new(per * 2 * c.num_layers).context("allocating the KV cache")?);
+        self.kv = Some(DevBuf::new(at).context("allocating the KV cache")?);
         Ok(())
     }
 
@@ -366,8 +392,12 @@ impl GpuModel {
                     hid,
                     false,
                 )?;
-                let kc = kv.at(2 * li * self.kv_layer_bytes);
-                let vc = kv.at((2 * li + 1) * self.kv_layer_bytes);
+                let (k_off, v_off, local) = self.kv_layers[li];
+                let (kc, vc) = (kv.at(k_off), kv.at(v_off));
+                let (slots, tables) = match local {
+                    true => (m.slot_mapping_local, m.row_block_tables_local),
+                    false => (m.slot_mapping, m.row_block_tables),
+                };
                 let (qn, kn) = w
                     .qk_norm
                     .as_ref()
@@ -388,7 +418,7 @@ impl GpuModel {
                     qn,
                     kn,
                     eps,
-                    m.slot_mapping,
+                    slots,
                     kc,
                     vc,
                     t as u32,
@@ -401,7 +431,7 @@ impl GpuModel {
                     v_cache: vc,
                     tok_row: m.tok_row,
                     positions: m.positions,
-                    block_tables: m.row_block_tables,
+                    block_tables: tables,
                     bt_stride: m.bt_stride as i32,
                     nh: nh as i32,
                     nkv: nkv as i32,

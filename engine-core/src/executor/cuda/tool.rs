@@ -86,6 +86,8 @@ impl Driver {
             device: 0,
             graph_sizes: graph_sizes.to_vec(),
             dtype,
+            // The tool drives rows by hand with one block table each: full KV everywhere.
+            local_kv_blocks: None,
         };
         let (exec, info) = CudaExecutor::new(dir, &cfg)?;
         eprintln!("{info:?}");
