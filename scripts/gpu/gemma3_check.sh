@@ -16,9 +16,9 @@
 #              --disable-hybrid-kv-cache-manager (scripts/gpu/hybrid_check.py: prompts of up to
 #              700 tokens, window 32, prefix-cache hits), then check-graphs on gemma-3-1b (the
 #              real scheduler with both pools);
-#   capacity:  gemma-3-1b bf16, 256 requests of 8,000 tokens in and 64 out through
+#   capacity:  gemma-3-1b bf16, 256 requests of 8,000 tokens in and CAP_OUT (512) out through
 #              `harrier bench serve`, with and without window-sized KV
-#              (--gpu-memory-utilization 0.5 so that full KV cannot hold them all): the start-up
+#              (--max-model-len 8704, --gpu-memory-utilization CAP_UTIL (0.4) so that full KV cannot hold them all): the start-up
 #              log's KV capacity per attention type and the throughput.
 # Build and carry .gpu/ as for cuda_check.sh. STAGES (default: all but train and bench).
 set -uo pipefail
@@ -81,33 +81,36 @@ for st in $STAGES; do
         cp .gpu/tokenizer.json "$W/micro-gemma3-f32/" 2>/dev/null || gunzip -c .gpu/llama3-tokenizer.json.gz >"$W/micro-gemma3-f32/tokenizer.json"
         serve() { # name port args...
             local name=$1 port=$2; shift 2
-            "$H" serve "$W/micro-gemma3-f32" --port "$port" "$@" >"$OUT/$name.out" 2>"$OUT/$name.err" &
+            "$H" serve "$W/micro-gemma3-f32" --port "$port" "$@" >"$W/$name.out" 2>"$W/$name.err" &
             echo $! >"$W/$name.pid"
-            for _ in $(seq 1 240); do grep -q "Harrier is serving" "$OUT/$name.out" && return 0; sleep 0.5; done
-            echo "$name did not start"; tail -5 "$OUT/$name.err"
+            for _ in $(seq 1 240); do grep -q "Harrier is serving" "$W/$name.out" && return 0; sleep 0.5; done
+            echo "$name did not start"; tail -5 "$W/$name.err"
         }
+        # Two CUDA servers share the GPU (the utilisation counts what the first took).
         serve cpu 8151 --device cpu
-        serve cuda 8152 --device cuda --dtype float32
-        serve cudafull 8153 --device cuda --dtype float32 --disable-hybrid-kv-cache-manager
-        grep -ho "KV capacity per attention type.*\|sliding_layers_kv_blocks=[0-9]*" "$OUT/cuda.err" | head -2
-        echo "-- CUDA hybrid vs CPU hybrid"; python3 scripts/gpu/hybrid_check.py --base http://127.0.0.1:8152 --reference http://127.0.0.1:8151
-        echo "-- CUDA hybrid vs CUDA full KV"; python3 scripts/gpu/hybrid_check.py --base http://127.0.0.1:8152 --reference http://127.0.0.1:8153
+        serve cuda 8152 --device cuda --dtype float32 --gpu-memory-utilization 0.3
+        serve cudafull 8153 --device cuda --dtype float32 --gpu-memory-utilization 0.6 --disable-hybrid-kv-cache-manager
+        sed 's/\x1b\[[0-9;]*m//g' "$W/cuda.err" | grep -o "sliding_layers_kv_blocks=[0-9]*" | head -1
+        echo "-- CUDA hybrid vs CPU hybrid"
+        python3 scripts/gpu/hybrid_check.py --base http://127.0.0.1:8152 --reference http://127.0.0.1:8151 2>&1 | tail -2
+        echo "-- CUDA hybrid vs CUDA full KV"
+        python3 scripts/gpu/hybrid_check.py --base http://127.0.0.1:8152 --reference http://127.0.0.1:8153 2>&1 | tail -2
         kill -TERM $(cat "$W/cpu.pid" "$W/cuda.pid" "$W/cudafull.pid"); wait
         gen gemma-3-1b
-        timeout 300 "$T" check-graphs --model "$W/gemma-3-1b" 2>&1 | tail -12 | tee "$OUT/graphs_hybrid.txt"
+        [[ -n "${SKIP_GRAPHS:-}" ]] || timeout 300 "$T" check-graphs --model "$W/gemma-3-1b" 2>&1 | grep -E "identical|Error|check-graphs" | tee "$OUT/graphs_hybrid.txt"
         ;;
     capacity)
         gen gemma-3-1b
         for mode in window full; do
             extra=""; [[ $mode == full ]] && extra="--disable-hybrid-kv-cache-manager"
             "$H" engine-core --model "$W/gemma-3-1b" --device cuda --endpoint tcp://127.0.0.1:5611 --max-num-seqs 256 \
-                --max-num-batched-tokens 8192 --max-model-len 8192 --gpu-memory-utilization 0.5 $extra 2>"$OUT/cap_$mode.err" &
+                --max-num-batched-tokens 8192 --max-model-len 8704 --gpu-memory-utilization ${CAP_UTIL:-0.4} $extra 2>"$OUT/cap_$mode.err" &
             E=$!
             for _ in $(seq 1 240); do grep -q "engine core ready" "$OUT/cap_$mode.err" && break; sleep 0.5; done
             echo "== capacity, $mode KV"
             grep -o "kv_blocks=[0-9]*\|kv_tokens=[0-9]*\|kv_mib=[0-9]*\|sliding_layers_kv_blocks=[0-9]*\|sliding_layers_kv_mib=[0-9]*" "$OUT/cap_$mode.err" | tr '\n' ' '; echo
             timeout 280 "$H" bench serve --engine-endpoint tcp://127.0.0.1:5611 --num-prompts 256 --input-len 8000 \
-                --output-len 64 --no-progress --json "$OUT/cap_$mode.json" 2>&1 | grep -iE "throughput|duration|successful|TTFT"
+                --output-len "${CAP_OUT:-512}" --no-progress --json "$OUT/cap_$mode.json" 2>&1 | grep -iE "throughput|duration|successful|TTFT"
             kill -TERM "$E"; wait "$E"
         done
         ;;
