@@ -23,7 +23,7 @@ mod model_support;
 use std::path::PathBuf;
 
 use harrier_engine::model::{
-    expected_tensors, Checkpoint, CpuModel, LayerAttention, ModelConfig, ModelDir, RopeScaling,
+    expected_tensors, Checkpoint, CpuModel, ModelConfig, ModelDir, RopeScaling,
 };
 use model_support::{gen_preset, greedy_batch};
 use serde_json::Value;
@@ -149,14 +149,7 @@ fn check_config(name: &str, cfg: &Value, c: &ModelConfig) {
             Some(s.window as u64),
             "{name}: window"
         );
-        let types: Vec<&str> = s
-            .layers
-            .iter()
-            .map(|l| match l {
-                LayerAttention::Sliding => "sliding_attention",
-                LayerAttention::Full => "full_attention",
-            })
-            .collect();
+        let types: Vec<&str> = s.layers.iter().map(|l| l.hf_name()).collect();
         assert_eq!(
             cfg["layer_types"],
             serde_json::json!(types),

@@ -360,14 +360,7 @@ pub fn gemma3_config_json(c: &ModelConfig, ids: &SpecialIds, v5: bool) -> Value 
     });
     let obj = m.as_object_mut().expect("object");
     if v5 {
-        let types: Vec<&str> = sliding
-            .layers
-            .iter()
-            .map(|l| match l {
-                LayerAttention::Sliding => "sliding_attention",
-                LayerAttention::Full => "full_attention",
-            })
-            .collect();
+        let types: Vec<&str> = sliding.layers.iter().map(|l| l.hf_name()).collect();
         let mut full = json!({"rope_type": "default", "rope_theta": f32_json(c.rope_theta)});
         if let Value::Object(s) = &scaling {
             for (k, v) in s {

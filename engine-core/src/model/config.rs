@@ -153,6 +153,16 @@ pub enum LayerAttention {
     Sliding,
 }
 
+impl LayerAttention {
+    /// The `layer_types` entry of transformers' configs.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            LayerAttention::Full => "full_attention",
+            LayerAttention::Sliding => "sliding_attention",
+        }
+    }
+}
+
 /// Interleaved sliding-window and full attention (Gemma 3).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SlidingWindow {
@@ -721,13 +731,18 @@ fn parse_layer_types(f: &Fields<'_>, num_layers: usize) -> Result<Vec<LayerAtten
     match f.get("layer_types") {
         Some(Value::Array(a)) => a
             .iter()
-            .map(|v| match v.as_str() {
-                Some("sliding_attention") => Ok(LayerAttention::Sliding),
-                Some("full_attention") => Ok(LayerAttention::Full),
-                _ => Err(f.err(
-                    "layer_types",
-                    format!("expected \"sliding_attention\" or \"full_attention\", got {v}"),
-                )),
+            .map(|v| {
+                [LayerAttention::Sliding, LayerAttention::Full]
+                    .into_iter()
+                    .find(|k| v.as_str() == Some(k.hf_name()))
+                    .ok_or_else(|| {
+                        f.err(
+                            "layer_types",
+                            format!(
+                                "expected \"sliding_attention\" or \"full_attention\", got {v}"
+                            ),
+                        )
+                    })
             })
             .collect(),
         Some(v) => Err(f.err("layer_types", format!("expected a list, got {v}"))),
