@@ -11,6 +11,10 @@
 #   train:     trains trained-gemma3-150m (scripts/train, Llama 3 tokenizer: carry
 #              .gpu/llama3/tokenizer.json) and checks bf16 fidelity on its held-out prompts;
 #   bench:     harrier-cuda-tool bench on gemma-3-1b, batches BATCHES, context 512;
+#   chunked:   micro-gemma3 fp32 on CUDA with 64-token steps (chunked prefill across the
+#              window) vs the CPU;
+#   gemmrows:  check-gemm-rows on gemma-3-1b and llama-3.2-1b (does cuBLAS round a row alike
+#              at M rows and padded to 48?);
 #   hybrid:    window-sized KV for the sliding layers on CUDA: micro-gemma3 in fp32 served by
 #              CUDA (own sliding pool) vs the CPU, and CUDA vs CUDA with
 #              --disable-hybrid-kv-cache-manager (scripts/gpu/hybrid_check.py: prompts of up to
@@ -35,6 +39,20 @@ long_prompts() { # vocab -> $W/long_prompts.json
 import json, random
 r = random.Random(15)
 json.dump([[r.randrange($1) for _ in range(n)] for n in (1, 700, 2000)], open('$W/long_prompts.json', 'w'))"
+}
+
+serve() { # name port args...: harrier serve of $W/micro-gemma3-f32 in the background
+    local name=$1 port=$2; shift 2
+    "$H" serve "$W/micro-gemma3-f32" --port "$port" "$@" >"$W/$name.out" 2>"$W/$name.err" &
+    echo $! >"$W/$name.pid"
+    for _ in $(seq 1 240); do grep -q "Harrier is serving" "$W/$name.out" && return 0; sleep 0.5; done
+    echo "$name did not start"; tail -5 "$W/$name.err"
+}
+
+micro_f32() { # micro-gemma3 in fp32 with a tokenizer
+    "$H" gen-model --preset micro-gemma3 --seed 5 --out "$W/micro-gemma3-f32" --no-tokenizer 2>>"$OUT/gen.log"
+    cp .gpu/tokenizer.json "$W/micro-gemma3-f32/" 2>/dev/null ||
+        gunzip -c .gpu/llama3-tokenizer.json.gz >"$W/micro-gemma3-f32/tokenizer.json"
 }
 
 for st in $STAGES; do
@@ -66,8 +84,11 @@ for st in $STAGES; do
         timeout 180 "$T" check-attention --cases 70 2>&1 | tail -4 | tee "$OUT/attention.txt"
         ;;
     graphs)
-        gen gemma-3-1b
-        timeout 300 "$T" check-graphs --model "$W/gemma-3-1b" 2>&1 | tail -40 | tee "$OUT/graphs.txt"
+        for m in ${GRAPH_MODELS:-gemma-3-1b}; do
+            gen "$m"
+            echo "-- $m"
+            timeout 300 "$T" check-graphs --model "$W/$m" 2>&1 | grep -E "identical|Error|check-graphs" | tee -a "$OUT/graphs.txt"
+        done
         ;;
     train)
         timeout 480 python3 scripts/train/train.py --family gpu --out "$W/train" --llama3-tokenizer "$LLAMA3" \
@@ -77,15 +98,7 @@ for st in $STAGES; do
             2>>"$OUT/parity.log" | cut -c1-700
         ;;
     hybrid)
-        "$H" gen-model --preset micro-gemma3 --seed 5 --out "$W/micro-gemma3-f32" --no-tokenizer 2>>"$OUT/gen.log"
-        cp .gpu/tokenizer.json "$W/micro-gemma3-f32/" 2>/dev/null || gunzip -c .gpu/llama3-tokenizer.json.gz >"$W/micro-gemma3-f32/tokenizer.json"
-        serve() { # name port args...
-            local name=$1 port=$2; shift 2
-            "$H" serve "$W/micro-gemma3-f32" --port "$port" "$@" >"$W/$name.out" 2>"$W/$name.err" &
-            echo $! >"$W/$name.pid"
-            for _ in $(seq 1 240); do grep -q "Harrier is serving" "$W/$name.out" && return 0; sleep 0.5; done
-            echo "$name did not start"; tail -5 "$W/$name.err"
-        }
+        micro_f32
         # Two CUDA servers share the GPU (the utilisation counts what the first took).
         serve cpu 8151 --device cpu
         serve cuda 8152 --device cuda --dtype float32 --gpu-memory-utilization 0.3
@@ -98,6 +111,23 @@ for st in $STAGES; do
         kill -TERM $(cat "$W/cpu.pid" "$W/cuda.pid" "$W/cudafull.pid"); wait
         gen gemma-3-1b
         [[ -n "${SKIP_GRAPHS:-}" ]] || timeout 300 "$T" check-graphs --model "$W/gemma-3-1b" 2>&1 | grep -E "identical|Error|check-graphs" | tee "$OUT/graphs_hybrid.txt"
+        ;;
+    chunked)
+        # CUDA with 64-token steps (prompts of up to 700 tokens prefill in chunks that cross
+        # the window of 32) against the CPU with whole prompts.
+        micro_f32
+        serve cpu 8161 --device cpu
+        serve cuda 8162 --device cuda --dtype float32 --gpu-memory-utilization 0.3 --max-num-seqs 16 --max-num-batched-tokens 64
+        echo "-- CUDA hybrid, 64-token chunks vs CPU"
+        python3 scripts/gpu/hybrid_check.py --base http://127.0.0.1:8162 --reference http://127.0.0.1:8161 2>&1 | tail -2
+        kill -TERM $(cat "$W/cpu.pid" "$W/cuda.pid"); wait
+        ;;
+    gemmrows)
+        for m in gemma-3-1b llama-3.2-1b; do
+            gen "$m"
+            echo "-- $m"
+            timeout 120 "$T" check-gemm-rows --model "$W/$m" --pad 48 2>&1 | tail -42
+        done
         ;;
     capacity)
         gen gemma-3-1b

@@ -597,6 +597,7 @@ impl CudaExecutor {
             bt_stride: self.caps.max_blocks_per_seq,
             pending: self.pending_d.ptr,
             grouped_attention,
+            gemm_rows: None,
             decode_splits,
             pf_tiles: d.at(l.pf_tiles * 4),
             n_pf_tiles,
@@ -942,13 +943,15 @@ impl CudaExecutor {
                 } else {
                     t
                 };
-                let m = self.step_meta(
+                let mut m = self.step_meta(
                     slot,
                     t,
                     n_samples,
                     self.attention_plan(plan_n, decode_only),
                     (counts.pf_tiles, counts.att_listed),
                 );
+                // GEMMs over the bucket's rows, as its graph computes them.
+                m.gemm_rows = bucket.map(|(_, b)| b);
                 self.model.forward(&self.kernels, st, &m)?;
                 if decode_only {
                     self.counters.eager_decode_steps += 1;

@@ -73,6 +73,12 @@ pub(crate) struct StepMeta {
     pub n_att_listed: usize,
     /// The per-token attention rows run `paged_attention_gqa` (one split only).
     pub grouped_attention: bool,
+    /// An eager decode step that a graph bucket holds: its GEMMs run over the bucket's rows
+    /// (the rows past the batch hold stale activations; each output row depends only on its
+    /// own input row) because cuBLAS may pick another kernel, which rounds differently, for
+    /// another M (gemma-3-1b's down projection at 44 vs 48 rows, check-gemm-rows). A request's
+    /// tokens are then the same whether its steps replay a graph or run eagerly.
+    pub gemm_rows: Option<usize>,
 }
 
 pub struct GpuModel {
@@ -346,8 +352,10 @@ impl GpuModel {
         };
         let embed_scale = c.embed_scale(storage);
         let gelu = c.hidden_act == Activation::GeluTanh;
-        if t * hid * self.dtype.size() > s.x.bytes
-            || m.n_samples * c.vocab_size * 4 > s.logits.bytes
+        let gemm_rows = m.gemm_rows.unwrap_or(t).max(t);
+        let gemm_samples = m.gemm_rows.unwrap_or(m.n_samples).max(m.n_samples);
+        if gemm_rows * hid * self.dtype.size() > s.x.bytes
+            || gemm_samples * c.vocab_size * 4 > s.logits.bytes
         {
             bail!(
                 "step of {t} tokens / {} samples exceeds the buffers",
@@ -387,7 +395,7 @@ impl GpuModel {
                     k,
                     stream,
                     (s.h.ptr, w.qkv.ptr, s.qkv.ptr),
-                    t,
+                    gemm_rows,
                     qkv_dim,
                     hid,
                     false,
@@ -464,7 +472,7 @@ impl GpuModel {
                     k,
                     stream,
                     (s.attn.ptr, w.o.ptr, s.delta.ptr),
-                    t,
+                    gemm_rows,
                     hid,
                     nh * hd,
                     false,
@@ -482,7 +490,7 @@ impl GpuModel {
                     k,
                     stream,
                     (s.h.ptr, w.gate_up.ptr, s.gate_up.ptr),
-                    t,
+                    gemm_rows,
                     2 * inter,
                     hid,
                     false,
@@ -498,7 +506,7 @@ impl GpuModel {
                     k,
                     stream,
                     (s.act.ptr, w.down.ptr, s.delta.ptr),
-                    t,
+                    gemm_rows,
                     hid,
                     inter,
                     false,
@@ -525,7 +533,7 @@ impl GpuModel {
                     k,
                     stream,
                     (s.final_h.ptr, head, s.logits.ptr),
-                    m.n_samples,
+                    gemm_samples,
                     c.vocab_size,
                     hid,
                     true,

@@ -25,6 +25,8 @@
 //!   tokens/s (8 x 2048).
 //! - `check-gemv --model DIR`: our `gemv_bf16` against cuBLAS on the model's projection shapes
 //!   at 1, 2, 4 and 8 rows: output difference and time per call (weight GB/s) side by side.
+//! - `check-gemm-rows --model DIR [--pad 48]`: whether cuBLAS gives a row the same bits at M
+//!   rows and padded to a graph bucket (a diagnosis of graph-vs-eager differences)
 //! - `check-graphs --model DIR`: greedy tokens with CUDA graphs against eager through the
 //!   real engine (see `executor::cuda::graph_check`).
 //!
@@ -520,8 +522,9 @@ fn main() -> anyhow::Result<()> {
         "check-penalties" => check_penalties(&a),
         "check-graphs" => graph_check::check_graphs(a.get("model").context("--model")?.as_ref()),
         "check-gemv" => check_gemv(&a),
+        "check-gemm-rows" => check_gemm_rows(&a),
         _ => bail!(
-            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-gemv ..."
+            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-gemv|check-gemm-rows ..."
         ),
     }
 }
@@ -1160,6 +1163,77 @@ fn check_penalties(a: &HashMap<String, String>) -> anyhow::Result<()> {
         "device penalties and logit_bias match the host sampler ({} steps, resumed after {steps})",
         steps + steps / 2
     );
+    Ok(())
+}
+
+/// Whether cuBLAS computes a row the same whatever the other rows: the model's GEMM shapes at
+/// M rows against the same rows padded to `--pad` (a graph bucket), bitwise. A difference
+/// means a decode step's padded replay and its eager run can round differently (prints the
+/// rows that differ; fails nothing: this is a diagnosis).
+fn check_gemm_rows(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
+    let c = dir.config.clone();
+    let pad: usize = a.get("pad").map(|p| p.parse()).transpose()?.unwrap_or(48);
+    let (_ctx, _k) = kernels_on_device0()?;
+    let shapes = [
+        ("qkv", c.qkv_dim(), c.hidden_size),
+        ("o", c.hidden_size, c.num_heads * c.head_dim),
+        ("gate_up", 2 * c.intermediate_size, c.hidden_size),
+        ("down", c.hidden_size, c.intermediate_size),
+        ("lm_head", c.vocab_size, c.hidden_size),
+    ];
+    let mut rng = SplitMix64(0x6e40);
+    println!("| shape | n x k | rows | padded to | rows not bitwise equal | max rel. diff |");
+    println!("|---|---|---|---|---|---|");
+    // SAFETY: buffers allocated with the sizes used; the stream is synchronised before reads.
+    unsafe {
+        let st = dr::stream::create(dr::stream::StreamKind::NonBlocking)?;
+        let blas = Blas::new(st, Dtype::Bf16)?;
+        for (name, n, kk) in shapes {
+            let w: Vec<u16> = (0..n * kk).map(|_| random_bf16(&mut rng).0).collect();
+            let x: Vec<u16> = (0..pad * kk).map(|_| random_bf16(&mut rng).0).collect();
+            let dw = dr::malloc_sync(w.len() * 2)?;
+            let dx = dr::malloc_sync(x.len() * 2)?;
+            let dy_pad = dr::malloc_sync(pad * n * 2)?;
+            let dy = dr::malloc_sync(pad * n * 2)?;
+            dr::memcpy_htod_sync(dw, &w)?;
+            dr::memcpy_htod_sync(dx, &x)?;
+            blas.cublas(dx, dw, dy_pad, pad, n, kk, false)?;
+            dr::stream::synchronize(st)?;
+            let mut y_pad = vec![0u16; pad * n];
+            dr::memcpy_dtoh_sync(&mut y_pad, dy_pad)?;
+            for m in [9usize, 16, 17, 24, 33, 40, 44, 47]
+                .into_iter()
+                .filter(|&m| m < pad)
+            {
+                blas.cublas(dx, dw, dy, m, n, kk, false)?;
+                dr::stream::synchronize(st)?;
+                let mut y = vec![0u16; m * n];
+                dr::memcpy_dtoh_sync(&mut y, dy)?;
+                let mut differ = 0;
+                let mut worst = 0.0f64;
+                for r in 0..m {
+                    let (a_, b_) = (&y[r * n..][..n], &y_pad[r * n..][..n]);
+                    if a_ != b_ {
+                        differ += 1;
+                        for (p, q) in a_.iter().zip(b_) {
+                            let (p, q) = (
+                                half::bf16::from_bits(*p).to_f64(),
+                                half::bf16::from_bits(*q).to_f64(),
+                            );
+                            worst = worst.max((p - q).abs() / q.abs().max(1e-3));
+                        }
+                    }
+                }
+                println!("| {name} | {n} x {kk} | {m} | {pad} | {differ} | {worst:.1e} |");
+            }
+            for d in [dw, dx, dy_pad, dy] {
+                dr::free_sync(d)?;
+            }
+        }
+        drop(blas);
+        dr::stream::destroy(st)?;
+    }
     Ok(())
 }
 
