@@ -162,4 +162,18 @@ fn tokenizer_files_are_written_when_a_tokenizer_is_given() {
         "<|eot_id|>"
     );
     assert!(out.join("tokenizer.json").is_file());
+    assert!(cfg["chat_template"]
+        .as_str()
+        .is_some_and(|t| t.contains("<|start_header_id|>")));
+
+    // The Gemma presets get Gemma 3's template (user/model turns).
+    let out = dir.path().join("g");
+    let mut args = GenModelArgs::new("micro-gemma3", &out);
+    args.tokenizer = Some(dir.path().join("tokenizer.json"));
+    gen_model::run(&args).expect("generate");
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("tokenizer_config.json")).expect("read"))
+            .expect("json");
+    let t = cfg["chat_template"].as_str().expect("template");
+    assert!(t.contains("<start_of_turn>") && t.contains("model"), "{t}");
 }
