@@ -346,6 +346,16 @@ fn gemma3_sliding_window_survives_prefix_caching_and_chunked_prefill() {
         ],
     );
     assert_eq!(runs[0].1.prefix_cache_hits_total, 0);
+    // The sliding pool is reported, and drains with the full one.
+    for (i, (_, stats)) in runs.iter().enumerate() {
+        let hybrid = i >= 3;
+        assert_eq!(
+            stats.sliding_kv_blocks_total > 0,
+            hybrid,
+            "run {i}: {stats:?}"
+        );
+        assert_eq!(stats.sliding_kv_blocks_used, 0, "run {i}: {stats:?}");
+    }
 }
 
 /// Runs a shared-prefix workload in two waves once per `(prefix caching, token budget,

@@ -249,6 +249,8 @@ impl<E: Executor> EngineCore<E> {
             num_waiting: self.sched.num_waiting() as u32,
             kv_blocks_used: self.sched.kv().num_used(),
             kv_blocks_total: self.sched.kv().num_usable(),
+            sliding_kv_blocks_used: self.sched.local_kv().map_or(0, |l| l.num_used()),
+            sliding_kv_blocks_total: self.sched.local_kv().map_or(0, |l| l.num_usable()),
             last_step_us: self.last_step_us,
             steps_total: self.steps_total,
             preemptions_total: c.preemptions,

@@ -88,6 +88,8 @@ mod tests {
             num_waiting: 4,
             kv_blocks_used: 5,
             kv_blocks_total: 600,
+            sliding_kv_blocks_used: 6,
+            sliding_kv_blocks_total: 60,
             last_step_us: 7_000,
             steps_total: 8,
             preemptions_total: 9,

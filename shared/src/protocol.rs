@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change of the types in this module.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The most tokens a speculative decoding round may propose (`--num-speculative-tokens`).
 pub const MAX_SPECULATIVE_TOKENS: usize = 16;
@@ -406,6 +406,10 @@ pub struct EngineStats {
     pub num_waiting: u32,
     pub kv_blocks_used: u32,
     pub kv_blocks_total: u32,
+    /// The sliding-window layers' own pool, when the engine keeps their KV window-sized
+    /// (both 0 otherwise; `kv_blocks_*` are then the full-attention layers' pool).
+    pub sliding_kv_blocks_used: u32,
+    pub sliding_kv_blocks_total: u32,
     /// Duration of the last engine step (host launch to commit), in microseconds.
     pub last_step_us: u32,
     pub steps_total: u64,

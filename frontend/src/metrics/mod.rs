@@ -57,6 +57,8 @@ pub struct Metrics {
     engine_waiting: IntGauge,
     engine_kv_used: IntGauge,
     engine_kv_total: IntGauge,
+    engine_sliding_kv_used: IntGauge,
+    engine_sliding_kv_total: IntGauge,
     engine_kv_usage: Gauge,
     engine_step_seconds: Gauge,
     engine_steps: IntGauge,
@@ -101,6 +103,8 @@ fn sum_stats<'a>(all: impl Iterator<Item = &'a EngineStats>) -> EngineStats {
         t.num_waiting += s.num_waiting;
         t.kv_blocks_used += s.kv_blocks_used;
         t.kv_blocks_total += s.kv_blocks_total;
+        t.sliding_kv_blocks_used += s.sliding_kv_blocks_used;
+        t.sliding_kv_blocks_total += s.sliding_kv_blocks_total;
         t.last_step_us = t.last_step_us.max(s.last_step_us);
         t.steps_total += s.steps_total;
         t.preemptions_total += s.preemptions_total;
@@ -272,9 +276,17 @@ impl Metrics {
             )),
             engine_kv_used: reg!(engine, gauge("engine_kv_blocks_used", "KV cache blocks in use")),
             engine_kv_total: reg!(engine, gauge("engine_kv_blocks_total", "KV cache blocks")),
+            engine_sliding_kv_used: reg!(engine, gauge(
+                "engine_sliding_kv_blocks_used",
+                "Blocks in use in the sliding-window layers' own KV pool (window-sized KV)"
+            )),
+            engine_sliding_kv_total: reg!(engine, gauge(
+                "engine_sliding_kv_blocks_total",
+                "Blocks of the sliding-window layers' own KV pool (0: none)"
+            )),
             engine_kv_usage: reg!(engine, fgauge(
                 "engine_kv_cache_usage_ratio",
-                "KV cache usage (0..1)"
+                "KV cache usage (0..1; with a sliding-window pool, the fuller of the two pools)"
             )),
             engine_step_seconds: reg!(engine, fgauge(
                 "engine_step_seconds",
@@ -422,6 +434,8 @@ impl Metrics {
             num_waiting,
             kv_blocks_used,
             kv_blocks_total,
+            sliding_kv_blocks_used,
+            sliding_kv_blocks_total,
             last_step_us,
             steps_total,
             preemptions_total,
@@ -458,11 +472,19 @@ impl Metrics {
         self.engine_waiting.set(num_waiting.into());
         self.engine_kv_used.set(kv_blocks_used.into());
         self.engine_kv_total.set(kv_blocks_total.into());
-        self.engine_kv_usage.set(if kv_blocks_total == 0 {
-            0.0
-        } else {
-            f64::from(kv_blocks_used) / f64::from(kv_blocks_total)
-        });
+        self.engine_sliding_kv_used
+            .set(sliding_kv_blocks_used.into());
+        self.engine_sliding_kv_total
+            .set(sliding_kv_blocks_total.into());
+        // The fuller pool is what limits admission.
+        let ratio = |used: u32, total: u32| match total {
+            0 => 0.0,
+            t => f64::from(used) / f64::from(t),
+        };
+        self.engine_kv_usage.set(
+            ratio(kv_blocks_used, kv_blocks_total)
+                .max(ratio(sliding_kv_blocks_used, sliding_kv_blocks_total)),
+        );
         self.engine_step_seconds.set(f64::from(last_step_us) / 1e6);
         self.engine_steps.set(steps_total as i64);
         self.engine_preemptions.set(preemptions_total as i64);
@@ -544,6 +566,34 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// With a sliding-window pool the usage ratio is the fuller pool's, and both pools' blocks
+    /// are exported.
+    #[test]
+    fn sliding_window_pool_in_the_kv_series() {
+        let m = Metrics::new("0");
+        m.set_model_name("m");
+        m.set_engine_stats(
+            0,
+            &EngineStats {
+                kv_blocks_used: 10,
+                kv_blocks_total: 100,
+                sliding_kv_blocks_used: 30,
+                sliding_kv_blocks_total: 40,
+                ..Default::default()
+            },
+        );
+        let text = m.render();
+        for want in [
+            "harrier_engine_kv_cache_usage_ratio 0.75",
+            "harrier_engine_sliding_kv_blocks_used 30",
+            "harrier_engine_sliding_kv_blocks_total 40",
+            "harrier_engine_kv_blocks_used 10",
+            "vllm:kv_cache_usage_perc{model_name=\"m\"} 0.75",
+        ] {
+            assert!(text.contains(want), "{want}: {text}");
+        }
+    }
 
     #[test]
     fn renders_prometheus_text() {
