@@ -644,6 +644,15 @@ fn parse_config(map: &Map<String, Value>, path: &Path) -> Result<ModelConfig, Mo
     let num_heads = f.usize("num_attention_heads")?;
     let num_kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(num_heads);
     let num_layers = f.usize("num_hidden_layers")?;
+    // Per-layer tables are built from the config before any weight is seen: a layer count no
+    // model has must not cost memory (found by fuzz_gemma3_config_fields: 2^32 - 1 layers
+    // with the sliding pattern allocated 4 GB).
+    if num_layers > MAX_LAYERS {
+        return Err(f.err(
+            "num_hidden_layers",
+            format!("{num_layers} is more layers than any model has (at most {MAX_LAYERS})"),
+        ));
+    }
     let head_dim = match (f.usize_opt("head_dim")?, architecture) {
         (Some(d), _) => d,
         (None, Architecture::Qwen3) => return Err(f.err("head_dim", "missing (Qwen3 needs it)")),
@@ -716,6 +725,9 @@ fn parse_config(map: &Map<String, Value>, path: &Path) -> Result<ModelConfig, Mo
     config.validate(path)?;
     Ok(config)
 }
+
+/// The most decoder layers a config may claim.
+const MAX_LAYERS: usize = 1 << 16;
 
 /// `Gemma3TextConfig`'s defaults for keys a config leaves out.
 const GEMMA3_DEFAULT_HEAD_DIM: usize = 256;
@@ -1182,7 +1194,6 @@ mod tests {
             ("hidden_size", json!(1u64 << 62)),
             ("intermediate_size", json!(u64::MAX)),
             ("vocab_size", json!(1u64 << 56)),
-            ("num_hidden_layers", json!(1u64 << 60)),
         ] {
             let mut c = llama_json();
             c[key] = value;
@@ -1196,6 +1207,14 @@ mod tests {
                 "{key}: {e}"
             );
         }
+        // A layer count no model has is refused before anything is sized by it.
+        let mut c = llama_json();
+        c["num_hidden_layers"] = json!(1u64 << 60);
+        let e = open_err(&c);
+        assert!(
+            e.contains("num_hidden_layers") && e.contains("more layers"),
+            "{e}"
+        );
         let c = ModelDir::open(write_dir(&llama_json(), None).path())
             .expect("open")
             .config;

@@ -42,9 +42,52 @@ fn base_model_config() -> ModelConfig {
 /// The safetensors header (as JSON) and data of the tiny model: every expected tensor in
 /// bf16, in order, with small deterministic values.
 fn base_checkpoint() -> (Map<String, Value>, Vec<u8>) {
+    checkpoint_for(&base_model_config())
+}
+
+/// A tiny Gemma 3 (5.x config form): 3 layers (sliding, full, sliding) with a window of 4,
+/// hidden 8, head_dim 4, nested per-type RoPE with linear scaling on the full layer.
+fn gemma_config() -> Value {
+    json!({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 3,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 64, "vocab_size": 32,
+        "torch_dtype": "bfloat16", "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 4, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}
+        },
+        "final_logit_softcapping": null, "attn_logit_softcapping": null, "eos_token_id": [1, 2]
+    })
+}
+
+/// Keys the Gemma 3 parser reads beyond the common ones.
+const GEMMA_KEYS: &[&str] = &[
+    "layer_types",
+    "sliding_window",
+    "sliding_window_pattern",
+    "query_pre_attn_scalar",
+    "hidden_activation",
+    "rope_parameters",
+    "rope_local_base_freq",
+    "rope_theta",
+    "rope_scaling",
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "use_bidirectional_attention",
+    "head_dim",
+    "num_hidden_layers",
+    "tie_word_embeddings",
+];
+
+/// The safetensors header and data of every tensor `config` expects, in bf16.
+fn checkpoint_for(config: &ModelConfig) -> (Map<String, Value>, Vec<u8>) {
     let mut header = Map::new();
     let mut data = Vec::new();
-    for (name, shape) in expected_tensors(&base_model_config()) {
+    for (name, shape) in expected_tensors(config) {
         let n: usize = shape.iter().product();
         let start = data.len();
         for i in 0..n {
@@ -527,6 +570,44 @@ fn generation_config() -> impl Strategy<Value = Option<Value>> {
         2 => prop_oneof![edge_int(), any_json()].prop_map(|v| Some(json!({"eos_token_id": v}))),
         1 => any_json().prop_map(Some),
     ]
+}
+
+proptest! {
+    #![proptest_config(fuzz::config(512))]
+
+    /// A Gemma 3 config.json with its keys removed or replaced (the per-type RoPE objects
+    /// too), over the tiny Gemma's valid weights.
+    #[test]
+    fn fuzz_gemma3_config_fields(
+        edits in prop::collection::vec(
+            (0..GEMMA_KEYS.len(), prop_oneof![Just(None), any_json().prop_map(Some), edge_int().prop_map(Some)]),
+            1..5,
+        ),
+        rope in prop::option::of((prop::sample::select(vec!["full_attention", "sliding_attention"]),
+                                  0..ROPE_KEYS.len(), any_json())),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), gemma_config().to_string()).unwrap();
+        let c = ModelDir::open(dir.path()).unwrap().config;
+        let (header, data) = checkpoint_for(&c);
+        let mut cfg = gemma_config();
+        let obj = cfg.as_object_mut().unwrap();
+        for (k, v) in &edits {
+            match v {
+                None => obj.remove(GEMMA_KEYS[*k]),
+                Some(v) => obj.insert(GEMMA_KEYS[*k].into(), v.clone()),
+            };
+        }
+        if let Some((kind, key, v)) = rope {
+            if let Some(Value::Object(r)) = obj.get_mut("rope_parameters").and_then(|p| p.get_mut(kind)) {
+                r.insert(ROPE_KEYS[key].into(), v);
+            }
+        }
+        check_dir(&[
+            ("config.json", cfg.to_string().into_bytes()),
+            ("model.safetensors", safetensors_bytes(&header, &data)),
+        ])?;
+    }
 }
 
 proptest! {
