@@ -623,17 +623,16 @@ extern "C" __global__ void attention_combine(elem* out, const float* part, int n
 // Block (tile, h): the tile's tokens tiles[2 tile] .. + tiles[2 tile + 1] (at most PF_QT) are
 // consecutive tokens of one sequence at consecutive positions (the host cuts them so); query
 // head h. Each of the PF_WARPS warps owns 16 query rows. The block walks the keys
-// [start, last query position] in tiles of PF_KT: the tile's K rows and V rows (transposed)
+// [start, last query position] in tiles of KT keys (64; 32 at head dim 256, for shared memory):
+// the tile's K rows and V rows (transposed)
 // go to shared memory once for all 64 queries; each warp computes S = Q K^T with mma, masks
 // causally (and by the sliding window), runs the online softmax in fp32 on the accumulator
 // fragments, rounds P to bf16 (the A operand of O += P V, as FlashAttention) and accumulates O
-// in fp32. l sums the unrounded P. Head dims 64 and 128 (the host uses paged_attention for
-// others). The per-token kernel reads every key once per query token; this one once per 64.
+// in fp32. l sums the unrounded P. Head dims 64, 128 and 256 (the host uses paged_attention
+// for others). The per-token kernel reads every key once per query token; this one once per 64.
 #ifndef HARRIER_F32
 #define PF_WARPS 4
 #define PF_QT (16 * PF_WARPS)
-#define PF_KT 64
-#define PF_MAX_HD 128
 
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
 
@@ -646,12 +645,16 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int HD>
+template <int HD, int KT>
 __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q, int q_stride, const bf16* k_cache,
                                                        const bf16* v_cache, const int* tiles, const int* tok_row,
                                                        const int* positions, const int* block_tables, int bt_stride,
                                                        int nh, int nkv, int block_size, float scale, int window,
-                                                       bf16 (*sK)[PF_MAX_HD + 8], bf16 (*sVt)[PF_KT + 8], int* sSlot) {
+                                                       unsigned char* smem) {
+    // Shared memory: K rows [KT][HD + 8], V transposed [HD][KT + 8], the tile's slots [KT].
+    bf16 (*sK)[HD + 8] = (bf16 (*)[HD + 8])smem;
+    bf16 (*sVt)[KT + 8] = (bf16 (*)[KT + 8])(smem + sizeof(bf16) * KT * (HD + 8));
+    int* sSlot = (int*)(smem + sizeof(bf16) * (KT * (HD + 8) + HD * (KT + 8)));
     const int tile = blockIdx.x, h = blockIdx.y;
     const int kh = h / (nh / nkv);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -685,14 +688,14 @@ __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q,
     for (int i = 0; i < HD / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
     const int kstart = window > 0 ? max(0, pos0 - window + 1) : 0;
-    for (int kb = kstart; kb <= last; kb += PF_KT) {
+    for (int kb = kstart; kb <= last; kb += KT) {
         __syncthreads();  // the previous tile is consumed
-        if (threadIdx.x < PF_KT) {
+        if (threadIdx.x < KT) {
             int p = kb + threadIdx.x;
             sSlot[threadIdx.x] = p <= last ? bt[p / block_size] * block_size + p % block_size : -1;
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < PF_KT * (HD / 8); i += blockDim.x) {
+        for (int i = threadIdx.x; i < KT * (HD / 8); i += blockDim.x) {
             int key = i / (HD / 8), c = (i % (HD / 8)) * 8;
             int slot = sSlot[key];
             uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
@@ -709,10 +712,10 @@ __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q,
         // Warp-uniform skips: no queries, or every key after the warp's last query, or (window)
         // every key before its first query's window.
         if (!warp_active || kb > warp_last) continue;
-        if (window > 0 && kb + PF_KT - 1 < pos0 + warp * 16 - window + 1) continue;
-        float sc[PF_KT / 8][4];
+        if (window > 0 && kb + KT - 1 < pos0 + warp * 16 - window + 1) continue;
+        float sc[KT / 8][4];
 #pragma unroll
-        for (int nb = 0; nb < PF_KT / 8; nb++) {
+        for (int nb = 0; nb < KT / 8; nb++) {
             sc[nb][0] = sc[nb][1] = sc[nb][2] = sc[nb][3] = 0.0f;
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {
@@ -722,7 +725,7 @@ __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q,
         }
         float mxa = NEG_INF, mxb = NEG_INF;
 #pragma unroll
-        for (int nb = 0; nb < PF_KT / 8; nb++) {
+        for (int nb = 0; nb < KT / 8; nb++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 int kp = kb + nb * 8 + tg * 2 + e;
@@ -745,7 +748,7 @@ __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q,
         float cb = mnb == NEG_INF ? 1.0f : __expf(mb - mnb);
         float sa = 0.0f, sb = 0.0f;
 #pragma unroll
-        for (int nb = 0; nb < PF_KT / 8; nb++) {
+        for (int nb = 0; nb < KT / 8; nb++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 float x = sc[nb][e] == NEG_INF ? 0.0f : __expf(sc[nb][e] - mna);
@@ -773,7 +776,7 @@ __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q,
         }
         // P (accumulator layout of two key blocks) is the A fragment of one k-step.
 #pragma unroll
-        for (int kk = 0; kk < PF_KT / 16; kk++) {
+        for (int kk = 0; kk < KT / 16; kk++) {
             u32 pf[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]), pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
                          pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
 #pragma unroll
@@ -792,17 +795,23 @@ __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q,
     }
 }
 
+// Bytes of one instance's shared memory; the kernel's buffer is the largest (HD 256 takes
+// 32-key tiles so that it fits the 48 KB of static shared memory).
+#define PF_SMEM(HD, KT) (2 * ((KT) * ((HD) + 8) + (HD) * ((KT) + 8)) + 4 * (KT))
+#define PF_SMEM_MAX (PF_SMEM(256, 32) > PF_SMEM(128, 64) ? PF_SMEM(256, 32) : PF_SMEM(128, 64))
+
 extern "C" __global__ void prefill_attention(AttnIn a, const int* tiles) {
     ATTN_UNPACK(a)
-    __shared__ __align__(16) bf16 sK[PF_KT][PF_MAX_HD + 8];
-    __shared__ __align__(16) bf16 sVt[PF_MAX_HD][PF_KT + 8];
-    __shared__ int sSlot[PF_KT];
+    __shared__ __align__(16) unsigned char smem[PF_SMEM_MAX];
     if (hd == 64)
-        prefill_attention_tile<64>(out, q, q_stride, k_cache, v_cache, tiles, tok_row, positions, block_tables,
-                                   bt_stride, nh, nkv, block_size, scale, window, sK, sVt, sSlot);
+        prefill_attention_tile<64, 64>(out, q, q_stride, k_cache, v_cache, tiles, tok_row, positions, block_tables,
+                                       bt_stride, nh, nkv, block_size, scale, window, smem);
+    else if (hd == 128)
+        prefill_attention_tile<128, 64>(out, q, q_stride, k_cache, v_cache, tiles, tok_row, positions, block_tables,
+                                        bt_stride, nh, nkv, block_size, scale, window, smem);
     else
-        prefill_attention_tile<128>(out, q, q_stride, k_cache, v_cache, tiles, tok_row, positions, block_tables,
-                                    bt_stride, nh, nkv, block_size, scale, window, sK, sVt, sSlot);
+        prefill_attention_tile<256, 32>(out, q, q_stride, k_cache, v_cache, tiles, tok_row, positions, block_tables,
+                                        bt_stride, nh, nkv, block_size, scale, window, smem);
 }
 #endif  // HARRIER_F32
 

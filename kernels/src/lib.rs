@@ -69,9 +69,9 @@ pub fn gqa_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
     }
 }
 
-/// Whether `prefill_attention` handles head dimension `hd`.
+/// Whether `prefill_attention` handles head dimension `hd` (256 with 32-key tiles).
 pub fn prefill_attention_supports(hd: usize) -> bool {
-    hd == 64 || hd == 128
+    matches!(hd, 64 | 128 | 256)
 }
 
 /// The storage type of weights, activations and the KV cache (arithmetic is fp32 either way).
