@@ -1166,6 +1166,17 @@ fn check_penalties(a: &HashMap<String, String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The model's projection GEMMs as (name, n, k): y[rows, n] = x[rows, k] · w[n, k]ᵀ.
+fn gemm_shapes(c: &harrier_engine::model::ModelConfig) -> [(&'static str, usize, usize); 5] {
+    [
+        ("qkv", c.qkv_dim(), c.hidden_size),
+        ("o", c.hidden_size, c.num_heads * c.head_dim),
+        ("gate_up", 2 * c.intermediate_size, c.hidden_size),
+        ("down", c.hidden_size, c.intermediate_size),
+        ("lm_head", c.vocab_size, c.hidden_size),
+    ]
+}
+
 /// Whether cuBLAS computes a row the same whatever the other rows: the model's GEMM shapes at
 /// M rows against the same rows padded to `--pad` (a graph bucket), bitwise. A difference
 /// means a decode step's padded replay and its eager run can round differently (prints the
@@ -1175,13 +1186,7 @@ fn check_gemm_rows(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let c = dir.config.clone();
     let pad: usize = a.get("pad").map(|p| p.parse()).transpose()?.unwrap_or(48);
     let (_ctx, _k) = kernels_on_device0()?;
-    let shapes = [
-        ("qkv", c.qkv_dim(), c.hidden_size),
-        ("o", c.hidden_size, c.num_heads * c.head_dim),
-        ("gate_up", 2 * c.intermediate_size, c.hidden_size),
-        ("down", c.hidden_size, c.intermediate_size),
-        ("lm_head", c.vocab_size, c.hidden_size),
-    ];
+    let shapes = gemm_shapes(&c);
     let mut rng = SplitMix64(0x6e40);
     println!("| shape | n x k | rows | padded to | rows not bitwise equal | max rel. diff |");
     println!("|---|---|---|---|---|---|");
@@ -1242,13 +1247,7 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
     let c = dir.config.clone();
     let (_ctx, k) = kernels_on_device0()?;
-    let shapes = [
-        ("qkv", c.qkv_dim(), c.hidden_size),
-        ("o", c.hidden_size, c.num_heads * c.head_dim),
-        ("gate_up", 2 * c.intermediate_size, c.hidden_size),
-        ("down", c.hidden_size, c.intermediate_size),
-        ("lm_head", c.vocab_size, c.hidden_size),
-    ];
+    let shapes = gemm_shapes(&c);
     let mut rng = SplitMix64(0x6e3f);
     let mut worst = 0.0f64;
     println!(
