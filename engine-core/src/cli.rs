@@ -319,8 +319,7 @@ fn hybrid_window(
     speculating: bool,
 ) -> Option<u32> {
     let s = mc.sliding.as_ref()?;
-    let mixed = s.layers.contains(&crate::model::LayerAttention::Sliding)
-        && s.layers.contains(&crate::model::LayerAttention::Full);
+    let mixed = (1..mc.num_layers).contains(&mc.num_sliding_layers());
     if !mixed || args.disable_hybrid_kv_cache_manager {
         return None;
     }
@@ -341,6 +340,25 @@ fn local_pool_demand(args: &EngineCoreArgs, window: u32, model_len: u32) -> u32 
     args.max_num_seqs
         .saturating_mul(per_request)
         .saturating_add(args.max_num_batched_tokens.div_ceil(bs) + 1)
+}
+
+/// The start-up line of a hybrid KV cache: both pools' sizes.
+fn log_kv_pools(
+    full_blocks: u32,
+    full_tokens: u64,
+    full_bytes: u64,
+    local: crate::scheduler::LocalKvConfig,
+    local_bytes: u64,
+) {
+    tracing::info!(
+        full_layers_kv_blocks = full_blocks,
+        full_layers_kv_tokens = full_tokens,
+        full_layers_kv_mib = full_bytes >> 20,
+        sliding_layers_kv_blocks = local.num_blocks,
+        sliding_window = local.window,
+        sliding_layers_kv_mib = local_bytes >> 20,
+        "KV capacity per attention type: the sliding-window layers keep window-sized KV in a pool of their own"
+    );
 }
 
 /// Wraps a backend into an engine and the handshake answer front ends receive.
@@ -445,7 +463,7 @@ pub fn build_cpu_engine(
         None => (target_bpb, None),
         Some(w) => {
             let local_bpb = KvCache::bytes_per_local_block(mc, args.block_size as usize) as u64;
-            let least = w.div_ceil(args.block_size) + 3;
+            let least = crate::scheduler::LocalKvConfig::min_blocks(w, args.block_size);
             let blocks = match args.num_kv_blocks {
                 Some(_) => local_pool_demand(args, w, model_len),
                 // At most half the budget when the budget is what sizes the pools.
@@ -484,14 +502,8 @@ pub fn build_cpu_engine(
         "CPU engine configured"
     );
     if let Some(l) = local_kv {
-        tracing::info!(
-            full_layers_kv_blocks = num_kv_blocks,
-            full_layers_kv_tokens = kv_tokens,
-            sliding_layers_kv_blocks = l.num_blocks,
-            sliding_window = l.window,
-            sliding_layers_kv_mib = local_bytes >> 20,
-            "KV capacity per attention type: the sliding-window layers keep window-sized KV in a pool of their own"
-        );
+        let full_bytes = num_kv_blocks as u64 * bytes_per_block;
+        log_kv_pools(num_kv_blocks, kv_tokens as u64, full_bytes, l, local_bytes);
     }
     match &spec {
         SpecChoice::Off => {}
@@ -595,15 +607,8 @@ pub fn build_cuda_engine(
         "CUDA engine configured"
     );
     if let Some(l) = local_kv {
-        tracing::info!(
-            full_layers_kv_blocks = num_kv_blocks,
-            full_layers_kv_tokens = start.kv_tokens,
-            full_layers_kv_mib = start.kv_bytes >> 20,
-            sliding_layers_kv_blocks = l.num_blocks,
-            sliding_window = l.window,
-            sliding_layers_kv_mib = start.local_kv_bytes >> 20,
-            "KV capacity per attention type: the sliding-window layers keep window-sized KV in a pool of their own"
-        );
+        let (full, local) = (start.kv_bytes as u64, start.local_kv_bytes as u64);
+        log_kv_pools(num_kv_blocks, start.kv_tokens, full, l, local);
     }
     finish_engine(args, &dir, cfg, exec)
 }

@@ -107,8 +107,7 @@ impl EngineConfig {
             ));
         }
         if let Some(l) = self.local_kv {
-            // One request's window, the block its next token opens, and the scratch block.
-            let least = l.window.div_ceil(self.block_size) + 3;
+            let least = crate::scheduler::LocalKvConfig::min_blocks(l.window, self.block_size);
             if l.window == 0 || l.num_blocks < least {
                 return err(format!(
                     "the sliding-window KV pool needs at least {least} blocks for a window of {} (got {})",

@@ -262,6 +262,12 @@ impl BlockManager {
         }
     }
 
+    /// How many of `blocks` only one table holds (what freeing them gives back; the scratch
+    /// block, never allocated, counts 0).
+    pub fn count_unshared(&self, blocks: &[BlockId]) -> u32 {
+        blocks.iter().filter(|&&b| self.ref_count(b) == 1).count() as u32
+    }
+
     /// The number of leading blocks of a sequence that are cached with exactly its tokens.
     /// `hashes[i]` is the chained hash of the sequence's block `i`; `same_tokens(i, stored)`
     /// says whether block `i` of the sequence holds exactly the `stored` token ids.

@@ -84,9 +84,63 @@ pub struct LocalKvConfig {
     pub num_blocks: u32,
 }
 
+impl LocalKvConfig {
+    /// The smallest pool that lets one request decode: its window, the block its next token
+    /// opens, a misaligned window's extra block, and the scratch block.
+    pub fn min_blocks(window: u32, block_size: u32) -> u32 {
+        window.div_ceil(block_size) + 3
+    }
+}
+
 /// Leading blocks of a sliding-window table that no token at a position `>= pos` can see.
 pub fn local_dead_blocks(pos: u32, window: u32, block_size: u32) -> u32 {
     (pos + 1).saturating_sub(window) / block_size
+}
+
+/// The sliding-window layers' pool with its window ([`LocalKvConfig`]).
+#[derive(Debug, Clone)]
+struct LocalPool {
+    kv: BlockManager,
+    window: u32,
+}
+
+impl LocalPool {
+    /// The first block of the window a token at position `h * block_size` reads: the local
+    /// table of a request admitted with `h` cached blocks starts with scratch entries up to it.
+    fn hit_window_start(&self, h: u32) -> u32 {
+        let bs = self.kv.block_size();
+        local_dead_blocks(h * bs, self.window, bs).min(h)
+    }
+
+    /// Leading entries of `r`'s local table that no token at a position `>= pos` reads.
+    fn dead(&self, r: &Request, pos: u32) -> u32 {
+        local_dead_blocks(pos, self.window, self.kv.block_size()).min(r.local_blocks.len() as u32)
+    }
+
+    /// Blocks to allocate and (unshared) blocks given back when `r` computes positions
+    /// `pos .. pos + n`.
+    fn step(&self, r: &Request, pos: u32, n: u32) -> (u32, u32) {
+        let alloc = self
+            .kv
+            .blocks_for(pos + n)
+            .saturating_sub(r.local_blocks.len() as u32);
+        let dead = self.dead(r, pos) as usize;
+        let released = (r.local_released as usize).min(dead);
+        (
+            alloc,
+            self.kv.count_unshared(&r.local_blocks[released..dead]),
+        )
+    }
+
+    /// Gives back the entries no token of `r`'s next step (at its computed length) reads.
+    fn release_dead(&mut self, r: &mut Request) {
+        let dead = self.dead(r, r.num_computed_tokens);
+        for i in r.local_released..dead {
+            let b = std::mem::replace(&mut r.local_blocks[i as usize], SCRATCH_BLOCK);
+            self.kv.release(b);
+        }
+        r.local_released = r.local_released.max(dead);
+    }
 }
 
 /// Which work gets the token budget first.
@@ -173,8 +227,8 @@ pub struct Scheduler {
     /// Admission order: the tail is preempted first.
     running: Vec<RequestId>,
     kv: BlockManager,
-    /// The sliding-window layers' pool ([`LocalKvConfig`]).
-    local: Option<BlockManager>,
+    /// The sliding-window layers' pool (`cfg.local_kv`).
+    local: Option<LocalPool>,
     free_rows: Vec<RowId>,
     counters: SchedulerCounters,
     /// Requests with a structured-output grammar (token masks are computed only when some).
@@ -187,9 +241,10 @@ pub type OutputSink = Vec<(Origin, RequestOutput)>;
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
         let kv = BlockManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching);
-        let local = cfg
-            .local_kv
-            .map(|l| BlockManager::new(l.num_blocks, cfg.block_size, cfg.enable_prefix_caching));
+        let local = cfg.local_kv.map(|l| LocalPool {
+            kv: BlockManager::new(l.num_blocks, cfg.block_size, cfg.enable_prefix_caching),
+            window: l.window,
+        });
         let free_rows = (0..cfg.max_num_seqs).rev().map(RowId).collect();
         Self {
             cfg,
@@ -232,35 +287,13 @@ impl Scheduler {
 
     /// The sliding-window layers' pool, when the engine keeps their KV window-sized.
     pub fn local_kv(&self) -> Option<&BlockManager> {
-        self.local.as_ref()
+        self.local.as_ref().map(|l| &l.kv)
     }
 
-    /// Local-table blocks to allocate and (unshared) blocks given back when `r` computes
-    /// positions `pos .. pos + n` (both 0 without a local pool).
+    /// Local blocks to allocate and given back for `r` computing `pos .. pos + n` (0, 0
+    /// without a local pool).
     fn local_step(&self, r: &Request, pos: u32, n: u32) -> (u32, u32) {
-        let (Some(local), Some(l)) = (&self.local, self.cfg.local_kv) else {
-            return (0, 0);
-        };
-        let alloc = local
-            .blocks_for(pos + n)
-            .saturating_sub(r.local_blocks.len() as u32);
-        let dead =
-            local_dead_blocks(pos, l.window, self.cfg.block_size).min(r.local_blocks.len() as u32);
-        let freed = r.local_blocks[r.local_released.min(dead) as usize..dead as usize]
-            .iter()
-            .filter(|&&b| b != SCRATCH_BLOCK && local.ref_count(b) == 1)
-            .count() as u32;
-        (alloc, freed)
-    }
-
-    /// Local blocks `r` holds alone (what preempting it gives back).
-    fn local_unshared(&self, r: &Request) -> u32 {
-        self.local.as_ref().map_or(0, |local| {
-            r.local_blocks
-                .iter()
-                .filter(|&&b| b != SCRATCH_BLOCK && local.ref_count(b) == 1)
-                .count() as u32
-        })
+        self.local.as_ref().map_or((0, 0), |l| l.step(r, pos, n))
     }
 
     pub fn counters(&self) -> SchedulerCounters {
@@ -279,7 +312,7 @@ impl Scheduler {
     pub fn reset_prefix_cache(&mut self) {
         self.kv.reset_cache();
         if let Some(local) = &mut self.local {
-            local.reset_cache();
+            local.kv.reset_cache();
         }
     }
 
@@ -347,7 +380,7 @@ impl Scheduler {
             drained,
             budget: self.cfg.max_num_batched_tokens,
             free_blocks: self.kv.num_free(),
-            free_local: self.local.as_ref().map_or(0, BlockManager::num_free),
+            free_local: self.local.as_ref().map_or(0, |l| l.kv.num_free()),
             free_rows: self.free_rows.len() as u32,
             tail: self.running.len(),
             needs_drain: false,
@@ -394,19 +427,13 @@ impl Scheduler {
         }
         // Sliding-window blocks no token of these steps can see go back before anything is
         // allocated (the planner counted them free).
-        if let (Some(local), Some(l)) = (&mut self.local, self.cfg.local_kv) {
+        if let Some(local) = &mut self.local {
             for p in &plan.entries {
                 let r = self
                     .requests
                     .get_mut(&p.id)
                     .expect("planned request exists");
-                let dead = local_dead_blocks(r.num_computed_tokens, l.window, self.cfg.block_size)
-                    .min(r.local_blocks.len() as u32);
-                for i in r.local_released..dead {
-                    let b = std::mem::replace(&mut r.local_blocks[i as usize], SCRATCH_BLOCK);
-                    local.release(b);
-                }
-                r.local_released = r.local_released.max(dead);
+                local.release_dead(r);
             }
         }
         for p in &plan.entries {
@@ -444,9 +471,11 @@ impl Scheduler {
             if let Some(local) = &mut self.local {
                 let before = if p.admit { 0 } else { r.local_blocks.len() };
                 let need = local
+                    .kv
                     .blocks_for(position + p.num_tokens)
                     .saturating_sub(r.local_blocks.len() as u32);
                 local
+                    .kv
                     .allocate(need, &mut r.local_blocks)
                     .expect("planned local blocks are free");
                 batch
@@ -472,7 +501,7 @@ impl Scheduler {
                 r.inflight_refs <= self.cfg.max_inflight_refs,
                 "I4: inflight_refs above depth"
             );
-            register_computed_blocks(&mut self.kv, self.local.as_mut(), r);
+            register_computed_blocks(&mut self.kv, self.local.as_mut().map(|l| &mut l.kv), r);
             batch.seqs.push(SeqInput {
                 row,
                 position,
@@ -502,18 +531,13 @@ impl Scheduler {
         debug_assert!(r.blocks.is_empty());
         self.kv
             .acquire_cached(&r.block_hashes[..cached_blocks as usize], &mut r.blocks);
-        if let (Some(local), Some(l)) = (&mut self.local, self.cfg.local_kv) {
+        if let Some(local) = &mut self.local {
             // The window before the hit point, from the local pool (the planner checked it is
             // cached); blocks before it are scratch entries.
             debug_assert!(r.local_blocks.is_empty());
-            let lo = local_dead_blocks(
-                cached_blocks * self.cfg.block_size,
-                l.window,
-                self.cfg.block_size,
-            )
-            .min(cached_blocks);
+            let lo = local.hit_window_start(cached_blocks);
             r.local_blocks.resize(lo as usize, SCRATCH_BLOCK);
-            local.acquire_cached(
+            local.kv.acquire_cached(
                 &r.block_hashes[lo as usize..cached_blocks as usize],
                 &mut r.local_blocks,
             );
@@ -559,7 +583,7 @@ impl Scheduler {
         );
         self.kv.free(&mut r.blocks);
         if let Some(local) = &mut self.local {
-            local.free(&mut r.local_blocks);
+            local.kv.free(&mut r.local_blocks);
         }
         r.local_released = 0;
         if let Some(row) = r.row.take() {
@@ -651,7 +675,11 @@ impl Scheduler {
                     }
                     r.first_token_at.get_or_insert_with(Instant::now);
                     extend_block_hashes(&self.kv, r);
-                    register_computed_blocks(&mut self.kv, self.local.as_mut(), r);
+                    register_computed_blocks(
+                        &mut self.kv,
+                        self.local.as_mut().map(|l| &mut l.kv),
+                        r,
+                    );
                     r.reported_first = true;
                     sink.push((r.origin, output));
                     if let Some(finish) = finish {
@@ -827,7 +855,7 @@ impl Scheduler {
             self.num_constrained -= r.grammar.is_some() as usize;
             self.kv.free(&mut r.blocks);
             if let Some(local) = &mut self.local {
-                local.free(&mut r.local_blocks);
+                local.kv.free(&mut r.local_blocks);
             }
             if let Some(row) = r.row.take() {
                 self.free_rows.push(row);
@@ -848,7 +876,7 @@ impl Scheduler {
         let mut refs: HashMap<BlockId, u32> = HashMap::new();
         let mut local_refs: HashMap<BlockId, u32> = HashMap::new();
         for r in self.requests.values() {
-            if let (Some(local), Some(l)) = (&self.local, self.cfg.local_kv) {
+            if let Some(local) = &self.local {
                 for (i, b) in r.local_blocks.iter().enumerate() {
                     assert_eq!(
                         *b == SCRATCH_BLOCK,
@@ -863,13 +891,14 @@ impl Scheduler {
                 }
                 if r.num_computed_tokens > 0 {
                     assert!(
-                        r.local_blocks.len() as u32 >= local.blocks_for(r.num_computed_tokens),
+                        r.local_blocks.len() as u32 >= local.kv.blocks_for(r.num_computed_tokens),
                         "{:?} computed past its local blocks",
                         r.id
                     );
                 }
                 // Nothing a future token can see was given back.
-                let dead = local_dead_blocks(r.num_computed_tokens, l.window, self.cfg.block_size);
+                let dead =
+                    local_dead_blocks(r.num_computed_tokens, local.window, self.cfg.block_size);
                 assert!(
                     r.local_released <= dead,
                     "{:?} gave back local blocks a later token reads",
@@ -904,7 +933,7 @@ impl Scheduler {
             assert_eq!(self.kv.ref_count(b), n, "ref count of {b:?}");
         }
         self.kv.check();
-        if let Some(local) = &self.local {
+        if let Some(local) = self.local_kv() {
             assert_eq!(
                 local_refs.len() as u32,
                 local.num_used(),
@@ -950,12 +979,11 @@ impl Planner<'_> {
             // Only blocks the victim holds alone come free: a prefix-cache block it shares
             // with another running request stays in use (counting it made a plan the pool
             // could not honour).
-            self.free_blocks += victim
-                .blocks
-                .iter()
-                .filter(|&&b| self.s.kv.ref_count(b) == 1)
-                .count() as u32;
-            self.free_local += self.s.local_unshared(victim);
+            self.free_blocks += self.s.kv.count_unshared(&victim.blocks);
+            self.free_local += self
+                .s
+                .local_kv()
+                .map_or(0, |l| l.count_unshared(&victim.local_blocks));
             self.needs_drain = true;
         }
         need <= self.free_blocks && need_local <= self.free_local
@@ -1030,9 +1058,9 @@ impl Planner<'_> {
             let held = r.blocks.len() as u32;
             let fit = (held + self.free_blocks) * bs - r.num_computed_tokens;
             let mut chunk = left.min(self.budget).min(fit);
+            let (_, freed_l) = self.s.local_step(r, r.num_computed_tokens, 0);
             if self.s.local.is_some() {
                 // The chunk's KV is written to the local pool before its window is read.
-                let (_, freed_l) = self.s.local_step(r, r.num_computed_tokens, 0);
                 let room = (r.local_blocks.len() as u32 + self.free_local + freed_l) * bs;
                 chunk = chunk.min(room.saturating_sub(r.num_computed_tokens));
             }
@@ -1045,7 +1073,7 @@ impl Planner<'_> {
                 .kv
                 .blocks_for(r.num_computed_tokens + chunk)
                 .saturating_sub(held);
-            let (alloc_l, freed_l) = self.s.local_step(r, r.num_computed_tokens, chunk);
+            let (alloc_l, _) = self.s.local_step(r, r.num_computed_tokens, chunk);
             self.free_local = self.free_local + freed_l - alloc_l;
             self.budget -= chunk;
             self.needs_drain = true;
@@ -1077,26 +1105,28 @@ impl Planner<'_> {
             // At least one token is computed, to produce the next token's logits.
             let mut hits = hits.min((host - 1) / bs);
             let mut need_local = 0;
-            if let (Some(local), Some(l)) = (&self.s.local, self.s.cfg.local_kv) {
+            if let Some(local) = &self.s.local {
                 // A hit counts only with the window before it in the local pool.
-                let lo_of = |h: u32| local_dead_blocks(h * bs, l.window, bs).min(h);
                 let window_cached = |h: u32| {
-                    let lo = lo_of(h);
-                    local.lookup(&r.block_hashes[lo as usize..h as usize], |i, stored| {
-                        *r.block_tokens(lo as usize + i, bs as usize) == *stored
-                    }) == h - lo
+                    let lo = local.hit_window_start(h);
+                    local
+                        .kv
+                        .lookup(&r.block_hashes[lo as usize..h as usize], |i, stored| {
+                            *r.block_tokens(lo as usize + i, bs as usize) == *stored
+                        })
+                        == h - lo
                 };
                 while hits > 0 && !window_cached(hits) {
                     hits -= 1;
                 }
-                let lo = lo_of(hits) as usize;
+                let lo = local.hit_window_start(hits) as usize;
                 let chunk = (host - hits * bs).min(self.budget);
-                need_local = local.blocks_for(hits * bs + chunk) - hits
-                    + local.count_free_hits(&r.block_hashes[lo..hits as usize]);
-                // The local pool may also bound the first chunk (its KV is written there).
+                need_local = local.kv.blocks_for(hits * bs + chunk) - hits
+                    + local.kv.count_free_hits(&r.block_hashes[lo..hits as usize]);
             }
             let cached = hits * bs;
             let mut chunk = (host - cached).min(self.budget);
+            // The local pool may bound the first chunk too (its KV is written there).
             if self.s.local.is_some() && need_local > self.free_local {
                 let over = (need_local - self.free_local) * bs;
                 chunk = chunk.saturating_sub(over);

@@ -728,7 +728,7 @@ fn prefix_hits_need_the_window_before_them_in_the_sliding_pool() {
     let mut h = Harness::new(local_cfg(4, 64, 64, 64));
     h.add(1, 30, 2);
     h.run(2);
-    h.s.local.as_mut().unwrap().reset_cache();
+    h.s.local.as_mut().unwrap().kv.reset_cache();
     h.add(2, 30, 2);
     let Decision::Launch(plan) = h.launch() else {
         panic!()

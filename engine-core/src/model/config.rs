@@ -267,6 +267,16 @@ impl ModelConfig {
         }
     }
 
+    /// Layers of sliding-window attention (0 without a window).
+    pub fn num_sliding_layers(&self) -> usize {
+        self.sliding.as_ref().map_or(0, |s| {
+            s.layers
+                .iter()
+                .filter(|&&l| l == LayerAttention::Sliding)
+                .count()
+        })
+    }
+
     /// The window of layer `layer` (`None`: full attention).
     pub fn layer_window(&self, layer: usize) -> Option<usize> {
         match (&self.sliding, self.layer_attention(layer)) {

@@ -126,8 +126,8 @@ impl CpuModel {
         };
         // Norm weights with Gemma's `1 + w` folded in (f32, as transformers computes it).
         let offset = config.architecture.norm_weight_offset();
-        let norm = |name: &str| -> Result<Vec<f32>, ModelError> {
-            let mut w = get(name, vec![config.hidden_size])?;
+        let norm = |name: &str, len: usize| -> Result<Vec<f32>, ModelError> {
+            let mut w = get(name, vec![len])?;
             w.iter_mut().for_each(|v| *v += offset);
             Ok(w)
         };
@@ -156,13 +156,8 @@ impl CpuModel {
         );
         for l in 0..config.num_layers {
             progress.inc(1);
-            let one = |t: LayerTensor| -> Result<Vec<f32>, ModelError> {
-                let mut w = get(&t.name(l), t.shape(&config))?;
-                if t.is_norm() {
-                    w.iter_mut().for_each(|v| *v += offset);
-                }
-                Ok(w)
-            };
+            // The layer's norm weights (every 1-D tensor of a layer is a norm).
+            let one = |t: LayerTensor| norm(&t.name(l), t.shape(&config)[0]);
             let qk_norm = match config.architecture.has_qk_norm() {
                 true => Some((one(LayerTensor::QNorm)?, one(LayerTensor::KNorm)?)),
                 false => None,
@@ -199,7 +194,7 @@ impl CpuModel {
         Ok(CpuModel {
             embed,
             layers,
-            final_norm: norm(FINAL_NORM)?,
+            final_norm: norm(FINAL_NORM, h)?,
             lm_head,
             rope: Rope::new(&config, LayerAttention::Full),
             rope_local: config

@@ -76,10 +76,7 @@ impl KvCache {
 
     /// Bytes of one block of the sliding layers' pool (hybrid caches).
     pub fn bytes_per_local_block(config: &ModelConfig, block_size: usize) -> usize {
-        let sliding = (0..config.num_layers)
-            .filter(|&l| config.layer_attention(l) == LayerAttention::Sliding)
-            .count();
-        sliding * 2 * block_size * config.num_kv_heads * config.head_dim * 4
+        config.num_sliding_layers() * 2 * block_size * config.num_kv_heads * config.head_dim * 4
     }
 
     /// Bytes of one block of the full layers' pool of a hybrid cache.

@@ -314,10 +314,7 @@ pub fn kv_bytes_per_block(m: &ModelConfig, block_size: usize, elem: usize) -> us
 
 /// Bytes of one block of the sliding layers' pool of a hybrid cache (their K and V only).
 pub fn local_kv_bytes_per_block(m: &ModelConfig, block_size: usize, elem: usize) -> usize {
-    let sliding = (0..m.num_layers)
-        .filter(|&l| m.layer_attention(l) == crate::model::LayerAttention::Sliding)
-        .count();
-    sliding * 2 * block_size * m.num_kv_heads * m.head_dim * elem
+    m.num_sliding_layers() * 2 * block_size * m.num_kv_heads * m.head_dim * elem
 }
 
 /// Bytes of the weights as uploaded, `elem` bytes per element (fused q|k|v and gate|up;

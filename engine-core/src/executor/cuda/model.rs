@@ -93,6 +93,8 @@ pub struct GpuModel {
     inv_freq: DevBuf,
     /// The sliding layers' RoPE frequencies (Gemma 3).
     inv_freq_local: Option<DevBuf>,
+    /// The embedding multiplier in the storage type (Gemma 3: `sqrt(hidden)`; else 1).
+    embed_scale: f32,
     scratch: Scratch,
     /// Per layer K and V: `[num_blocks * block_size, nkv, hd]` elements each (a hybrid cache's
     /// sliding layers: `num_local_blocks`).
@@ -266,6 +268,10 @@ impl GpuModel {
             attn_part: DevBuf::new(sizes.attn_part)?,
         };
         let blas = Blas::new(stream, dtype)?;
+        let embed_scale = c.embed_scale(match dtype {
+            Dtype::Bf16 => WeightDtype::Bf16,
+            Dtype::F32 => WeightDtype::F32,
+        });
         Ok(GpuModel {
             config: c,
             dtype,
@@ -276,6 +282,7 @@ impl GpuModel {
             layers,
             inv_freq,
             inv_freq_local,
+            embed_scale,
             scratch,
             kv: None,
             kv_layers: Vec::new(),
@@ -346,11 +353,6 @@ impl GpuModel {
         let s = &self.scratch;
         let eps = (c.rms_norm_eps, c.architecture.norm_weight_offset());
         let scale = c.attention_scale();
-        let storage = match self.dtype {
-            Dtype::Bf16 => WeightDtype::Bf16,
-            Dtype::F32 => WeightDtype::F32,
-        };
-        let embed_scale = c.embed_scale(storage);
         let gelu = c.hidden_act == Activation::GeluTanh;
         let gemm_rows = m.gemm_rows.unwrap_or(t).max(t);
         let gemm_samples = m.gemm_rows.unwrap_or(m.n_samples).max(m.n_samples);
@@ -374,7 +376,7 @@ impl GpuModel {
                 t as u32,
                 hid as i32,
                 c.vocab_size as i32,
-                embed_scale,
+                self.embed_scale,
             )?;
             // The pending residual delta (the previous layer's MLP output) and, for Gemma, the
             // norm it takes before its add.
