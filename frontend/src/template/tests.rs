@@ -26,6 +26,17 @@ struct Cases {
     cases: Vec<Case>,
 }
 
+/// A conversation rendered with the generation prompt, no tools and no extra variables.
+fn generation_input(messages: &[Value]) -> ChatInput<'_> {
+    ChatInput {
+        messages,
+        tools: None,
+        add_generation_prompt: true,
+        continue_final_message: false,
+        extra: None,
+    }
+}
+
 #[test]
 fn renders_like_python_jinja2() {
     let spec = load("cases.json");
@@ -103,13 +114,7 @@ fn bad_messages_are_400s() {
         r#"[{"role": "user", "content": [{"type": "image_url"}]}]"#,
     ] {
         let messages: Vec<Value> = serde_json::from_str(bad).unwrap();
-        let input = ChatInput {
-            messages: &messages,
-            tools: None,
-            add_generation_prompt: true,
-            continue_final_message: false,
-            extra: None,
-        };
+        let input = generation_input(&messages);
         let e = tmpl.render(&input).unwrap_err();
         assert_eq!(e.status, hyper::StatusCode::BAD_REQUEST, "{bad}");
         assert!(
@@ -122,13 +127,7 @@ fn bad_messages_are_400s() {
 #[test]
 fn strftime_now_formats_the_date() {
     let tmpl = ChatTemplate::new("{{ strftime_now('%Y') }}", vec![]).unwrap();
-    let input = ChatInput {
-        messages: &[],
-        tools: None,
-        add_generation_prompt: true,
-        continue_final_message: false,
-        extra: None,
-    };
+    let input = generation_input(&[]);
     let year: i32 = tmpl.render(&input).unwrap().parse().unwrap();
     assert!(year >= 2024);
 }
@@ -170,13 +169,7 @@ fn template_from_tokenizer_config() {
         .unwrap();
     let messages: Vec<Value> =
         serde_json::from_str(r#"[{"role": "user", "content": "x"}]"#).unwrap();
-    let input = ChatInput {
-        messages: &messages,
-        tools: None,
-        add_generation_prompt: true,
-        continue_final_message: false,
-        extra: None,
-    };
+    let input = generation_input(&messages);
     assert_eq!(tmpl.render(&input).unwrap(), "<B>x<E>");
     let empty = tempfile::tempdir().unwrap();
     assert!(ChatTemplate::from_model_dir(empty.path(), None)
@@ -202,13 +195,7 @@ fn builtin_templates_by_name() {
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]"#,
     )
     .unwrap();
-    let input = ChatInput {
-        messages: &messages,
-        tools: None,
-        add_generation_prompt: true,
-        continue_final_message: false,
-        extra: None,
-    };
+    let input = generation_input(&messages);
     assert_eq!(
         tmpl.render(&input).unwrap(),
         "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.\
