@@ -84,6 +84,12 @@ pub struct EngineCoreArgs {
     /// 4, 8, 16, 24, 32, then steps of 16 up to --max-num-seqs). Larger batches run eagerly.
     #[arg(long, value_delimiter = ',')]
     pub cuda_graph_sizes: Option<Vec<usize>>,
+    /// CUDA backend (bf16): decode steps of up to this many tokens run the fused small-batch
+    /// path (skinny tensor-core GEMMs with RMSNorm, residual adds and the gated activation
+    /// folded in; docs/cuda.md); 0 runs every step through cuBLAS and separate kernels. The
+    /// default is 0 until the path has been checked on a device (docs/cuda.md).
+    #[arg(long, default_value_t = crate::config::FUSED_DECODE_MAX_ROWS)]
+    pub fused_decode_max_rows: usize,
     /// CUDA backend: storage type of weights, activations and KV cache. `auto` is bfloat16
     /// (the serving type); float32 is exact fp32 (twice the memory; for accuracy checks).
     /// The CPU backend always computes in fp32.
@@ -571,6 +577,7 @@ pub fn build_cuda_engine(
                 ModelDtype::Float32 => harrier_kernels::Dtype::F32,
             },
             local_kv_blocks: window.map(|w| local_pool_demand(args, w, max_model_len)),
+            fused_max_rows: args.fused_decode_max_rows,
         },
     )
     .with_context(|| format!("starting the CUDA backend for {}", model_dir.display()))?;

@@ -137,6 +137,17 @@ impl EngineConfig {
     }
 }
 
+/// CUDA (bf16): decode steps of up to this many tokens take the fused small-batch path
+/// (`--fused-decode-max-rows`). Off (0) by default until a device run has checked it
+/// (`scripts/gpu/latency_check.sh`: check-fused, check-graphs, parity) and measured where it
+/// stops winning; [`FUSED_TRIAL_ROWS`] is the limit the tools compare with meanwhile
+/// (docs/cuda.md, "Fused small-batch decode").
+pub const FUSED_DECODE_MAX_ROWS: usize = 0;
+
+/// The fused path's row limit that `harrier-cuda-tool bench` and `check-fused` use when not
+/// told: 8 rows, where the skinny GEMMs are expected to stop beating cuBLAS's tiled ones.
+pub const FUSED_TRIAL_ROWS: usize = 8;
+
 /// The default CUDA-graph batch sizes: 1, 2, 4, 8, 16, 24, 32, then steps of 16 up to
 /// `max_batch` (always included), as vLLM spaces its defaults. Small batches get dense buckets
 /// (padding 3 to 4 costs little); large ones are compute-heavy enough that 16 rows of padding

@@ -1241,4 +1241,250 @@ extern "C" __global__ void gemv_bf16(const bf16* x, const bf16* w, void* y, int 
         }
     }
 }
+// ---------------------------------------------------------------------------------------------
+// Skinny GEMM on tensor cores: the fused small-batch decode path (steps of M <= 8 * NT tokens).
+//   y[m, n] = epilogue(sum_k w[n, k] * in(x)[m, k]),  m < M
+// A block owns R tiles of 16 rows of w and all of K, split over its SK_WARPS warps (warp w takes
+// every SK_WARPS-th 32-wide k chunk); the warps' partial sums are added pairwise through shared
+// memory in a fixed tree at the end: split-K with its reduction in the same launch. Per chunk,
+// lane (g = lane / 4, t = lane % 4) loads 16 bytes (8 consecutive k) of rows g and g + 8 of each
+// tile and of input rows g + 8 j; the k order inside an mma is a permutation both operands share
+// (A's register pair (2t, 2t + 1) and B's hold the same physical k), so plain 16-byte loads feed
+// mma.sync m16n8k16 with no shuffles or shared-memory staging. A warp keeps SK_LOADS 16-byte
+// weight loads in flight (SK_LOADS / (2 R) chunks per round); the first round is issued before
+// the norm prologue. The weights stream through L2 once (no L1 allocation); x is re-read from
+// L1/L2 by every block. Each output's summation order depends on k only, never on M, so a row
+// computes the same in a padded graph bucket as alone.
+//   in(x): x, or with norm_w RMSNorm(x) rounded to bf16 exactly as add_rmsnorm writes it (Llama:
+//   bf16(w * bf16(x * inv)); Gemma with w_off = 1: bf16(x * inv * (1 + w))), M <= 8, staged in
+//   (M + 1) * K * 2 bytes of dynamic shared memory (the launch passes it).
+// Epilogues (as the unfused kernels round): SK_STORE bf16(acc); SK_STORE_F32 acc (logits);
+// SK_RESID y = bf16(y + bf16(acc)) in place (the residual add of add_rmsnorm); SK_SILU / SK_GELU:
+// each tile is 8 gate rows and the 8 matching up rows (w is [gate; up], N = intermediate size),
+// so one lane holds both: y[m, n] = bf16(bf16(act(bf16(gate))) * bf16(up)) as silu_mul.
+// Needs K % 32 == 0 and 16-byte aligned rows. SK_WARPS and SK_LOADS may be overridden with -D
+// (harrier-cuda-tool check-gemv --variants compares launch shapes).
+#ifndef SK_WARPS
+#define SK_WARPS 16
+#endif
+#ifndef SK_LOADS
+#define SK_LOADS 8
+#endif
+#define SK_ROWS 16
+#define SK_STORE 0
+#define SK_STORE_F32 1
+#define SK_RESID 2
+#define SK_SILU 3
+#define SK_GELU 4
+
+struct SkinnyIn {
+    const bf16* x;
+    const bf16* w;
+    void* y;
+    const bf16* norm_w;
+    float eps, w_off;
+    int M, N, K, epi;
+};
+
+__device__ __forceinline__ float sumsq8(uint4 v) {
+    u32 a[4] = {v.x, v.y, v.z, v.w};
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float lo = __uint_as_float(a[i] << 16), hi = __uint_as_float(a[i] & 0xffff0000u);
+        s += lo * lo + hi * hi;
+    }
+    return s;
+}
+
+__device__ __forceinline__ float norm_one(float x, float w, float inv, float w_off) {
+    return w_off != 0.0f ? x * inv * (w_off + w) : w * rbf(x * inv);
+}
+
+__device__ __forceinline__ uint4 rms_norm8(uint4 xv, uint4 wv, float inv, float w_off) {
+    u32 a[4] = {xv.x, xv.y, xv.z, xv.w}, b[4] = {wv.x, wv.y, wv.z, wv.w}, o[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float lo = norm_one(__uint_as_float(a[i] << 16), __uint_as_float(b[i] << 16), inv, w_off);
+        float hi = norm_one(__uint_as_float(a[i] & 0xffff0000u), __uint_as_float(b[i] & 0xffff0000u), inv, w_off);
+        o[i] = pack_bf16(lo, hi);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+template <int NT, int R>
+__device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
+    constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
+    __shared__ float red[SK_WARPS / 2][R][NT][32][4];
+    __shared__ float inv_sh[8];
+    __shared__ float ss_sh[SK_WARPS][8];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const bool gated = p.epi >= SK_SILU;
+    // Tile i, plain: rows n0 + 16 i + g and + 8. Gated: gate row n0 + 8 i + g, up row N + that.
+    const int n0 = blockIdx.x * (gated ? 8 * R : 16 * R);
+    const uint4* wa[R];
+    const uint4* wb[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        int r0 = n0 + (gated ? 8 * i : 16 * i) + g;
+        int r1 = gated ? p.N + r0 : r0 + 8;
+        bool v0 = r0 < p.N, v1 = gated ? v0 : r1 < p.N;
+        wa[i] = (const uint4*)(p.w + (size_t)(v0 ? r0 : 0) * p.K) + t;
+        wb[i] = (const uint4*)(p.w + (size_t)(v1 ? r1 : 0) * p.K) + t;
+    }
+    const int nchunks = p.K >> 5;
+    const bool norm = p.norm_w != 0;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    uint4 a[R][U], b[R][U];
+    int c0 = warp;
+    auto load = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = base + u * SK_WARPS;
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                a[i][u] = c < nchunks ? ld_stream(wa[i] + 4 * c) : zero;
+                b[i][u] = c < nchunks ? ld_stream(wb[i] + 4 * c) : zero;
+            }
+        }
+    };
+    load(c0);
+    // The normed input, staged once per block in dynamic shared memory ([M][K] bf16 after the
+    // norm weights [K]): one round of loads (issued behind the first weight loads), the sums of
+    // squares, then the rows normalised in place. The main loop then reads x from shared memory.
+    extern __shared__ uint4 xs_dyn[];
+    uint4* xs = xs_dyn + (p.K >> 3);
+    if (norm) {
+        const int kc = p.K >> 3;
+        float ss[8];
+#pragma unroll
+        for (int q = 0; q < 8; q++) ss[q] = 0.0f;
+        for (int c = threadIdx.x; c < kc; c += blockDim.x) {
+            xs_dyn[c] = __ldg((const uint4*)p.norm_w + c);
+#pragma unroll
+            for (int q = 0; q < 8; q++) {
+                if (q < p.M) {
+                    uint4 v = __ldg((const uint4*)(p.x + (size_t)q * p.K) + c);
+                    xs[q * kc + c] = v;
+                    ss[q] += sumsq8(v);
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            float v = warp_sum(ss[q]);
+            if (lane == 0) ss_sh[warp][q] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < 8) {
+            float v = 0.0f;
+            for (int w = 0; w < SK_WARPS; w++) v += ss_sh[w][threadIdx.x];
+            inv_sh[threadIdx.x] = rsqrtf(v / (float)p.K + p.eps);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < p.M * kc; i += blockDim.x) {
+            int q = i / kc;
+            xs[i] = rms_norm8(xs[i], xs_dyn[i - q * kc], inv_sh[q], p.w_off);
+        }
+        __syncthreads();
+    }
+    float acc[R][NT][4];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+    while (true) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + u * SK_WARPS;
+            if (c >= nchunks) break;
+            int k0 = c * 32 + t * 8;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                int m = g + 8 * j;
+                uint4 xv = zero;
+                if (m < p.M) {
+                    xv = norm ? xs[(m * p.K + k0) >> 3] : __ldg((const uint4*)(p.x + (size_t)m * p.K + k0));
+                }
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    u32 a1[4] = {a[i][u].x, b[i][u].x, a[i][u].y, b[i][u].y};
+                    u32 a2[4] = {a[i][u].z, b[i][u].z, a[i][u].w, b[i][u].w};
+                    mma_bf16(acc[i][j], a1, xv.x, xv.y);
+                    mma_bf16(acc[i][j], a2, xv.z, xv.w);
+                }
+            }
+        }
+        c0 += SK_WARPS * U;
+        if (c0 >= nchunks) break;
+        load(c0);
+    }
+    // Pairwise tree over the warps: warp w += warp w + h for h = SK_WARPS / 2, ..., 1.
+#pragma unroll
+    for (int h = SK_WARPS / 2; h > 0; h >>= 1) {
+        if (warp >= h && warp < 2 * h) {
+#pragma unroll
+            for (int i = 0; i < R; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++) red[warp - h][i][j][lane][r] = acc[i][j][r];
+        }
+        __syncthreads();
+        if (warp < h) {
+#pragma unroll
+            for (int i = 0; i < R; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++) acc[i][j][r] += red[warp][i][j][lane][r];
+        }
+        __syncthreads();
+    }
+    if (warp != 0) return;
+    // Value r of lane (g, t) in tile i, n-tile j: row (r < 2 ? g : g + 8), input row 8 j + 2 t + r % 2.
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int m = 8 * j + 2 * t + (r & 1);
+                if (m >= p.M || (gated && r >= 2)) continue;
+                const float v = acc[i][j][r];
+                const int n = n0 + (gated ? 8 * i : 16 * i) + g + (!gated && r >= 2 ? 8 : 0);
+                if (n >= p.N) continue;
+                const size_t o = (size_t)m * p.N + n;
+                if (gated) {
+                    float gv = rbf(v), act;
+                    if (p.epi == SK_GELU) {
+                        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+                        act = rbf(0.5f * gv * (1.0f + tanhf(k0 * (gv + k1 * gv * gv * gv))));
+                    } else {
+                        act = rbf(gv / (1.0f + expf(-gv)));
+                    }
+                    ((bf16*)p.y)[o] = f2bf(act * rbf(acc[i][j][r + 2]));
+                } else if (p.epi == SK_STORE_F32) {
+                    ((float*)p.y)[o] = v;
+                } else if (p.epi == SK_RESID) {
+                    bf16* y = (bf16*)p.y;
+                    y[o] = f2bf(bf2f(y[o]) + rbf(v));
+                } else {
+                    ((bf16*)p.y)[o] = f2bf(v);
+                }
+            }
+        }
+    }
+}
+
+// Instances: 8 * NT input rows (n-tiles NT), R row tiles per block (4 for the big matrices:
+// fewer blocks re-read and re-normalise x).
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8(SkinnyIn p) { skinny_gemm<1, 1>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_16(SkinnyIn p) { skinny_gemm<2, 1>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_32(SkinnyIn p) { skinny_gemm<4, 1>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_64(SkinnyIn p) { skinny_gemm<8, 1>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_r4(SkinnyIn p) { skinny_gemm<1, 4>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_16_r4(SkinnyIn p) { skinny_gemm<2, 4>(p); }
+
 #endif  // HARRIER_F32

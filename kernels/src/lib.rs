@@ -39,10 +39,25 @@ pub const KERNELS: &[&str] = &[
     "init_row_state",
     "prefill_attention",
     "paged_attention_gqa",
+    "skinny_gemm_8",
+    "skinny_gemm_16",
+    "skinny_gemm_32",
+    "skinny_gemm_64",
+    "skinny_gemm_8_r4",
+    "skinny_gemm_16_r4",
 ];
 
 /// Kernels that only exist in the bf16 build.
-const BF16_ONLY: &[&str] = &["gemv_bf16", "prefill_attention"];
+const BF16_ONLY: &[&str] = &[
+    "gemv_bf16",
+    "prefill_attention",
+    "skinny_gemm_8",
+    "skinny_gemm_16",
+    "skinny_gemm_32",
+    "skinny_gemm_64",
+    "skinny_gemm_8_r4",
+    "skinny_gemm_16_r4",
+];
 
 /// Query tokens per `prefill_attention` tile (`PF_QT` in the source).
 pub const PREFILL_TILE: usize = 64;
@@ -125,6 +140,96 @@ pub const GEMV_MAX_M: usize = 8;
 /// `gemv_bf16` blocks: `GEMV_WARPS` warps, each computing `GEMV_ROWS` outputs (as in the source).
 const GEMV_WARPS: u32 = 8;
 const GEMV_ROWS: u32 = 2;
+
+/// Largest step `skinny_gemm_*` takes (8 input rows per mma n-tile, at most 8 tiles).
+pub const SKINNY_MAX_M: usize = 64;
+
+/// `skinny_gemm_*` blocks: `SK_WARPS` warps (the source's default; [`Kernels::load_with`] may
+/// override it) over tiles of `SK_ROWS` weight rows.
+const SKINNY_WARPS: u32 = 16;
+const SKINNY_ROWS: u32 = 16;
+
+/// Products with at least this many row tiles (of 16) use the 4-tile instances (fewer blocks
+/// re-read and re-normalise x): gate|up and lm_head of the Llama shapes.
+const SKINNY_R4_FROM_TILES: usize = 1024;
+
+/// What a `skinny_gemm_*` launch does with its sums (`SK_*` in the source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SkinnyEpilogue {
+    /// `y = bf16(acc)`.
+    Store = 0,
+    /// `y = acc` in f32 (logits).
+    StoreF32 = 1,
+    /// `y = bf16(y + bf16(acc))`: the residual add, in place.
+    Residual = 2,
+    /// w is `[gate; up]` over `2 n` rows: `y = bf16(bf16(silu(gate)) * up)`.
+    SiluMul = 3,
+    /// As `SiluMul` with GELU (tanh approximation).
+    GeluTanhMul = 4,
+}
+
+/// One `skinny_gemm_*` launch (mirrors `struct SkinnyIn`): `y[m, n] = epilogue(x'[m, :] ·
+/// w[n, :])` for `m < m_rows`, where x' is x, or RMSNorm(x) by `norm_w` (weights scaled by
+/// `w_off + w` when `w_off` is not 0) when `norm_w` is not 0.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SkinnyInputs {
+    pub x: u64,
+    pub w: u64,
+    pub y: u64,
+    pub norm_w: u64,
+    pub eps: f32,
+    pub w_off: f32,
+    pub m_rows: i32,
+    pub n: i32,
+    pub k: i32,
+    pub epi: i32,
+}
+
+impl SkinnyInputs {
+    /// A plain product `y[m, n] = x[m, :] · w[n, :]` with `epi`'s epilogue.
+    pub fn new(
+        (x, w, y): (u64, u64, u64),
+        m_rows: usize,
+        n: usize,
+        k: usize,
+        epi: SkinnyEpilogue,
+    ) -> SkinnyInputs {
+        SkinnyInputs {
+            x,
+            w,
+            y,
+            norm_w: 0,
+            eps: 0.0,
+            w_off: 0.0,
+            m_rows: m_rows as i32,
+            n: n as i32,
+            k: k as i32,
+            epi: epi as i32,
+        }
+    }
+
+    /// The input RMSNormed first (weights `norm_w`, `(eps, w_off)` as [`Kernels::add_rmsnorm`]).
+    pub fn normed(self, norm_w: u64, (eps, w_off): (f32, f32)) -> SkinnyInputs {
+        SkinnyInputs {
+            norm_w,
+            eps,
+            w_off,
+            ..self
+        }
+    }
+}
+
+/// Dynamic shared memory the skinny kernels ask for (the normed input and the norm weights):
+/// a 4,096-wide model at 8 rows. GPUs whose opt-in limit is lower (99 KiB per block on
+/// sm_86/89, with up to 32 KiB of static reduction buffers) get [`SKINNY_SMEM_FALLBACK`].
+const SKINNY_SMEM_MAX: usize = 80 << 10;
+const SKINNY_SMEM_FALLBACK: usize = 16 << 10;
+
+/// Whether `skinny_gemm_*` takes an `m`-row product over `k`.
+pub fn skinny_supports(m: usize, k: usize) -> bool {
+    (1..=SKINNY_MAX_M).contains(&m) && k.is_multiple_of(32) && k > 0
+}
 
 /// Warps of a `rope_kv_write` block (one warp per head; heads spread over gridDim.y).
 const ROPE_WARPS: u32 = 4;
@@ -228,6 +333,16 @@ pub fn nvrtc_present() -> bool {
 
 /// Compiles [`SOURCE`] to PTX for `arch` (for example `"sm_90"`) and storage type `dtype`.
 pub fn compile_ptx(arch: &'static str, dtype: Dtype) -> anyhow::Result<String> {
+    compile_ptx_with(arch, dtype, &[])
+}
+
+/// As [`compile_ptx`] with extra NVRTC options (`-DNAME=VALUE` overrides of the source's
+/// tunable defines).
+pub fn compile_ptx_with(
+    arch: &'static str,
+    dtype: Dtype,
+    extra: &[String],
+) -> anyhow::Result<String> {
     if !nvrtc_present() {
         bail!("libnvrtc could not be loaded (put its folder on LD_LIBRARY_PATH)");
     }
@@ -238,7 +353,10 @@ pub fn compile_ptx(arch: &'static str, dtype: Dtype) -> anyhow::Result<String> {
         options: match dtype {
             Dtype::Bf16 => vec!["--std=c++17".into()],
             Dtype::F32 => vec!["--std=c++17".into(), "-DHARRIER_F32".into()],
-        },
+        }
+        .into_iter()
+        .chain(extra.iter().cloned())
+        .collect(),
         ..Default::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
@@ -314,6 +432,10 @@ pub struct Kernels {
     pub dtype: Dtype,
     /// Whether the PTX came from the disk cache.
     pub from_cache: bool,
+    /// Warps of a `skinny_gemm_*` block (`SK_WARPS` as compiled).
+    skinny_warps: u32,
+    /// Dynamic shared memory the skinny kernels were allowed at load.
+    skinny_smem: usize,
 }
 
 // SAFETY: CUDA module and function handles are plain handles usable from any thread that has
@@ -339,6 +461,37 @@ impl Kernels {
     /// the current context.
     pub fn load(arch: &'static str, dtype: Dtype) -> anyhow::Result<Kernels> {
         let (ptx, from_cache) = ptx_for(arch, dtype)?;
+        Self::load_ptx(ptx, dtype, from_cache, SKINNY_WARPS)
+    }
+
+    /// A build with the skinny GEMM's launch shape overridden (`SK_WARPS` warps per block,
+    /// `SK_LOADS` weight loads in flight per warp; tools compare them), compiled afresh.
+    pub fn load_with(
+        arch: &'static str,
+        dtype: Dtype,
+        skinny_warps: u32,
+        skinny_loads: u32,
+    ) -> anyhow::Result<Kernels> {
+        if !(1..=16).contains(&skinny_warps) || !skinny_warps.is_power_of_two() {
+            bail!("SK_WARPS must be a power of two up to 16, not {skinny_warps}");
+        }
+        let ptx = compile_ptx_with(
+            arch,
+            dtype,
+            &[
+                format!("-DSK_WARPS={skinny_warps}"),
+                format!("-DSK_LOADS={skinny_loads}"),
+            ],
+        )?;
+        Self::load_ptx(ptx, dtype, false, skinny_warps)
+    }
+
+    fn load_ptx(
+        ptx: String,
+        dtype: Dtype,
+        from_cache: bool,
+        skinny_warps: u32,
+    ) -> anyhow::Result<Kernels> {
         let c = std::ffi::CString::new(ptx).context("PTX contains a NUL byte")?;
         // SAFETY: `c` is a NUL-terminated PTX image; a context is current (caller's contract).
         let module = ck(
@@ -350,6 +503,8 @@ impl Kernels {
             f: Vec::new(),
             dtype,
             from_cache,
+            skinny_warps,
+            skinny_smem: SKINNY_SMEM_MAX,
         };
         for name in KERNELS {
             if !dtype.has_kernel(name) {
@@ -359,6 +514,19 @@ impl Kernels {
             let n = std::ffi::CString::new(*name).expect("kernel names have no NUL");
             // SAFETY: `module` is loaded; `n` is NUL-terminated.
             let f = ck(unsafe { dr::module::get_function(module, n) }, name)?;
+            if name.starts_with("skinny_gemm") && k.skinny_smem > SKINNY_SMEM_FALLBACK {
+                // SAFETY: `f` is a loaded function; the attribute only raises its own limit.
+                let raised = unsafe {
+                    dr::function::set_function_attribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        SKINNY_SMEM_MAX as i32,
+                    )
+                };
+                if raised.is_err() {
+                    k.skinny_smem = SKINNY_SMEM_FALLBACK;
+                }
+            }
             k.f.push(f);
         }
         Ok(k)
@@ -837,6 +1005,67 @@ impl Kernels {
     }
 }
 
+impl Kernels {
+    /// Whether `skinny_gemm_*` can norm an `m`-row input over `k` (`(m + 1) * k` bf16 in shared
+    /// memory, m <= 8).
+    pub fn skinny_norm_supports(&self, m: usize, k: usize) -> bool {
+        skinny_supports(m, k) && m <= 8 && (m + 1) * k * 2 <= self.skinny_smem
+    }
+
+    /// The tensor-core skinny GEMM (see [`SkinnyInputs`]); the instance with the fewest 8-row
+    /// tiles that covers `p.m_rows`.
+    ///
+    /// # Safety
+    /// Device addresses must be valid for `m_rows * k` inputs, `n * k` weights (`2 n * k` for
+    /// the gated epilogues), `m_rows * n` outputs and `k` norm weights, 16-byte aligned.
+    pub unsafe fn skinny_gemm(&self, s: sys::CUstream, p: &SkinnyInputs) -> anyhow::Result<()> {
+        let (m, k) = (p.m_rows as usize, p.k as usize);
+        if !skinny_supports(m, k) || p.n <= 0 {
+            bail!(
+                "skinny_gemm: {m} rows (1 to {SKINNY_MAX_M}), k {k} (a multiple of 32), n {}",
+                p.n
+            );
+        }
+        let gated = p.epi >= SkinnyEpilogue::SiluMul as i32;
+        let tiles = (p.n as usize * if gated { 2 } else { 1 }).div_ceil(SKINNY_ROWS as usize);
+        let r4 = tiles >= SKINNY_R4_FROM_TILES && m <= 16;
+        let name = match (m.div_ceil(8), r4) {
+            (1, true) => "skinny_gemm_8_r4",
+            (2, true) => "skinny_gemm_16_r4",
+            (1, _) => "skinny_gemm_8",
+            (2, _) => "skinny_gemm_16",
+            (3 | 4, _) => "skinny_gemm_32",
+            _ => "skinny_gemm_64",
+        };
+        let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
+        let smem = if p.norm_w != 0 {
+            if !self.skinny_norm_supports(m, k) {
+                bail!("skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory");
+            }
+            ((m + 1) * k * 2) as u32
+        } else {
+            0
+        };
+        let mut a = params![*p];
+        let grid = ((p.n as u32).div_ceil(rows), 1, 1);
+        // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
+        // dynamic shared memory is within what `load_ptx` allowed.
+        unsafe {
+            ck(
+                dr::launch_kernel(
+                    self.func(name),
+                    grid,
+                    (self.skinny_warps * 32, 1, 1),
+                    smem,
+                    s,
+                    &mut a,
+                ),
+                name,
+            )
+        }
+    }
+}
+
 /// Test support: makes libnvrtc from `$HARRIER_CUDA_DIR/lib` (the wheel installed by
 /// scripts/setup.sh) loadable by cudarc, by opening it (and its builtins) by full path first.
 /// Returns the folder used.
@@ -915,6 +1144,24 @@ mod tests {
             (GEMV_WARPS, GEMV_ROWS)
         );
         assert_eq!(std::mem::size_of::<RowParams>(), 60 + 4 * MASK_CAP);
+        // SkinnyIn: four pointers, two floats, four ints; the epilogue codes and block shape.
+        assert!(SOURCE.contains("struct SkinnyIn {"));
+        assert_eq!(std::mem::size_of::<SkinnyInputs>(), 4 * 8 + 6 * 4);
+        assert_eq!(
+            (define("SK_WARPS"), define("SK_ROWS")),
+            (SKINNY_WARPS, SKINNY_ROWS)
+        );
+        for (e, name) in [
+            (SkinnyEpilogue::Store, "SK_STORE"),
+            (SkinnyEpilogue::StoreF32, "SK_STORE_F32"),
+            (SkinnyEpilogue::Residual, "SK_RESID"),
+            (SkinnyEpilogue::SiluMul, "SK_SILU"),
+            (SkinnyEpilogue::GeluTanhMul, "SK_GELU"),
+        ] {
+            assert_eq!(define(name), e as u32, "{name}");
+        }
+        assert!(skinny_supports(1, 2048) && skinny_supports(64, 1152));
+        assert!(!skinny_supports(65, 2048) && !skinny_supports(8, 1000) && !skinny_supports(0, 64));
         assert!(SOURCE.contains(&format!("#define BIAS_CAP {LOGIT_BIAS_CAP}")));
         assert!(BF16_ONLY.iter().all(|k| KERNELS.contains(k)));
         // AttnIn: seven pointers, then eight 4-byte fields, no padding.

@@ -57,7 +57,7 @@ use crate::sampling::{RowSampler, SamplerScratch};
 use graphs::{DecodeGraph, GraphAddrs};
 use layout::{Capacities, GraphBuckets, MetaLayout};
 use meta::HostRow;
-pub use model::GpuModel;
+pub use model::{GpuModel, FUSED_MAX_ROWS, FUSED_TRIAL_ROWS};
 
 /// Whether the CUDA driver library can be loaded and reports at least one device.
 pub fn cuda_present() -> bool {
@@ -188,6 +188,10 @@ pub struct CudaExecutorConfig {
     /// engine's [`crate::scheduler::LocalKvConfig`] demand; sized before the full pool, and
     /// given at most half the memory budget.
     pub local_kv_blocks: Option<u32>,
+    /// Decode steps of up to this many GEMM rows take the fused small-batch path (skinny
+    /// tensor-core GEMMs with norms, residual adds and the gated activation fused; bf16
+    /// only, see [`GpuModel::forward`]); 0 turns it off.
+    pub fused_max_rows: usize,
 }
 
 /// Words of row state (penalty rows' prompt and output tokens, logit_bias pairs) one step can
@@ -372,6 +376,9 @@ impl CudaExecutor {
         let elem = cfg.dtype.size();
         let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
         let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype)?;
+        if model.dtype == Dtype::Bf16 {
+            model.fused_max_rows = cfg.fused_max_rows;
+        }
         let layout = MetaLayout::new(&caps);
         let max_rows = caps.max_seqs;
         let rows_d = DevBuf::new(max_rows * std::mem::size_of::<RowParams>())?;
@@ -666,6 +673,28 @@ impl CudaExecutor {
         }
         // SAFETY: our stream.
         ck(unsafe { dr::stream::synchronize(st) }, "sync after capture")
+    }
+
+    /// Steps of up to `max_rows` GEMM rows take the fused small-batch path (0: never; f32
+    /// models never do). Captured graphs are recaptured so that replays follow; call between
+    /// steps (nothing in flight).
+    pub fn set_fused_max_rows(&mut self, max_rows: usize) -> anyhow::Result<()> {
+        self.model.fused_max_rows = match self.model.dtype {
+            Dtype::Bf16 => max_rows,
+            Dtype::F32 => 0,
+        };
+        if self.graphs.iter().any(|g| !g.is_empty()) {
+            for g in &mut self.graphs {
+                g.clear();
+            }
+            self.capture_graphs()?;
+        }
+        Ok(())
+    }
+
+    /// See [`CudaExecutor::set_fused_max_rows`].
+    pub fn fused_max_rows(&self) -> usize {
+        self.model.fused_max_rows
     }
 
     /// Small-batch GEMMs through our `gemv_bf16` (default) or cuBLAS. Affects eager steps

@@ -6,7 +6,9 @@
 use anyhow::{anyhow, bail, Context};
 use half::bf16;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
-use harrier_kernels::{AttentionInputs, Dtype, Kernels};
+use harrier_kernels::{
+    skinny_supports, AttentionInputs, Dtype, Kernels, SkinnyEpilogue as Epi, SkinnyInputs,
+};
 
 use super::blas::Blas;
 use super::layout::{Capacities, ScratchSizes};
@@ -103,6 +105,43 @@ pub struct GpuModel {
     kv_layers: Vec<(usize, usize, bool)>,
     block_size: usize,
     pub blas: Blas,
+    /// Steps of up to this many GEMM rows take the fused small-batch path (0: never; bf16
+    /// only): see [`GpuModel::forward`].
+    pub fused_max_rows: usize,
+}
+
+/// Default for [`GpuModel::fused_max_rows`] (`--fused-decode-max-rows`).
+pub const FUSED_MAX_ROWS: usize = crate::config::FUSED_DECODE_MAX_ROWS;
+
+/// The row limit the tools compare the fused path at when not told.
+pub const FUSED_TRIAL_ROWS: usize = crate::config::FUSED_TRIAL_ROWS;
+
+/// Steps of at most this many rows norm inside the q|k|v and gate|up GEMMs. Every block of
+/// the launch normalises the whole input again: at 1 row that costs 2.5 us over the plain
+/// skinny GEMM on the 1B's q|k|v, less than a separate `add_rmsnorm` launch; at 8 rows 7.7 us,
+/// more (H100, `check-gemv`; docs/benchmarks.md).
+const NORM_PROLOGUE_MAX_ROWS: usize = 2;
+
+/// How one step runs its projections.
+///
+/// ```text
+///            q|k|v        o            gate|up                down          launches/layer
+/// cuBLAS:    norm, gemm   gemm         norm(+add), gemm, act  gemm          9 (+ attention)
+/// skinny:    norm, sk     sk           norm(+add), sk+act     sk            8
+/// +residual: norm, sk     sk+add       norm, sk+act           sk+add        7
+/// +norm:     norm+sk      sk+add       norm+sk+act            sk+add        5
+/// ```
+/// (`sk`: `skinny_gemm`; `+add`: the residual add in the epilogue; `+act`: the gated
+/// activation in gate|up's epilogue.) Gemma's sandwich norms need norm(delta) before the add,
+/// so its blocks stop at `skinny`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ProjPlan {
+    /// Skinny tensor-core GEMMs instead of cuBLAS / `gemv_bf16` and a separate activation.
+    skinny: bool,
+    /// Residual adds in the o and down epilogues (blocks without sandwich norms).
+    residual: bool,
+    /// RMSNorms in the q|k|v and gate|up prologues (implies `residual`).
+    norm: bool,
 }
 
 fn upload<T: Copy>(host: &[T], stream: sys::CUstream) -> anyhow::Result<DevBuf> {
@@ -288,6 +327,10 @@ impl GpuModel {
             kv_layers: Vec::new(),
             block_size: caps.block_size,
             blas,
+            fused_max_rows: match dtype {
+                Dtype::Bf16 => FUSED_MAX_ROWS,
+                Dtype::F32 => 0,
+            },
         })
     }
 
@@ -319,6 +362,30 @@ impl GpuModel {
         self.block_size = block_size;
         self.kv = Some(DevBuf::new(at).context("allocating the KV cache")?);
         Ok(())
+    }
+
+    /// Whether a step of `rows` GEMM rows takes the fused small-batch path: bf16, at most
+    /// [`GpuModel::fused_max_rows`] rows, every reduction dimension a multiple of 32.
+    pub(crate) fn fused(&self, rows: usize) -> bool {
+        let c = &self.config;
+        self.dtype == Dtype::Bf16
+            && rows <= self.fused_max_rows
+            && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+                .iter()
+                .all(|&k| skinny_supports(rows, k))
+    }
+
+    /// How a step of `rows` GEMM rows runs its projections (see [`ProjPlan`]).
+    fn proj_plan(&self, k: &Kernels, rows: usize) -> ProjPlan {
+        let skinny = self.fused(rows);
+        let residual = skinny && !self.config.architecture.sandwich_norms();
+        ProjPlan {
+            skinny,
+            residual,
+            norm: residual
+                && rows <= NORM_PROLOGUE_MAX_ROWS
+                && k.skinny_norm_supports(rows, self.config.hidden_size),
+        }
     }
 
     pub(crate) fn logits_ptr(&self) -> u64 {
@@ -364,6 +431,24 @@ impl GpuModel {
                 m.n_samples
             );
         }
+        // The fused small-batch path (see ProjPlan), or cuBLAS (or gemv_bf16) with separate
+        // norm, residual and activation kernels.
+        let plan = self.proj_plan(k, gemm_rows);
+        let fused = plan.skinny;
+        let gated = if gelu { Epi::GeluTanhMul } else { Epi::SiluMul };
+        let blas = &self.blas;
+        let proj = |xwy: (u64, u64, u64), n: usize, kk: usize| -> anyhow::Result<()> {
+            // SAFETY: as the launches below (the scratch buffers hold gemm_rows rows).
+            unsafe {
+                match fused {
+                    true => k.skinny_gemm(
+                        stream,
+                        &SkinnyInputs::new(xwy, gemm_rows, n, kk, Epi::Store),
+                    ),
+                    false => blas.gemm(k, stream, xwy, gemm_rows, n, kk, false),
+                }
+            }
+        };
         // SAFETY: (all launches below) buffers are sized for max_tokens rows (checked above) and
         // the metadata addresses come from the slot (caller's contract).
         unsafe {
@@ -382,26 +467,34 @@ impl GpuModel {
             // norm it takes before its add.
             let mut pending: (u64, u64) = (0, 0);
             for (li, w) in self.layers.iter().enumerate() {
-                k.add_rmsnorm(
-                    stream,
-                    s.x.ptr,
-                    pending,
-                    w.input_norm.ptr,
-                    s.h.ptr,
-                    0,
-                    t as u32,
-                    hid as i32,
-                    eps,
-                )?;
-                self.blas.gemm(
-                    k,
-                    stream,
-                    (s.h.ptr, w.qkv.ptr, s.qkv.ptr),
-                    gemm_rows,
-                    qkv_dim,
-                    hid,
-                    false,
-                )?;
+                // Llama-style blocks on the fused path keep the residual in x and never have a
+                // pending delta: the input norm runs inside the q|k|v GEMM or on x alone.
+                if plan.norm {
+                    k.skinny_gemm(
+                        stream,
+                        &SkinnyInputs::new(
+                            (s.x.ptr, w.qkv.ptr, s.qkv.ptr),
+                            gemm_rows,
+                            qkv_dim,
+                            hid,
+                            Epi::Store,
+                        )
+                        .normed(w.input_norm.ptr, eps),
+                    )?;
+                } else {
+                    k.add_rmsnorm(
+                        stream,
+                        s.x.ptr,
+                        pending,
+                        w.input_norm.ptr,
+                        s.h.ptr,
+                        0,
+                        t as u32,
+                        hid as i32,
+                        eps,
+                    )?;
+                    proj((s.h.ptr, w.qkv.ptr, s.qkv.ptr), qkv_dim, hid)?;
+                }
                 let (k_off, v_off, local) = self.kv_layers[li];
                 let (kc, vc) = (kv.at(k_off), kv.at(v_off));
                 let (slots, tables) = match local {
@@ -470,15 +563,57 @@ impl GpuModel {
                         n_att,
                     )?,
                 }
-                self.blas.gemm(
-                    k,
-                    stream,
-                    (s.attn.ptr, w.o.ptr, s.delta.ptr),
-                    gemm_rows,
-                    hid,
-                    nh * hd,
-                    false,
-                )?;
+                if plan.residual {
+                    // x += o(attn); act = act(gate) * up of norm(x).
+                    k.skinny_gemm(
+                        stream,
+                        &SkinnyInputs::new(
+                            (s.attn.ptr, w.o.ptr, s.x.ptr),
+                            gemm_rows,
+                            hid,
+                            nh * hd,
+                            Epi::Residual,
+                        ),
+                    )?;
+                    let gate_up = |x| {
+                        SkinnyInputs::new(
+                            (x, w.gate_up.ptr, s.act.ptr),
+                            gemm_rows,
+                            inter,
+                            hid,
+                            gated,
+                        )
+                    };
+                    if plan.norm {
+                        k.skinny_gemm(stream, &gate_up(s.x.ptr).normed(w.post_norm.ptr, eps))?;
+                    } else {
+                        k.add_rmsnorm(
+                            stream,
+                            s.x.ptr,
+                            (0, 0),
+                            w.post_norm.ptr,
+                            s.h.ptr,
+                            0,
+                            t as u32,
+                            hid as i32,
+                            eps,
+                        )?;
+                        k.skinny_gemm(stream, &gate_up(s.h.ptr))?;
+                    }
+                    // x += down(act).
+                    k.skinny_gemm(
+                        stream,
+                        &SkinnyInputs::new(
+                            (s.act.ptr, w.down.ptr, s.x.ptr),
+                            gemm_rows,
+                            hid,
+                            inter,
+                            Epi::Residual,
+                        ),
+                    )?;
+                    continue;
+                }
+                proj((s.attn.ptr, w.o.ptr, s.delta.ptr), hid, nh * hd)?;
                 // Llama: x += delta, h = norm(x) * post_norm. Gemma: x += norm(delta) *
                 // post_norm, h = norm(x) * pre_ff.
                 let (attn_delta, mlp_norm) = match &w.ff_norms {
@@ -488,31 +623,28 @@ impl GpuModel {
                 k.add_rmsnorm(
                     stream, s.x.ptr, attn_delta, mlp_norm, s.h.ptr, 0, t as u32, hid as i32, eps,
                 )?;
-                self.blas.gemm(
-                    k,
-                    stream,
-                    (s.h.ptr, w.gate_up.ptr, s.gate_up.ptr),
-                    gemm_rows,
-                    2 * inter,
-                    hid,
-                    false,
-                )?;
-                k.gated_act(
-                    stream,
-                    (s.act.ptr, s.gate_up.ptr),
-                    inter as i32,
-                    t as u32,
-                    gelu,
-                )?;
-                self.blas.gemm(
-                    k,
-                    stream,
-                    (s.act.ptr, w.down.ptr, s.delta.ptr),
-                    gemm_rows,
-                    hid,
-                    inter,
-                    false,
-                )?;
+                if fused {
+                    k.skinny_gemm(
+                        stream,
+                        &SkinnyInputs::new(
+                            (s.h.ptr, w.gate_up.ptr, s.act.ptr),
+                            gemm_rows,
+                            inter,
+                            hid,
+                            gated,
+                        ),
+                    )?;
+                } else {
+                    proj((s.h.ptr, w.gate_up.ptr, s.gate_up.ptr), 2 * inter, hid)?;
+                    k.gated_act(
+                        stream,
+                        (s.act.ptr, s.gate_up.ptr),
+                        inter as i32,
+                        t as u32,
+                        gelu,
+                    )?;
+                }
+                proj((s.act.ptr, w.down.ptr, s.delta.ptr), hid, inter)?;
                 pending = (
                     s.delta.ptr,
                     w.ff_norms.as_ref().map_or(0, |(_, post)| post.ptr),
@@ -531,15 +663,16 @@ impl GpuModel {
                     eps,
                 )?;
                 let head = self.lm_head.as_ref().unwrap_or(&self.embed).ptr;
-                self.blas.gemm(
-                    k,
-                    stream,
-                    (s.final_h.ptr, head, s.logits.ptr),
-                    gemm_samples,
-                    c.vocab_size,
-                    hid,
-                    true,
-                )?;
+                let yw = (s.final_h.ptr, head, s.logits.ptr);
+                if fused {
+                    k.skinny_gemm(
+                        stream,
+                        &SkinnyInputs::new(yw, gemm_samples, c.vocab_size, hid, Epi::StoreF32),
+                    )?;
+                } else {
+                    self.blas
+                        .gemm(k, stream, yw, gemm_samples, c.vocab_size, hid, true)?;
+                }
             }
         }
         Ok(())

@@ -19,14 +19,19 @@
 //!   seeded rows identical up to numeric ties; then every row is re-initialised as a resumed
 //!   request (prompt + its outputs recomputed, outputs counted again) and decodes on.
 //! - `bench --model DIR [--batches 1,8,32,128] [--context 512] [--steps 64] [--modes M,..]
-//!   [--json FILE]`:
+//!   [--fused-max-rows N] [--json FILE]`:
 //!   copy bandwidth, bf16 GEMM rate, decode step time (CUDA graphs and eager, each pipelined
 //!   and synchronous, GPU idle gap between steps), graph capture time and memory, prefill
 //!   tokens/s (8 x 2048).
-//! - `check-gemv --model DIR`: our `gemv_bf16` against cuBLAS on the model's projection shapes
-//!   at 1, 2, 4 and 8 rows: output difference and time per call (weight GB/s) side by side.
+//! - `check-gemv --model DIR [--rows 1,2,4,8,16,32,64]`: our `gemv_bf16` (up to 8 rows) and
+//!   `skinny_gemm` against cuBLAS on the model's projection shapes: output difference and
+//!   time per call (weight GB/s) side by side.
 //! - `check-gemm-rows --model DIR [--pad 48]`: whether cuBLAS gives a row the same bits at M
 //!   rows and padded to a graph bucket (a diagnosis of graph-vs-eager differences)
+//! - `check-fused --model DIR [--batches 1,2,3,8,13,16] [--steps 24] [--fused-max-rows N]`:
+//!   the fused small-batch path (skinny GEMMs with the norms, residual adds and activation
+//!   fused) against the unfused one (cuBLAS / gemv_bf16 and separate kernels) on the same prompts, graphs on:
+//!   logits of the first decode step (same inputs) and greedy agreement after it.
 //! - `check-graphs --model DIR`: greedy tokens with CUDA graphs against eager through the
 //!   real engine (see `executor::cuda::graph_check`).
 //!
@@ -90,6 +95,7 @@ impl Driver {
             dtype,
             // The tool drives rows by hand with one block table each: full KV everywhere.
             local_kv_blocks: None,
+            fused_max_rows: harrier_engine::executor::cuda::FUSED_MAX_ROWS,
         };
         let (exec, info) = CudaExecutor::new(dir, &cfg)?;
         eprintln!("{info:?}");
@@ -407,24 +413,33 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         // (graphs, pipelined, our GEMV where blas.rs uses it, split decode attention, grouped
         // attention forced on/off): eager with cuBLAS only (batch 1; larger batches never use
         // the GEMV), eager with the attention unsplit by the per-head and by the grouped kernel.
+        // The last field: the fused small-batch path (graph-async-unfused: the path before
+        // it, side by side; only where the batch would take the fused path).
         let modes = [
-            (true, true, true, true, None),
-            (true, false, true, true, None),
-            (false, true, true, true, None),
-            (false, false, true, true, None),
-            (false, true, false, true, None),
-            (false, true, true, false, Some(false)),
-            (false, true, true, false, Some(true)),
+            (true, true, true, true, None, true),
+            (true, true, true, true, None, false),
+            (true, false, true, true, None, true),
+            (false, true, true, true, None, true),
+            (false, false, true, true, None, true),
+            (false, true, false, true, None, false),
+            (false, true, true, false, Some(false), true),
+            (false, true, true, false, Some(true), true),
         ];
-        for (graphs, pipelined, gemv, split, grouped) in modes {
-            if !gemv && bsz > 1 {
+        let fused_rows: usize = a
+            .get("fused-max-rows")
+            .map(|v| v.parse())
+            .transpose()?
+            .unwrap_or(harrier_engine::executor::cuda::FUSED_TRIAL_ROWS);
+        for (graphs, pipelined, gemv, split, grouped, fused) in modes {
+            if (!gemv && bsz > 1) || (!fused && bsz as usize > fused_rows) {
                 continue;
             }
             let tag = format!(
-                "{}-{}{}{}",
+                "{}-{}{}{}{}",
                 if graphs { "graph" } else { "eager" },
                 if pipelined { "async" } else { "sync" },
                 if gemv { "" } else { "-cublas" },
+                if fused || !gemv { "" } else { "-unfused" },
                 match (split, grouped) {
                     (true, _) => "",
                     (false, Some(true)) => "-grouped-attn",
@@ -433,6 +448,10 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
             );
             if only_modes.as_ref().is_some_and(|m| !m.contains(&tag)) {
                 continue;
+            }
+            let want = if fused && gemv { fused_rows } else { 0 };
+            if d.exec.fused_max_rows() != want {
+                d.exec.set_fused_max_rows(want)?;
             }
             d.exec.use_graphs = graphs;
             d.exec.set_custom_gemv(gemv);
@@ -523,8 +542,9 @@ fn main() -> anyhow::Result<()> {
         "check-graphs" => graph_check::check_graphs(a.get("model").context("--model")?.as_ref()),
         "check-gemv" => check_gemv(&a),
         "check-gemm-rows" => check_gemm_rows(&a),
+        "check-fused" => check_fused(&a),
         _ => bail!(
-            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-gemv|check-gemm-rows ..."
+            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-gemv|check-gemm-rows|check-fused ..."
         ),
     }
 }
@@ -1242,18 +1262,57 @@ fn check_gemm_rows(a: &HashMap<String, String>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `gemv_bf16` vs cuBLAS on the model's GEMM shapes: agreement and speed, one shape at a time.
+/// `gemv_bf16` and `skinny_gemm` vs cuBLAS on the model's GEMM shapes: agreement and speed, one
+/// shape at a time; and the time of the fused launch the engine makes for the shape (norm
+/// prologue, residual or gated epilogue), whose results `check-fused` checks.
 fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    use harrier_kernels::{SkinnyEpilogue, SkinnyInputs, GEMV_MAX_M, SKINNY_MAX_M};
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
     let c = dir.config.clone();
-    let (_ctx, k) = kernels_on_device0()?;
+    let rows_list: Vec<usize> = a
+        .get("rows")
+        .map(|s| s.as_str())
+        .unwrap_or("1,2,4,8,16,32,64")
+        .split(',')
+        .map(|x| x.parse())
+        .collect::<Result<_, _>>()?;
+    let maxm = rows_list
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .min(SKINNY_MAX_M);
+    let (ctx, k) = kernels_on_device0()?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let arch = harrier_kernels::arch_name(major, minor)?;
+    let variants = a
+        .get("variants")
+        .map(|v| {
+            v.split(',')
+                .map(|x| {
+                    let (w, l) = x.split_once('x').context("--variants WARPSxLOADS,..")?;
+                    let kv = harrier_kernels::Kernels::load_with(
+                        arch,
+                        Dtype::Bf16,
+                        w.parse()?,
+                        l.parse()?,
+                    )?;
+                    Ok((x.to_string(), kv))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()
+        })
+        .transpose()?
+        .unwrap_or_default();
+    let mut variant_rows = Vec::new();
     let shapes = gemm_shapes(&c);
     let mut rng = SplitMix64(0x6e3f);
     let mut worst = 0.0f64;
     println!(
-        "| shape | n x k | rows | cuBLAS us | gemv us | cuBLAS GB/s | gemv GB/s | rel. diff |"
+        "| shape | n x k | rows | cuBLAS us | gemv us | skinny us | fused launch us | cuBLAS GB/s | skinny GB/s | gemv rel. diff | skinny rel. diff |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut report = Vec::new();
     // SAFETY: buffers allocated with the sizes used; the stream is synchronised before reads.
     unsafe {
@@ -1266,14 +1325,33 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 (0..len).map(|_| random_bf16(rng).0).collect()
             };
             let w = rand(n * kk, &mut rng);
-            let x = rand(8 * kk, &mut rng);
+            let x = rand(maxm * kk, &mut rng);
+            let nw = rand(kk, &mut rng);
             let dw = dr::malloc_sync(w.len() * 2)?;
             let dx = dr::malloc_sync(x.len() * 2)?;
-            let dy1 = dr::malloc_sync(8 * n * 2)?;
-            let dy2 = dr::malloc_sync(8 * n * 2)?;
+            let dnw = dr::malloc_sync(nw.len() * 2)?;
+            let dy1 = dr::malloc_sync(maxm * n * 4)?;
+            let dy2 = dr::malloc_sync(maxm * n * 4)?;
+            let dy3 = dr::malloc_sync(maxm * n * 4)?;
             dr::memcpy_htod_sync(dw, &w)?;
             dr::memcpy_htod_sync(dx, &x)?;
-            for m in [1usize, 2, 4, 8] {
+            dr::memcpy_htod_sync(dnw, &nw)?;
+            // What the engine launches for this shape (into a scratch output).
+            // (The engine norms inside the GEMM only where the kernel can: up to 8 rows.)
+            let fused_launch = |name: &str, m: usize| {
+                let p = |nn, e| SkinnyInputs::new((dx, dw, dy2), m, nn, kk, e);
+                let norm = |s: SkinnyInputs| match k.skinny_norm_supports(m, kk) {
+                    true => s.normed(dnw, (1e-5, 0.0)),
+                    false => s,
+                };
+                match name {
+                    "qkv" => norm(p(n, SkinnyEpilogue::Store)),
+                    "gate_up" => norm(p(n / 2, SkinnyEpilogue::SiluMul)),
+                    "lm_head" => p(n, SkinnyEpilogue::StoreF32),
+                    _ => p(n, SkinnyEpilogue::Residual),
+                }
+            };
+            for &m in rows_list.iter().filter(|&&m| m <= maxm) {
                 let time = |f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
                     for _ in 0..3 {
                         f()?;
@@ -1287,37 +1365,85 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     dr::event::synchronize(e1)?;
                     Ok(dr::event::elapsed(e0, e1)? as f64 * 1e3 / reps as f64)
                 };
+                let sk = SkinnyInputs::new((dx, dw, dy3), m, n, kk, SkinnyEpilogue::Store);
+                let fused = fused_launch(name, m);
                 let t_blas = time(&|| blas.cublas(dx, dw, dy1, m, n, kk, false))?;
-                let t_gemv = time(&|| k.gemv_bf16(st, dx, dw, dy2, m, n, kk, false))?;
+                let t_fused = time(&|| k.skinny_gemm(st, &fused))?;
+                let t_skinny = time(&|| k.skinny_gemm(st, &sk))?;
+                let read = |d: u64| -> anyhow::Result<Vec<u16>> {
+                    let mut y = vec![0u16; m * n];
+                    dr::memcpy_dtoh_sync(&mut y, d)?;
+                    Ok(y)
+                };
                 dr::stream::synchronize(st)?;
-                let mut y1 = vec![0u16; m * n];
-                let mut y2 = vec![0u16; m * n];
-                dr::memcpy_dtoh_sync(&mut y1, dy1)?;
-                dr::memcpy_dtoh_sync(&mut y2, dy2)?;
-                let (mut num, mut den) = (0.0f64, 0.0f64);
-                for (p, q) in y1.iter().zip(&y2) {
-                    let (p, q) = (
-                        half::bf16::from_bits(*p).to_f64(),
-                        half::bf16::from_bits(*q).to_f64(),
-                    );
-                    num += (p - q) * (p - q);
-                    den += p * p;
-                }
-                let rel = (num / den.max(1e-30)).sqrt();
-                worst = worst.max(if rel.is_nan() { f64::INFINITY } else { rel });
+                let (y1, y3) = (read(dy1)?, read(dy3)?);
+                let rel_of = |y: &[u16]| {
+                    let (mut num, mut den) = (0.0f64, 0.0f64);
+                    for (p, q) in y1.iter().zip(y) {
+                        let (p, q) = (
+                            half::bf16::from_bits(*p).to_f64(),
+                            half::bf16::from_bits(*q).to_f64(),
+                        );
+                        num += (p - q) * (p - q);
+                        den += p * p;
+                    }
+                    let r = (num / den.max(1e-30)).sqrt();
+                    if r.is_nan() {
+                        f64::INFINITY
+                    } else {
+                        r
+                    }
+                };
+                let rel_sk = rel_of(&y3);
+                let (t_gemv, rel_gemv) = if m <= GEMV_MAX_M {
+                    let t = time(&|| k.gemv_bf16(st, dx, dw, dy2, m, n, kk, false))?;
+                    dr::stream::synchronize(st)?;
+                    (t, rel_of(&read(dy2)?))
+                } else {
+                    (f64::NAN, 0.0)
+                };
+                worst = worst.max(rel_sk).max(rel_gemv);
                 let bytes = ((n * kk + m * kk + m * n) * 2) as f64;
                 let gbs = |us: f64| bytes / (us * 1e-6) / 1e9;
                 println!(
-                    "| {name} | {n} x {kk} | {m} | {t_blas:.1} | {t_gemv:.1} | {:.0} | {:.0} | {rel:.1e} |",
+                    "| {name} | {n} x {kk} | {m} | {t_blas:.1} | {t_gemv:.1} | {t_skinny:.1} | {t_fused:.1} | {:.0} | {:.0} | {rel_gemv:.1e} | {rel_sk:.1e} |",
                     gbs(t_blas),
-                    gbs(t_gemv)
+                    gbs(t_skinny)
                 );
                 report.push(
                     serde_json::json!({"shape": name, "n": n, "k": kk, "rows": m,
-                    "cublas_us": t_blas, "gemv_us": t_gemv, "rel_diff": rel}),
+                    "cublas_us": t_blas, "gemv_us": t_gemv, "skinny_us": t_skinny,
+                    "fused_us": t_fused, "gemv_rel_diff": rel_gemv, "skinny_rel_diff": rel_sk}),
                 );
             }
-            for d in [dw, dx, dy1, dy2] {
+            // Other launch shapes of the skinny GEMM (`--variants WARPSxLOADS,..`), the same
+            // shape and buffers, at 1 and 8 rows.
+            for (label, kv) in &variants {
+                for m in [1usize, 8].into_iter().filter(|&m| m <= maxm) {
+                    let sk = SkinnyInputs::new((dx, dw, dy3), m, n, kk, SkinnyEpilogue::Store);
+                    let fused = fused_launch(name, m);
+                    let time = |f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+                        for _ in 0..3 {
+                            f()?;
+                        }
+                        dr::event::record(e0, st)?;
+                        for _ in 0..50 {
+                            f()?;
+                        }
+                        dr::event::record(e1, st)?;
+                        dr::event::synchronize(e1)?;
+                        Ok(dr::event::elapsed(e0, e1)? as f64 * 1e3 / 50.0)
+                    };
+                    let t_sk = time(&|| kv.skinny_gemm(st, &sk))?;
+                    let t_f = time(&|| kv.skinny_gemm(st, &fused))?;
+                    variant_rows.push(format!("| {label} | {name} | {m} | {t_sk:.1} | {t_f:.1} |"));
+                    report.push(
+                        serde_json::json!({"variant": label, "shape": name, "rows": m,
+                        "skinny_us": t_sk, "fused_us": t_f}),
+                    );
+                }
+            }
+            for d in [dw, dx, dnw, dy1, dy2, dy3] {
                 dr::free_sync(d)?;
             }
         }
@@ -1327,9 +1453,134 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
     if let Some(p) = a.get("json") {
         std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
     }
+    if !variant_rows.is_empty() {
+        println!(
+            "\n| skinny variant (warps x loads) | shape | rows | skinny us | fused launch us |"
+        );
+        println!("|---|---|---|---|---|");
+        for r in &variant_rows {
+            println!("{r}");
+        }
+    }
     println!("worst relative difference: {worst:.1e} (bf16 output rounding ~4e-3)");
     if worst > 1e-2 {
-        bail!("gemv_bf16 disagrees with cuBLAS: {worst:.1e}");
+        bail!("gemv_bf16 or skinny_gemm disagrees with cuBLAS: {worst:.1e}");
+    }
+    Ok(())
+}
+
+/// The fused small-batch path against the unfused one (see the module doc).
+fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
+    let batches: Vec<usize> = a
+        .get("batches")
+        .map(|s| s.as_str())
+        .unwrap_or("1,2,3,8,13,16")
+        .split(',')
+        .map(|x| x.parse())
+        .collect::<Result<_, _>>()?;
+    let steps: usize = a.get("steps").map(|s| s.parse()).transpose()?.unwrap_or(24);
+    let fused_rows: usize = a
+        .get("fused-max-rows")
+        .map(|v| v.parse())
+        .transpose()?
+        .unwrap_or(harrier_engine::executor::cuda::FUSED_TRIAL_ROWS);
+    let maxb = *batches.iter().max().unwrap_or(&1);
+    let prompt_len = 40u32;
+    let mut d = Driver::new(
+        &dir,
+        maxb as u32,
+        (maxb as u32 * prompt_len).max(64),
+        prompt_len + steps as u32 + 16,
+        None,
+        &graph_sizes(a, maxb),
+        Dtype::Bf16,
+    )?;
+    let vocab = dir.config.vocab_size;
+    let greedy = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(steps as u32 + 1)
+    };
+    let mut rng = SplitMix64(0xf05e);
+    let mut worst = 0.0f64;
+    println!("| batch | first decode step: max rel. logit diff | same argmax | greedy tokens equal until divergence (of {steps} steps x rows) |");
+    println!("|---|---|---|---|");
+    for &bsz in &batches {
+        let prompts: Vec<Vec<u32>> = (0..bsz)
+            .map(|_| {
+                (0..prompt_len)
+                    .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                    .collect()
+            })
+            .collect();
+        // Per mode: tokens [step][row], and the logits of the first decode step [row].
+        type Run = (Vec<Vec<u32>>, Vec<Vec<f32>>);
+        let mut runs: Vec<Run> = Vec::new();
+        for fused in [0, fused_rows] {
+            d.exec.set_fused_max_rows(fused)?;
+            let mut out = StepOutput::default();
+            let b = d.prefill(&prompts, &greedy);
+            d.step_sync(&b, 0, &mut out)?;
+            let mut toks = vec![out.tokens.clone()];
+            let mut first = Vec::new();
+            for step in 0..steps {
+                let b = d.decode();
+                d.step_sync(&b, (step % 2) as u8, &mut out)?;
+                toks.push(out.tokens.clone());
+                if step == 0 {
+                    for r in 0..bsz {
+                        first.push(d.exec.logits_row(r)?);
+                    }
+                }
+            }
+            runs.push((toks, first));
+        }
+        let (ref_t, ref_l) = &runs[0];
+        let (fus_t, fus_l) = &runs[1];
+        let mut rel = 0.0f64;
+        let mut same_argmax = 0;
+        for (x, y) in ref_l.iter().zip(fus_l) {
+            let (mut num, mut den) = (0.0f64, 0.0f64);
+            for (p, q) in x.iter().zip(y) {
+                num += ((p - q) as f64).powi(2);
+                den += (*p as f64).powi(2);
+            }
+            let r = (num / den.max(1e-30)).sqrt();
+            rel = rel.max(if r.is_nan() { f64::INFINITY } else { r });
+            let am = |v: &[f32]| {
+                v.iter()
+                    .enumerate()
+                    .fold(
+                        (0, f32::NEG_INFINITY),
+                        |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+                    )
+                    .0
+            };
+            same_argmax += (am(x) == am(y)) as usize;
+        }
+        // Tokens per row equal up to the first divergence (later steps see other inputs).
+        let mut agree = 0;
+        for r in 0..bsz {
+            for st in 0..=steps {
+                if ref_t[st][r] != fus_t[st][r] {
+                    break;
+                }
+                agree += 1;
+            }
+        }
+        worst = worst.max(rel);
+        println!(
+            "| {bsz} | {rel:.1e} | {same_argmax}/{bsz} | {agree}/{} |",
+            bsz * (steps + 1)
+        );
+    }
+    d.exec
+        .set_fused_max_rows(harrier_engine::executor::cuda::FUSED_MAX_ROWS)?;
+    println!(
+        "worst relative logit difference: {worst:.1e} (bf16 rounding of every projection: ~1e-2)"
+    );
+    if worst > 3e-2 {
+        bail!("the fused path disagrees with the unfused one: {worst:.1e}");
     }
     Ok(())
 }

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The fused small-batch decode path (issue 16) on the GPU machine, in one device call:
+#   gemv:    check-gemv on the llama-3.2-1b shapes (and GEMV_MODELS): cuBLAS, gemv_bf16 and
+#            skinny_gemm side by side at 1-64 rows, and the fused launch the engine makes;
+#   fused:   check-fused (fused path vs unfused, same prompts, graphs on) on FUSED_MODELS;
+#   graphs:  check-graphs on llama-3.2-1b (graphs == eager through the scheduler);
+#   parity:  bf16 CUDA vs transformers bf16 on llama-3.2-1b (8 prompts in one batch: its
+#            decode steps take the fused path), --rel-bar 2e-2;
+#   profile: per-kernel GPU time (ncu) of batch-1 decode steps, fused and unfused;
+#   bench:   harrier-cuda-tool bench, graph-async with and without the fused path side by side,
+#            on BENCH_MODELS at BATCHES, context 512.
+# Build and carry .gpu/ as for cuda_check.sh. STAGES (default: gemv fused graphs); FUSED_ROWS
+# (default 8) is the fused path's row limit for check-fused and bench (both paths side by side).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-/tmp/harrier-latency-out}"
+W=/tmp/harrier-latency-work
+STAGES="${STAGES:-gemv fused graphs}"
+BATCHES="${BATCHES:-1,4,8,16,64}"
+. scripts/gpu/common.sh
+
+for st in $STAGES; do
+    echo "== $st"
+    case "$st" in
+    gemv)
+        for m in ${GEMV_MODELS:-llama-3.2-1b}; do
+            gen "$m"
+            timeout 200 "$T" check-gemv --model "$W/$m" --rows ${GEMV_ROWS:-1,8,16} ${VARIANTS:+--variants $VARIANTS} --json "$OUT/gemv_$m.json" 2>&1 | tee -a "$OUT/gemv.txt" | grep -v "^|---"
+        done
+        ;;
+    fused)
+        for m in ${FUSED_MODELS:-llama-3.2-1b gemma-3-1b qwen3-0.6b}; do
+            gen "$m"
+            echo "-- $m"
+            timeout 200 "$T" check-fused --model "$W/$m" --batches "${FUSED_BATCHES:-1,2,3,8,13,16}" --fused-max-rows "${FUSED_ROWS:-8}" 2>&1 | grep -E "^\||worst|Error" | tee -a "$OUT/fused.txt"
+        done
+        ;;
+    graphs)
+        gen llama-3.2-1b
+        timeout 300 "$T" check-graphs --model "$W/llama-3.2-1b" 2>&1 | grep -E "identical|Error|check-graphs" | tee "$OUT/graphs.txt"
+        ;;
+    parity)
+        gen llama-3.2-1b
+        timeout 300 python3 scripts/gpu/cuda_parity.py --tool "$T" --model "$W/llama-3.2-1b" --rel-bar 2e-2 \
+            --work "$W/p16-1b" --json "$OUT/parity_llama-3.2-1b.json" 2>>"$OUT/parity.log" | cut -c1-700
+        ;;
+    bench)
+        for m in ${BENCH_MODELS:-llama-3.2-1b}; do
+            gen "$m"
+            timeout 400 "$T" bench --model "$W/$m" --batches "$BATCHES" --context 512 --steps 64 \
+                --modes graph-async,graph-async-unfused --prefill-seqs 1 --prefill-len 16 \
+                --fused-max-rows "${FUSED_ROWS:-8}" \
+                --json "$OUT/bench_$m.json" 2>&1 | grep -E "^decode|Error" | tee -a "$OUT/bench.log"
+        done
+        ;;
+    profile)
+        # Per-kernel GPU time (ncu) of graph-replayed decode steps at PROFILE_BATCHES (default
+        # 1), fused and unfused: 8 decode steps each (4 warm-up + 4); the bench's bandwidth
+        # and GEMM probes and its prefills appear under their own kernel names.
+        gen llama-3.2-1b
+        for b in ${PROFILE_BATCHES:-1}; do
+            for mode in graph-async graph-async-unfused; do
+                timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+                    "$T" bench --model "$W/llama-3.2-1b" --batches $b --context 512 --steps 4 --modes $mode \
+                    --fused-max-rows "${FUSED_ROWS:-8}" --prefill-seqs 1 --prefill-len 16 >"$OUT/ncu_${b}_$mode.csv" 2>/dev/null
+                python3 scripts/gpu/ncu_summary.py "$OUT/ncu_${b}_$mode.csv" 8 "batch $b $mode" | tee -a "$OUT/profile.txt"
+            done
+        done
+        ;;
+    esac
+done
+ls -l "$OUT"
