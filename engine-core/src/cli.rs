@@ -90,6 +90,13 @@ pub struct EngineCoreArgs {
     /// default is 0 until the path has been checked on a device (docs/cuda.md).
     #[arg(long, default_value_t = crate::config::FUSED_DECODE_MAX_ROWS)]
     pub fused_decode_max_rows: usize,
+    /// Weight quantization at load. `fp8`: the layers' projections and the output head as
+    /// e4m3 with one scale per output channel, activations in bf16 (CUDA, bf16 only;
+    /// docs/fp8.md). On the CPU backend the weights are rounded to those FP8 values and kept
+    /// in f32: an accuracy model of the CUDA path, not a speedup. Checkpoints that are FP8
+    /// already (a `quantization_config` of compressed-tensors, fbgemm_fp8 or fp8) need no flag.
+    #[arg(long, value_enum)]
+    pub quantization: Option<Quantization>,
     /// CUDA backend: storage type of weights, activations and KV cache. `auto` is bfloat16
     /// (the serving type); float32 is exact fp32 (twice the memory; for accuracy checks).
     /// The CPU backend always computes in fp32.
@@ -169,6 +176,12 @@ impl EngineCoreArgs {
             }
         }
     }
+}
+
+/// `--quantization` values (vLLM's spelling).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Quantization {
+    Fp8,
 }
 
 /// `--dtype` values (vLLM's spelling).
@@ -434,7 +447,16 @@ pub fn build_cpu_engine(
     let mc = &dir.config;
     let spec = args.spec_choice()?;
     let started = std::time::Instant::now();
-    let model = CpuModel::load(&dir)
+    let opts = crate::model::LoadOptions {
+        round_fp8: args.quantization == Some(Quantization::Fp8),
+    };
+    if opts.round_fp8 {
+        tracing::warn!(
+            "--quantization fp8 on the CPU backend: weights are rounded to their FP8 values and \
+             computed in f32 (an accuracy model of the CUDA path; no memory or speed gain)"
+        );
+    }
+    let model = CpuModel::load_with(&dir, opts)
         .with_context(|| format!("loading weights from {}", model_dir.display()))?;
     let target_bpb = KvCache::bytes_per_block(mc, args.block_size as usize) as u64;
     let (proposer, draft_bpb, k) = match &spec {
@@ -556,6 +578,12 @@ pub fn build_cuda_engine(
             "speculative decoding runs on the CPU backend only so far (the CUDA backend's \
              proposers and verification are not built yet); use --device cpu or drop the \
              --speculative-* options"
+        );
+    }
+    if args.quantization.is_some() || mc.fp8.is_some() {
+        bail!(
+            "FP8 weights (--quantization fp8 or an FP8 checkpoint) run on the CPU backend only \
+             so far; use --device cpu"
         );
     }
     let started = std::time::Instant::now();

@@ -30,6 +30,7 @@ pub mod kv;
 pub mod model;
 pub mod pipeline;
 pub mod progress;
+pub mod quantize;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

@@ -244,6 +244,7 @@ fn dims(
         hidden_act: Activation::Silu,
         query_pre_attn_scalar: None,
         sliding: None,
+        fp8: None,
     }
 }
 

@@ -22,6 +22,7 @@
 
 use std::path::{Path, PathBuf};
 
+use super::fp8::Fp8Checkpoint;
 use serde_json::{Map, Value};
 
 /// Everything that can go wrong opening or loading a model directory.
@@ -71,7 +72,11 @@ pub enum ModelError {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
-    #[error("{}: tensor `{name}` has dtype {dtype}, expected BF16, F16 or F32", file.display())]
+    #[error(
+        "{}: tensor `{name}` has dtype {dtype}, expected BF16, F16 or F32 (or F8_E4M3 for the \
+         projections of an FP8 checkpoint)",
+        file.display()
+    )]
     Dtype {
         name: String,
         file: PathBuf,
@@ -250,6 +255,8 @@ pub struct ModelConfig {
     pub query_pre_attn_scalar: Option<f32>,
     /// `None`: every layer attends to the whole context.
     pub sliding: Option<SlidingWindow>,
+    /// An FP8 checkpoint's `quantization_config` (its weights are read with their scales).
+    pub fp8: Option<Fp8Checkpoint>,
 }
 
 impl ModelConfig {
@@ -731,6 +738,7 @@ fn parse_config(map: &Map<String, Value>, path: &Path) -> Result<ModelConfig, Mo
         hidden_act,
         query_pre_attn_scalar,
         sliding,
+        fp8: Fp8Checkpoint::parse(f.get("quantization_config"), path)?,
     };
     config.validate(path)?;
     Ok(config)

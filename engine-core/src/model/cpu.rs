@@ -101,7 +101,8 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 
 pub struct CpuModel {
     config: ModelConfig,
-    /// `[vocab, hidden]`; `None` when tied: rows then come from `lm_head`.
+    /// `[vocab, hidden]`; `None` when tied (and not rounded to FP8): rows then come from
+    /// `lm_head`.
     embed: Option<Vec<f32>>,
     layers: Vec<LayerWeights>,
     final_norm: Vec<f32>,
@@ -114,15 +115,37 @@ pub struct CpuModel {
     scratch: Scratch,
 }
 
+/// How [`CpuModel::load_with`] treats the checkpoint's weights.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Round the projections and the output head to per-channel FP8 values (`--quantization
+    /// fp8`): what the CUDA backend's FP8 weights hold, computed in f32. An accuracy model,
+    /// not a speedup; the embeddings stay as stored.
+    pub round_fp8: bool,
+}
+
 impl CpuModel {
-    /// Maps the checkpoint, checks every tensor, converts to f32, fuses q|k|v and gate|up, and
-    /// packs the projections for `linear`.
+    /// Maps the checkpoint, checks every tensor, converts to f32 (FP8 checkpoints:
+    /// dequantizes), fuses q|k|v and gate|up, and packs the projections for `linear`.
     pub fn load(dir: &ModelDir) -> Result<CpuModel, ModelError> {
+        Self::load_with(dir, LoadOptions::default())
+    }
+
+    /// [`CpuModel::load`] with `opts`.
+    pub fn load_with(dir: &ModelDir, opts: LoadOptions) -> Result<CpuModel, ModelError> {
         let config = dir.config.clone();
         let ckpt = Checkpoint::open(&dir.path)?;
         ckpt.check(&config)?;
+        let fp8 = config.fp8.as_ref();
         let get = |name: &str, shape: Vec<usize>| -> Result<Vec<f32>, ModelError> {
-            Ok(ckpt.get(name, &shape)?.to_f32())
+            Ok(ckpt.weight(name, &shape, fp8)?.to_f32())
+        };
+        // A projection's [out, in] rows, rounded to FP8 when asked.
+        let round = |mut w: Vec<f32>, cols: usize| {
+            if opts.round_fp8 {
+                super::fp8::round_rows(&mut w, cols);
+            }
+            w
         };
         // Norm weights with Gemma's `1 + w` folded in (f32, as transformers computes it).
         let offset = config.architecture.norm_weight_offset();
@@ -137,15 +160,16 @@ impl CpuModel {
             let mut out = vec![0.0; rows * config.hidden_size];
             let mut at = 0;
             for &t in parts {
-                let r = ckpt.get(&t.name(layer), &t.shape(&config))?;
+                let r = ckpt.weight(&t.name(layer), &t.shape(&config), fp8)?;
                 r.write_f32(&mut out[at..at + r.numel()]);
                 at += r.numel();
             }
+            let out = round(out, config.hidden_size);
             Ok(PackedWeight::from_rows(&out, rows, config.hidden_size))
         };
         let packed = |layer: usize, t: LayerTensor| -> Result<PackedWeight, ModelError> {
             let shape = t.shape(&config);
-            let w = get(&t.name(layer), shape.clone())?;
+            let w = round(get(&t.name(layer), shape.clone())?, shape[1]);
             Ok(PackedWeight::from_rows(&w, shape[0], shape[1]))
         };
         let mut layers = Vec::with_capacity(config.num_layers);
@@ -184,11 +208,16 @@ impl CpuModel {
         progress.finish();
         let (v, h) = (config.vocab_size, config.hidden_size);
         let embed = get(EMBED, vec![v, h])?;
-        let (embed, lm_head) = match config.tie_word_embeddings {
-            true => (None, PackedWeight::from_rows(&embed, v, h)),
-            false => (
+        let (embed, lm_head) = match (config.tie_word_embeddings, opts.round_fp8) {
+            (true, false) => (None, PackedWeight::from_rows(&embed, v, h)),
+            // A rounded output head keeps the embedding rows as stored beside it.
+            (true, true) => {
+                let head = round(embed.clone(), h);
+                (Some(embed), PackedWeight::from_rows(&head, v, h))
+            }
+            (false, _) => (
                 Some(embed),
-                PackedWeight::from_rows(&get(LM_HEAD, vec![v, h])?, v, h),
+                PackedWeight::from_rows(&round(get(LM_HEAD, vec![v, h])?, h), v, h),
             ),
         };
         Ok(CpuModel {

@@ -14,13 +14,14 @@
 //!
 //! Module map: `config` (the JSON files, [`ModelDir`]) -> `weights` (safetensors; the expected
 //! tensor names and shapes, also used by the generator) -> `cpu` (the forward pass) over
-//! `linear` (gemm-backed products over packed weights), `ops` (norms, activations), `rope`,
+//! `linear` (gemm-backed products over packed weights), `fp8` (FP8 checkpoints and quantization), `ops` (norms, activations), `rope`,
 //! `attention` (paged, GQA) and `kv_cache`. `reference_tests` checks `cpu` against a plain
 //! f64 reference; `tests/parity.rs` checks it against transformers.
 
 mod attention;
 mod config;
 mod cpu;
+pub mod fp8;
 mod kv_cache;
 mod linear;
 mod ops;
@@ -36,10 +37,10 @@ pub use config::{
     Activation, Architecture, GenerationConfig, LayerAttention, Llama3Scaling, ModelConfig,
     ModelDir, ModelError, RopeScaling, SlidingWindow, WeightDtype,
 };
-pub use cpu::{CpuModel, SeqChunk};
+pub use cpu::{CpuModel, LoadOptions, SeqChunk};
 pub use kv_cache::KvCache;
 pub(crate) use weights::check_data_offsets;
 pub use weights::{
-    expected_tensors, Checkpoint, LayerTensor, TensorRef, EMBED, FINAL_NORM, INDEX_FILE, LM_HEAD,
-    SINGLE_FILE,
+    expected_tensors, Checkpoint, LayerTensor, TensorRef, WeightRef, EMBED, FINAL_NORM, INDEX_FILE,
+    LM_HEAD, SINGLE_FILE,
 };

@@ -64,6 +64,7 @@ fn case(
         hidden_act: Activation::Silu,
         query_pre_attn_scalar: None,
         sliding: None,
+        fp8: None,
     };
     make_case(config, seed)
 }

@@ -19,6 +19,7 @@ use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 
 use super::config::{Architecture, ModelConfig, ModelError, WeightDtype};
+use super::fp8::{self, Fp8Checkpoint, ScaleLayout};
 
 pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -209,10 +210,59 @@ impl TensorRef<'_> {
     }
 }
 
+/// A weight as its checkpoint stores it.
+#[derive(Debug)]
+pub enum WeightRef<'a> {
+    /// f32, f16 or bf16 values.
+    Float(TensorRef<'a>),
+    /// e4m3 values of a `[n, k]` matrix and their scales (see [`fp8::dequantize`]).
+    Fp8 {
+        q: &'a [u8],
+        scales: Vec<f32>,
+        layout: ScaleLayout,
+        k: usize,
+    },
+}
+
+impl WeightRef<'_> {
+    pub fn numel(&self) -> usize {
+        match self {
+            WeightRef::Float(t) => t.numel(),
+            WeightRef::Fp8 { q, .. } => q.len(),
+        }
+    }
+
+    /// Converts (FP8: dequantizes) into `out`, exactly `numel` long.
+    pub fn write_f32(&self, out: &mut [f32]) {
+        match self {
+            WeightRef::Float(t) => t.write_f32(out),
+            WeightRef::Fp8 {
+                q,
+                scales,
+                layout,
+                k,
+            } => fp8::dequantize(q, scales, *layout, *k, out),
+        }
+    }
+
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut v = vec![0.0; self.numel()];
+        self.write_f32(&mut v);
+        v
+    }
+}
+
 enum Entry {
     Stored {
         file: usize,
         dtype: WeightDtype,
+        shape: Vec<usize>,
+        start: usize,
+        end: usize,
+    },
+    /// An FP8 (e4m3) tensor: read through [`Checkpoint::weight`] with its scale.
+    Fp8 {
+        file: usize,
         shape: Vec<usize>,
         start: usize,
         end: usize,
@@ -279,6 +329,12 @@ impl Checkpoint {
                         start: base + start,
                         end: base + end,
                     },
+                    None if info.dtype == Dtype::F8_E4M3 => Entry::Fp8 {
+                        file: file_idx,
+                        shape: info.shape.clone(),
+                        start: base + start,
+                        end: base + end,
+                    },
                     None => Entry::BadDtype {
                         file: file_idx,
                         dtype: format!("{:?}", info.dtype),
@@ -304,8 +360,76 @@ impl Checkpoint {
         })
     }
 
-    /// The tensor `name`, checked to have exactly `shape`.
+    /// The float tensor `name`, checked to have exactly `shape`.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<TensorRef<'_>, ModelError> {
+        self.lookup(name, Some(shape))
+    }
+
+    /// The weight `name` of `shape` as stored: floats, or (FP8 checkpoints, declared by
+    /// `fp8`) e4m3 values with their scales, whose layout is checked against `shape`.
+    pub fn weight(
+        &self,
+        name: &str,
+        shape: &[usize],
+        fp8: Option<&Fp8Checkpoint>,
+    ) -> Result<WeightRef<'_>, ModelError> {
+        let Some((
+            name,
+            Entry::Fp8 {
+                file,
+                shape: found,
+                start,
+                end,
+            },
+        )) = self.entries.get_key_value(name)
+        else {
+            return self.get(name, shape).map(WeightRef::Float);
+        };
+        let (path, mmap) = &self.files[*file];
+        let bad = |problem: String| ModelError::Safetensors {
+            path: path.clone(),
+            problem,
+        };
+        let Some(fp8) = fp8 else {
+            return Err(bad(format!(
+                "tensor `{name}` is F8_E4M3 but config.json declares no FP8 quantization_config"
+            )));
+        };
+        if found != shape {
+            return Err(ModelError::Shape {
+                name: name.clone(),
+                file: path.clone(),
+                expected: shape.to_vec(),
+                found: found.clone(),
+            });
+        }
+        let &[n, k] = shape else {
+            return Err(bad(format!(
+                "tensor `{name}` is F8_E4M3 but only matrices are stored in FP8"
+            )));
+        };
+        let scale_name = fp8.scale_name(name);
+        let scale = self.lookup(&scale_name, None)?;
+        let layout = fp8.layout((n, k), scale.shape).map_err(|e| {
+            bad(format!(
+                "tensor `{scale_name}` ({} checkpoint): {e}",
+                fp8.method
+            ))
+        })?;
+        let scales = scale.to_f32();
+        if let Some(s) = scales.iter().find(|s| !s.is_finite()) {
+            return Err(bad(format!("tensor `{scale_name}` holds the scale {s}")));
+        }
+        Ok(WeightRef::Fp8 {
+            q: &mmap[*start..*end],
+            scales,
+            layout,
+            k,
+        })
+    }
+
+    /// The float tensor `name`, checked to have `shape` when given.
+    fn lookup(&self, name: &str, shape: Option<&[usize]>) -> Result<TensorRef<'_>, ModelError> {
         let entry = self
             .entries
             .get_key_value(name)
@@ -320,6 +444,11 @@ impl Checkpoint {
                 file: self.files[*file].0.clone(),
                 dtype: dtype.clone(),
             }),
+            Entry::Fp8 { file, .. } => Err(ModelError::Dtype {
+                name: name.clone(),
+                file: self.files[*file].0.clone(),
+                dtype: "F8_E4M3".into(),
+            }),
             Entry::NotInShard { file } => Err(ModelError::MissingTensor {
                 name: name.clone(),
                 file: self.files[*file].0.clone(),
@@ -332,11 +461,11 @@ impl Checkpoint {
                 end,
             } => {
                 let (path, mmap) = &self.files[*file];
-                if found != shape {
+                if shape.is_some_and(|shape| found != shape) {
                     return Err(ModelError::Shape {
                         name: name.clone(),
                         file: path.clone(),
-                        expected: shape.to_vec(),
+                        expected: shape.unwrap_or_default().to_vec(),
                         found: found.clone(),
                     });
                 }
@@ -355,7 +484,7 @@ impl Checkpoint {
     /// first that is not (a config claiming a trillion layers fails at the first missing one).
     pub fn check(&self, config: &ModelConfig) -> Result<(), ModelError> {
         for (name, shape) in expected_tensor_iter(config) {
-            self.get(&name, &shape)?;
+            self.weight(&name, &shape, config.fp8.as_ref())?;
         }
         Ok(())
     }

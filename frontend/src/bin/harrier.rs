@@ -24,6 +24,8 @@ enum Command {
     Bench(BenchCommand),
     /// Write a Hugging Face model directory with deterministic random weights.
     GenModel(harrier_engine::gen_model::GenModelArgs),
+    /// Write an FP8 copy of a model directory (compressed-tensors format, per-channel scales).
+    Quantize(harrier_engine::quantize::QuantizeArgs),
     /// Write the embedded default model (`harrier-cpu`) under $HARRIER_HOME/models unless it is
     /// there already, and print its directory (container images run this at build time).
     DefaultModel,
@@ -58,6 +60,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Soak(args)) => harrier_frontend::bench::soak::run_soak(args),
         Command::Bench(BenchCommand::Engine(args)) => harrier_engine::bench::run(&args),
         Command::GenModel(args) => harrier_engine::gen_model::run(&args),
+        Command::Quantize(args) => harrier_engine::quantize::run(&args),
         Command::DefaultModel => {
             harrier_engine::cli::ensure_default_model().map(|dir| println!("{}", dir.display()))
         }

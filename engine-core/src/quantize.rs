@@ -1,0 +1,372 @@
+//! `harrier quantize`: an FP8 copy of a model directory, in the compressed-tensors format
+//! (`quant_method: "compressed-tensors"`, `format: "float-quantized"`, per-channel weights).
+//!
+//! The layers' projections and the output head are quantized exactly as `--quantization fp8`
+//! quantizes them at load ([`crate::model::fp8::quantize_rows`]): `<module>.weight` in
+//! `F8_E4M3` and `<module>.weight_scale` `[N, 1]` in f32. A tied output head is written as its
+//! own `lm_head.weight` (and `tie_word_embeddings` becomes false) so the embedding rows stay
+//! as stored. Every other tensor is copied as stored, and every other file of the directory
+//! (tokenizer, generation config, chat template) is copied unchanged.
+//!
+//! The whole output is built in memory before it is written (one file): fine for the models
+//! the tests and the device scripts quantize; an 8B model needs about 9 GB of RAM.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::json;
+
+use crate::model::fp8::quantize_rows;
+use crate::model::{
+    expected_tensors, Checkpoint, LayerTensor, ModelDir, WeightDtype, EMBED, INDEX_FILE, LM_HEAD,
+    SINGLE_FILE,
+};
+
+#[derive(Debug, clap::Args)]
+pub struct QuantizeArgs {
+    /// The model directory to quantize (bf16, f16 or f32 weights).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Where to write the FP8 copy (created; must not exist or be empty).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn run(args: &QuantizeArgs) -> anyhow::Result<()> {
+    let n = quantize_dir(&args.model, &args.out)?;
+    println!(
+        "wrote {} ({n} weight matrices in FP8, per-channel scales)",
+        args.out.display()
+    );
+    Ok(())
+}
+
+/// The `quantization_config` this writer puts in `config.json`.
+pub fn compressed_tensors_config() -> serde_json::Value {
+    json!({
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                        "symmetric": true, "dynamic": false, "observer": "minmax"},
+            "input_activations": null,
+            "output_activations": null
+        }},
+        "ignore": []
+    })
+}
+
+/// Writes the FP8 copy of `src` to `out`; returns how many matrices were quantized.
+pub fn quantize_dir(src: &Path, out: &Path) -> anyhow::Result<usize> {
+    let dir = ModelDir::open(src)
+        .with_context(|| format!("opening model directory {}", src.display()))?;
+    let c = &dir.config;
+    if let Some(fp8) = &c.fp8 {
+        bail!(
+            "{} is an FP8 checkpoint already ({})",
+            src.display(),
+            fp8.method
+        );
+    }
+    let ckpt = Checkpoint::open(&dir.path)?;
+    ckpt.check(c)?;
+    if out.exists()
+        && std::fs::read_dir(out)
+            .with_context(|| format!("reading {}", out.display()))?
+            .next()
+            .is_some()
+    {
+        bail!("{} exists and is not empty", out.display());
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+
+    // Every file but the weights and config.json, as it is.
+    for entry in std::fs::read_dir(src).with_context(|| format!("reading {}", src.display()))? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !entry.file_type()?.is_file()
+            || name == "config.json"
+            || name == INDEX_FILE
+            || name.ends_with(".safetensors")
+        {
+            continue;
+        }
+        std::fs::copy(entry.path(), out.join(&*name)).with_context(|| format!("copying {name}"))?;
+    }
+    let config_path = src.join("config.json");
+    let mut config: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(
+        &std::fs::read(&config_path)
+            .with_context(|| format!("reading {}", config_path.display()))?,
+    )
+    .with_context(|| format!("parsing {}", config_path.display()))?;
+    config.insert("quantization_config".into(), compressed_tensors_config());
+    config.insert("tie_word_embeddings".into(), json!(false));
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+
+    // The tensors: (name, dtype, shape, bytes).
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut quantized = 0;
+    let mut push_fp8 = |tensors: &mut Vec<_>, name: &str, w: &[f32], n: usize, k: usize| {
+        let (q, scales) = quantize_rows(w, k);
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let scale_bytes = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        tensors.push((name.to_string(), Dtype::F8_E4M3, vec![n, k], q));
+        tensors.push((
+            format!("{module}.weight_scale"),
+            Dtype::F32,
+            vec![n, 1],
+            scale_bytes,
+        ));
+        quantized += 1;
+    };
+    let projections: Vec<String> = (0..c.num_layers)
+        .flat_map(|l| {
+            LayerTensor::all(c.architecture)
+                .iter()
+                .filter(|t| !t.is_norm())
+                .map(move |t| t.name(l))
+        })
+        .collect();
+    for (name, shape) in expected_tensors(c) {
+        let t = ckpt.get(&name, &shape)?;
+        if projections.contains(&name) || name == LM_HEAD {
+            push_fp8(&mut tensors, &name, &t.to_f32(), shape[0], shape[1]);
+            continue;
+        }
+        let dtype = match t.dtype {
+            WeightDtype::F32 => Dtype::F32,
+            WeightDtype::F16 => Dtype::F16,
+            WeightDtype::Bf16 => Dtype::BF16,
+        };
+        tensors.push((name.clone(), dtype, shape.clone(), t.bytes.to_vec()));
+        if name == EMBED && c.tie_word_embeddings {
+            push_fp8(&mut tensors, LM_HEAD, &t.to_f32(), shape[0], shape[1]);
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            TensorView::new(*dtype, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .with_context(|| format!("tensor {name}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(views, Some(metadata), &out.join(SINGLE_FILE))
+        .with_context(|| format!("writing {}", out.join(SINGLE_FILE).display()))?;
+    Ok(quantized)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{CpuModel, KvCache, LoadOptions, SeqChunk, WeightRef};
+
+    fn embedded_model() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("models/harrier-cpu")
+    }
+
+    /// Logits of every position of `tokens` (one prefill chunk).
+    fn logits(model: &mut CpuModel, tokens: &[u32]) -> Vec<f32> {
+        let c = model.config().clone();
+        let bs = 16;
+        let blocks = tokens.len().div_ceil(bs);
+        let mut cache = KvCache::new(&c, blocks, bs);
+        let table: Vec<u32> = (0..blocks as u32).collect();
+        let mut out = vec![0.0; tokens.len() * c.vocab_size];
+        model
+            .forward(
+                &[SeqChunk {
+                    tokens,
+                    position: 0,
+                    block_table: &table,
+                    local_block_table: &[],
+                    logit_rows: tokens.len(),
+                }],
+                &mut cache,
+                &mut out,
+            )
+            .unwrap();
+        out
+    }
+
+    fn prompts(vocab: usize) -> Vec<Vec<u32>> {
+        let mut rng = crate::splitmix::SplitMix64(0xf8);
+        (0..6)
+            .map(|_| {
+                (0..48)
+                    .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The FP8 checkpoint holds what `--quantization fp8` computes at load: the CPU model
+    /// loaded from it gives the same logits, bit for bit, as the original loaded with
+    /// `round_fp8`; and its files say what they are.
+    #[test]
+    fn the_fp8_checkpoint_equals_quantizing_at_load() {
+        let out = tempfile::tempdir().unwrap();
+        let q = out.path().join("fp8");
+        let n = quantize_dir(&embedded_model(), &q).unwrap();
+        let src = ModelDir::open(&embedded_model()).unwrap();
+        let c = &src.config;
+        // Seven projections a layer, and the (untied) output head.
+        assert_eq!(n, 7 * c.num_layers + 1);
+        let dq = ModelDir::open(&q).unwrap();
+        assert_eq!(dq.config.fp8.as_ref().unwrap().method, "compressed-tensors");
+        assert!(!dq.config.tie_word_embeddings);
+        assert!(q.join("tokenizer.json").is_file());
+        let ckpt = Checkpoint::open(&q).unwrap();
+        let w = ckpt
+            .weight(
+                &LayerTensor::DownProj.name(0),
+                &LayerTensor::DownProj.shape(c),
+                dq.config.fp8.as_ref(),
+            )
+            .unwrap();
+        assert!(matches!(w, WeightRef::Fp8 { .. }));
+        // The embedding stays bf16, as stored.
+        let e = ckpt.get(EMBED, &[c.vocab_size, c.hidden_size]).unwrap();
+        assert_eq!(e.dtype, WeightDtype::Bf16);
+        // FP8 checkpoint vs rounding at load vs the original.
+        let mut from_ckpt = CpuModel::load(&dq).unwrap();
+        let mut rounded = CpuModel::load_with(&src, LoadOptions { round_fp8: true }).unwrap();
+        let mut original = CpuModel::load(&src).unwrap();
+        for p in prompts(c.vocab_size) {
+            let a = logits(&mut from_ckpt, &p);
+            assert_eq!(a, logits(&mut rounded, &p));
+            assert_ne!(a, logits(&mut original, &p), "FP8 changed nothing");
+        }
+        // Quantizing twice, or into a directory with files in it, is refused.
+        let e = quantize_dir(&q, &out.path().join("again")).unwrap_err();
+        assert!(e.to_string().contains("FP8 checkpoint already"), "{e:#}");
+        let e = quantize_dir(&embedded_model(), &q).unwrap_err();
+        assert!(e.to_string().contains("not empty"), "{e:#}");
+    }
+
+    /// FP8 accuracy on the trained embedded model, teacher-forced on its own greedy text:
+    /// how often the FP8 model's top token is the bf16 model's, and the log-probability error
+    /// of the bf16 model's choice (docs/fp8.md records the numbers).
+    #[test]
+    fn fp8_keeps_the_trained_models_choices() {
+        let src = ModelDir::open(&embedded_model()).unwrap();
+        let v = src.config.vocab_size;
+        let mut original = CpuModel::load(&src).unwrap();
+        let mut fp8 = CpuModel::load_with(&src, LoadOptions { round_fp8: true }).unwrap();
+        let (mut agree, mut total, mut err_sum, mut err_max) = (0, 0, 0.0f64, 0.0f64);
+        for mut p in prompts(v) {
+            p.truncate(8);
+            // The bf16 model's greedy continuation, 40 tokens.
+            for _ in 0..40 {
+                let l = logits(&mut original, &p);
+                p.push(argmax(&l[l.len() - v..]) as u32);
+            }
+            let (a, b) = (logits(&mut original, &p), logits(&mut fp8, &p));
+            for pos in 7..p.len() - 1 {
+                let (ra, rb) = (&a[pos * v..(pos + 1) * v], &b[pos * v..(pos + 1) * v]);
+                let want = argmax(ra);
+                agree += (argmax(rb) == want) as usize;
+                total += 1;
+                let e = (log_softmax_at(ra, want) - log_softmax_at(rb, want)).abs();
+                err_sum += e;
+                err_max = err_max.max(e);
+            }
+        }
+        let rate = agree as f64 / total as f64;
+        eprintln!(
+            "fp8 vs bf16 (harrier-cpu, {total} positions): top-1 agreement {rate:.3}, \
+             |logprob error| mean {:.4} max {err_max:.4}",
+            err_sum / total as f64
+        );
+        assert!(rate >= 0.9, "top-1 agreement {rate}");
+        assert!(err_sum / total as f64 <= 0.05, "mean logprob error");
+    }
+
+    /// Rewrites `dir`'s single safetensors file through `edit` (name, dtype, shape, bytes).
+    fn rewrite(dir: &Path, edit: impl Fn(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>)) {
+        let path = dir.join(SINGLE_FILE);
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut t: Vec<_> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+            .collect();
+        edit(&mut t);
+        let views: Vec<_> = t
+            .iter()
+            .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+    }
+
+    /// A broken FP8 checkpoint names what is wrong: no quantization_config, a missing scale,
+    /// a scale of the wrong shape, a non-finite scale.
+    #[test]
+    fn broken_fp8_checkpoints_name_the_problem() {
+        let out = tempfile::tempdir().unwrap();
+        let q = out.path().join("fp8");
+        quantize_dir(&embedded_model(), &q).unwrap();
+        let good_config = std::fs::read_to_string(q.join("config.json")).unwrap();
+        let good_weights = std::fs::read(q.join(SINGLE_FILE)).unwrap();
+        let scale = "model.layers.1.mlp.up_proj.weight_scale";
+        let load_err = || {
+            let e = ModelDir::open(&q)
+                .map_err(anyhow::Error::from)
+                .and_then(|d| CpuModel::load(&d).map_err(anyhow::Error::from));
+            format!("{:#}", e.err().expect("an error"))
+        };
+        let mut config: serde_json::Value = serde_json::from_str(&good_config).unwrap();
+        config.as_object_mut().unwrap().remove("quantization_config");
+        std::fs::write(q.join("config.json"), config.to_string()).unwrap();
+        let e = load_err();
+        assert!(e.contains("F8_E4M3") && e.contains("no FP8 quantization_config"), "{e}");
+        std::fs::write(q.join("config.json"), &good_config).unwrap();
+
+        rewrite(&q, |t| t.retain(|x| x.0 != scale));
+        let e = load_err();
+        assert!(e.contains(scale) && e.contains("missing"), "{e}");
+
+        std::fs::write(q.join(SINGLE_FILE), &good_weights).unwrap();
+        rewrite(&q, |t| {
+            let s = t.iter_mut().find(|x| x.0 == scale).unwrap();
+            s.2 = vec![s.2[0] / 2, 2];
+        });
+        let e = load_err();
+        assert!(e.contains(scale) && e.contains("[384, 2]"), "{e}");
+
+        std::fs::write(q.join(SINGLE_FILE), &good_weights).unwrap();
+        rewrite(&q, |t| {
+            let s = t.iter_mut().find(|x| x.0 == scale).unwrap();
+            s.3[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        });
+        let e = load_err();
+        assert!(e.contains(scale) && e.contains("NaN"), "{e}");
+    }
+
+    fn argmax(v: &[f32]) -> usize {
+        v.iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+            )
+            .0
+    }
+
+    fn log_softmax_at(v: &[f32], i: usize) -> f64 {
+        let m = v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let s: f64 = v.iter().map(|&x| (x as f64 - m).exp()).sum();
+        v[i] as f64 - m - s.ln()
+    }
+}
