@@ -580,12 +580,6 @@ pub fn build_cuda_engine(
              --speculative-* options"
         );
     }
-    if args.quantization.is_some() || mc.fp8.is_some() {
-        bail!(
-            "FP8 weights (--quantization fp8 or an FP8 checkpoint) run on the CPU backend only \
-             so far; use --device cpu"
-        );
-    }
     let started = std::time::Instant::now();
     let max_model_len = model_len_limit(args, mc)?;
     let window = hybrid_window(args, mc, false);
@@ -606,6 +600,7 @@ pub fn build_cuda_engine(
             },
             local_kv_blocks: window.map(|w| local_pool_demand(args, w, max_model_len)),
             fused_max_rows: args.fused_decode_max_rows,
+            fp8: args.quantization == Some(Quantization::Fp8),
         },
     )
     .with_context(|| format!("starting the CUDA backend for {}", model_dir.display()))?;

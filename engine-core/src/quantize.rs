@@ -327,10 +327,16 @@ mod tests {
             format!("{:#}", e.err().expect("an error"))
         };
         let mut config: serde_json::Value = serde_json::from_str(&good_config).unwrap();
-        config.as_object_mut().unwrap().remove("quantization_config");
+        config
+            .as_object_mut()
+            .unwrap()
+            .remove("quantization_config");
         std::fs::write(q.join("config.json"), config.to_string()).unwrap();
         let e = load_err();
-        assert!(e.contains("F8_E4M3") && e.contains("no FP8 quantization_config"), "{e}");
+        assert!(
+            e.contains("F8_E4M3") && e.contains("no FP8 quantization_config"),
+            "{e}"
+        );
         std::fs::write(q.join("config.json"), &good_config).unwrap();
 
         rewrite(&q, |t| t.retain(|x| x.0 != scale));

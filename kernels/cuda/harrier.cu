@@ -1262,7 +1262,9 @@ extern "C" __global__ void gemv_bf16(const bf16* x, const bf16* w, void* y, int 
 // SK_RESID y = bf16(y + bf16(acc)) in place (the residual add of add_rmsnorm); SK_SILU / SK_GELU:
 // each tile is 8 gate rows and the 8 matching up rows (w is [gate; up], N = intermediate size),
 // so one lane holds both: y[m, n] = bf16(bf16(act(bf16(gate))) * bf16(up)) as silu_mul.
-// Needs K % 32 == 0 and 16-byte aligned rows. SK_WARPS and SK_LOADS may be overridden with -D
+// The _f8 instances read e4m3 weights (16 a lane-load, 64-wide chunks, converted exactly to bf16
+// in registers) and multiply each sum by its row's scale before the epilogue.
+// Needs K % 32 == 0 (K % 64 for _f8) and 16-byte aligned rows. SK_WARPS and SK_LOADS may be overridden with -D
 // (harrier-cuda-tool check-gemv --variants compares launch shapes).
 #ifndef SK_WARPS
 #define SK_WARPS 16
@@ -1279,12 +1281,29 @@ extern "C" __global__ void gemv_bf16(const bf16* x, const bf16* w, void* y, int 
 
 struct SkinnyIn {
     const bf16* x;
-    const bf16* w;
+    const void* w;  // bf16, or e4m3 bytes in the _f8 instances
     void* y;
     const bf16* norm_w;
+    const float* scale;  // _f8 instances: one scale per weight row (gated: [gate; up] rows)
     float eps, w_off;
     int M, N, K, epi;
 };
+
+// Eight e4m3 bytes (k, k + 1, ... in v.x then v.y) as eight bf16 of the same values (exact:
+// e4m3's 4-bit exponent and 3-bit mantissa fit bf16). Each byte goes to the high byte of a
+// 16-bit half (prmt); sign kept, exponent and mantissa shifted into bf16's fields, which reads
+// as the value times 2^-120 (subnormals included); one bf16x2 multiply by 2^120 restores it.
+__device__ __forceinline__ u32 e4m3x2_bf16x2(u32 y) {
+    u32 h = (y & 0x80008000u) | ((y >> 4) & 0x07ff07ffu), r;
+    const u32 k = 0x7b807b80u;  // bf16 2^120 in both halves
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(k), "r"(0x80008000u));
+    return r;
+}
+
+__device__ __forceinline__ uint4 e4m3x8_bf16(u32 lo, u32 hi) {
+    return make_uint4(e4m3x2_bf16x2(__byte_perm(lo, 0, 0x1404)), e4m3x2_bf16x2(__byte_perm(lo, 0, 0x3424)),
+                      e4m3x2_bf16x2(__byte_perm(hi, 0, 0x1404)), e4m3x2_bf16x2(__byte_perm(hi, 0, 0x3424)));
+}
 
 __device__ __forceinline__ float sumsq8(uint4 v) {
     u32 a[4] = {v.x, v.y, v.z, v.w};
@@ -1312,7 +1331,7 @@ __device__ __forceinline__ uint4 rms_norm8(uint4 xv, uint4 wv, float inv, float 
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-template <int NT, int R>
+template <int NT, int R, bool F8>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
     __shared__ float red[SK_WARPS / 2][R][NT][32][4];
@@ -1330,10 +1349,12 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         int r0 = n0 + (gated ? 8 * i : 16 * i) + g;
         int r1 = gated ? p.N + r0 : r0 + 8;
         bool v0 = r0 < p.N, v1 = gated ? v0 : r1 < p.N;
-        wa[i] = (const uint4*)(p.w + (size_t)(v0 ? r0 : 0) * p.K) + t;
-        wb[i] = (const uint4*)(p.w + (size_t)(v1 ? r1 : 0) * p.K) + t;
+        // A lane's 16 bytes of a chunk: 8 bf16 (32-wide chunks) or 16 e4m3 (64-wide chunks).
+        const size_t row_bytes = (size_t)p.K * (F8 ? 1 : 2);
+        wa[i] = (const uint4*)((const char*)p.w + (size_t)(v0 ? r0 : 0) * row_bytes) + t;
+        wb[i] = (const uint4*)((const char*)p.w + (size_t)(v1 ? r1 : 0) * row_bytes) + t;
     }
-    const int nchunks = p.K >> 5;
+    const int nchunks = p.K >> (F8 ? 6 : 5);
     const bool norm = p.norm_w != 0;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     uint4 a[R][U], b[R][U];
@@ -1399,20 +1420,36 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         for (int u = 0; u < U; u++) {
             int c = c0 + u * SK_WARPS;
             if (c >= nchunks) break;
-            int k0 = c * 32 + t * 8;
+            // FP8: the 16 loaded bytes are two 8-k halves, each converted and fed like a bf16
+            // chunk (k order t * 16 + 8 h + e; x is read at the same k).
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-                int m = g + 8 * j;
-                uint4 xv = zero;
-                if (m < p.M) {
-                    xv = norm ? xs[(m * p.K + k0) >> 3] : __ldg((const uint4*)(p.x + (size_t)m * p.K + k0));
-                }
+            for (int h = 0; h < (F8 ? 2 : 1); h++) {
+                const int k0 = F8 ? c * 64 + t * 16 + 8 * h : c * 32 + t * 8;
+                uint4 wa_h[R], wb_h[R];
 #pragma unroll
                 for (int i = 0; i < R; i++) {
-                    u32 a1[4] = {a[i][u].x, b[i][u].x, a[i][u].y, b[i][u].y};
-                    u32 a2[4] = {a[i][u].z, b[i][u].z, a[i][u].w, b[i][u].w};
-                    mma_bf16(acc[i][j], a1, xv.x, xv.y);
-                    mma_bf16(acc[i][j], a2, xv.z, xv.w);
+                    if (F8) {
+                        wa_h[i] = h ? e4m3x8_bf16(a[i][u].z, a[i][u].w) : e4m3x8_bf16(a[i][u].x, a[i][u].y);
+                        wb_h[i] = h ? e4m3x8_bf16(b[i][u].z, b[i][u].w) : e4m3x8_bf16(b[i][u].x, b[i][u].y);
+                    } else {
+                        wa_h[i] = a[i][u];
+                        wb_h[i] = b[i][u];
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    int m = g + 8 * j;
+                    uint4 xv = zero;
+                    if (m < p.M) {
+                        xv = norm ? xs[(m * p.K + k0) >> 3] : __ldg((const uint4*)(p.x + (size_t)m * p.K + k0));
+                    }
+#pragma unroll
+                    for (int i = 0; i < R; i++) {
+                        u32 a1[4] = {wa_h[i].x, wb_h[i].x, wa_h[i].y, wb_h[i].y};
+                        u32 a2[4] = {wa_h[i].z, wb_h[i].z, wa_h[i].w, wb_h[i].w};
+                        mma_bf16(acc[i][j], a1, xv.x, xv.y);
+                        mma_bf16(acc[i][j], a2, xv.z, xv.w);
+                    }
                 }
             }
         }
@@ -1452,11 +1489,12 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
             for (int r = 0; r < 4; r++) {
                 const int m = 8 * j + 2 * t + (r & 1);
                 if (m >= p.M || (gated && r >= 2)) continue;
-                const float v = acc[i][j][r];
                 const int n = n0 + (gated ? 8 * i : 16 * i) + g + (!gated && r >= 2 ? 8 : 0);
                 if (n >= p.N) continue;
+                const float v = F8 ? acc[i][j][r] * __ldg(p.scale + n) : acc[i][j][r];
                 const size_t o = (size_t)m * p.N + n;
                 if (gated) {
+                    const float up = F8 ? acc[i][j][r + 2] * __ldg(p.scale + p.N + n) : acc[i][j][r + 2];
                     float gv = rbf(v), act;
                     if (p.epi == SK_GELU) {
                         const float k0 = 0.7978845608028654f, k1 = 0.044715f;
@@ -1464,7 +1502,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
                     } else {
                         act = rbf(gv / (1.0f + expf(-gv)));
                     }
-                    ((bf16*)p.y)[o] = f2bf(act * rbf(acc[i][j][r + 2]));
+                    ((bf16*)p.y)[o] = f2bf(act * rbf(up));
                 } else if (p.epi == SK_STORE_F32) {
                     ((float*)p.y)[o] = v;
                 } else if (p.epi == SK_RESID) {
@@ -1480,11 +1518,38 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
 
 // Instances: 8 * NT input rows (n-tiles NT), R row tiles per block (4 for the big matrices:
 // fewer blocks re-read and re-normalise x).
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8(SkinnyIn p) { skinny_gemm<1, 1>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_16(SkinnyIn p) { skinny_gemm<2, 1>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_32(SkinnyIn p) { skinny_gemm<4, 1>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_64(SkinnyIn p) { skinny_gemm<8, 1>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_r4(SkinnyIn p) { skinny_gemm<1, 4>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_16_r4(SkinnyIn p) { skinny_gemm<2, 4>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_16(SkinnyIn p) { skinny_gemm<2, 1, false>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_32(SkinnyIn p) { skinny_gemm<4, 1, false>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_64(SkinnyIn p) { skinny_gemm<8, 1, false>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_r4(SkinnyIn p) { skinny_gemm<1, 4, false>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_16_r4(SkinnyIn p) { skinny_gemm<2, 4, false>(p); }
+// FP8 weights (e4m3, per-row scales in the epilogue; K % 64 == 0): the same shapes.
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8(SkinnyIn p) { skinny_gemm<1, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_16(SkinnyIn p) { skinny_gemm<2, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_32(SkinnyIn p) { skinny_gemm<4, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_64(SkinnyIn p) { skinny_gemm<8, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8_r4(SkinnyIn p) { skinny_gemm<1, 4, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_16_r4(SkinnyIn p) { skinny_gemm<2, 4, true>(p); }
+
+// FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the
+// copy): w[n, k] = bf16(e4m3(q[n, k]) * scale[n]); 8 weights a thread, k % 8 == 0.
+extern "C" __global__ void dequant_fp8_rows(const unsigned char* q, const float* scale, bf16* w, int k,
+                                            long long groups) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < groups;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long e = i * 8;
+        const float s = __ldg(scale + e / k);
+        const uint2 v = *(const uint2*)(q + e);
+        const uint4 b = e4m3x8_bf16(v.x, v.y);
+        const u32 in[4] = {b.x, b.y, b.z, b.w};
+        u32 out[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            out[j] = pack_bf16(__uint_as_float(in[j] << 16) * s, __uint_as_float(in[j] & 0xffff0000u) * s);
+        }
+        *(uint4*)(w + e) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
+}
 
 #endif  // HARRIER_F32

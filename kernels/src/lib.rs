@@ -45,6 +45,13 @@ pub const KERNELS: &[&str] = &[
     "skinny_gemm_64",
     "skinny_gemm_8_r4",
     "skinny_gemm_16_r4",
+    "skinny_gemm_f8_8",
+    "skinny_gemm_f8_16",
+    "skinny_gemm_f8_32",
+    "skinny_gemm_f8_64",
+    "skinny_gemm_f8_8_r4",
+    "skinny_gemm_f8_16_r4",
+    "dequant_fp8_rows",
 ];
 
 /// Kernels that only exist in the bf16 build.
@@ -57,6 +64,13 @@ const BF16_ONLY: &[&str] = &[
     "skinny_gemm_64",
     "skinny_gemm_8_r4",
     "skinny_gemm_16_r4",
+    "skinny_gemm_f8_8",
+    "skinny_gemm_f8_16",
+    "skinny_gemm_f8_32",
+    "skinny_gemm_f8_64",
+    "skinny_gemm_f8_8_r4",
+    "skinny_gemm_f8_16_r4",
+    "dequant_fp8_rows",
 ];
 
 /// Query tokens per `prefill_attention` tile (`PF_QT` in the source).
@@ -178,6 +192,8 @@ pub struct SkinnyInputs {
     pub w: u64,
     pub y: u64,
     pub norm_w: u64,
+    /// FP8 weights: one f32 scale per weight row (then `w` holds e4m3 bytes); 0 for bf16.
+    pub scale: u64,
     pub eps: f32,
     pub w_off: f32,
     pub m_rows: i32,
@@ -200,6 +216,7 @@ impl SkinnyInputs {
             w,
             y,
             norm_w: 0,
+            scale: 0,
             eps: 0.0,
             w_off: 0.0,
             m_rows: m_rows as i32,
@@ -207,6 +224,12 @@ impl SkinnyInputs {
             k: k as i32,
             epi: epi as i32,
         }
+    }
+
+    /// FP8 weights (`w` is e4m3 bytes) with one f32 scale per weight row at `scale`; 0 keeps
+    /// bf16 weights (so a projection's optional scale buffer passes straight through).
+    pub fn scaled(self, scale: u64) -> SkinnyInputs {
+        SkinnyInputs { scale, ..self }
     }
 
     /// The input RMSNormed first (weights `norm_w`, `(eps, w_off)` as [`Kernels::add_rmsnorm`]).
@@ -229,6 +252,12 @@ const SKINNY_SMEM_FALLBACK: usize = 16 << 10;
 /// Whether `skinny_gemm_*` takes an `m`-row product over `k`.
 pub fn skinny_supports(m: usize, k: usize) -> bool {
     (1..=SKINNY_MAX_M).contains(&m) && k.is_multiple_of(32) && k > 0
+}
+
+/// The reduction widths the FP8 instances (`skinny_gemm_f8_*`, 64-wide chunks) and
+/// `dequant_fp8_rows` take.
+pub fn fp8_supports_k(k: usize) -> bool {
+    k.is_multiple_of(64) && k > 0
 }
 
 /// Warps of a `rope_kv_write` block (one warp per head; heads spread over gridDim.y).
@@ -1020,22 +1049,30 @@ impl Kernels {
     /// the gated epilogues), `m_rows * n` outputs and `k` norm weights, 16-byte aligned.
     pub unsafe fn skinny_gemm(&self, s: sys::CUstream, p: &SkinnyInputs) -> anyhow::Result<()> {
         let (m, k) = (p.m_rows as usize, p.k as usize);
-        if !skinny_supports(m, k) || p.n <= 0 {
+        let f8 = p.scale != 0;
+        if !skinny_supports(m, k) || p.n <= 0 || (f8 && !fp8_supports_k(k)) {
             bail!(
-                "skinny_gemm: {m} rows (1 to {SKINNY_MAX_M}), k {k} (a multiple of 32), n {}",
+                "skinny_gemm: {m} rows (1 to {SKINNY_MAX_M}), k {k} (a multiple of 32; of 64 \
+                 with FP8 weights), n {}",
                 p.n
             );
         }
         let gated = p.epi >= SkinnyEpilogue::SiluMul as i32;
         let tiles = (p.n as usize * if gated { 2 } else { 1 }).div_ceil(SKINNY_ROWS as usize);
         let r4 = tiles >= SKINNY_R4_FROM_TILES && m <= 16;
-        let name = match (m.div_ceil(8), r4) {
-            (1, true) => "skinny_gemm_8_r4",
-            (2, true) => "skinny_gemm_16_r4",
-            (1, _) => "skinny_gemm_8",
-            (2, _) => "skinny_gemm_16",
-            (3 | 4, _) => "skinny_gemm_32",
-            _ => "skinny_gemm_64",
+        let name = match (m.div_ceil(8), r4, f8) {
+            (1, true, false) => "skinny_gemm_8_r4",
+            (2, true, false) => "skinny_gemm_16_r4",
+            (1, _, false) => "skinny_gemm_8",
+            (2, _, false) => "skinny_gemm_16",
+            (3 | 4, _, false) => "skinny_gemm_32",
+            (_, _, false) => "skinny_gemm_64",
+            (1, true, true) => "skinny_gemm_f8_8_r4",
+            (2, true, true) => "skinny_gemm_f8_16_r4",
+            (1, _, true) => "skinny_gemm_f8_8",
+            (2, _, true) => "skinny_gemm_f8_16",
+            (3 | 4, _, true) => "skinny_gemm_f8_32",
+            (_, _, true) => "skinny_gemm_f8_64",
         };
         let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
         let smem = if p.norm_w != 0 {
@@ -1061,6 +1098,43 @@ impl Kernels {
                     &mut a,
                 ),
                 name,
+            )
+        }
+    }
+}
+
+impl Kernels {
+    /// FP8 weights to bf16: `w[r, c] = bf16(e4m3(q[r, c]) * scale[r])` for `rows x k` weights.
+    ///
+    /// # Safety
+    /// `q` must hold `rows * k` bytes, `scale` `rows` f32 and `w` `rows * k` bf16, 16-byte
+    /// aligned.
+    pub unsafe fn dequant_fp8_rows(
+        &self,
+        s: sys::CUstream,
+        (q, scale, w): (u64, u64, u64),
+        rows: usize,
+        k: usize,
+    ) -> anyhow::Result<()> {
+        if !fp8_supports_k(k) || rows == 0 {
+            bail!("dequant_fp8_rows: {rows} rows of k {k} (a multiple of 64)");
+        }
+        let groups = (rows * k / 8) as i64;
+        let k32 = k as i32;
+        let mut a = params![q, scale, w, k32, groups];
+        let blocks = (groups as u64).div_ceil(256).min(132 * 16) as u32;
+        // SAFETY: argument types match the kernel's; the caller vouches for the addresses.
+        unsafe {
+            ck(
+                dr::launch_kernel(
+                    self.func("dequant_fp8_rows"),
+                    (blocks, 1, 1),
+                    (256, 1, 1),
+                    0,
+                    s,
+                    &mut a,
+                ),
+                "dequant_fp8_rows",
             )
         }
     }
@@ -1144,9 +1218,9 @@ mod tests {
             (GEMV_WARPS, GEMV_ROWS)
         );
         assert_eq!(std::mem::size_of::<RowParams>(), 60 + 4 * MASK_CAP);
-        // SkinnyIn: four pointers, two floats, four ints; the epilogue codes and block shape.
+        // SkinnyIn: five pointers, two floats, four ints; the epilogue codes and block shape.
         assert!(SOURCE.contains("struct SkinnyIn {"));
-        assert_eq!(std::mem::size_of::<SkinnyInputs>(), 4 * 8 + 6 * 4);
+        assert_eq!(std::mem::size_of::<SkinnyInputs>(), 5 * 8 + 6 * 4);
         assert_eq!(
             (define("SK_WARPS"), define("SK_ROWS")),
             (SKINNY_WARPS, SKINNY_ROWS)

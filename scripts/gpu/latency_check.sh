@@ -3,19 +3,24 @@
 #   gemv:    check-gemv on the llama-3.2-1b shapes (and GEMV_MODELS): cuBLAS, gemv_bf16 and
 #            skinny_gemm side by side at 1-64 rows, and the fused launch the engine makes;
 #   fused:   check-fused (fused path vs unfused, same prompts, graphs on) on FUSED_MODELS;
-#   graphs:  check-graphs on llama-3.2-1b (graphs == eager through the scheduler);
+#   graphs:  check-graphs on llama-3.2-1b (graphs == eager through the scheduler) with the fused
+#            path on (--fused-max-rows FUSED_ROWS) and with FP8 weights;
+#   fp8:     check-fp8 on llama-3.2-1b (FP8 kernels bit-exact / vs cuBLAS, timed; bf16 vs FP8
+#            model) and on the trained embedded model (engine-core/models/harrier-cpu);
+#   fp8ckpt: harrier quantize llama-3.2-1b, then bench the FP8 checkpoint at batch 1 and 64;
 #   parity:  bf16 CUDA vs transformers bf16 on llama-3.2-1b (8 prompts in one batch: its
 #            decode steps take the fused path), --rel-bar 2e-2;
 #   profile: per-kernel GPU time (ncu) of batch-1 decode steps, fused and unfused;
 #   bench:   harrier-cuda-tool bench, graph-async with and without the fused path side by side,
-#            on BENCH_MODELS at BATCHES, context 512.
-# Build and carry .gpu/ as for cuda_check.sh. STAGES (default: gemv fused graphs); FUSED_ROWS
+#            on BENCH_MODELS at BATCHES, context 512; then the same with FP8 weights
+#            (BENCH_FP8=0 skips them).
+# Build and carry .gpu/ as for cuda_check.sh. STAGES (default: gemv fused graphs fp8); FUSED_ROWS
 # (default 8) is the fused path's row limit for check-fused and bench (both paths side by side).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/harrier-latency-out}"
 W=/tmp/harrier-latency-work
-STAGES="${STAGES:-gemv fused graphs}"
+STAGES="${STAGES:-gemv fused graphs fp8}"
 BATCHES="${BATCHES:-1,4,8,16,64}"
 . scripts/gpu/common.sh
 
@@ -37,7 +42,22 @@ for st in $STAGES; do
         ;;
     graphs)
         gen llama-3.2-1b
-        timeout 300 "$T" check-graphs --model "$W/llama-3.2-1b" 2>&1 | grep -E "identical|Error|check-graphs" | tee "$OUT/graphs.txt"
+        echo "-- fused path (--fused-max-rows ${FUSED_ROWS:-8})" | tee -a "$OUT/graphs.txt"
+        timeout 300 "$T" check-graphs --model "$W/llama-3.2-1b" --fused-max-rows "${FUSED_ROWS:-8}" 2>&1 | grep -E "identical|Error|check-graphs" | tee -a "$OUT/graphs.txt"
+        echo "-- FP8 weights" | tee -a "$OUT/graphs.txt"
+        timeout 300 "$T" check-graphs --model "$W/llama-3.2-1b" --quantization fp8 2>&1 | grep -E "identical|Error|check-graphs" | tee -a "$OUT/graphs.txt"
+        ;;
+    fp8)
+        gen llama-3.2-1b
+        timeout 300 "$T" check-fp8 --model "$W/llama-3.2-1b" --rows "${FP8_ROWS:-1,8,16,64}" --json "$OUT/fp8_llama-3.2-1b.json" 2>&1 | grep -E "^\||worst|Error|bit-exact" | tee -a "$OUT/fp8.txt"
+        echo "-- trained harrier-cpu" | tee -a "$OUT/fp8.txt"
+        timeout 200 "$T" check-fp8 --model engine-core/models/harrier-cpu --rows 1 --batches 1,8 --steps 48 --json "$OUT/fp8_harrier-cpu.json" 2>&1 | grep -E "^\||Error" | tail -4 | tee -a "$OUT/fp8.txt"
+        ;;
+    fp8ckpt)
+        gen llama-3.2-1b
+        [[ -f "$W/llama-3.2-1b-fp8/config.json" ]] || "$H" quantize --model "$W/llama-3.2-1b" --out "$W/llama-3.2-1b-fp8" 2>&1 | tail -1
+        timeout 300 "$T" bench --model "$W/llama-3.2-1b-fp8" --batches 1,64 --context 512 --steps 64 \
+            --modes graph-async --prefill-seqs 1 --prefill-len 16 2>&1 | grep -E "^decode|Error" | tee -a "$OUT/bench.log"
         ;;
     parity)
         gen llama-3.2-1b
@@ -51,6 +71,12 @@ for st in $STAGES; do
                 --modes graph-async,graph-async-unfused --prefill-seqs 1 --prefill-len 16 \
                 --fused-max-rows "${FUSED_ROWS:-8}" \
                 --json "$OUT/bench_$m.json" 2>&1 | grep -E "^decode|Error" | tee -a "$OUT/bench.log"
+            [[ "${BENCH_FP8:-1}" == 1 ]] || continue
+            echo "-- $m FP8" | tee -a "$OUT/bench.log"
+            timeout 400 "$T" bench --model "$W/$m" --batches "$BATCHES" --context 512 --steps 64 \
+                --modes graph-async,graph-async-unfused --prefill-seqs 1 --prefill-len 16 \
+                --fused-max-rows "${FUSED_ROWS:-8}" --quantization fp8 \
+                --json "$OUT/bench_${m}_fp8.json" 2>&1 | grep -E "^decode|Error" | tee -a "$OUT/bench.log"
         done
         ;;
     profile)

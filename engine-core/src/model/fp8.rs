@@ -228,13 +228,17 @@ pub fn channel_scale(row: &[f32]) -> f32 {
 /// Quantizes `w` (`[n, k]`, row-major) per output channel: e4m3 bytes and `n` scales, with
 /// `q = encode(w / scale)`. The CUDA quantizer (`quantize_fp8_rows`) computes the same.
 pub fn quantize_rows(w: &[f32], k: usize) -> (Vec<u8>, Vec<f32>) {
-    let mut q = Vec::with_capacity(w.len());
-    let mut scales = Vec::with_capacity(w.len() / k.max(1));
-    for row in w.chunks_exact(k) {
-        let s = channel_scale(row);
-        scales.push(s);
-        q.extend(row.iter().map(|&v| encode(v / s)));
-    }
+    use rayon::prelude::*;
+    let mut q = vec![0u8; w.len()];
+    let scales = q
+        .par_chunks_mut(k)
+        .zip(w.par_chunks(k))
+        .map(|(q, row)| {
+            let s = channel_scale(row);
+            q.iter_mut().zip(row).for_each(|(q, &v)| *q = encode(v / s));
+            s
+        })
+        .collect();
     (q, scales)
 }
 
@@ -272,6 +276,26 @@ mod tests {
                 let v = decode(b);
                 assert!(v.is_finite(), "{b:#x}");
                 assert_eq!(encode(v), if v == 0.0 { b & 0x80 } else { b }, "{b:#x}");
+            }
+        }
+    }
+
+    /// The CUDA kernels' e4m3 -> bf16 conversion (`e4m3x2_bf16x2` in kernels/cuda/harrier.cu:
+    /// the byte moved to the top of a 16-bit half by `prmt`, sign kept, the rest shifted right
+    /// by 4, then times 2^120), mirrored bit for bit: exact for every finite byte, subnormals
+    /// and both zeros included.
+    #[test]
+    fn the_kernels_bit_conversion_is_exact() {
+        let convert = |byte: u8| -> f32 {
+            let y = (byte as u32) << 8; // __byte_perm(x, 0, 0x1404), low half
+            let h = (y & 0x8000) | ((y >> 4) & 0x07ff);
+            // bf16 bits h read as f32 (subnormals included), times 2^120: exact.
+            f32::from_bits(h << 16) * 2f32.powi(120)
+        };
+        for b in 0..=255u8 {
+            if b & 0x7f != 0x7f {
+                let (want, got) = (decode(b), convert(b));
+                assert_eq!(want.to_bits(), got.to_bits(), "{b:#04x}: {want} vs {got}");
             }
         }
     }

@@ -125,6 +125,23 @@ impl Blas {
         k: usize,
         f32_out: bool,
     ) -> anyhow::Result<()> {
+        // SAFETY: the caller's contract, with y's rows n apart.
+        unsafe { self.cublas_ld((x, w, y), rows, (n, k), f32_out, n) }
+    }
+
+    /// As [`Blas::cublas`] with y's rows `ldc` elements apart (`ldc >= n`): a slice of the
+    /// output features written into its columns of a wider output.
+    ///
+    /// # Safety
+    /// `x` holds `rows x k`, `w` `n x k` and `y` `rows x ldc` elements (f32 for `f32_out`).
+    pub unsafe fn cublas_ld(
+        &self,
+        (x, w, y): (u64, u64, u64),
+        rows: usize,
+        (n, k): (usize, usize),
+        f32_out: bool,
+        ldc: usize,
+    ) -> anyhow::Result<()> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let otype = match self.dtype {
             Dtype::Bf16 => cb::cudaDataType::CUDA_R_16BF,
@@ -155,7 +172,7 @@ impl Blas {
                     &beta as *const f32 as *const c_void,
                     y as *mut c_void,
                     ctype,
-                    n as i32,
+                    ldc as i32,
                     cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     cb::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
                 ),

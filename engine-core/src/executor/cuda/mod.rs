@@ -192,6 +192,9 @@ pub struct CudaExecutorConfig {
     /// tensor-core GEMMs with norms, residual adds and the gated activation fused; bf16
     /// only, see [`GpuModel::forward`]); 0 turns it off.
     pub fused_max_rows: usize,
+    /// Store the projections and the output head in FP8 (`--quantization fp8`; bf16 only).
+    /// FP8 checkpoints are FP8 without it.
+    pub fp8: bool,
 }
 
 /// Words of row state (penalty rows' prompt and output tokens, logit_bias pairs) one step can
@@ -375,7 +378,7 @@ impl CudaExecutor {
         caps.hybrid = cfg.local_kv_blocks.is_some();
         let elem = cfg.dtype.size();
         let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
-        let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype)?;
+        let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype, cfg.fp8)?;
         if model.dtype == Dtype::Bf16 {
             model.fused_max_rows = cfg.fused_max_rows;
         }
@@ -690,6 +693,11 @@ impl CudaExecutor {
             self.capture_graphs()?;
         }
         Ok(())
+    }
+
+    /// Whether the model's projections and output head hold FP8 weights.
+    pub fn fp8(&self) -> bool {
+        self.model.fp8
     }
 
     /// See [`CudaExecutor::set_fused_max_rows`].

@@ -14,20 +14,35 @@ use super::blas::Blas;
 use super::layout::{Capacities, ScratchSizes};
 use super::{ck, DevBuf};
 use crate::model::{
-    Activation, Checkpoint, LayerAttention, LayerTensor, ModelConfig, ModelDir, WeightDtype, EMBED,
-    FINAL_NORM, LM_HEAD,
+    fp8, fp8::ScaleLayout, Activation, Checkpoint, LayerAttention, LayerTensor, ModelConfig,
+    ModelDir, WeightDtype, WeightRef, EMBED, FINAL_NORM, LM_HEAD,
 };
+
+/// A projection's weights `[n, k]`: in the storage type, or (FP8) e4m3 bytes with one f32
+/// scale per row.
+struct Proj {
+    w: DevBuf,
+    scale: Option<DevBuf>,
+}
+
+impl Proj {
+    /// The scale buffer's address, 0 for weights in the storage type (see
+    /// [`SkinnyInputs::scaled`]).
+    fn scale_ptr(&self) -> u64 {
+        self.scale.as_ref().map_or(0, |s| s.ptr)
+    }
+}
 
 struct Layer {
     input_norm: DevBuf,
-    qkv: DevBuf,
+    qkv: Proj,
     qk_norm: Option<(DevBuf, DevBuf)>,
-    o: DevBuf,
+    o: Proj,
     post_norm: DevBuf,
     /// Gemma 3: the MLP's input and output norms (`post_norm` norms the attention output).
     ff_norms: Option<(DevBuf, DevBuf)>,
-    gate_up: DevBuf,
-    down: DevBuf,
+    gate_up: Proj,
+    down: Proj,
     /// Sliding window in keys (0: full attention).
     window: i32,
     /// Sliding layers use `inv_freq_local`.
@@ -45,6 +60,9 @@ struct Scratch {
     logits: DevBuf,
     final_h: DevBuf,
     attn_part: DevBuf,
+    /// FP8 models: a bf16 copy of one projection (or a slice of the output head) for the
+    /// steps the skinny kernels do not take; its size in elements.
+    wdq: Option<(DevBuf, usize)>,
 }
 
 /// One step's device metadata (addresses inside the slot's buffer), the per-row block tables
@@ -88,8 +106,10 @@ pub struct GpuModel {
     pub dtype: Dtype,
     pub weight_bytes: usize,
     embed: DevBuf,
-    /// `None` when tied to the embedding.
-    lm_head: Option<DevBuf>,
+    /// `None` when tied to the embedding (FP8 models always have their own, in FP8).
+    lm_head: Option<Proj>,
+    /// Projections and the output head hold FP8 weights (see [`Proj`]).
+    pub fp8: bool,
     final_norm: DevBuf,
     layers: Vec<Layer>,
     inv_freq: DevBuf,
@@ -115,6 +135,12 @@ pub const FUSED_MAX_ROWS: usize = crate::config::FUSED_DECODE_MAX_ROWS;
 
 /// The row limit the tools compare the fused path at when not told.
 pub const FUSED_TRIAL_ROWS: usize = crate::config::FUSED_TRIAL_ROWS;
+
+/// FP8 models: steps of up to this many GEMM rows run every projection through the FP8 skinny
+/// kernels (the weights read once, in 1 byte each); larger steps dequantize each projection to
+/// a bf16 scratch copy and run cuBLAS (prefill and large batches are compute-bound enough that
+/// the extra pass costs little). The output head picks by the step's sampled rows.
+const FP8_SKINNY_MAX_ROWS: usize = 64;
 
 /// Steps of at most this many rows norm inside the q|k|v and gate|up GEMMs. Every block of
 /// the launch normalises the whole input again: at 1 row that costs 2.5 us over the plain
@@ -207,27 +233,117 @@ impl Staging {
     }
 }
 
+/// Why `c` cannot hold FP8 weights in `dtype`, if it cannot.
+fn check_fp8_model(c: &ModelConfig, dtype: Dtype) -> anyhow::Result<()> {
+    if dtype != Dtype::Bf16 {
+        bail!("FP8 weights compute in bf16: drop --dtype float32");
+    }
+    for (what, k) in [
+        ("hidden_size", c.hidden_size),
+        ("num_attention_heads x head_dim", c.num_heads * c.head_dim),
+        ("intermediate_size", c.intermediate_size),
+    ] {
+        if !harrier_kernels::fp8_supports_k(k) {
+            bail!("{what} ({k}) must be a multiple of 64 for the FP8 kernels");
+        }
+    }
+    Ok(())
+}
+
+/// The stacked `[n, k]` weights `parts` as one FP8 projection: the checkpoint's FP8 tensors
+/// with per-channel scales as they are, per-tensor scales repeated per row; float tensors
+/// quantized per row on the host (`fp8::quantize_rows`, the function the CPU backend's
+/// `--quantization fp8` and `harrier quantize` use), and block-scaled ones requantized so.
+/// Returns the projection, its bytes and how many tensors were requantized.
+fn load_fp8(
+    ckpt: &Checkpoint,
+    c: &ModelConfig,
+    parts: &[(String, Vec<usize>)],
+    stream: sys::CUstream,
+) -> anyhow::Result<(Proj, usize, usize)> {
+    let (mut q, mut scales, mut requantized) = (Vec::new(), Vec::new(), 0);
+    for (name, shape) in parts {
+        let w = ckpt
+            .weight(name, shape, c.fp8.as_ref())
+            .with_context(|| format!("tensor {name}"))?;
+        match w {
+            WeightRef::Fp8 {
+                q: bytes,
+                scales: s,
+                layout: ScaleLayout::Channel,
+                ..
+            } => {
+                q.extend_from_slice(bytes);
+                scales.extend(s);
+            }
+            WeightRef::Fp8 {
+                q: bytes,
+                scales: s,
+                layout: ScaleLayout::Tensor,
+                ..
+            } => {
+                q.extend_from_slice(bytes);
+                scales.extend(std::iter::repeat_n(s[0], shape[0]));
+            }
+            w => {
+                requantized += matches!(w, WeightRef::Fp8 { .. }) as usize;
+                let (qq, ss) = fp8::quantize_rows(&w.to_f32(), shape[1]);
+                q.extend(qq);
+                scales.extend(ss);
+            }
+        }
+    }
+    let bytes = q.len() + 4 * scales.len();
+    let p = Proj {
+        w: upload(&q, stream)?,
+        scale: Some(upload(&scales, stream)?),
+    };
+    Ok((p, bytes, requantized))
+}
+
 impl GpuModel {
+    /// Loads `dir` onto the GPU in `dtype`; `fp8` (or an FP8 checkpoint) stores the
+    /// projections and the output head in FP8 (bf16 only).
     pub(crate) fn load(
         dir: &ModelDir,
         stream: sys::CUstream,
         caps: &Capacities,
         sizes: &ScratchSizes,
         dtype: Dtype,
+        fp8: bool,
     ) -> anyhow::Result<GpuModel> {
         let c = dir.config.clone();
+        let fp8 = fp8 || c.fp8.is_some();
+        if fp8 {
+            check_fp8_model(&c, dtype)
+                .with_context(|| format!("FP8 weights for {}", dir.path.display()))?;
+        }
         let ckpt = Checkpoint::open(&dir.path)?;
         ckpt.check(&c)?;
-        let mut buf = Staging::new(dtype);
-        let mut total = 0usize;
-        let mut one = |names: &[(String, Vec<usize>)]| -> anyhow::Result<DevBuf> {
+        let buf = std::cell::RefCell::new(Staging::new(dtype));
+        let total = std::cell::Cell::new(0usize);
+        let requantized = std::cell::Cell::new(0usize);
+        let one = |names: &[(String, Vec<usize>)]| -> anyhow::Result<DevBuf> {
+            let mut buf = buf.borrow_mut();
             buf.clear();
             for (n, s) in names {
                 buf.push(&ckpt, n, s)
                     .with_context(|| format!("tensor {n}"))?;
             }
-            total += buf.bytes();
+            total.set(total.get() + buf.bytes());
             buf.upload(stream)
+        };
+        let proj = |names: &[(String, Vec<usize>)]| -> anyhow::Result<Proj> {
+            if !fp8 {
+                return Ok(Proj {
+                    w: one(names)?,
+                    scale: None,
+                });
+            }
+            let (p, bytes, requant) = load_fp8(&ckpt, &c, names, stream)?;
+            total.set(total.get() + bytes);
+            requantized.set(requantized.get() + requant);
+            Ok(p)
         };
         let lt = |t: LayerTensor, l: usize| (t.name(l), t.shape(&c));
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -252,19 +368,23 @@ impl GpuModel {
                 )),
                 false => None,
             };
+            let qkv = proj(&[
+                lt(LayerTensor::QProj, l),
+                lt(LayerTensor::KProj, l),
+                lt(LayerTensor::VProj, l),
+            ])?;
+            let o = proj(&[lt(LayerTensor::OProj, l)])?;
+            let gate_up = proj(&[lt(LayerTensor::GateProj, l), lt(LayerTensor::UpProj, l)])?;
+            let down = proj(&[lt(LayerTensor::DownProj, l)])?;
             layers.push(Layer {
                 input_norm: one(&[lt(LayerTensor::InputNorm, l)])?,
-                qkv: one(&[
-                    lt(LayerTensor::QProj, l),
-                    lt(LayerTensor::KProj, l),
-                    lt(LayerTensor::VProj, l),
-                ])?,
+                qkv,
                 qk_norm,
-                o: one(&[lt(LayerTensor::OProj, l)])?,
+                o,
                 post_norm: one(&[lt(LayerTensor::PostNorm, l)])?,
                 ff_norms,
-                gate_up: one(&[lt(LayerTensor::GateProj, l), lt(LayerTensor::UpProj, l)])?,
-                down: one(&[lt(LayerTensor::DownProj, l)])?,
+                gate_up,
+                down,
                 window: c
                     .layer_window(l)
                     .unwrap_or(0)
@@ -276,12 +396,22 @@ impl GpuModel {
         progress.finish();
         let (v, h) = (c.vocab_size, c.hidden_size);
         let embed = one(&[(EMBED.to_string(), vec![v, h])])?;
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(one(&[(LM_HEAD.to_string(), vec![v, h])])?)
+        // FP8: the output head gets its own FP8 copy even when tied (the embedding rows stay
+        // as stored), as the CPU's `--quantization fp8` and `harrier quantize` do.
+        let lm_head = match (c.tie_word_embeddings, fp8) {
+            (true, false) => None,
+            (true, true) => Some(proj(&[(EMBED.to_string(), vec![v, h])])?),
+            (false, _) => Some(proj(&[(LM_HEAD.to_string(), vec![v, h])])?),
         };
         let final_norm = one(&[(FINAL_NORM.to_string(), vec![h])])?;
+        if requantized.get() > 0 {
+            tracing::warn!(
+                "{} block-scaled FP8 tensors were requantized per output channel (the CUDA \
+                 kernels take one scale per row): their values differ from the checkpoint's by \
+                 up to one e4m3 rounding",
+                requantized.get()
+            );
+        }
         let inv_freq = upload(
             &crate::model::rope::inv_freq(&c, LayerAttention::Full),
             stream,
@@ -305,6 +435,22 @@ impl GpuModel {
             logits: DevBuf::new(sizes.logits)?,
             final_h: DevBuf::new(sizes.final_h)?,
             attn_part: DevBuf::new(sizes.attn_part)?,
+            // The largest layer projection; the output head goes through it in slices.
+            wdq: match fp8 {
+                true => {
+                    let elems = [
+                        c.qkv_dim() * h,
+                        h * c.num_heads * c.head_dim,
+                        2 * c.intermediate_size * h,
+                    ]
+                    .into_iter()
+                    .max()
+                    .unwrap_or(0)
+                    .max(h);
+                    Some((DevBuf::new(elems * 2)?, elems))
+                }
+                false => None,
+            },
         };
         let blas = Blas::new(stream, dtype)?;
         let embed_scale = c.embed_scale(match dtype {
@@ -314,9 +460,10 @@ impl GpuModel {
         Ok(GpuModel {
             config: c,
             dtype,
-            weight_bytes: total,
+            weight_bytes: total.get(),
             embed,
             lm_head,
+            fp8,
             final_norm,
             layers,
             inv_freq,
@@ -377,8 +524,9 @@ impl GpuModel {
 
     /// How a step of `rows` GEMM rows runs its projections (see [`ProjPlan`]).
     fn proj_plan(&self, k: &Kernels, rows: usize) -> ProjPlan {
-        let skinny = self.fused(rows);
-        let residual = skinny && !self.config.architecture.sandwich_norms();
+        let fused = self.fused(rows);
+        let skinny = fused || (self.fp8 && rows <= FP8_SKINNY_MAX_ROWS);
+        let residual = fused && !self.config.architecture.sandwich_norms();
         ProjPlan {
             skinny,
             residual,
@@ -437,15 +585,27 @@ impl GpuModel {
         let fused = plan.skinny;
         let gated = if gelu { Epi::GeluTanhMul } else { Epi::SiluMul };
         let blas = &self.blas;
-        let proj = |xwy: (u64, u64, u64), n: usize, kk: usize| -> anyhow::Result<()> {
-            // SAFETY: as the launches below (the scratch buffers hold gemm_rows rows).
+        let wdq = s.wdq.as_ref().map(|(b, _)| b.ptr);
+        // y = x · wᵀ over gemm_rows rows: the skinny kernels (bf16 or FP8), cuBLAS, or (FP8
+        // past the skinny kernels) cuBLAS over a bf16 copy of the weights.
+        let proj = |(x, w, y): (u64, &Proj, u64), n: usize, kk: usize| -> anyhow::Result<()> {
+            // SAFETY: as the launches below (the scratch buffers hold gemm_rows rows; wdq holds
+            // the largest layer projection).
             unsafe {
-                match fused {
-                    true => k.skinny_gemm(
+                match (fused, w.scale.as_ref(), wdq) {
+                    (true, _, _) => k.skinny_gemm(
                         stream,
-                        &SkinnyInputs::new(xwy, gemm_rows, n, kk, Epi::Store),
+                        &SkinnyInputs::new((x, w.w.ptr, y), gemm_rows, n, kk, Epi::Store)
+                            .scaled(w.scale_ptr()),
                     ),
-                    false => blas.gemm(k, stream, xwy, gemm_rows, n, kk, false),
+                    (false, None, _) => {
+                        blas.gemm(k, stream, (x, w.w.ptr, y), gemm_rows, n, kk, false)
+                    }
+                    (false, Some(sc), Some(wdq)) => {
+                        k.dequant_fp8_rows(stream, (w.w.ptr, sc.ptr, wdq), n, kk)?;
+                        blas.gemm(k, stream, (x, wdq, y), gemm_rows, n, kk, false)
+                    }
+                    (false, Some(_), None) => bail!("FP8 weights without a dequantization buffer"),
                 }
             }
         };
@@ -473,13 +633,14 @@ impl GpuModel {
                     k.skinny_gemm(
                         stream,
                         &SkinnyInputs::new(
-                            (s.x.ptr, w.qkv.ptr, s.qkv.ptr),
+                            (s.x.ptr, w.qkv.w.ptr, s.qkv.ptr),
                             gemm_rows,
                             qkv_dim,
                             hid,
                             Epi::Store,
                         )
-                        .normed(w.input_norm.ptr, eps),
+                        .normed(w.input_norm.ptr, eps)
+                        .scaled(w.qkv.scale_ptr()),
                     )?;
                 } else {
                     k.add_rmsnorm(
@@ -493,7 +654,7 @@ impl GpuModel {
                         hid as i32,
                         eps,
                     )?;
-                    proj((s.h.ptr, w.qkv.ptr, s.qkv.ptr), qkv_dim, hid)?;
+                    proj((s.h.ptr, &w.qkv, s.qkv.ptr), qkv_dim, hid)?;
                 }
                 let (k_off, v_off, local) = self.kv_layers[li];
                 let (kc, vc) = (kv.at(k_off), kv.at(v_off));
@@ -568,21 +729,23 @@ impl GpuModel {
                     k.skinny_gemm(
                         stream,
                         &SkinnyInputs::new(
-                            (s.attn.ptr, w.o.ptr, s.x.ptr),
+                            (s.attn.ptr, w.o.w.ptr, s.x.ptr),
                             gemm_rows,
                             hid,
                             nh * hd,
                             Epi::Residual,
-                        ),
+                        )
+                        .scaled(w.o.scale_ptr()),
                     )?;
                     let gate_up = |x| {
                         SkinnyInputs::new(
-                            (x, w.gate_up.ptr, s.act.ptr),
+                            (x, w.gate_up.w.ptr, s.act.ptr),
                             gemm_rows,
                             inter,
                             hid,
                             gated,
                         )
+                        .scaled(w.gate_up.scale_ptr())
                     };
                     if plan.norm {
                         k.skinny_gemm(stream, &gate_up(s.x.ptr).normed(w.post_norm.ptr, eps))?;
@@ -604,16 +767,17 @@ impl GpuModel {
                     k.skinny_gemm(
                         stream,
                         &SkinnyInputs::new(
-                            (s.act.ptr, w.down.ptr, s.x.ptr),
+                            (s.act.ptr, w.down.w.ptr, s.x.ptr),
                             gemm_rows,
                             hid,
                             inter,
                             Epi::Residual,
-                        ),
+                        )
+                        .scaled(w.down.scale_ptr()),
                     )?;
                     continue;
                 }
-                proj((s.attn.ptr, w.o.ptr, s.delta.ptr), hid, nh * hd)?;
+                proj((s.attn.ptr, &w.o, s.delta.ptr), hid, nh * hd)?;
                 // Llama: x += delta, h = norm(x) * post_norm. Gemma: x += norm(delta) *
                 // post_norm, h = norm(x) * pre_ff.
                 let (attn_delta, mlp_norm) = match &w.ff_norms {
@@ -627,15 +791,16 @@ impl GpuModel {
                     k.skinny_gemm(
                         stream,
                         &SkinnyInputs::new(
-                            (s.h.ptr, w.gate_up.ptr, s.act.ptr),
+                            (s.h.ptr, w.gate_up.w.ptr, s.act.ptr),
                             gemm_rows,
                             inter,
                             hid,
                             gated,
-                        ),
+                        )
+                        .scaled(w.gate_up.scale_ptr()),
                     )?;
                 } else {
-                    proj((s.h.ptr, w.gate_up.ptr, s.gate_up.ptr), 2 * inter, hid)?;
+                    proj((s.h.ptr, &w.gate_up, s.gate_up.ptr), 2 * inter, hid)?;
                     k.gated_act(
                         stream,
                         (s.act.ptr, s.gate_up.ptr),
@@ -644,7 +809,7 @@ impl GpuModel {
                         gelu,
                     )?;
                 }
-                proj((s.act.ptr, w.down.ptr, s.delta.ptr), hid, inter)?;
+                proj((s.act.ptr, &w.down, s.delta.ptr), hid, inter)?;
                 pending = (
                     s.delta.ptr,
                     w.ff_norms.as_ref().map_or(0, |(_, post)| post.ptr),
@@ -662,19 +827,84 @@ impl GpuModel {
                     hid as i32,
                     eps,
                 )?;
-                let head = self.lm_head.as_ref().unwrap_or(&self.embed).ptr;
+                let (head, head_scale) = match &self.lm_head {
+                    Some(p) => (p.w.ptr, p.scale.as_ref()),
+                    None => (self.embed.ptr, None),
+                };
                 let yw = (s.final_h.ptr, head, s.logits.ptr);
-                if fused {
-                    k.skinny_gemm(
+                // FP8 heads take the skinny kernel whenever the sampled rows fit it (a prefill
+                // step samples few rows however many tokens it has).
+                let skinny_head = match head_scale {
+                    Some(_) => gemm_samples <= FP8_SKINNY_MAX_ROWS,
+                    None => fused,
+                };
+                match (skinny_head, head_scale, &s.wdq) {
+                    (true, _, _) => k.skinny_gemm(
                         stream,
-                        &SkinnyInputs::new(yw, gemm_samples, c.vocab_size, hid, Epi::StoreF32),
-                    )?;
-                } else {
-                    self.blas
-                        .gemm(k, stream, yw, gemm_samples, c.vocab_size, hid, true)?;
+                        &SkinnyInputs::new(yw, gemm_samples, c.vocab_size, hid, Epi::StoreF32)
+                            .scaled(head_scale.map_or(0, |b| b.ptr)),
+                    )?,
+                    (false, None, _) => {
+                        self.blas
+                            .gemm(k, stream, yw, gemm_samples, c.vocab_size, hid, true)?
+                    }
+                    // Slices of vocabulary rows through the bf16 copy, each into its columns
+                    // of the logits.
+                    (false, Some(sc), Some((wdq, elems))) => {
+                        let rows = (elems / hid).max(1);
+                        let mut v0 = 0;
+                        while v0 < c.vocab_size {
+                            let n = rows.min(c.vocab_size - v0);
+                            k.dequant_fp8_rows(
+                                stream,
+                                (head + (v0 * hid) as u64, sc.ptr + (v0 * 4) as u64, wdq.ptr),
+                                n,
+                                hid,
+                            )?;
+                            self.blas.cublas_ld(
+                                (s.final_h.ptr, wdq.ptr, s.logits.ptr + (v0 * 4) as u64),
+                                gemm_samples,
+                                (n, hid),
+                                true,
+                                c.vocab_size,
+                            )?;
+                            v0 += n;
+                        }
+                    }
+                    (false, Some(_), None) => bail!("FP8 weights without a dequantization buffer"),
                 }
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gen_model::Preset;
+
+    #[test]
+    fn fp8_needs_bf16_and_reduction_widths_of_64() {
+        for name in [
+            "llama-3.2-1b",
+            "llama-3.1-8b",
+            "qwen3-0.6b",
+            "gemma-3-1b",
+            "micro",
+        ] {
+            let c = Preset::from_name(name).unwrap().config();
+            check_fp8_model(&c, Dtype::Bf16).unwrap();
+        }
+        let c = Preset::from_name("llama-3.2-1b").unwrap().config();
+        let e = check_fp8_model(&c, Dtype::F32).unwrap_err().to_string();
+        assert!(e.contains("bf16"), "{e}");
+        let mut odd = c.clone();
+        odd.intermediate_size = 8200;
+        let e = check_fp8_model(&odd, Dtype::Bf16).unwrap_err().to_string();
+        assert!(
+            e.contains("intermediate_size (8200)") && e.contains("64"),
+            "{e}"
+        );
     }
 }

@@ -32,7 +32,12 @@
 //!   the fused small-batch path (skinny GEMMs with the norms, residual adds and activation
 //!   fused) against the unfused one (cuBLAS / gemv_bf16 and separate kernels) on the same prompts, graphs on:
 //!   logits of the first decode step (same inputs) and greedy agreement after it.
-//! - `check-graphs --model DIR`: greedy tokens with CUDA graphs against eager through the
+//! - `check-fp8 --model DIR [--rows 1,2,4,8,16,32,64] [--batches 1,8] [--steps 32]`: FP8
+//!   weights: `dequant_fp8_rows` bit for bit against the host, the FP8 skinny GEMM against
+//!   cuBLAS over the dequantized weights (and timed beside bf16), then the model loaded in
+//!   bf16 and in FP8 on the same prompts (logits, argmax, log-probability error, greedy tokens).
+//! - `--quantization fp8` (any command): models load with FP8 weights.
+//! - `check-graphs --model DIR [--fused-max-rows N]`: greedy tokens with CUDA graphs against eager through the
 //!   real engine (see `executor::cuda::graph_check`).
 //!
 //! `--enforce-eager 1` turns graph capture off for `parity` and `bench`.
@@ -96,6 +101,7 @@ impl Driver {
             // The tool drives rows by hand with one block table each: full KV everywhere.
             local_kv_blocks: None,
             fused_max_rows: harrier_engine::executor::cuda::FUSED_MAX_ROWS,
+            fp8: TOOL_FP8.load(std::sync::atomic::Ordering::Relaxed),
         };
         let (exec, info) = CudaExecutor::new(dir, &cfg)?;
         eprintln!("{info:?}");
@@ -371,7 +377,8 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         bw / 1e9,
         flops / 1e12
     );
-    let wbytes = layout::weight_bytes(&mc, 2) as f64;
+    // The floor's weight bytes: what the model loaded (FP8 models read about half).
+    let mut wbytes = layout::weight_bytes(&mc, 2) as f64;
     let kv_tok = (layout::kv_bytes_per_block(&mc, 16, 2) / 16) as f64;
     let maxb = *batches.iter().max().unwrap_or(&1);
     // Up to six modes of warm-up + measured steps per batch.
@@ -385,6 +392,9 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         &graph_sizes(a, maxb as usize),
         Dtype::Bf16,
     )?;
+    if d.exec.fp8() {
+        wbytes = d.info.weight_bytes as f64;
+    }
     let mut rows = Vec::new();
     let greedy = SamplingParams {
         ignore_eos: true,
@@ -483,7 +493,7 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .collect();
     let mut out = StepOutput::default();
     let toks = (prefill_n * prefill_len) as f64;
-    let params = wbytes / 2.0;
+    let params = layout::weight_bytes(&mc, 2) as f64 / 2.0;
     let gemm_floor = 2.0 * params * toks / flops;
     // The tiled prefill attention kernel (when the model has it), then the per-token kernel
     // alone, side by side.
@@ -531,20 +541,36 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--quantization fp8` on the command line: every model the driver loads has FP8 weights.
+static TOOL_FP8: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn main() -> anyhow::Result<()> {
     let (cmd, a) = args();
+    match a.get("quantization").map(String::as_str) {
+        None => {}
+        Some("fp8") => TOOL_FP8.store(true, std::sync::atomic::Ordering::Relaxed),
+        Some(q) => bail!("--quantization {q}: only fp8"),
+    }
     match cmd.as_str() {
         "parity" => parity(&a),
         "bench" => bench(&a),
         "check-attention" => check_attention(&a),
         "check-sampling" => check_sampling(&a),
         "check-penalties" => check_penalties(&a),
-        "check-graphs" => graph_check::check_graphs(a.get("model").context("--model")?.as_ref()),
+        "check-graphs" => graph_check::check_graphs(
+            a.get("model").context("--model")?.as_ref(),
+            TOOL_FP8.load(std::sync::atomic::Ordering::Relaxed),
+            a.get("fused-max-rows")
+                .map(|v| v.parse())
+                .transpose()?
+                .unwrap_or(harrier_engine::executor::cuda::FUSED_MAX_ROWS),
+        ),
         "check-gemv" => check_gemv(&a),
         "check-gemm-rows" => check_gemm_rows(&a),
         "check-fused" => check_fused(&a),
+        "check-fp8" => check_fp8(&a),
         _ => bail!(
-            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-gemv|check-gemm-rows|check-fused ..."
+            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-gemv|check-gemm-rows|check-fused|check-fp8 ..."
         ),
     }
 }
@@ -1581,6 +1607,254 @@ fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
     );
     if worst > 3e-2 {
         bail!("the fused path disagrees with the unfused one: {worst:.1e}");
+    }
+    Ok(())
+}
+
+/// FP8 weights (issue 16), in two parts.
+///
+/// Kernels, on the model's GEMM shapes with random weights quantized on the host
+/// (`fp8::quantize_rows`): `dequant_fp8_rows` must give `bf16(e4m3(q) * scale)` bit for bit
+/// (the e4m3 decoding, subnormals included); `skinny_gemm_f8_*` at `--rows` is compared with
+/// cuBLAS over that dequantized copy, and timed beside the bf16 skinny kernel and cuBLAS on the
+/// unquantized weights (weight GB/s).
+///
+/// Model: the bf16 model and its FP8 load (`--quantization fp8`), one after the other, on the
+/// same random prompts (graphs on, `--batches`): the first decode step's logits (relative
+/// difference, same argmax, log-probability error of the bf16 choice) and greedy agreement
+/// until the first divergence.
+fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    use harrier_engine::model::fp8;
+    use harrier_kernels::{SkinnyEpilogue, SkinnyInputs};
+    let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
+    let c = dir.config.clone();
+    let rows_list: Vec<usize> = a
+        .get("rows")
+        .map(|s| s.as_str())
+        .unwrap_or("1,2,4,8,16,32,64")
+        .split(',')
+        .map(|x| x.parse())
+        .collect::<Result<_, _>>()?;
+    let maxm = rows_list.iter().copied().max().unwrap_or(1).clamp(1, 64);
+    let mut rng = SplitMix64(0xf8f8);
+    let mut worst = 0.0f64;
+    let mut report = Vec::new();
+    {
+        let (_ctx, k) = kernels_on_device0()?;
+        println!("| shape | n x k | rows | cuBLAS bf16 us | skinny bf16 us | skinny fp8 us | fp8 GB/s | fp8 vs dequant rel. diff |");
+        println!("|---|---|---|---|---|---|---|---|");
+        // SAFETY: buffers allocated with the sizes used; the stream is synchronised before reads.
+        unsafe {
+            let st = dr::stream::create(dr::stream::StreamKind::NonBlocking)?;
+            let blas = Blas::new(st, Dtype::Bf16)?;
+            let e0 = dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?;
+            let e1 = dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?;
+            for (name, n, kk) in gemm_shapes(&c) {
+                // Weights with a spread of magnitudes per row (so the small ones land on
+                // e4m3's subnormals), the bf16 originals and their FP8 form.
+                let w: Vec<half::bf16> = (0..n * kk)
+                    .map(|_| {
+                        let (_, v) = random_bf16(&mut rng);
+                        half::bf16::from_f64(v * 2f64.powi(-((rng.next_u64() % 12) as i32)))
+                    })
+                    .collect();
+                let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+                let (q, scales) = fp8::quantize_rows(&wf, kk);
+                let want_dq: Vec<u16> = q
+                    .chunks_exact(kk)
+                    .zip(&scales)
+                    .flat_map(|(row, &s)| {
+                        row.iter()
+                            .map(move |&b| half::bf16::from_f32(fp8::decode(b) * s).to_bits())
+                    })
+                    .collect();
+                let x: Vec<u16> = (0..maxm * kk).map(|_| random_bf16(&mut rng).0).collect();
+                let dw = dr::malloc_sync(n * kk * 2)?;
+                let dq = dr::malloc_sync(n * kk)?;
+                let ds = dr::malloc_sync(n * 4)?;
+                let dwq = dr::malloc_sync(n * kk * 2)?;
+                let dx = dr::malloc_sync(x.len() * 2)?;
+                let dy1 = dr::malloc_sync(maxm * n * 2)?;
+                let dy2 = dr::malloc_sync(maxm * n * 2)?;
+                dr::memcpy_htod_sync(dw, &w)?;
+                dr::memcpy_htod_sync(dq, &q)?;
+                dr::memcpy_htod_sync(ds, &scales)?;
+                dr::memcpy_htod_sync(dx, &x)?;
+                k.dequant_fp8_rows(st, (dq, ds, dwq), n, kk)?;
+                dr::stream::synchronize(st)?;
+                let mut got_dq = vec![0u16; n * kk];
+                dr::memcpy_dtoh_sync(&mut got_dq, dwq)?;
+                let bad = got_dq.iter().zip(&want_dq).filter(|(a, b)| a != b).count();
+                if bad > 0 {
+                    bail!("dequant_fp8_rows: {bad} of {} weights of {name} differ from the host's bf16(e4m3 * scale)", n * kk);
+                }
+                for &m in rows_list.iter().filter(|&&m| m <= maxm) {
+                    let time = |f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+                        for _ in 0..3 {
+                            f()?;
+                        }
+                        dr::event::record(e0, st)?;
+                        for _ in 0..50 {
+                            f()?;
+                        }
+                        dr::event::record(e1, st)?;
+                        dr::event::synchronize(e1)?;
+                        Ok(dr::event::elapsed(e0, e1)? as f64 * 1e3 / 50.0)
+                    };
+                    let f8 = SkinnyInputs::new((dx, dq, dy2), m, n, kk, SkinnyEpilogue::Store)
+                        .scaled(ds);
+                    let b16 = SkinnyInputs::new((dx, dw, dy2), m, n, kk, SkinnyEpilogue::Store);
+                    let t_blas = time(&|| blas.cublas(dx, dw, dy1, m, n, kk, false))?;
+                    let t_b16 = time(&|| k.skinny_gemm(st, &b16))?;
+                    let t_f8 = time(&|| k.skinny_gemm(st, &f8))?;
+                    // The reference: cuBLAS over the dequantized copy.
+                    blas.cublas(dx, dwq, dy1, m, n, kk, false)?;
+                    dr::stream::synchronize(st)?;
+                    let read = |d: u64| -> anyhow::Result<Vec<f64>> {
+                        let mut y = vec![0u16; m * n];
+                        dr::memcpy_dtoh_sync(&mut y, d)?;
+                        Ok(y.iter()
+                            .map(|&b| half::bf16::from_bits(b).to_f64())
+                            .collect())
+                    };
+                    let (r, g) = (read(dy1)?, read(dy2)?);
+                    let num: f64 = r.iter().zip(&g).map(|(p, q)| (p - q) * (p - q)).sum();
+                    let den: f64 = r.iter().map(|p| p * p).sum();
+                    let rel = (num / den.max(1e-30)).sqrt();
+                    let rel = if rel.is_nan() { f64::INFINITY } else { rel };
+                    worst = worst.max(rel);
+                    let gbs = (n * kk + 4 * n) as f64 / (t_f8 * 1e-6) / 1e9;
+                    println!("| {name} | {n} x {kk} | {m} | {t_blas:.1} | {t_b16:.1} | {t_f8:.1} | {gbs:.0} | {rel:.1e} |");
+                    report.push(
+                        serde_json::json!({"shape": name, "n": n, "k": kk, "rows": m,
+                        "cublas_bf16_us": t_blas, "skinny_bf16_us": t_b16, "skinny_fp8_us": t_f8,
+                        "rel_diff": rel}),
+                    );
+                }
+                for d in [dw, dq, ds, dwq, dx, dy1, dy2] {
+                    dr::free_sync(d)?;
+                }
+            }
+        }
+        println!("dequant_fp8_rows: bit-exact on every shape; worst skinny fp8 vs cuBLAS-over-dequantized relative difference: {worst:.1e}");
+        if worst > 1e-2 {
+            bail!("skinny_gemm_f8 disagrees with cuBLAS over the dequantized weights: {worst:.1e}");
+        }
+    }
+    // The model, bf16 then FP8.
+    let batches: Vec<usize> = a
+        .get("batches")
+        .map(|s| s.as_str())
+        .unwrap_or("1,8")
+        .split(',')
+        .map(|x| x.parse())
+        .collect::<Result<_, _>>()?;
+    let steps: usize = a.get("steps").map(|s| s.parse()).transpose()?.unwrap_or(32);
+    let maxb = *batches.iter().max().unwrap_or(&1);
+    let prompt_len = 24u32;
+    let prompts: Vec<Vec<Vec<u32>>> = batches
+        .iter()
+        .map(|&b| {
+            (0..b)
+                .map(|_| {
+                    (0..prompt_len)
+                        .map(|_| (rng.next_u64() % c.vocab_size as u64) as u32)
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    let greedy = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(steps as u32 + 1)
+    };
+    // Per load, per batch: tokens [step][row] and the first decode step's logits [row].
+    type Run = (Vec<Vec<u32>>, Vec<Vec<f32>>);
+    let mut runs: Vec<Vec<Run>> = Vec::new();
+    for fp8_on in [false, true] {
+        TOOL_FP8.store(fp8_on, std::sync::atomic::Ordering::Relaxed);
+        let mut d = Driver::new(
+            &dir,
+            maxb as u32,
+            (maxb as u32 * prompt_len).max(64),
+            prompt_len + steps as u32 + 16,
+            None,
+            &graph_sizes(a, maxb),
+            Dtype::Bf16,
+        )?;
+        eprintln!("fp8 {fp8_on}: {} weight bytes", d.info.weight_bytes);
+        let mut per_batch = Vec::new();
+        for p in &prompts {
+            let mut out = StepOutput::default();
+            let b = d.prefill(p, &greedy);
+            d.step_sync(&b, 0, &mut out)?;
+            let mut toks = vec![out.tokens.clone()];
+            let mut first = Vec::new();
+            for step in 0..steps {
+                let b = d.decode();
+                d.step_sync(&b, (step % 2) as u8, &mut out)?;
+                toks.push(out.tokens.clone());
+                if step == 0 {
+                    for r in 0..p.len() {
+                        first.push(d.exec.logits_row(r)?);
+                    }
+                }
+            }
+            per_batch.push((toks, first));
+        }
+        runs.push(per_batch);
+    }
+    println!("\n| batch | first decode step: rel. logit diff | same argmax | mean / max logprob error of the bf16 choice | greedy tokens equal until divergence |");
+    println!("|---|---|---|---|---|");
+    for (bi, &bsz) in batches.iter().enumerate() {
+        let ((bt, bl), (ft, fl)) = (&runs[0][bi], &runs[1][bi]);
+        let (mut rel, mut same, mut err_sum, mut err_max) = (0.0f64, 0, 0.0f64, 0.0f64);
+        for (x, y) in bl.iter().zip(fl) {
+            let num: f64 = x.iter().zip(y).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
+            let den: f64 = x.iter().map(|p| (*p as f64).powi(2)).sum();
+            rel = rel.max((num / den.max(1e-30)).sqrt());
+            let am = |v: &[f32]| {
+                v.iter()
+                    .enumerate()
+                    .fold(
+                        (0, f32::NEG_INFINITY),
+                        |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+                    )
+                    .0
+            };
+            let lsm = |v: &[f32], i: usize| {
+                let m = v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+                let s: f64 = v.iter().map(|&x| (x as f64 - m).exp()).sum();
+                v[i] as f64 - m - s.ln()
+            };
+            let want = am(x);
+            same += (am(y) == want) as usize;
+            let e = (lsm(x, want) - lsm(y, want)).abs();
+            err_sum += e;
+            err_max = err_max.max(e);
+        }
+        let mut agree = 0;
+        for r in 0..bsz {
+            for st in 0..=steps {
+                if bt[st][r] != ft[st][r] {
+                    break;
+                }
+                agree += 1;
+            }
+        }
+        println!(
+            "| {bsz} | {rel:.1e} | {same}/{bsz} | {:.4} / {err_max:.4} | {agree}/{} |",
+            err_sum / bsz as f64,
+            bsz * (steps + 1)
+        );
+        report.push(
+            serde_json::json!({"batch": bsz, "rel_logit_diff": rel, "same_argmax": same,
+            "logprob_err_mean": err_sum / bsz as f64, "logprob_err_max": err_max,
+            "greedy_agree": agree, "greedy_total": bsz * (steps + 1)}),
+        );
+    }
+    if let Some(p) = a.get("json") {
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
     }
     Ok(())
 }
