@@ -170,6 +170,35 @@ struct ProjPlan {
     norm: bool,
 }
 
+impl ProjPlan {
+    /// The plan for a step of `rows` GEMM rows of a model `c` stored as `(dtype, fp8)`:
+    /// the fused path (bf16, up to `fused_max_rows` rows, every reduction width a multiple of
+    /// 32) takes skinny kernels with the residual adds (blocks without sandwich norms) and,
+    /// where `norm_fits(rows, hidden)` and the step is small enough, the norms fused; FP8
+    /// weights take the skinny kernels up to [`FP8_SKINNY_MAX_ROWS`] rows whatever the fused
+    /// limit (fusions only where the fused path is on).
+    fn new(
+        c: &ModelConfig,
+        (dtype, fp8): (Dtype, bool),
+        fused_max_rows: usize,
+        rows: usize,
+        norm_fits: impl Fn(usize, usize) -> bool,
+    ) -> ProjPlan {
+        let fused = dtype == Dtype::Bf16
+            && rows <= fused_max_rows
+            && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+                .iter()
+                .all(|&k| skinny_supports(rows, k));
+        let skinny = fused || (fp8 && (1..=FP8_SKINNY_MAX_ROWS).contains(&rows));
+        let residual = fused && !c.architecture.sandwich_norms();
+        ProjPlan {
+            skinny,
+            residual,
+            norm: residual && rows <= NORM_PROLOGUE_MAX_ROWS && norm_fits(rows, c.hidden_size),
+        }
+    }
+}
+
 fn upload<T: Copy>(host: &[T], stream: sys::CUstream) -> anyhow::Result<DevBuf> {
     let b = DevBuf::new(std::mem::size_of_val(host))?;
     // SAFETY: `b` holds exactly `host`; the copy is synchronised before `host` goes away by the
@@ -511,29 +540,15 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Whether a step of `rows` GEMM rows takes the fused small-batch path: bf16, at most
-    /// [`GpuModel::fused_max_rows`] rows, every reduction dimension a multiple of 32.
-    pub(crate) fn fused(&self, rows: usize) -> bool {
-        let c = &self.config;
-        self.dtype == Dtype::Bf16
-            && rows <= self.fused_max_rows
-            && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
-                .iter()
-                .all(|&k| skinny_supports(rows, k))
-    }
-
     /// How a step of `rows` GEMM rows runs its projections (see [`ProjPlan`]).
     fn proj_plan(&self, k: &Kernels, rows: usize) -> ProjPlan {
-        let fused = self.fused(rows);
-        let skinny = fused || (self.fp8 && rows <= FP8_SKINNY_MAX_ROWS);
-        let residual = fused && !self.config.architecture.sandwich_norms();
-        ProjPlan {
-            skinny,
-            residual,
-            norm: residual
-                && rows <= NORM_PROLOGUE_MAX_ROWS
-                && k.skinny_norm_supports(rows, self.config.hidden_size),
-        }
+        ProjPlan::new(
+            &self.config,
+            (self.dtype, self.fp8),
+            self.fused_max_rows,
+            rows,
+            |m, kk| k.skinny_norm_supports(m, kk),
+        )
     }
 
     pub(crate) fn logits_ptr(&self) -> u64 {
@@ -883,6 +898,42 @@ impl GpuModel {
 mod tests {
     use super::*;
     use crate::gen_model::Preset;
+
+    /// Which kernels a step's projections take, by step size, storage and model.
+    #[test]
+    fn projection_plans_follow_the_row_limits() {
+        let llama = Preset::from_name("llama-3.2-1b").unwrap().config();
+        let gemma = Preset::from_name("gemma-3-1b").unwrap().config();
+        let fits = |_: usize, _: usize| true;
+        let plan = |c: &ModelConfig, st: (Dtype, bool), max: usize, rows: usize| {
+            let p = ProjPlan::new(c, st, max, rows, fits);
+            (p.skinny, p.residual, p.norm)
+        };
+        let bf16 = (Dtype::Bf16, false);
+        let fp8 = (Dtype::Bf16, true);
+        // bf16, fused path on up to 8 rows: norms fused up to 2 rows, residual adds up to 8.
+        assert_eq!(plan(&llama, bf16, 8, 1), (true, true, true));
+        assert_eq!(plan(&llama, bf16, 8, 2), (true, true, true));
+        assert_eq!(plan(&llama, bf16, 8, 3), (true, true, false));
+        assert_eq!(plan(&llama, bf16, 8, 8), (true, true, false));
+        assert_eq!(plan(&llama, bf16, 8, 9), (false, false, false));
+        // Off (the default), and never for f32.
+        assert_eq!(plan(&llama, bf16, 0, 1), (false, false, false));
+        assert_eq!(
+            plan(&llama, (Dtype::F32, false), 8, 1),
+            (false, false, false)
+        );
+        // Gemma's sandwich norms: skinny kernels without the residual fusions.
+        assert_eq!(plan(&gemma, bf16, 8, 1), (true, false, false));
+        // A norm that does not fit shared memory stays separate.
+        assert!(!ProjPlan::new(&llama, bf16, 8, 1, |_, _| false).norm);
+        // FP8: skinny up to 64 rows whatever the fused limit; fusions only with it.
+        assert_eq!(plan(&llama, fp8, 0, 1), (true, false, false));
+        assert_eq!(plan(&llama, fp8, 0, 64), (true, false, false));
+        assert_eq!(plan(&llama, fp8, 0, 65), (false, false, false));
+        assert_eq!(plan(&llama, fp8, 8, 1), (true, true, true));
+        assert_eq!(plan(&llama, fp8, 8, 16), (true, false, false));
+    }
 
     #[test]
     fn fp8_needs_bf16_and_reduction_widths_of_64() {
