@@ -12,8 +12,10 @@
 //!   `channel` strategy): `<module>.weight` in `F8_E4M3`, `<module>.weight_scale` of shape `[]`,
 //!   `[1]`, `[N, 1]` or `[N]`; `input_scale` (static activation scales) is not used;
 //! - transformers' `fbgemm_fp8`: per-channel `weight_scale` `[N, 1]`;
-//! - transformers' `fp8` (fine-grained, DeepSeek style): `weight_scale_inv` per block of
-//!   `weight_block_size` (`[ceil(N / bn), ceil(K / bk)]`); despite its name it multiplies too.
+//! - `fp8` with `weight_block_size` (transformers' fine-grained FP8, DeepSeek style):
+//!   `weight_scale_inv` per block (`[ceil(N / bn), ceil(K / bk)]`); despite its name it
+//!   multiplies too; `fp8` without it (AutoFP8 and vLLM's serialized FP8): a per-tensor
+//!   `weight_scale`, as vLLM reads them.
 //!
 //! Any tensor stored as `F8_E4M3` must have its scale beside it; every other tensor is read as
 //! usual, so a checkpoint's ignore list (often `lm_head`) needs no parsing.
@@ -133,7 +135,10 @@ impl Fp8Checkpoint {
                 };
                 Ok(Some(Fp8Checkpoint {
                     method: method.into(),
-                    scale_suffix: "weight_scale_inv",
+                    scale_suffix: match block {
+                        Some(_) => "weight_scale_inv",
+                        None => "weight_scale",
+                    },
                     block,
                 }))
             }
@@ -361,6 +366,10 @@ mod tests {
             })
         );
         assert!(c.layout((300, 256), &[2, 2]).is_err());
+        let auto = json!({"quant_method": "fp8", "activation_scheme": "static"});
+        let c = Fp8Checkpoint::parse(Some(&auto), p).unwrap().unwrap();
+        assert_eq!(c.scale_name("lm_head.weight"), "lm_head.weight_scale");
+        assert_eq!(c.layout((8, 4), &[]), Ok(ScaleLayout::Tensor));
         let fb = json!({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0});
         assert_eq!(
             Fp8Checkpoint::parse(Some(&fb), p).unwrap().unwrap().block,
