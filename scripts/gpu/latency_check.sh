@@ -8,6 +8,9 @@
 #   fp8:     check-fp8 on llama-3.2-1b (FP8 kernels bit-exact / vs cuBLAS, timed; bf16 vs FP8
 #            model) and on the trained embedded model (engine-core/models/harrier-cpu);
 #   fp8ckpt: harrier quantize llama-3.2-1b, then bench the FP8 checkpoint at batch 1 and 64;
+#   fp8trained: trains trained-llama-1b (scripts/train, a few minutes; carry the Llama 3
+#            tokenizer as .gpu/llama3/tokenizer.json) and runs check-fp8's model part on it
+#            (the issue's accuracy on a trained checkpoint: greedy agreement, logprob error);
 #   parity:  bf16 CUDA vs transformers bf16 on llama-3.2-1b (8 prompts in one batch: its
 #            decode steps take the fused path), --rel-bar 2e-2;
 #   profile: per-kernel GPU time (ncu) of batch-1 decode steps, fused and unfused;
@@ -52,6 +55,13 @@ for st in $STAGES; do
         timeout 300 "$T" check-fp8 --model "$W/llama-3.2-1b" --rows "${FP8_ROWS:-1,8,16,64}" --json "$OUT/fp8_llama-3.2-1b.json" 2>&1 | grep -E "^\||worst|Error|bit-exact" | tee -a "$OUT/fp8.txt"
         echo "-- trained harrier-cpu" | tee -a "$OUT/fp8.txt"
         timeout 200 "$T" check-fp8 --model engine-core/models/harrier-cpu --rows 1 --batches 1,8 --steps 48 --json "$OUT/fp8_harrier-cpu.json" 2>&1 | grep -E "^\||Error" | tail -4 | tee -a "$OUT/fp8.txt"
+        ;;
+    fp8trained)
+        TW=/tmp/harrier-train/gpu
+        [[ -f "$TW/trained-llama-1b/config.json" ]] || python3 scripts/train/train.py --family gpu --out "$TW" \
+            --llama3-tokenizer .gpu/llama3/tokenizer.json --only trained-llama-1b >>"$OUT/train.log" 2>&1
+        timeout 300 "$T" check-fp8 --model "$TW/trained-llama-1b" --rows 1 --batches 1,8,32 --steps 64 \
+            --json "$OUT/fp8_trained-llama-1b.json" 2>&1 | grep -E "^\||Error" | tail -5 | tee -a "$OUT/fp8.txt"
         ;;
     fp8ckpt)
         gen llama-3.2-1b
