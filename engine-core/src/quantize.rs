@@ -170,6 +170,7 @@ pub fn quantize_dir(src: &Path, out: &Path) -> anyhow::Result<usize> {
 mod tests {
     use super::*;
     use crate::model::{CpuModel, KvCache, LoadOptions, SeqChunk, WeightRef};
+    use crate::sampling::{argmax, log_softmax_at};
 
     fn embedded_model() -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("models/harrier-cpu")
@@ -269,13 +270,14 @@ mod tests {
             // The bf16 model's greedy continuation, 40 tokens.
             for _ in 0..40 {
                 let l = logits(&mut original, &p);
-                p.push(argmax(&l[l.len() - v..]) as u32);
+                p.push(argmax(&l[l.len() - v..]));
             }
             let (a, b) = (logits(&mut original, &p), logits(&mut fp8, &p));
             for pos in 7..p.len() - 1 {
                 let (ra, rb) = (&a[pos * v..(pos + 1) * v], &b[pos * v..(pos + 1) * v]);
                 let want = argmax(ra);
                 agree += (argmax(rb) == want) as usize;
+                let want = want as usize;
                 total += 1;
                 let e = (log_softmax_at(ra, want) - log_softmax_at(rb, want)).abs();
                 err_sum += e;
@@ -358,21 +360,5 @@ mod tests {
         });
         let e = load_err();
         assert!(e.contains(scale) && e.contains("NaN"), "{e}");
-    }
-
-    fn argmax(v: &[f32]) -> usize {
-        v.iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |b, (i, &x)| if x > b.1 { (i, x) } else { b },
-            )
-            .0
-    }
-
-    fn log_softmax_at(v: &[f32], i: usize) -> f64 {
-        let m = v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-        let s: f64 = v.iter().map(|&x| (x as f64 - m).exp()).sum();
-        v[i] as f64 - m - s.ln()
     }
 }

@@ -54,24 +54,10 @@ pub const KERNELS: &[&str] = &[
     "dequant_fp8_rows",
 ];
 
-/// Kernels that only exist in the bf16 build.
-const BF16_ONLY: &[&str] = &[
-    "gemv_bf16",
-    "prefill_attention",
-    "skinny_gemm_8",
-    "skinny_gemm_16",
-    "skinny_gemm_32",
-    "skinny_gemm_64",
-    "skinny_gemm_8_r4",
-    "skinny_gemm_16_r4",
-    "skinny_gemm_f8_8",
-    "skinny_gemm_f8_16",
-    "skinny_gemm_f8_32",
-    "skinny_gemm_f8_64",
-    "skinny_gemm_f8_8_r4",
-    "skinny_gemm_f8_16_r4",
-    "dequant_fp8_rows",
-];
+/// Kernels that only exist in the bf16 build: these, and every tensor-core skinny GEMM and FP8
+/// kernel (names starting with [`BF16_ONLY_PREFIXES`]).
+const BF16_ONLY: &[&str] = &["gemv_bf16", "prefill_attention", "dequant_fp8_rows"];
+const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_"];
 
 /// Query tokens per `prefill_attention` tile (`PF_QT` in the source).
 pub const PREFILL_TILE: usize = 64;
@@ -132,7 +118,9 @@ impl Dtype {
 
     /// Whether `kernel` exists in this build of the source.
     pub fn has_kernel(self, kernel: &str) -> bool {
-        self == Dtype::Bf16 || !BF16_ONLY.contains(&kernel)
+        self == Dtype::Bf16
+            || !(BF16_ONLY.contains(&kernel)
+                || BF16_ONLY_PREFIXES.iter().any(|p| kernel.starts_with(p)))
     }
 }
 

@@ -313,6 +313,22 @@ pub fn argmax(values: &[f32]) -> TokenId {
     best as TokenId
 }
 
+/// `log(sum(exp(raw)))`, shifted by the maximum.
+fn log_sum_exp(raw: &[f32]) -> f64 {
+    let max = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    max as f64
+        + raw
+            .iter()
+            .map(|&l| ((l - max) as f64).exp())
+            .sum::<f64>()
+            .ln()
+}
+
+/// The log-softmax of `raw` at `i`.
+pub fn log_softmax_at(raw: &[f32], i: usize) -> f64 {
+    raw[i] as f64 - log_sum_exp(raw)
+}
+
 /// Log-softmax facts about `raw` for the sampled `token` and the top `n`.
 fn logprobs_of(
     raw: &[f32],
@@ -320,13 +336,7 @@ fn logprobs_of(
     n: usize,
     order: &mut Vec<(f32, u32)>,
 ) -> TokenLogprobs {
-    let max = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max as f64
-        + raw
-            .iter()
-            .map(|&l| ((l - max) as f64).exp())
-            .sum::<f64>()
-            .ln();
+    let lse = log_sum_exp(raw);
     let lp = |l: f32| (l as f64 - lse) as f32;
     let sampled = raw[token as usize];
     let rank = 1 + raw.iter().filter(|&&l| l > sampled).count() as u32;

@@ -31,6 +31,19 @@ impl Proj {
     fn scale_ptr(&self) -> u64 {
         self.scale.as_ref().map_or(0, |s| s.ptr)
     }
+
+    /// A skinny-GEMM launch over these weights (their scales included):
+    /// `y[m, n] = epi(x[m, :] · w[n, :])`.
+    fn skinny(
+        &self,
+        (x, y): (u64, u64),
+        rows: usize,
+        n: usize,
+        k: usize,
+        epi: Epi,
+    ) -> SkinnyInputs {
+        SkinnyInputs::new((x, self.w.ptr, y), rows, n, k, epi).scaled(self.scale_ptr())
+    }
 }
 
 struct Layer {
@@ -608,11 +621,9 @@ impl GpuModel {
             // the largest layer projection).
             unsafe {
                 match (fused, w.scale.as_ref(), wdq) {
-                    (true, _, _) => k.skinny_gemm(
-                        stream,
-                        &SkinnyInputs::new((x, w.w.ptr, y), gemm_rows, n, kk, Epi::Store)
-                            .scaled(w.scale_ptr()),
-                    ),
+                    (true, _, _) => {
+                        k.skinny_gemm(stream, &w.skinny((x, y), gemm_rows, n, kk, Epi::Store))
+                    }
                     (false, None, _) => {
                         blas.gemm(k, stream, (x, w.w.ptr, y), gemm_rows, n, kk, false)
                     }
@@ -647,15 +658,9 @@ impl GpuModel {
                 if plan.norm {
                     k.skinny_gemm(
                         stream,
-                        &SkinnyInputs::new(
-                            (s.x.ptr, w.qkv.w.ptr, s.qkv.ptr),
-                            gemm_rows,
-                            qkv_dim,
-                            hid,
-                            Epi::Store,
-                        )
-                        .normed(w.input_norm.ptr, eps)
-                        .scaled(w.qkv.scale_ptr()),
+                        &w.qkv
+                            .skinny((s.x.ptr, s.qkv.ptr), gemm_rows, qkv_dim, hid, Epi::Store)
+                            .normed(w.input_norm.ptr, eps),
                     )?;
                 } else {
                     k.add_rmsnorm(
@@ -743,24 +748,17 @@ impl GpuModel {
                     // x += o(attn); act = act(gate) * up of norm(x).
                     k.skinny_gemm(
                         stream,
-                        &SkinnyInputs::new(
-                            (s.attn.ptr, w.o.w.ptr, s.x.ptr),
+                        &w.o.skinny(
+                            (s.attn.ptr, s.x.ptr),
                             gemm_rows,
                             hid,
                             nh * hd,
                             Epi::Residual,
-                        )
-                        .scaled(w.o.scale_ptr()),
+                        ),
                     )?;
                     let gate_up = |x| {
-                        SkinnyInputs::new(
-                            (x, w.gate_up.w.ptr, s.act.ptr),
-                            gemm_rows,
-                            inter,
-                            hid,
-                            gated,
-                        )
-                        .scaled(w.gate_up.scale_ptr())
+                        w.gate_up
+                            .skinny((x, s.act.ptr), gemm_rows, inter, hid, gated)
                     };
                     if plan.norm {
                         k.skinny_gemm(stream, &gate_up(s.x.ptr).normed(w.post_norm.ptr, eps))?;
@@ -781,14 +779,8 @@ impl GpuModel {
                     // x += down(act).
                     k.skinny_gemm(
                         stream,
-                        &SkinnyInputs::new(
-                            (s.act.ptr, w.down.w.ptr, s.x.ptr),
-                            gemm_rows,
-                            hid,
-                            inter,
-                            Epi::Residual,
-                        )
-                        .scaled(w.down.scale_ptr()),
+                        &w.down
+                            .skinny((s.act.ptr, s.x.ptr), gemm_rows, hid, inter, Epi::Residual),
                     )?;
                     continue;
                 }
@@ -805,14 +797,8 @@ impl GpuModel {
                 if fused {
                     k.skinny_gemm(
                         stream,
-                        &SkinnyInputs::new(
-                            (s.h.ptr, w.gate_up.w.ptr, s.act.ptr),
-                            gemm_rows,
-                            inter,
-                            hid,
-                            gated,
-                        )
-                        .scaled(w.gate_up.scale_ptr()),
+                        &w.gate_up
+                            .skinny((s.h.ptr, s.act.ptr), gemm_rows, inter, hid, gated),
                     )?;
                 } else {
                     proj((s.h.ptr, &w.gate_up, s.gate_up.ptr), 2 * inter, hid)?;

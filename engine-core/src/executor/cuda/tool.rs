@@ -345,13 +345,7 @@ fn median(v: &mut [f32]) -> f32 {
 
 fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
-    let batches: Vec<u32> = a
-        .get("batches")
-        .map(|s| s.as_str())
-        .unwrap_or("1,8,32,128")
-        .split(',')
-        .map(|x| x.parse())
-        .collect::<Result<_, _>>()?;
+    let batches: Vec<u32> = list_arg(a, "batches", "1,8,32,128")?;
     let context: u32 = a
         .get("context")
         .map(|s| s.parse())
@@ -1295,13 +1289,7 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
     use harrier_kernels::{SkinnyEpilogue, SkinnyInputs, GEMV_MAX_M, SKINNY_MAX_M};
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
     let c = dir.config.clone();
-    let rows_list: Vec<usize> = a
-        .get("rows")
-        .map(|s| s.as_str())
-        .unwrap_or("1,2,4,8,16,32,64")
-        .split(',')
-        .map(|x| x.parse())
-        .collect::<Result<_, _>>()?;
+    let rows_list: Vec<usize> = list_arg(a, "rows", "1,2,4,8,16,32,64")?;
     let maxm = rows_list
         .iter()
         .copied()
@@ -1378,19 +1366,7 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 }
             };
             for &m in rows_list.iter().filter(|&&m| m <= maxm) {
-                let time = |f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
-                    for _ in 0..3 {
-                        f()?;
-                    }
-                    let reps = 50;
-                    dr::event::record(e0, st)?;
-                    for _ in 0..reps {
-                        f()?;
-                    }
-                    dr::event::record(e1, st)?;
-                    dr::event::synchronize(e1)?;
-                    Ok(dr::event::elapsed(e0, e1)? as f64 * 1e3 / reps as f64)
-                };
+                let time = |f: &dyn Fn() -> anyhow::Result<()>| time_us(st, (e0, e1), f);
                 let sk = SkinnyInputs::new((dx, dw, dy3), m, n, kk, SkinnyEpilogue::Store);
                 let fused = fused_launch(name, m);
                 let t_blas = time(&|| blas.cublas(dx, dw, dy1, m, n, kk, false))?;
@@ -1403,23 +1379,12 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 };
                 dr::stream::synchronize(st)?;
                 let (y1, y3) = (read(dy1)?, read(dy3)?);
-                let rel_of = |y: &[u16]| {
-                    let (mut num, mut den) = (0.0f64, 0.0f64);
-                    for (p, q) in y1.iter().zip(y) {
-                        let (p, q) = (
-                            half::bf16::from_bits(*p).to_f64(),
-                            half::bf16::from_bits(*q).to_f64(),
-                        );
-                        num += (p - q) * (p - q);
-                        den += p * p;
-                    }
-                    let r = (num / den.max(1e-30)).sqrt();
-                    if r.is_nan() {
-                        f64::INFINITY
-                    } else {
-                        r
-                    }
+                let f64s = |y: &[u16]| {
+                    y.iter()
+                        .map(|&b| half::bf16::from_bits(b).to_f64())
+                        .collect::<Vec<_>>()
                 };
+                let rel_of = |y: &[u16]| rel_l2(f64s(&y1).into_iter(), f64s(y).into_iter());
                 let rel_sk = rel_of(&y3);
                 let (t_gemv, rel_gemv) = if m <= GEMV_MAX_M {
                     let t = time(&|| k.gemv_bf16(st, dx, dw, dy2, m, n, kk, false))?;
@@ -1448,18 +1413,7 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 for m in [1usize, 8].into_iter().filter(|&m| m <= maxm) {
                     let sk = SkinnyInputs::new((dx, dw, dy3), m, n, kk, SkinnyEpilogue::Store);
                     let fused = fused_launch(name, m);
-                    let time = |f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
-                        for _ in 0..3 {
-                            f()?;
-                        }
-                        dr::event::record(e0, st)?;
-                        for _ in 0..50 {
-                            f()?;
-                        }
-                        dr::event::record(e1, st)?;
-                        dr::event::synchronize(e1)?;
-                        Ok(dr::event::elapsed(e0, e1)? as f64 * 1e3 / 50.0)
-                    };
+                    let time = |f: &dyn Fn() -> anyhow::Result<()>| time_us(st, (e0, e1), f);
                     let t_sk = time(&|| kv.skinny_gemm(st, &sk))?;
                     let t_f = time(&|| kv.skinny_gemm(st, &fused))?;
                     variant_rows.push(format!("| {label} | {name} | {m} | {t_sk:.1} | {t_f:.1} |"));
@@ -1495,16 +1449,197 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--NAME a,b,c` as numbers, `default` when absent.
+fn list_arg<T: std::str::FromStr>(
+    a: &HashMap<String, String>,
+    name: &str,
+    default: &str,
+) -> anyhow::Result<Vec<T>>
+where
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    a.get(name)
+        .map_or(default, String::as_str)
+        .split(',')
+        .map(|x| x.parse().with_context(|| format!("--{name} {x}")))
+        .collect()
+}
+
+/// Microseconds per call of `f` on `st`: 3 warm-up calls, then 50 timed between `e0` and `e1`.
+///
+/// # Safety
+/// `f` must enqueue valid work on `st`; the events belong to the current context.
+unsafe fn time_us(
+    st: sys::CUstream,
+    (e0, e1): (sys::CUevent, sys::CUevent),
+    f: &dyn Fn() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
+    const REPS: usize = 50;
+    for _ in 0..3 {
+        f()?;
+    }
+    // SAFETY: the caller's contract.
+    unsafe {
+        dr::event::record(e0, st)?;
+        for _ in 0..REPS {
+            f()?;
+        }
+        dr::event::record(e1, st)?;
+        dr::event::synchronize(e1)?;
+        Ok(dr::event::elapsed(e0, e1)? as f64 * 1e3 / REPS as f64)
+    }
+}
+
+/// `|x - y| / |x|` over whole vectors (infinite when NaN appears).
+fn rel_l2(x: impl Iterator<Item = f64> + Clone, y: impl Iterator<Item = f64>) -> f64 {
+    let num: f64 = x.clone().zip(y).map(|(p, q)| (p - q) * (p - q)).sum();
+    let den: f64 = x.map(|p| p * p).sum();
+    let r = (num / den.max(1e-30)).sqrt();
+    if r.is_nan() {
+        f64::INFINITY
+    } else {
+        r
+    }
+}
+
+fn argmax(v: &[f32]) -> usize {
+    harrier_engine::sampling::argmax(v) as usize
+}
+
+impl Driver {
+    /// A bf16 driver for [`GreedyRun`]s of up to `maxb` prompts of `prompt_len` tokens and
+    /// `steps` decode steps, graphs for the `--graph-sizes` (default: up to `maxb`).
+    fn for_runs(
+        dir: &ModelDir,
+        a: &HashMap<String, String>,
+        maxb: usize,
+        prompt_len: u32,
+        steps: usize,
+    ) -> anyhow::Result<Driver> {
+        Driver::new(
+            dir,
+            maxb as u32,
+            (maxb as u32 * prompt_len).max(64),
+            prompt_len + steps as u32 + 16,
+            None,
+            &graph_sizes(a, maxb),
+            Dtype::Bf16,
+        )
+    }
+}
+
+/// One greedy run of `prompts` on the driver: tokens `[step][row]` (the prefill's, then
+/// `steps` decode steps) and the first decode step's logits `[row]`.
+struct GreedyRun {
+    tokens: Vec<Vec<u32>>,
+    first_logits: Vec<Vec<f32>>,
+}
+
+impl GreedyRun {
+    fn run(d: &mut Driver, prompts: &[Vec<u32>], steps: usize) -> anyhow::Result<GreedyRun> {
+        let greedy = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(steps as u32 + 1)
+        };
+        let mut out = StepOutput::default();
+        let b = d.prefill(prompts, &greedy);
+        d.step_sync(&b, 0, &mut out)?;
+        let mut tokens = vec![out.tokens.clone()];
+        let mut first_logits = Vec::new();
+        for step in 0..steps {
+            let b = d.decode();
+            d.step_sync(&b, (step % 2) as u8, &mut out)?;
+            tokens.push(out.tokens.clone());
+            if step == 0 {
+                for r in 0..prompts.len() {
+                    first_logits.push(d.exec.logits_row(r)?);
+                }
+            }
+        }
+        Ok(GreedyRun {
+            tokens,
+            first_logits,
+        })
+    }
+
+    /// Against the reference run `r` of the same prompts: the largest relative logit
+    /// difference of the first decode step, how many rows keep its argmax, the mean and largest
+    /// log-probability error of the reference's choice, and the tokens equal up to each row's
+    /// first divergence (later steps see other inputs).
+    fn compare(&self, r: &GreedyRun) -> RunDiff {
+        use harrier_engine::sampling::log_softmax_at as lsm;
+        let mut d = RunDiff::default();
+        for (x, y) in r.first_logits.iter().zip(&self.first_logits) {
+            let f = |v: &[f32]| v.iter().map(|&p| p as f64).collect::<Vec<_>>();
+            d.rel = d.rel.max(rel_l2(f(x).into_iter(), f(y).into_iter()));
+            let want = argmax(x);
+            d.same_argmax += (argmax(y) == want) as usize;
+            let e = (lsm(x, want) - lsm(y, want)).abs();
+            d.logprob_err_mean += e / r.first_logits.len() as f64;
+            d.logprob_err_max = d.logprob_err_max.max(e);
+        }
+        for row in 0..r.first_logits.len() {
+            d.agree += r
+                .tokens
+                .iter()
+                .zip(&self.tokens)
+                .take_while(|(a, b)| a[row] == b[row])
+                .count();
+        }
+        d.total = r.first_logits.len() * r.tokens.len();
+        d
+    }
+}
+
+#[derive(Debug, Default)]
+struct RunDiff {
+    rel: f64,
+    same_argmax: usize,
+    logprob_err_mean: f64,
+    logprob_err_max: f64,
+    agree: usize,
+    total: usize,
+}
+
+impl RunDiff {
+    /// `| batch | rel | same/batch | mean / max | agree/total |`
+    fn row(&self, batch: usize) -> String {
+        format!(
+            "| {batch} | {:.1e} | {}/{batch} | {:.4} / {:.4} | {}/{} |",
+            self.rel,
+            self.same_argmax,
+            self.logprob_err_mean,
+            self.logprob_err_max,
+            self.agree,
+            self.total
+        )
+    }
+
+    fn json(&self, batch: usize) -> serde_json::Value {
+        serde_json::json!({"batch": batch, "rel_logit_diff": self.rel,
+            "same_argmax": self.same_argmax, "logprob_err_mean": self.logprob_err_mean,
+            "logprob_err_max": self.logprob_err_max, "greedy_agree": self.agree,
+            "greedy_total": self.total})
+    }
+}
+
+const RUN_DIFF_HEADER: &str = "| batch | first decode step: rel. logit diff | same argmax | mean / max logprob error of the reference's choice | greedy tokens equal until divergence |\n|---|---|---|---|---|";
+
+/// `n` random prompts of `len` tokens.
+fn random_prompts(rng: &mut SplitMix64, n: usize, len: u32, vocab: usize) -> Vec<Vec<u32>> {
+    (0..n)
+        .map(|_| {
+            (0..len)
+                .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                .collect()
+        })
+        .collect()
+}
+
 /// The fused small-batch path against the unfused one (see the module doc).
 fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
-    let batches: Vec<usize> = a
-        .get("batches")
-        .map(|s| s.as_str())
-        .unwrap_or("1,2,3,8,13,16")
-        .split(',')
-        .map(|x| x.parse())
-        .collect::<Result<_, _>>()?;
+    let batches: Vec<usize> = list_arg(a, "batches", "1,2,3,8,13,16")?;
     let steps: usize = a.get("steps").map(|s| s.parse()).transpose()?.unwrap_or(24);
     let fused_rows: usize = a
         .get("fused-max-rows")
@@ -1513,92 +1648,18 @@ fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .unwrap_or(harrier_engine::executor::cuda::FUSED_TRIAL_ROWS);
     let maxb = *batches.iter().max().unwrap_or(&1);
     let prompt_len = 40u32;
-    let mut d = Driver::new(
-        &dir,
-        maxb as u32,
-        (maxb as u32 * prompt_len).max(64),
-        prompt_len + steps as u32 + 16,
-        None,
-        &graph_sizes(a, maxb),
-        Dtype::Bf16,
-    )?;
-    let vocab = dir.config.vocab_size;
-    let greedy = SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(steps as u32 + 1)
-    };
+    let mut d = Driver::for_runs(&dir, a, maxb, prompt_len, steps)?;
     let mut rng = SplitMix64(0xf05e);
     let mut worst = 0.0f64;
-    println!("| batch | first decode step: max rel. logit diff | same argmax | greedy tokens equal until divergence (of {steps} steps x rows) |");
-    println!("|---|---|---|---|");
+    println!("{RUN_DIFF_HEADER}");
     for &bsz in &batches {
-        let prompts: Vec<Vec<u32>> = (0..bsz)
-            .map(|_| {
-                (0..prompt_len)
-                    .map(|_| (rng.next_u64() % vocab as u64) as u32)
-                    .collect()
-            })
-            .collect();
-        // Per mode: tokens [step][row], and the logits of the first decode step [row].
-        type Run = (Vec<Vec<u32>>, Vec<Vec<f32>>);
-        let mut runs: Vec<Run> = Vec::new();
-        for fused in [0, fused_rows] {
-            d.exec.set_fused_max_rows(fused)?;
-            let mut out = StepOutput::default();
-            let b = d.prefill(&prompts, &greedy);
-            d.step_sync(&b, 0, &mut out)?;
-            let mut toks = vec![out.tokens.clone()];
-            let mut first = Vec::new();
-            for step in 0..steps {
-                let b = d.decode();
-                d.step_sync(&b, (step % 2) as u8, &mut out)?;
-                toks.push(out.tokens.clone());
-                if step == 0 {
-                    for r in 0..bsz {
-                        first.push(d.exec.logits_row(r)?);
-                    }
-                }
-            }
-            runs.push((toks, first));
-        }
-        let (ref_t, ref_l) = &runs[0];
-        let (fus_t, fus_l) = &runs[1];
-        let mut rel = 0.0f64;
-        let mut same_argmax = 0;
-        for (x, y) in ref_l.iter().zip(fus_l) {
-            let (mut num, mut den) = (0.0f64, 0.0f64);
-            for (p, q) in x.iter().zip(y) {
-                num += ((p - q) as f64).powi(2);
-                den += (*p as f64).powi(2);
-            }
-            let r = (num / den.max(1e-30)).sqrt();
-            rel = rel.max(if r.is_nan() { f64::INFINITY } else { r });
-            let am = |v: &[f32]| {
-                v.iter()
-                    .enumerate()
-                    .fold(
-                        (0, f32::NEG_INFINITY),
-                        |b, (i, &x)| if x > b.1 { (i, x) } else { b },
-                    )
-                    .0
-            };
-            same_argmax += (am(x) == am(y)) as usize;
-        }
-        // Tokens per row equal up to the first divergence (later steps see other inputs).
-        let mut agree = 0;
-        for r in 0..bsz {
-            for st in 0..=steps {
-                if ref_t[st][r] != fus_t[st][r] {
-                    break;
-                }
-                agree += 1;
-            }
-        }
-        worst = worst.max(rel);
-        println!(
-            "| {bsz} | {rel:.1e} | {same_argmax}/{bsz} | {agree}/{} |",
-            bsz * (steps + 1)
-        );
+        let prompts = random_prompts(&mut rng, bsz, prompt_len, dir.config.vocab_size);
+        d.exec.set_fused_max_rows(0)?;
+        let unfused = GreedyRun::run(&mut d, &prompts, steps)?;
+        d.exec.set_fused_max_rows(fused_rows)?;
+        let diff = GreedyRun::run(&mut d, &prompts, steps)?.compare(&unfused);
+        worst = worst.max(diff.rel);
+        println!("{}", diff.row(bsz));
     }
     d.exec
         .set_fused_max_rows(harrier_engine::executor::cuda::FUSED_MAX_ROWS)?;
@@ -1628,13 +1689,7 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
     use harrier_kernels::{SkinnyEpilogue, SkinnyInputs};
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
     let c = dir.config.clone();
-    let rows_list: Vec<usize> = a
-        .get("rows")
-        .map(|s| s.as_str())
-        .unwrap_or("1,2,4,8,16,32,64")
-        .split(',')
-        .map(|x| x.parse())
-        .collect::<Result<_, _>>()?;
+    let rows_list: Vec<usize> = list_arg(a, "rows", "1,2,4,8,16,32,64")?;
     let maxm = rows_list.iter().copied().max().unwrap_or(1).clamp(1, 64);
     let mut rng = SplitMix64(0xf8f8);
     let mut worst = 0.0f64;
@@ -1689,18 +1744,7 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     bail!("dequant_fp8_rows: {bad} of {} weights of {name} differ from the host's bf16(e4m3 * scale)", n * kk);
                 }
                 for &m in rows_list.iter().filter(|&&m| m <= maxm) {
-                    let time = |f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
-                        for _ in 0..3 {
-                            f()?;
-                        }
-                        dr::event::record(e0, st)?;
-                        for _ in 0..50 {
-                            f()?;
-                        }
-                        dr::event::record(e1, st)?;
-                        dr::event::synchronize(e1)?;
-                        Ok(dr::event::elapsed(e0, e1)? as f64 * 1e3 / 50.0)
-                    };
+                    let time = |f: &dyn Fn() -> anyhow::Result<()>| time_us(st, (e0, e1), f);
                     let f8 = SkinnyInputs::new((dx, dq, dy2), m, n, kk, SkinnyEpilogue::Store)
                         .scaled(ds);
                     let b16 = SkinnyInputs::new((dx, dw, dy2), m, n, kk, SkinnyEpilogue::Store);
@@ -1718,10 +1762,7 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
                             .collect())
                     };
                     let (r, g) = (read(dy1)?, read(dy2)?);
-                    let num: f64 = r.iter().zip(&g).map(|(p, q)| (p - q) * (p - q)).sum();
-                    let den: f64 = r.iter().map(|p| p * p).sum();
-                    let rel = (num / den.max(1e-30)).sqrt();
-                    let rel = if rel.is_nan() { f64::INFINITY } else { rel };
+                    let rel = rel_l2(r.iter().copied(), g.iter().copied());
                     worst = worst.max(rel);
                     let gbs = (n * kk + 4 * n) as f64 / (t_f8 * 1e-6) / 1e9;
                     println!("| {name} | {n} x {kk} | {m} | {t_blas:.1} | {t_b16:.1} | {t_f8:.1} | {gbs:.0} | {rel:.1e} |");
@@ -1742,116 +1783,31 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
         }
     }
     // The model, bf16 then FP8.
-    let batches: Vec<usize> = a
-        .get("batches")
-        .map(|s| s.as_str())
-        .unwrap_or("1,8")
-        .split(',')
-        .map(|x| x.parse())
-        .collect::<Result<_, _>>()?;
+    let batches: Vec<usize> = list_arg(a, "batches", "1,8")?;
     let steps: usize = a.get("steps").map(|s| s.parse()).transpose()?.unwrap_or(32);
     let maxb = *batches.iter().max().unwrap_or(&1);
     let prompt_len = 24u32;
     let prompts: Vec<Vec<Vec<u32>>> = batches
         .iter()
-        .map(|&b| {
-            (0..b)
-                .map(|_| {
-                    (0..prompt_len)
-                        .map(|_| (rng.next_u64() % c.vocab_size as u64) as u32)
-                        .collect()
-                })
-                .collect()
-        })
+        .map(|&b| random_prompts(&mut rng, b, prompt_len, c.vocab_size))
         .collect();
-    let greedy = SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(steps as u32 + 1)
-    };
-    // Per load, per batch: tokens [step][row] and the first decode step's logits [row].
-    type Run = (Vec<Vec<u32>>, Vec<Vec<f32>>);
-    let mut runs: Vec<Vec<Run>> = Vec::new();
+    let mut runs: Vec<Vec<GreedyRun>> = Vec::new();
     for fp8_on in [false, true] {
         TOOL_FP8.store(fp8_on, std::sync::atomic::Ordering::Relaxed);
-        let mut d = Driver::new(
-            &dir,
-            maxb as u32,
-            (maxb as u32 * prompt_len).max(64),
-            prompt_len + steps as u32 + 16,
-            None,
-            &graph_sizes(a, maxb),
-            Dtype::Bf16,
-        )?;
+        let mut d = Driver::for_runs(&dir, a, maxb, prompt_len, steps)?;
         eprintln!("fp8 {fp8_on}: {} weight bytes", d.info.weight_bytes);
-        let mut per_batch = Vec::new();
-        for p in &prompts {
-            let mut out = StepOutput::default();
-            let b = d.prefill(p, &greedy);
-            d.step_sync(&b, 0, &mut out)?;
-            let mut toks = vec![out.tokens.clone()];
-            let mut first = Vec::new();
-            for step in 0..steps {
-                let b = d.decode();
-                d.step_sync(&b, (step % 2) as u8, &mut out)?;
-                toks.push(out.tokens.clone());
-                if step == 0 {
-                    for r in 0..p.len() {
-                        first.push(d.exec.logits_row(r)?);
-                    }
-                }
-            }
-            per_batch.push((toks, first));
-        }
-        runs.push(per_batch);
+        runs.push(
+            prompts
+                .iter()
+                .map(|p| GreedyRun::run(&mut d, p, steps))
+                .collect::<anyhow::Result<_>>()?,
+        );
     }
-    println!("\n| batch | first decode step: rel. logit diff | same argmax | mean / max logprob error of the bf16 choice | greedy tokens equal until divergence |");
-    println!("|---|---|---|---|---|");
+    println!("\n{RUN_DIFF_HEADER}");
     for (bi, &bsz) in batches.iter().enumerate() {
-        let ((bt, bl), (ft, fl)) = (&runs[0][bi], &runs[1][bi]);
-        let (mut rel, mut same, mut err_sum, mut err_max) = (0.0f64, 0, 0.0f64, 0.0f64);
-        for (x, y) in bl.iter().zip(fl) {
-            let num: f64 = x.iter().zip(y).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
-            let den: f64 = x.iter().map(|p| (*p as f64).powi(2)).sum();
-            rel = rel.max((num / den.max(1e-30)).sqrt());
-            let am = |v: &[f32]| {
-                v.iter()
-                    .enumerate()
-                    .fold(
-                        (0, f32::NEG_INFINITY),
-                        |b, (i, &x)| if x > b.1 { (i, x) } else { b },
-                    )
-                    .0
-            };
-            let lsm = |v: &[f32], i: usize| {
-                let m = v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-                let s: f64 = v.iter().map(|&x| (x as f64 - m).exp()).sum();
-                v[i] as f64 - m - s.ln()
-            };
-            let want = am(x);
-            same += (am(y) == want) as usize;
-            let e = (lsm(x, want) - lsm(y, want)).abs();
-            err_sum += e;
-            err_max = err_max.max(e);
-        }
-        let mut agree = 0;
-        for r in 0..bsz {
-            for st in 0..=steps {
-                if bt[st][r] != ft[st][r] {
-                    break;
-                }
-                agree += 1;
-            }
-        }
-        println!(
-            "| {bsz} | {rel:.1e} | {same}/{bsz} | {:.4} / {err_max:.4} | {agree}/{} |",
-            err_sum / bsz as f64,
-            bsz * (steps + 1)
-        );
-        report.push(
-            serde_json::json!({"batch": bsz, "rel_logit_diff": rel, "same_argmax": same,
-            "logprob_err_mean": err_sum / bsz as f64, "logprob_err_max": err_max,
-            "greedy_agree": agree, "greedy_total": bsz * (steps + 1)}),
-        );
+        let diff = runs[1][bi].compare(&runs[0][bi]);
+        println!("{}", diff.row(bsz));
+        report.push(diff.json(bsz));
     }
     if let Some(p) = a.get("json") {
         std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
