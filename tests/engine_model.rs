@@ -78,7 +78,10 @@ fn workload() -> Vec<(String, Vec<u32>, SamplingParams)> {
 
 /// Runs the workload concurrently; aborts `abort` once they produced a few tokens.
 fn run_workload(model: &Path, sync: bool, abort: &[&str]) -> HashMap<String, Collected> {
-    let _server = server(model, sync, 16);
+    run_workload_on(server(model, sync, 16), abort)
+}
+
+fn run_workload_on(_server: TestServer, abort: &[&str]) -> HashMap<String, Collected> {
     rt().block_on(async {
         let mut c = Client::connect(&_server.endpoint).await;
         let work = workload();
@@ -329,6 +332,38 @@ fn prefix_caching_on_and_off_give_the_same_tokens() {
 /// hits, chunked prefill (16-token budget) and decode all cross the window; every run, with
 /// window-sized KV for the sliding layers or full KV in every layer, must give the tokens of
 /// the first (full KV, no caching, no chunking).
+/// FP8 through the engine: an FP8 checkpoint written by `harrier quantize` serves the same
+/// tokens (greedy, seeded, penalised) as the original loaded with `--quantization fp8` (the
+/// same bytes), and some differ from the unquantized model's.
+#[test]
+fn fp8_checkpoints_serve_what_quantizing_at_load_serves() {
+    use harrier_engine::cli::Quantization;
+    let model = micro_model();
+    let fp8_dir = tempfile::tempdir().unwrap();
+    let fp8 = fp8_dir.path().join("fp8");
+    harrier_engine::quantize::quantize_dir(model.path(), &fp8).unwrap();
+    let run = |dir: &Path, quantization: Option<Quantization>| {
+        let args = EngineCoreArgs {
+            max_num_seqs: 16,
+            num_kv_blocks: Some(2048),
+            max_num_batched_tokens: 512,
+            quantization,
+            ..EngineCoreArgs::defaults()
+        };
+        let built = build_cpu_engine(&args, dir).unwrap();
+        run_workload_on(TestServer::start(built.engine, built.info), &[])
+    };
+    let at_load = run(model.path(), Some(Quantization::Fp8));
+    let from_ckpt = run(&fp8, None);
+    let plain = run(model.path(), None);
+    let mut changed = 0;
+    for (id, _, _) in workload() {
+        assert_eq!(at_load[&id].tokens, from_ckpt[&id].tokens, "{id}");
+        changed += (at_load[&id].tokens != plain[&id].tokens) as usize;
+    }
+    assert!(changed > 0, "FP8 changed no request's tokens");
+}
+
 #[test]
 fn gemma3_sliding_window_survives_prefix_caching_and_chunked_prefill() {
     let dir = tempfile::tempdir().unwrap();
