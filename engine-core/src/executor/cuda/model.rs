@@ -119,7 +119,8 @@ pub struct GpuModel {
     pub dtype: Dtype,
     pub weight_bytes: usize,
     embed: DevBuf,
-    /// `None` when tied to the embedding (FP8 models always have their own, in FP8).
+    /// `None` when tied to the embedding and not quantized (`--quantization fp8` gives a tied
+    /// head its own FP8 copy).
     lm_head: Option<Proj>,
     /// Projections and the output head hold FP8 weights (see [`Proj`]).
     pub fp8: bool,
@@ -355,6 +356,7 @@ impl GpuModel {
         fp8: bool,
     ) -> anyhow::Result<GpuModel> {
         let c = dir.config.clone();
+        let quantize = fp8;
         let fp8 = fp8 || c.fp8.is_some();
         if fp8 {
             check_fp8_model(&c, dtype)
@@ -375,7 +377,7 @@ impl GpuModel {
             total.set(total.get() + buf.bytes());
             buf.upload(stream)
         };
-        let proj = |names: &[(String, Vec<usize>)]| -> anyhow::Result<Proj> {
+        let proj_as = |names: &[(String, Vec<usize>)], fp8: bool| -> anyhow::Result<Proj> {
             if !fp8 {
                 return Ok(Proj {
                     w: one(names)?,
@@ -387,6 +389,7 @@ impl GpuModel {
             requantized.set(requantized.get() + requant);
             Ok(p)
         };
+        let proj = |names: &[(String, Vec<usize>)]| proj_as(names, fp8);
         let lt = |t: LayerTensor, l: usize| (t.name(l), t.shape(&c));
         let mut layers = Vec::with_capacity(c.num_layers);
         let mut progress = crate::progress::StartupProgress::new(
@@ -438,12 +441,20 @@ impl GpuModel {
         progress.finish();
         let (v, h) = (c.vocab_size, c.hidden_size);
         let embed = one(&[(EMBED.to_string(), vec![v, h])])?;
-        // FP8: the output head gets its own FP8 copy even when tied (the embedding rows stay
-        // as stored), as the CPU's `--quantization fp8` and `harrier quantize` do.
-        let lm_head = match (c.tie_word_embeddings, fp8) {
+        // `--quantization fp8` gives the output head its own FP8 copy even when tied (the
+        // embedding rows stay as stored), as the CPU's and `harrier quantize` do; an FP8
+        // checkpoint's head stays as the checkpoint stores it (often bf16, its ignore list).
+        let head = (LM_HEAD.to_string(), vec![v, h]);
+        let head_fp8 = quantize
+            || (!c.tie_word_embeddings
+                && matches!(
+                    ckpt.weight(&head.0, &head.1, c.fp8.as_ref())?,
+                    WeightRef::Fp8 { .. }
+                ));
+        let lm_head = match (c.tie_word_embeddings, head_fp8) {
             (true, false) => None,
-            (true, true) => Some(proj(&[(EMBED.to_string(), vec![v, h])])?),
-            (false, _) => Some(proj(&[(LM_HEAD.to_string(), vec![v, h])])?),
+            (true, true) => Some(proj_as(&[(EMBED.to_string(), vec![v, h])], true)?),
+            (false, _) => Some(proj_as(&[head], head_fp8)?),
         };
         let final_norm = one(&[(FINAL_NORM.to_string(), vec![h])])?;
         if requantized.get() > 0 {
