@@ -8,9 +8,10 @@
 //! input (docs/fp8.md).
 //!
 //! Checkpoints that are already FP8 load as they are written by:
-//! - compressed-tensors (`quant_method: "compressed-tensors"`, float 8-bit weights, `tensor` or
-//!   `channel` strategy): `<module>.weight` in `F8_E4M3`, `<module>.weight_scale` of shape `[]`,
-//!   `[1]`, `[N, 1]` or `[N]`; `input_scale` (static activation scales) is not used;
+//! - compressed-tensors (`quant_method: "compressed-tensors"`, float 8-bit weights, `tensor`,
+//!   `channel` or `block` strategy): `<module>.weight` in `F8_E4M3`, `<module>.weight_scale` of
+//!   shape `[]`, `[1]`, `[N, 1]`, `[N]` or (blocks of `block_structure`) `[ceil(N / bn),
+//!   ceil(K / bk)]`; `input_scale` (static activation scales) is not used;
 //! - transformers' `fbgemm_fp8`: per-channel `weight_scale` `[N, 1]`;
 //! - `fp8` with `weight_block_size` (transformers' fine-grained FP8, DeepSeek style):
 //!   `weight_scale_inv` per block (`[ceil(N / bn), ceil(K / bk)]`); despite its name it
@@ -74,12 +75,15 @@ impl Fp8Checkpoint {
                     .and_then(Value::as_object)
                     .filter(|g| !g.is_empty())
                     .ok_or_else(|| err("config_groups", "missing or empty".into()))?;
+                let mut block = None;
                 for (name, group) in groups {
                     let field = |f: &str| format!("config_groups.{name}.weights.{f}");
                     let w = group
                         .get("weights")
                         .filter(|v| !v.is_null())
-                        .ok_or_else(|| err(&field(""), "missing".into()))?;
+                        .ok_or_else(|| {
+                            err(&format!("config_groups.{name}.weights"), "missing".into())
+                        })?;
                     let (bits, kind) = (w.get("num_bits"), w.get("type"));
                     if bits.and_then(Value::as_u64) != Some(8)
                         || kind.and_then(Value::as_str) != Some("float")
@@ -93,10 +97,25 @@ impl Fp8Checkpoint {
                     }
                     match w.get("strategy").and_then(Value::as_str) {
                         Some("tensor" | "channel") => {}
+                        Some("block") => {
+                            let b = block_size(w.get("block_structure")).ok_or_else(|| {
+                                err(
+                                    &field("block_structure"),
+                                    "expected two positive integers".into(),
+                                )
+                            })?;
+                            if block.is_some_and(|other| other != b) {
+                                return Err(unsupported(
+                                    "compressed-tensors groups with different FP8 block sizes"
+                                        .into(),
+                                ));
+                            }
+                            block = Some(b);
+                        }
                         other => {
                             return Err(unsupported(format!(
                                 "compressed-tensors FP8 weight strategy {other:?} (supported: \
-                                 \"tensor\", \"channel\")"
+                                 \"tensor\", \"channel\", \"block\")"
                             )))
                         }
                     }
@@ -104,7 +123,7 @@ impl Fp8Checkpoint {
                 Ok(Some(Fp8Checkpoint {
                     method: method.into(),
                     scale_suffix: "weight_scale",
-                    block: None,
+                    block,
                 }))
             }
             "fbgemm_fp8" => Ok(Some(Fp8Checkpoint {
@@ -115,23 +134,9 @@ impl Fp8Checkpoint {
             "fp8" => {
                 let block = match q.get("weight_block_size").filter(|v| !v.is_null()) {
                     None => None,
-                    Some(Value::Array(a)) => match a.as_slice() {
-                        [r, c] => match (r.as_u64(), c.as_u64()) {
-                            (Some(r), Some(c)) if r > 0 && c > 0 => Some((r as usize, c as usize)),
-                            _ => None,
-                        },
-                        _ => None,
-                    }
-                    .map(Some)
-                    .ok_or_else(|| {
+                    v => Some(block_size(v).ok_or_else(|| {
                         err("weight_block_size", "expected two positive integers".into())
-                    })?,
-                    Some(v) => {
-                        return Err(err(
-                            "weight_block_size",
-                            format!("expected a list, got {v}"),
-                        ))
-                    }
+                    })?),
                 };
                 Ok(Some(Fp8Checkpoint {
                     method: method.into(),
@@ -174,6 +179,17 @@ impl Fp8Checkpoint {
                  {scale_shape:?}"
             )),
         }
+    }
+}
+
+/// `[rows, cols]` of positive integers.
+fn block_size(v: Option<&Value>) -> Option<(usize, usize)> {
+    match v?.as_array()?.as_slice() {
+        [r, c] => match (r.as_u64()?, c.as_u64()?) {
+            (r, c) if r > 0 && c > 0 => Some((r as usize, c as usize)),
+            _ => None,
+        },
+        _ => None,
     }
 }
 
@@ -355,6 +371,14 @@ mod tests {
         assert_eq!(c.layout((8, 4), &[8, 1]), Ok(ScaleLayout::Channel));
         assert_eq!(c.layout((8, 4), &[]), Ok(ScaleLayout::Tensor));
         assert!(c.layout((8, 4), &[4, 1]).unwrap_err().contains("[8, 1]"));
+        let cb = json!({"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8,
+                "type": "float", "strategy": "block", "block_structure": [128, 128]}}}});
+        let c = Fp8Checkpoint::parse(Some(&cb), p).unwrap().unwrap();
+        assert_eq!(
+            (c.block, c.scale_suffix),
+            (Some((128, 128)), "weight_scale")
+        );
         let fg = json!({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]});
         let c = Fp8Checkpoint::parse(Some(&fg), p).unwrap().unwrap();
         assert_eq!(c.scale_name("lm_head.weight"), "lm_head.weight_scale_inv");
@@ -395,9 +419,14 @@ mod tests {
         assert!(e.contains("num_bits 4") && e.contains("FP8"), "{e}");
         let e = err(
             json!({"quant_method": "compressed-tensors", "config_groups": {"g": {
+            "weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}}),
+        );
+        assert!(e.contains("\"group\""), "{e}");
+        let e = err(
+            json!({"quant_method": "compressed-tensors", "config_groups": {"g": {
             "weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}}),
         );
-        assert!(e.contains("\"block\""), "{e}");
+        assert!(e.contains("config_groups.g.weights.block_structure"), "{e}");
         let e = err(json!({"quant_method": "fp8", "weight_block_size": [128]}));
         assert!(e.contains("quantization_config.weight_block_size"), "{e}");
         let e = err(json!({"bits": 8}));
