@@ -694,3 +694,107 @@ mod tests {
         assert!(e.contains("ends at byte"), "{e}");
     }
 }
+
+/// FP8 checkpoints written by compressed-tensors itself (`scripts/fp8_fixtures.py`: the micro
+/// model's projections quantized per channel and in 32 x 32 blocks by the library's own scale
+/// rule and compressor): every weight reads back as the library decompresses it.
+#[cfg(test)]
+mod fp8_fixture_tests {
+    use super::*;
+    use crate::model::{CpuModel, ModelDir};
+
+    fn fixture(strategy: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/fp8")
+            .join(strategy)
+    }
+
+    fn check(strategy: &str, block: Option<(usize, usize)>) {
+        let dir = ModelDir::open(&fixture(strategy)).unwrap();
+        let fp8 = dir.config.fp8.clone().expect("an FP8 config");
+        assert_eq!(
+            (fp8.method.as_str(), fp8.block),
+            ("compressed-tensors", block)
+        );
+        let ckpt = Checkpoint::open(&dir.path).unwrap();
+        ckpt.check(&dir.config).unwrap();
+        let expected: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.path.join("expected.json")).unwrap())
+                .unwrap();
+        let expected = expected.as_object().unwrap();
+        assert_eq!(expected.len(), 7 * dir.config.num_layers);
+        for (name, want) in expected {
+            let shape = expected_tensors(&dir.config)
+                .into_iter()
+                .find(|(n, _)| n == name)
+                .unwrap()
+                .1;
+            let w = ckpt.weight(name, &shape, Some(&fp8)).unwrap();
+            assert!(matches!(w, WeightRef::Fp8 { .. }), "{name}");
+            let v = w.to_f32();
+            let sum: f64 = v.iter().map(|&x| x as f64).sum();
+            let sum_sq: f64 = v.iter().map(|&x| x as f64 * x as f64).sum();
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1.0);
+            assert!(
+                close(sum, want["sum"].as_f64().unwrap()),
+                "{name}: sum {sum}"
+            );
+            assert!(
+                close(sum_sq, want["sum_sq"].as_f64().unwrap()),
+                "{name}: sum_sq"
+            );
+            // f32 values (serde_json may read the last bit of an f64 differently).
+            for (i, f) in want["first"].as_array().unwrap().iter().enumerate() {
+                assert_eq!(v[i], f.as_f64().unwrap() as f32, "{name}[{i}]");
+            }
+        }
+        // And the model runs on them.
+        CpuModel::load(&dir).unwrap();
+    }
+
+    #[test]
+    fn compressed_tensors_channel_checkpoints_read_as_the_library_means() {
+        check("channel", None);
+    }
+
+    /// Our per-channel quantizer (`--quantization fp8`, `harrier quantize`) writes the bytes
+    /// and scales compressed-tensors writes, from the same weights (the fixture's source is
+    /// the micro preset at seed 5).
+    #[test]
+    fn our_quantizer_matches_compressed_tensors() {
+        use crate::gen_model::{write_model, ModelSpec, Preset};
+        let src = tempfile::tempdir().unwrap();
+        write_model(src.path(), &ModelSpec::from_preset(Preset::Micro, 5)).unwrap();
+        let src = ModelDir::open(src.path()).unwrap();
+        let ours = Checkpoint::open(&src.path).unwrap();
+        let dir = ModelDir::open(&fixture("channel")).unwrap();
+        let theirs = Checkpoint::open(&dir.path).unwrap();
+        let fp8 = dir.config.fp8.as_ref();
+        let mut compared = 0;
+        for layer in 0..src.config.num_layers {
+            for t in LayerTensor::all(src.config.architecture) {
+                if t.is_norm() {
+                    continue;
+                }
+                let shape = t.shape(&src.config);
+                let w = ours.get(&t.name(layer), &shape).unwrap().to_f32();
+                let (q, scales) = fp8::quantize_rows(&w, shape[1]);
+                let WeightRef::Fp8 {
+                    q: tq, scales: ts, ..
+                } = theirs.weight(&t.name(layer), &shape, fp8).unwrap()
+                else {
+                    panic!("{} is not FP8 in the fixture", t.name(layer));
+                };
+                assert_eq!(scales, ts, "{}: scales", t.name(layer));
+                assert_eq!(q, tq, "{}: e4m3 bytes", t.name(layer));
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, 7 * src.config.num_layers);
+    }
+
+    #[test]
+    fn compressed_tensors_block_checkpoints_read_as_the_library_means() {
+        check("block", Some((32, 32)));
+    }
+}
