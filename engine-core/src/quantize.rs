@@ -161,8 +161,14 @@ pub fn quantize_dir(src: &Path, out: &Path) -> anyhow::Result<usize> {
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(metadata), &out.join(SINGLE_FILE))
-        .with_context(|| format!("writing {}", out.join(SINGLE_FILE).display()))?;
+    let weights = out.join(SINGLE_FILE);
+    safetensors::serialize_to_file(views, Some(metadata), &weights)
+        .with_context(|| format!("writing {}", weights.display()))?;
+    // The safetensors writer creates the file private to its owner; give it the permissions
+    // of the source's config (a service user that could read the source can read the copy).
+    let perms = std::fs::metadata(&config_path)?.permissions();
+    std::fs::set_permissions(&weights, perms)
+        .with_context(|| format!("setting the permissions of {}", weights.display()))?;
     Ok(quantized)
 }
 
@@ -227,6 +233,14 @@ mod tests {
         assert_eq!(dq.config.fp8.as_ref().unwrap().method, "compressed-tensors");
         assert!(!dq.config.tie_word_embeddings);
         assert!(q.join("tokenizer.json").is_file());
+        let mode = |p: &Path| {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+        };
+        assert_eq!(
+            mode(&q.join(SINGLE_FILE)),
+            mode(&embedded_model().join("config.json"))
+        );
         let ckpt = Checkpoint::open(&q).unwrap();
         let w = ckpt
             .weight(
