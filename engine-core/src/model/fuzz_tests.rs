@@ -740,6 +740,192 @@ proptest! {
     }
 }
 
+/// One tensor of a constructed checkpoint: name, safetensors dtype name, shape, bytes.
+type RawTensor = (String, &'static str, Vec<usize>, Vec<u8>);
+
+/// The tiny Llama as an FP8 checkpoint (compressed-tensors, per channel): every projection in
+/// F8_E4M3 with an f32 `[n, 1]` scale, the rest in bf16.
+fn fp8_tensors() -> Vec<RawTensor> {
+    let c = base_model_config();
+    let mut out = Vec::new();
+    for (name, shape) in expected_tensors(&c) {
+        let n: usize = shape.iter().product();
+        let projection = shape.len() == 2 && name.starts_with("model.layers.");
+        if projection {
+            let q = (0..n)
+                .map(|i| super::fp8::encode((i % 9) as f32 - 4.0))
+                .collect();
+            out.push((name.clone(), "F8_E4M3", shape.clone(), q));
+            let module = name.strip_suffix(".weight").unwrap();
+            let scales = (0..shape[0]).flat_map(|_| 0.01f32.to_le_bytes()).collect();
+            out.push((
+                format!("{module}.weight_scale"),
+                "F32",
+                vec![shape[0], 1],
+                scales,
+            ));
+        } else {
+            let v = (0..n)
+                .flat_map(|i| half::bf16::from_f32(((i % 7) as f32 - 3.0) / 8.0).to_le_bytes())
+                .collect();
+            out.push((name, "BF16", shape, v));
+        }
+    }
+    out
+}
+
+/// A safetensors file of `tensors`, offsets chained.
+fn raw_safetensors(tensors: &[RawTensor]) -> Vec<u8> {
+    let (mut header, mut data) = (Map::new(), Vec::new());
+    for (name, dtype, shape, bytes) in tensors {
+        let start = data.len();
+        data.extend_from_slice(bytes);
+        header.insert(
+            name.clone(),
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [start, data.len()]}),
+        );
+    }
+    safetensors_bytes(&header, &data)
+}
+
+/// What an FP8 case changes: `quantization_config` keys and its weights' keys, and scale
+/// tensors (shape and contents consistent for the safetensors crate, so the loader's own
+/// checks see them), dropped scales, projections stored as bf16 or scales as other dtypes.
+#[derive(Debug, Clone)]
+enum Fp8Edit {
+    Quant(usize, Option<Value>),
+    Weights(usize, Option<Value>),
+    ScaleShape(usize, Vec<usize>, f32),
+    ScaleDtype(usize, &'static str),
+    DropScale(usize),
+}
+
+const QUANT_KEYS: &[&str] = &[
+    "quant_method",
+    "format",
+    "config_groups",
+    "weight_block_size",
+];
+const WEIGHT_KEYS: &[&str] = &[
+    "num_bits",
+    "type",
+    "strategy",
+    "block_structure",
+    "symmetric",
+];
+
+fn fp8_edit() -> impl Strategy<Value = Fp8Edit> {
+    let value = || {
+        prop_oneof![
+            1 => Just(None),
+            2 => prop::sample::select(vec![
+                json!("compressed-tensors"), json!("fp8"), json!("fbgemm_fp8"), json!("awq"),
+                json!("channel"), json!("tensor"), json!("block"), json!("group"),
+                json!("float"), json!("int"), json!(8), json!(4), json!([1, 1]), json!([2, 4]),
+                json!([8, 8]), json!([0, 4]), json!([u64::MAX, 1]), json!([3]),
+            ]).prop_map(Some),
+            1 => any_json().prop_map(Some),
+            1 => edge_int().prop_map(Some),
+        ]
+    };
+    let shape = prop_oneof![
+        prop::collection::vec(0usize..20, 0..3),
+        prop::sample::select(vec![
+            vec![],
+            vec![1],
+            vec![16, 1],
+            vec![8, 1],
+            vec![16],
+            vec![2, 1],
+            vec![4, 2],
+            vec![2, 2],
+            vec![16, 8],
+            vec![1, 1, 1]
+        ]),
+    ];
+    let scale = prop::sample::select(vec![
+        0.01f32,
+        0.0,
+        -1.0,
+        f32::NAN,
+        f32::INFINITY,
+        1e38,
+        1e-45,
+    ]);
+    prop_oneof![
+        2 => (0..QUANT_KEYS.len(), value()).prop_map(|(k, v)| Fp8Edit::Quant(k, v)),
+        2 => (0..WEIGHT_KEYS.len(), value()).prop_map(|(k, v)| Fp8Edit::Weights(k, v)),
+        3 => (any::<usize>(), shape, scale).prop_map(|(i, s, v)| Fp8Edit::ScaleShape(i, s, v)),
+        1 => (any::<usize>(), prop::sample::select(vec!["BF16", "F16", "F8_E4M3", "I32", "F64"]))
+            .prop_map(|(i, d)| Fp8Edit::ScaleDtype(i, d)),
+        1 => any::<usize>().prop_map(Fp8Edit::DropScale),
+    ]
+}
+
+proptest! {
+    #![proptest_config(fuzz::config(512))]
+
+    /// FP8 checkpoints: `quantization_config` and its weights' fields replaced or removed,
+    /// scale tensors reshaped (to channel, tensor, block and nonsense shapes), refilled with
+    /// zeros, NaN, infinities, retyped or dropped.
+    #[test]
+    fn fuzz_fp8_checkpoints(edits in prop::collection::vec(fp8_edit(), 1..5)) {
+        let mut config = base_config();
+        config["quantization_config"] = crate::quantize::compressed_tensors_config();
+        let mut tensors = fp8_tensors();
+        let scales: Vec<usize> = (0..tensors.len())
+            .filter(|&i| tensors[i].0.ends_with("weight_scale"))
+            .collect();
+        let mut dropped = Vec::new();
+        for e in &edits {
+            let q = config["quantization_config"].as_object_mut().unwrap();
+            match e {
+                Fp8Edit::Quant(k, v) => match v {
+                    None => { q.remove(QUANT_KEYS[*k]); }
+                    Some(v) => { q.insert(QUANT_KEYS[*k].into(), v.clone()); }
+                },
+                Fp8Edit::Weights(k, v) => {
+                    if let Some(Value::Object(w)) = q
+                        .get_mut("config_groups")
+                        .and_then(|g| g.get_mut("group_0"))
+                        .and_then(|g| g.get_mut("weights"))
+                    {
+                        match v {
+                            None => { w.remove(WEIGHT_KEYS[*k]); }
+                            Some(v) => { w.insert(WEIGHT_KEYS[*k].into(), v.clone()); }
+                        }
+                    }
+                }
+                Fp8Edit::ScaleShape(i, shape, v) => {
+                    let t = &mut tensors[scales[i % scales.len()]];
+                    let n: usize = shape.iter().product();
+                    t.1 = "F32";
+                    t.2 = shape.clone();
+                    t.3 = (0..n).flat_map(|_| v.to_le_bytes()).collect();
+                }
+                Fp8Edit::ScaleDtype(i, d) => {
+                    let t = &mut tensors[scales[i % scales.len()]];
+                    let n: usize = t.2.iter().product();
+                    let size = match *d { "F8_E4M3" => 1, "BF16" | "F16" => 2, "F64" => 8, _ => 4 };
+                    t.1 = d;
+                    t.3 = vec![0x3c; n * size];
+                }
+                Fp8Edit::DropScale(i) => dropped.push(scales[i % scales.len()]),
+            }
+        }
+        let kept: Vec<RawTensor> = tensors
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| !dropped.contains(i))
+            .map(|(_, t)| t)
+            .collect();
+        check_dir(&[
+            ("config.json", config.to_string().into_bytes()),
+            ("model.safetensors", raw_safetensors(&kept)),
+        ])?;
+    }
+}
+
 /// The harness's starting points load: the mutations start from a valid directory.
 #[test]
 fn fuzz_base_model_loads() {
@@ -755,4 +941,25 @@ fn fuzz_base_model_loads() {
     assert_eq!(edited_safetensors(&[HeaderEdit::Rechain]), {
         safetensors_bytes(&header, &data)
     });
+    // The FP8 starting point loads with its projections in FP8.
+    let mut config = base_config();
+    config["quantization_config"] = crate::quantize::compressed_tensors_config();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        raw_safetensors(&fp8_tensors()),
+    )
+    .unwrap();
+    load(dir.path()).unwrap();
+    let md = ModelDir::open(dir.path()).unwrap();
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let w = ckpt
+        .weight(
+            &LayerTensor::DownProj.name(1),
+            &LayerTensor::DownProj.shape(&md.config),
+            md.config.fp8.as_ref(),
+        )
+        .unwrap();
+    assert!(matches!(w, WeightRef::Fp8 { .. }));
 }
