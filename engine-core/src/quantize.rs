@@ -269,6 +269,27 @@ mod tests {
         assert!(e.to_string().contains("not empty"), "{e:#}");
     }
 
+    /// Qwen3's q/k norms and Gemma 3's sandwich norms and tied head (f16 and bf16 weights):
+    /// the FP8 checkpoint equals quantizing at load there too.
+    #[test]
+    fn every_architecture_quantizes_as_at_load() {
+        use crate::gen_model::{write_model, ModelSpec, Preset};
+        for preset in [Preset::MicroQwen3, Preset::MicroGemma3] {
+            let dir = tempfile::tempdir().unwrap();
+            let src_dir = dir.path().join("src");
+            std::fs::create_dir_all(&src_dir).unwrap();
+            write_model(&src_dir, &ModelSpec::from_preset(preset, 3)).unwrap();
+            let q = dir.path().join("fp8");
+            quantize_dir(&src_dir, &q).unwrap();
+            let src = ModelDir::open(&src_dir).unwrap();
+            let mut a = CpuModel::load(&ModelDir::open(&q).unwrap()).unwrap();
+            let mut b = CpuModel::load_with(&src, LoadOptions { round_fp8: true }).unwrap();
+            for p in prompts(src.config.vocab_size) {
+                assert_eq!(logits(&mut a, &p), logits(&mut b, &p), "{preset:?}");
+            }
+        }
+    }
+
     /// FP8 accuracy on the trained committed models (the embedded `harrier-cpu` and its draft),
     /// teacher-forced on each bf16 model's own greedy text: how often the FP8 model's top token
     /// is the bf16 model's, and the log-probability error of the bf16 model's choice
