@@ -9,7 +9,8 @@
 #            model) and on the trained embedded model (engine-core/models/harrier-cpu);
 #   fp8ckpt: harrier quantize llama-3.2-1b, then bench the FP8 checkpoint at batch 1 and 64;
 #   fp8trained: trains trained-llama-1b (scripts/train, a few minutes; carry the Llama 3
-#            tokenizer as .gpu/llama3/tokenizer.json) and runs check-fp8's model part on it
+#            tokenizer as .gpu/llama3-tokenizer.json.gz, which keeps the carry under 64 MiB,
+#            or as .gpu/llama3/tokenizer.json) and runs check-fp8's model part on it
 #            (the issue's accuracy on a trained checkpoint: greedy agreement, logprob error);
 #   parity:  bf16 CUDA vs transformers bf16 on llama-3.2-1b (8 prompts in one batch: its
 #            decode steps take the fused path), --rel-bar 2e-2;
@@ -58,8 +59,13 @@ for st in $STAGES; do
         ;;
     fp8trained)
         TW=/tmp/harrier-train/gpu
+        TOK=.gpu/llama3/tokenizer.json
+        if [[ ! -f "$TOK" && -f .gpu/llama3-tokenizer.json.gz ]]; then
+            TOK="$W/llama3-tokenizer.json"
+            gunzip -c .gpu/llama3-tokenizer.json.gz >"$TOK"
+        fi
         [[ -f "$TW/trained-llama-1b/config.json" ]] || python3 scripts/train/train.py --family gpu --out "$TW" \
-            --llama3-tokenizer .gpu/llama3/tokenizer.json --only trained-llama-1b >>"$OUT/train.log" 2>&1
+            --llama3-tokenizer "$TOK" --only trained-llama-1b >>"$OUT/train.log" 2>&1
         timeout 300 "$T" check-fp8 --model "$TW/trained-llama-1b" --rows 1 --batches 1,8,32 --steps 64 \
             --json "$OUT/fp8_trained-llama-1b.json" 2>&1 | grep -E "^\||Error" | tail -5 | tee -a "$OUT/fp8.txt"
         ;;
