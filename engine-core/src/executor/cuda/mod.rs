@@ -57,7 +57,7 @@ use crate::sampling::{RowSampler, SamplerScratch};
 use graphs::{DecodeGraph, GraphAddrs};
 use layout::{Capacities, GraphBuckets, MetaLayout};
 use meta::HostRow;
-pub use model::{GpuModel, FUSED_MAX_ROWS, FUSED_TRIAL_ROWS};
+pub use model::GpuModel;
 
 /// Whether the CUDA driver library can be loaded and reports at least one device.
 pub fn cuda_present() -> bool {
@@ -379,9 +379,7 @@ impl CudaExecutor {
         let elem = cfg.dtype.size();
         let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
         let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype, cfg.fp8)?;
-        if model.dtype == Dtype::Bf16 {
-            model.fused_max_rows = cfg.fused_max_rows;
-        }
+        model.fused_max_rows = cfg.fused_max_rows;
         let layout = MetaLayout::new(&caps);
         let max_rows = caps.max_seqs;
         let rows_d = DevBuf::new(max_rows * std::mem::size_of::<RowParams>())?;
@@ -682,10 +680,7 @@ impl CudaExecutor {
     /// models never do). Captured graphs are recaptured so that replays follow; call between
     /// steps (nothing in flight).
     pub fn set_fused_max_rows(&mut self, max_rows: usize) -> anyhow::Result<()> {
-        self.model.fused_max_rows = match self.model.dtype {
-            Dtype::Bf16 => max_rows,
-            Dtype::F32 => 0,
-        };
+        self.model.fused_max_rows = max_rows;
         if self.graphs.iter().any(|g| !g.is_empty()) {
             for g in &mut self.graphs {
                 g.clear();

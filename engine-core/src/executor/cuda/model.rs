@@ -74,8 +74,8 @@ struct Scratch {
     final_h: DevBuf,
     attn_part: DevBuf,
     /// FP8 models: a bf16 copy of one projection (or a slice of the output head) for the
-    /// steps the skinny kernels do not take; its size in elements.
-    wdq: Option<(DevBuf, usize)>,
+    /// steps the skinny kernels do not take.
+    wdq: Option<DevBuf>,
 }
 
 /// One step's device metadata (addresses inside the slot's buffer), the per-row block tables
@@ -139,16 +139,10 @@ pub struct GpuModel {
     kv_layers: Vec<(usize, usize, bool)>,
     block_size: usize,
     pub blas: Blas,
-    /// Steps of up to this many GEMM rows take the fused small-batch path (0: never; bf16
-    /// only): see [`GpuModel::forward`].
+    /// Steps of up to this many GEMM rows take the fused small-batch path (0: never; f32
+    /// models never do, see [`ProjPlan::new`]). Set by the executor after loading.
     pub fused_max_rows: usize,
 }
-
-/// Default for [`GpuModel::fused_max_rows`] (`--fused-decode-max-rows`).
-pub const FUSED_MAX_ROWS: usize = crate::config::FUSED_DECODE_MAX_ROWS;
-
-/// The row limit the tools compare the fused path at when not told.
-pub const FUSED_TRIAL_ROWS: usize = crate::config::FUSED_TRIAL_ROWS;
 
 /// FP8 models: steps of up to this many GEMM rows run every projection through the FP8 skinny
 /// kernels (the weights read once, in 1 byte each); larger steps dequantize each projection to
@@ -345,19 +339,18 @@ fn load_fp8(
 }
 
 impl GpuModel {
-    /// Loads `dir` onto the GPU in `dtype`; `fp8` (or an FP8 checkpoint) stores the
-    /// projections and the output head in FP8 (bf16 only).
+    /// Loads `dir` onto the GPU in `dtype`; `quantize` (`--quantization fp8`) or an FP8
+    /// checkpoint stores the projections (and, quantizing, the output head) in FP8 (bf16 only).
     pub(crate) fn load(
         dir: &ModelDir,
         stream: sys::CUstream,
         caps: &Capacities,
         sizes: &ScratchSizes,
         dtype: Dtype,
-        fp8: bool,
+        quantize: bool,
     ) -> anyhow::Result<GpuModel> {
         let c = dir.config.clone();
-        let quantize = fp8;
-        let fp8 = fp8 || c.fp8.is_some();
+        let fp8 = quantize || c.fp8.is_some();
         if fp8 {
             check_fp8_model(&c, dtype)
                 .with_context(|| format!("FP8 weights for {}", dir.path.display()))?;
@@ -500,7 +493,7 @@ impl GpuModel {
                     .max()
                     .unwrap_or(0)
                     .max(h);
-                    Some((DevBuf::new(elems * 2)?, elems))
+                    Some(DevBuf::new(elems * 2)?)
                 }
                 false => None,
             },
@@ -527,10 +520,7 @@ impl GpuModel {
             kv_layers: Vec::new(),
             block_size: caps.block_size,
             blas,
-            fused_max_rows: match dtype {
-                Dtype::Bf16 => FUSED_MAX_ROWS,
-                Dtype::F32 => 0,
-            },
+            fused_max_rows: 0,
         })
     }
 
@@ -621,17 +611,17 @@ impl GpuModel {
         // The fused small-batch path (see ProjPlan), or cuBLAS (or gemv_bf16) with separate
         // norm, residual and activation kernels.
         let plan = self.proj_plan(k, gemm_rows);
-        let fused = plan.skinny;
+        let skinny = plan.skinny;
         let gated = if gelu { Epi::GeluTanhMul } else { Epi::SiluMul };
         let blas = &self.blas;
-        let wdq = s.wdq.as_ref().map(|(b, _)| b.ptr);
+        let wdq = s.wdq.as_ref().map(|b| b.ptr);
         // y = x · wᵀ over gemm_rows rows: the skinny kernels (bf16 or FP8), cuBLAS, or (FP8
         // past the skinny kernels) cuBLAS over a bf16 copy of the weights.
         let proj = |(x, w, y): (u64, &Proj, u64), n: usize, kk: usize| -> anyhow::Result<()> {
             // SAFETY: as the launches below (the scratch buffers hold gemm_rows rows; wdq holds
             // the largest layer projection).
             unsafe {
-                match (fused, w.scale.as_ref(), wdq) {
+                match (skinny, w.scale.as_ref(), wdq) {
                     (true, _, _) => {
                         k.skinny_gemm(stream, &w.skinny((x, y), gemm_rows, n, kk, Epi::Store))
                     }
@@ -805,7 +795,7 @@ impl GpuModel {
                 k.add_rmsnorm(
                     stream, s.x.ptr, attn_delta, mlp_norm, s.h.ptr, 0, t as u32, hid as i32, eps,
                 )?;
-                if fused {
+                if skinny {
                     k.skinny_gemm(
                         stream,
                         &w.gate_up
@@ -848,7 +838,7 @@ impl GpuModel {
                 // step samples few rows however many tokens it has).
                 let skinny_head = match head_scale {
                     Some(_) => gemm_samples <= FP8_SKINNY_MAX_ROWS,
-                    None => fused,
+                    None => skinny,
                 };
                 match (skinny_head, head_scale, &s.wdq) {
                     (true, _, _) => k.skinny_gemm(
@@ -862,8 +852,8 @@ impl GpuModel {
                     }
                     // Slices of vocabulary rows through the bf16 copy, each into its columns
                     // of the logits.
-                    (false, Some(sc), Some((wdq, elems))) => {
-                        let rows = (elems / hid).max(1);
+                    (false, Some(sc), Some(wdq)) => {
+                        let rows = (wdq.bytes / 2 / hid).max(1);
                         let mut v0 = 0;
                         while v0 < c.vocab_size {
                             let n = rows.min(c.vocab_size - v0);

@@ -100,7 +100,7 @@ impl Driver {
             dtype,
             // The tool drives rows by hand with one block table each: full KV everywhere.
             local_kv_blocks: None,
-            fused_max_rows: harrier_engine::executor::cuda::FUSED_MAX_ROWS,
+            fused_max_rows: harrier_engine::config::FUSED_DECODE_MAX_ROWS,
             fp8: TOOL_FP8.load(std::sync::atomic::Ordering::Relaxed),
         };
         let (exec, info) = CudaExecutor::new(dir, &cfg)?;
@@ -433,7 +433,7 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
             .get("fused-max-rows")
             .map(|v| v.parse())
             .transpose()?
-            .unwrap_or(harrier_engine::executor::cuda::FUSED_TRIAL_ROWS);
+            .unwrap_or(harrier_engine::config::FUSED_TRIAL_ROWS);
         for (graphs, pipelined, gemv, split, grouped, fused) in modes {
             if (!gemv && bsz > 1) || (!fused && bsz as usize > fused_rows) {
                 continue;
@@ -557,7 +557,7 @@ fn main() -> anyhow::Result<()> {
             a.get("fused-max-rows")
                 .map(|v| v.parse())
                 .transpose()?
-                .unwrap_or(harrier_engine::executor::cuda::FUSED_MAX_ROWS),
+                .unwrap_or(harrier_engine::config::FUSED_DECODE_MAX_ROWS),
         ),
         "check-gemv" => check_gemv(&a),
         "check-gemm-rows" => check_gemm_rows(&a),
@@ -1645,7 +1645,7 @@ fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .get("fused-max-rows")
         .map(|v| v.parse())
         .transpose()?
-        .unwrap_or(harrier_engine::executor::cuda::FUSED_TRIAL_ROWS);
+        .unwrap_or(harrier_engine::config::FUSED_TRIAL_ROWS);
     let maxb = *batches.iter().max().unwrap_or(&1);
     let prompt_len = 40u32;
     let mut d = Driver::for_runs(&dir, a, maxb, prompt_len, steps)?;
@@ -1662,7 +1662,7 @@ fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
         println!("{}", diff.row(bsz));
     }
     d.exec
-        .set_fused_max_rows(harrier_engine::executor::cuda::FUSED_MAX_ROWS)?;
+        .set_fused_max_rows(harrier_engine::config::FUSED_DECODE_MAX_ROWS)?;
     println!(
         "worst relative logit difference: {worst:.1e} (bf16 rounding of every projection: ~1e-2)"
     );
