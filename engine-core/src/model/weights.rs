@@ -252,17 +252,40 @@ impl WeightRef<'_> {
     }
 }
 
+/// How a tensor the loader can read is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stored {
+    Float(WeightDtype),
+    /// e4m3: read through [`Checkpoint::weight`] with its scale.
+    F8E4M3,
+}
+
+/// A stored tensor, its shape checked: what [`Checkpoint::get`] and [`Checkpoint::weight`]
+/// read.
+struct Raw<'a> {
+    name: &'a str,
+    file: &'a Path,
+    dtype: Stored,
+    shape: &'a [usize],
+    bytes: &'a [u8],
+}
+
+impl<'a> Raw<'a> {
+    fn float(self, dtype: WeightDtype) -> TensorRef<'a> {
+        TensorRef {
+            name: self.name,
+            file: self.file,
+            dtype,
+            shape: self.shape,
+            bytes: self.bytes,
+        }
+    }
+}
+
 enum Entry {
     Stored {
         file: usize,
-        dtype: WeightDtype,
-        shape: Vec<usize>,
-        start: usize,
-        end: usize,
-    },
-    /// An FP8 (e4m3) tensor: read through [`Checkpoint::weight`] with its scale.
-    Fp8 {
-        file: usize,
+        dtype: Stored,
         shape: Vec<usize>,
         start: usize,
         end: usize,
@@ -315,9 +338,10 @@ impl Checkpoint {
                     }
                 }
                 let dtype = match info.dtype {
-                    Dtype::F32 => Some(WeightDtype::F32),
-                    Dtype::F16 => Some(WeightDtype::F16),
-                    Dtype::BF16 => Some(WeightDtype::Bf16),
+                    Dtype::F32 => Some(Stored::Float(WeightDtype::F32)),
+                    Dtype::F16 => Some(Stored::Float(WeightDtype::F16)),
+                    Dtype::BF16 => Some(Stored::Float(WeightDtype::Bf16)),
+                    Dtype::F8_E4M3 => Some(Stored::F8E4M3),
                     _ => None,
                 };
                 let (start, end) = info.data_offsets;
@@ -325,12 +349,6 @@ impl Checkpoint {
                     Some(dtype) => Entry::Stored {
                         file: file_idx,
                         dtype,
-                        shape: info.shape.clone(),
-                        start: base + start,
-                        end: base + end,
-                    },
-                    None if info.dtype == Dtype::F8_E4M3 => Entry::Fp8 {
-                        file: file_idx,
                         shape: info.shape.clone(),
                         start: base + start,
                         end: base + end,
@@ -373,21 +391,13 @@ impl Checkpoint {
         shape: &[usize],
         fp8: Option<&Fp8Checkpoint>,
     ) -> Result<WeightRef<'_>, ModelError> {
-        let Some((
-            name,
-            Entry::Fp8 {
-                file,
-                shape: found,
-                start,
-                end,
-            },
-        )) = self.entries.get_key_value(name)
-        else {
-            return self.get(name, shape).map(WeightRef::Float);
-        };
-        let (path, mmap) = &self.files[*file];
+        let raw = self.raw(name, Some(shape))?;
+        if let Stored::Float(dtype) = raw.dtype {
+            return Ok(WeightRef::Float(raw.float(dtype)));
+        }
+        let (name, path) = (raw.name, raw.file);
         let bad = |problem: String| ModelError::Safetensors {
-            path: path.clone(),
+            path: path.to_path_buf(),
             problem,
         };
         let Some(fp8) = fp8 else {
@@ -395,14 +405,6 @@ impl Checkpoint {
                 "tensor `{name}` is F8_E4M3 but config.json declares no FP8 quantization_config"
             )));
         };
-        if found != shape {
-            return Err(ModelError::Shape {
-                name: name.clone(),
-                file: path.clone(),
-                expected: shape.to_vec(),
-                found: found.clone(),
-            });
-        }
         let &[n, k] = shape else {
             return Err(bad(format!(
                 "tensor `{name}` is F8_E4M3 but only matrices are stored in FP8"
@@ -421,7 +423,7 @@ impl Checkpoint {
             return Err(bad(format!("tensor `{scale_name}` holds the scale {s}")));
         }
         Ok(WeightRef::Fp8 {
-            q: &mmap[*start..*end],
+            q: raw.bytes,
             scales,
             layout,
             k,
@@ -430,24 +432,31 @@ impl Checkpoint {
 
     /// The float tensor `name`, checked to have `shape` when given.
     fn lookup(&self, name: &str, shape: Option<&[usize]>) -> Result<TensorRef<'_>, ModelError> {
-        let entry = self
-            .entries
-            .get_key_value(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
-                file: self.listing.clone(),
-            })?;
-        let (name, entry) = entry;
+        let raw = self.raw(name, shape)?;
+        match raw.dtype {
+            Stored::Float(dtype) => Ok(raw.float(dtype)),
+            Stored::F8E4M3 => Err(ModelError::Dtype {
+                name: raw.name.to_string(),
+                file: raw.file.to_path_buf(),
+                dtype: "F8_E4M3".into(),
+            }),
+        }
+    }
+
+    /// The stored tensor `name`, checked to have `shape` when given.
+    fn raw(&self, name: &str, shape: Option<&[usize]>) -> Result<Raw<'_>, ModelError> {
+        let (name, entry) =
+            self.entries
+                .get_key_value(name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: name.to_string(),
+                    file: self.listing.clone(),
+                })?;
         match entry {
             Entry::BadDtype { file, dtype } => Err(ModelError::Dtype {
                 name: name.clone(),
                 file: self.files[*file].0.clone(),
                 dtype: dtype.clone(),
-            }),
-            Entry::Fp8 { file, .. } => Err(ModelError::Dtype {
-                name: name.clone(),
-                file: self.files[*file].0.clone(),
-                dtype: "F8_E4M3".into(),
             }),
             Entry::NotInShard { file } => Err(ModelError::MissingTensor {
                 name: name.clone(),
@@ -461,15 +470,15 @@ impl Checkpoint {
                 end,
             } => {
                 let (path, mmap) = &self.files[*file];
-                if shape.is_some_and(|shape| found != shape) {
+                if let Some(shape) = shape.filter(|&shape| found != shape) {
                     return Err(ModelError::Shape {
                         name: name.clone(),
                         file: path.clone(),
-                        expected: shape.unwrap_or_default().to_vec(),
+                        expected: shape.to_vec(),
                         found: found.clone(),
                     });
                 }
-                Ok(TensorRef {
+                Ok(Raw {
                     name,
                     file: path,
                     dtype: *dtype,
