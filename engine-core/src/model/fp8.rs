@@ -266,12 +266,8 @@ pub fn quantize_rows(w: &[f32], k: usize) -> (Vec<u8>, Vec<f32>) {
 /// Rounds `w` (`[n, k]`) in place to what per-channel FP8 keeps of it: `decode(q) * scale`.
 /// The CPU backend's `--quantization fp8` (an accuracy model of the CUDA path).
 pub fn round_rows(w: &mut [f32], k: usize) {
-    for row in w.chunks_exact_mut(k) {
-        let s = channel_scale(row);
-        for v in row.iter_mut() {
-            *v = decode(encode(*v / s)) * s;
-        }
-    }
+    let (q, scales) = quantize_rows(w, k);
+    dequantize(&q, &scales, ScaleLayout::Channel, k, w);
 }
 
 #[cfg(test)]
