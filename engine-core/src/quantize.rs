@@ -11,6 +11,7 @@
 //! The whole output is built in memory before it is written (one file): fine for the models
 //! the tests and the device scripts quantize; an 8B model needs about 9 GB of RAM.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -21,8 +22,7 @@ use serde_json::json;
 
 use crate::model::fp8::quantize_rows;
 use crate::model::{
-    expected_tensors, Checkpoint, LayerTensor, ModelDir, WeightDtype, EMBED, INDEX_FILE, LM_HEAD,
-    SINGLE_FILE,
+    expected_tensors, Checkpoint, ModelDir, WeightDtype, EMBED, INDEX_FILE, LM_HEAD, SINGLE_FILE,
 };
 
 #[derive(Debug, clap::Args)]
@@ -112,33 +112,28 @@ pub fn quantize_dir(src: &Path, out: &Path) -> anyhow::Result<usize> {
         serde_json::to_string_pretty(&config)?,
     )?;
 
-    // The tensors: (name, dtype, shape, bytes).
-    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    // The tensors to write; the ones kept as stored borrow the map.
+    type Out<'a> = (String, Dtype, Vec<usize>, Cow<'a, [u8]>);
+    let mut tensors: Vec<Out> = Vec::new();
     let mut quantized = 0;
     let mut push_fp8 = |tensors: &mut Vec<_>, name: &str, w: &[f32], n: usize, k: usize| {
         let (q, scales) = quantize_rows(w, k);
         let module = name.strip_suffix(".weight").unwrap_or(name);
         let scale_bytes = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
-        tensors.push((name.to_string(), Dtype::F8_E4M3, vec![n, k], q));
+        tensors.push((name.to_string(), Dtype::F8_E4M3, vec![n, k], Cow::Owned(q)));
         tensors.push((
             format!("{module}.weight_scale"),
             Dtype::F32,
             vec![n, 1],
-            scale_bytes,
+            Cow::Owned(scale_bytes),
         ));
         quantized += 1;
     };
-    let projections: Vec<String> = (0..c.num_layers)
-        .flat_map(|l| {
-            LayerTensor::all(c.architecture)
-                .iter()
-                .filter(|t| !t.is_norm())
-                .map(move |t| t.name(l))
-        })
-        .collect();
     for (name, shape) in expected_tensors(c) {
         let t = ckpt.get(&name, &shape)?;
-        if projections.contains(&name) || name == LM_HEAD {
+        // Every matrix but the embedding: the layers' projections and an untied head (norms
+        // are vectors).
+        if shape.len() == 2 && name != EMBED {
             push_fp8(&mut tensors, &name, &t.to_f32(), shape[0], shape[1]);
             continue;
         }
@@ -147,7 +142,7 @@ pub fn quantize_dir(src: &Path, out: &Path) -> anyhow::Result<usize> {
             WeightDtype::F16 => Dtype::F16,
             WeightDtype::Bf16 => Dtype::BF16,
         };
-        tensors.push((name.clone(), dtype, shape.clone(), t.bytes.to_vec()));
+        tensors.push((name.clone(), dtype, shape.clone(), Cow::Borrowed(t.bytes)));
         if name == EMBED && c.tie_word_embeddings {
             push_fp8(&mut tensors, LM_HEAD, &t.to_f32(), shape[0], shape[1]);
         }
@@ -175,7 +170,7 @@ pub fn quantize_dir(src: &Path, out: &Path) -> anyhow::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{CpuModel, KvCache, LoadOptions, SeqChunk, WeightRef};
+    use crate::model::{CpuModel, KvCache, LayerTensor, LoadOptions, SeqChunk, WeightRef};
     use crate::sampling::{argmax, log_softmax_at};
 
     fn embedded_model() -> PathBuf {
