@@ -628,6 +628,7 @@ pub fn build_cuda_engine(
         kv_tokens = start.kv_tokens,
         kv_mib = start.kv_bytes >> 20,
         kernels_cached = start.kernels_from_cache,
+        pdl = start.pdl,
         cuda_graphs = start.graph_count,
         graph_sizes = ?start.graph_sizes,
         graph_capture_ms = format!("{:.0}", start.graph_capture_ms),

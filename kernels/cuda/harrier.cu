@@ -16,6 +16,27 @@ typedef unsigned long long u64;
 
 #define NEG_INF (__int_as_float(0xff800000))
 
+// Programmatic dependent launch (sm_90+; the host launches with the programmatic stream
+// serialization attribute, kernels/src/lib.rs): a kernel may start while the one before it in
+// the stream is finishing. PDL_ENTER, first in every kernel, waits until that kernel has
+// completed and its writes are visible (griddepcontrol.wait), then lets the next kernel launch
+// (launch_dependents); the skinny GEMMs issue their first weight loads (read-only data) before
+// waiting, so those loads overlap the previous kernel's tail. Every kernel waits on every path
+// before touching memory another kernel writes, so completion stays transitive along the
+// stream. Before sm_90 (and with HARRIER_PDL=0) these are no-ops / plain launches.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define PDL_WAIT()
+#define PDL_TRIGGER()
+#endif
+#define PDL_ENTER()    \
+    do {               \
+        PDL_WAIT();    \
+        PDL_TRIGGER(); \
+    } while (0)
+
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
 
 // Round to nearest even; NaN stays NaN.
@@ -82,6 +103,7 @@ __device__ float block_max(float v, float* sh) {
 // sampled token, written on the device by sampling).
 extern "C" __global__ void embed_tokens(elem* out, const elem* table, const int* tok_src, const int* pending,
                                         int hidden, int vocab, float scale) {
+    PDL_ENTER();
     int t = blockIdx.x;
     int s = tok_src[t];
     int tok = s >= 0 ? s : pending[-s - 1];
@@ -111,6 +133,7 @@ __device__ __forceinline__ float norm_scale(float xn, const elem* w, int j, floa
 
 extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const elem* delta_w, const elem* w, elem* out,
                                        const int* rows, int hidden, float eps, float w_off) {
+    PDL_ENTER();
     __shared__ float sh[32];
     int i = blockIdx.x;
     int src = rows ? rows[i] : i;
@@ -155,6 +178,7 @@ extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const ele
 extern "C" __global__ void rope_kv_write(elem* qkv, int qkv_stride, int nh, int nkv, int hd, const int* positions,
                                          const float* inv_freq, const elem* q_norm, const elem* k_norm, float eps,
                                          float w_off, const int* slot_mapping, elem* k_cache, elem* v_cache) {
+    PDL_ENTER();
     int t = blockIdx.x;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     int half = hd >> 1;
@@ -220,10 +244,12 @@ __device__ __forceinline__ void gated_act(elem* out, const elem* gu, int inter, 
 }
 
 extern "C" __global__ void silu_mul(elem* out, const elem* gu, int inter, long long total) {
+    PDL_ENTER();
     gated_act<false>(out, gu, inter, total);
 }
 
 extern "C" __global__ void gelu_tanh_mul(elem* out, const elem* gu, int inter, long long total) {
+    PDL_ENTER();
     gated_act<true>(out, gu, inter, total);
 }
 
@@ -334,6 +360,7 @@ struct AttnIn {
 // tail); not kept.
 #define ATT_WARPS 16
 extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, const int* tok_list) {
+    PDL_ENTER();
     ATTN_UNPACK(a)
     __shared__ float sq[256];
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
@@ -578,6 +605,7 @@ __device__ __forceinline__ void gqa_attention(elem* out, const elem* q, int q_st
 // V loads in flight per lane. Without a bound the largest instances had set the whole kernel's
 // count to 151 (one block per SM), which lost a third.
 extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_gqa(AttnIn a, const int* tok_list) {
+    PDL_ENTER();
     ATTN_UNPACK(a)
     __shared__ float sq[GQA_MAX_ELEMS];
     __shared__ float sm_m[GQA_WARPS * 8], sm_l[GQA_WARPS * 8];
@@ -599,6 +627,7 @@ extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_
 // Merges paged_attention's splits of token t, head h (block (t, h)), in split order;
 // splits with no keys (sum 0) are skipped.
 extern "C" __global__ void attention_combine(elem* out, const float* part, int n_splits, int nh, int hd) {
+    PDL_ENTER();
     int t = blockIdx.x, h = blockIdx.y;
     const float* p = part + ((size_t)t * nh + h) * n_splits * (hd + 2);
     float M = NEG_INF;
@@ -801,6 +830,7 @@ __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q,
 #define PF_SMEM_MAX (PF_SMEM(256, 32) > PF_SMEM(128, 64) ? PF_SMEM(256, 32) : PF_SMEM(128, 64))
 
 extern "C" __global__ void prefill_attention(AttnIn a, const int* tiles) {
+    PDL_ENTER();
     ATTN_UNPACK(a)
     __shared__ __align__(16) unsigned char smem[PF_SMEM_MAX];
     if (hd == 64)
@@ -838,6 +868,7 @@ struct RowParams {
 };
 
 extern "C" __global__ void apply_row_inits(RowParams* rows, const RowParams* inits, const int* init_rows, int n) {
+    PDL_ENTER();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) rows[init_rows[i]] = inits[i];
 }
@@ -853,6 +884,7 @@ extern "C" __global__ void apply_row_inits(RowParams* rows, const RowParams* ini
 #define BIAS_CAP 1024
 extern "C" __global__ void init_row_state(unsigned short* counts, u32* seen, int* bias_ids, float* bias_vals,
                                           int vocab, const int* rows, const int* offs, const int* data) {
+    PDL_ENTER();
     int row = rows[blockIdx.x];
     int words = (vocab + 31) >> 5;
     unsigned short* c = counts + (size_t)row * vocab;
@@ -965,6 +997,7 @@ __device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
 extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sample_rows, RowParams* rows,
                                          int* out_tokens, int* pending, unsigned short* counts,
                                          const u32* seen, const int* bias_ids, const float* bias_vals) {
+    PDL_ENTER();
     __shared__ float shf[32];
     __shared__ int shi[32];
     __shared__ double shd[32];
@@ -1142,6 +1175,7 @@ extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sa
 
 // Copies float rows: out[i] = in[i] (used to keep raw logits for host-side sampling).
 extern "C" __global__ void copy_f32(float* out, const float* in, long long n) {
+    PDL_ENTER();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = in[i];
 }
@@ -1151,6 +1185,7 @@ extern "C" __global__ void copy_f32(float* out, const float* in, long long n) {
 // masks).
 extern "C" __global__ void apply_token_mask(float* logits, int vocab, const int* rows,
                                             const unsigned* words, int words_per_mask) {
+    PDL_ENTER();
     int m = blockIdx.y;
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= vocab) return;
@@ -1161,6 +1196,7 @@ extern "C" __global__ void apply_token_mask(float* logits, int vocab, const int*
 // dst[index[i]] = values[i], i < n. Writes host-sampled tokens into the rows' pending slots
 // (index = rows) and new block-table entries into the per-row tables (index = row * stride + j).
 extern "C" __global__ void scatter_i32(int* dst, const int* index, const int* values, int n) {
+    PDL_ENTER();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[index[i]] = values[i];
 }
@@ -1199,6 +1235,7 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
 }
 
 extern "C" __global__ void gemv_bf16(const bf16* x, const bf16* w, void* y, int M, int N, int K, int f32_out) {
+    PDL_ENTER();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int n0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
     if (n0 >= N) return;
@@ -1371,6 +1408,8 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         }
     };
     load(c0);
+    PDL_WAIT();
+    PDL_TRIGGER();
     // The normed input, staged once per block in dynamic shared memory ([M][K] bf16 after the
     // norm weights [K]): one round of loads (issued behind the first weight loads), the sums of
     // squares, then the rows normalised in place. The main loop then reads x from shared memory.
@@ -1536,6 +1575,7 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_16_r4
 // copy): w[n, k] = bf16(e4m3(q[n, k]) * scale[n]); 8 weights a thread, k % 8 == 0.
 extern "C" __global__ void dequant_fp8_rows(const unsigned char* q, const float* scale, bf16* w, int k,
                                             long long groups) {
+    PDL_ENTER();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < groups;
          i += (long long)gridDim.x * blockDim.x) {
         const long long e = i * 8;

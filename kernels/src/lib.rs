@@ -453,6 +453,22 @@ pub struct Kernels {
     skinny_warps: u32,
     /// Dynamic shared memory the skinny kernels were allowed at load.
     skinny_smem: usize,
+    /// Launches carry the programmatic-stream-serialization attribute (programmatic dependent
+    /// launch: see [`pdl_default`]).
+    pdl: bool,
+}
+
+/// Whether kernels launch with programmatic dependent launch on `arch`: sm_90 and newer, unless
+/// `HARRIER_PDL=0`. Each kernel then waits for the previous one in its stream itself
+/// (`PDL_ENTER` in the source) and may be scheduled while that one finishes, which hides most
+/// of the launch gap between the ~100 small kernels of a decode step; in a CUDA graph the
+/// captured edges become programmatic. `HARRIER_PDL=0` is for side-by-side measurement.
+pub fn pdl_default(arch: &str) -> bool {
+    let hopper_or_newer = arch
+        .strip_prefix("sm_")
+        .and_then(|v| v.parse::<u32>().ok())
+        .is_some_and(|v| v >= 90);
+    hopper_or_newer && std::env::var("HARRIER_PDL").map_or(true, |v| v != "0")
 }
 
 // SAFETY: CUDA module and function handles are plain handles usable from any thread that has
@@ -478,7 +494,7 @@ impl Kernels {
     /// the current context.
     pub fn load(arch: &'static str, dtype: Dtype) -> anyhow::Result<Kernels> {
         let (ptx, from_cache) = ptx_for(arch, dtype)?;
-        Self::load_ptx(ptx, dtype, from_cache, SKINNY_WARPS)
+        Self::load_ptx(ptx, dtype, from_cache, SKINNY_WARPS, pdl_default(arch))
     }
 
     /// A build with the skinny GEMM's launch shape overridden (`SK_WARPS` warps per block,
@@ -500,7 +516,7 @@ impl Kernels {
                 format!("-DSK_LOADS={skinny_loads}"),
             ],
         )?;
-        Self::load_ptx(ptx, dtype, false, skinny_warps)
+        Self::load_ptx(ptx, dtype, false, skinny_warps, pdl_default(arch))
     }
 
     fn load_ptx(
@@ -508,6 +524,7 @@ impl Kernels {
         dtype: Dtype,
         from_cache: bool,
         skinny_warps: u32,
+        pdl: bool,
     ) -> anyhow::Result<Kernels> {
         let c = std::ffi::CString::new(ptx).context("PTX contains a NUL byte")?;
         // SAFETY: `c` is a NUL-terminated PTX image; a context is current (caller's contract).
@@ -522,6 +539,7 @@ impl Kernels {
             from_cache,
             skinny_warps,
             skinny_smem: SKINNY_SMEM_MAX,
+            pdl,
         };
         for name in KERNELS {
             if !dtype.has_kernel(name) {
@@ -574,8 +592,59 @@ impl Kernels {
             bail!("{name} does not exist in the {} build", self.dtype.name());
         }
         // SAFETY: forwarded from the caller.
+        unsafe { self.launch_fn(name, grid, block, 0, stream, params) }
+    }
+
+    /// Whether launches use programmatic dependent launch ([`pdl_default`]).
+    pub fn pdl(&self) -> bool {
+        self.pdl
+    }
+
+    /// Launches kernel `name` (known to exist in this build), with programmatic dependent
+    /// launch when [`Kernels::pdl`].
+    ///
+    /// # Safety
+    /// As [`Kernels::launch`]; `smem` within what the kernel was allowed.
+    unsafe fn launch_fn(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        stream: sys::CUstream,
+        params: &mut [*mut c_void],
+    ) -> anyhow::Result<()> {
+        let f = self.func(name);
+        if !self.pdl {
+            // SAFETY: forwarded from the caller.
+            return ck(
+                unsafe { dr::launch_kernel(f, grid, (block, 1, 1), smem, stream, params) },
+                name,
+            );
+        }
+        // SAFETY: a zeroed attribute is a valid POD value; the union field set is the one the
+        // attribute id names.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `cfg` and `attr` outlive the call; the parameters are forwarded from the
+        // caller.
         ck(
-            unsafe { dr::launch_kernel(self.func(name), grid, (block, 1, 1), 0, stream, params) },
+            unsafe {
+                sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut()).result()
+            },
             name,
         )
     }
@@ -1075,19 +1144,7 @@ impl Kernels {
         let grid = ((p.n as u32).div_ceil(rows), 1, 1);
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
         // dynamic shared memory is within what `load_ptx` allowed.
-        unsafe {
-            ck(
-                dr::launch_kernel(
-                    self.func(name),
-                    grid,
-                    (self.skinny_warps * 32, 1, 1),
-                    smem,
-                    s,
-                    &mut a,
-                ),
-                name,
-            )
-        }
+        unsafe { self.launch_fn(name, grid, self.skinny_warps * 32, smem, s, &mut a) }
     }
 }
 
@@ -1112,19 +1169,7 @@ impl Kernels {
         let mut a = params![q, scale, w, k32, groups];
         let blocks = (groups as u64).div_ceil(256).min(132 * 16) as u32;
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses.
-        unsafe {
-            ck(
-                dr::launch_kernel(
-                    self.func("dequant_fp8_rows"),
-                    (blocks, 1, 1),
-                    (256, 1, 1),
-                    0,
-                    s,
-                    &mut a,
-                ),
-                "dequant_fp8_rows",
-            )
-        }
+        unsafe { self.launch_fn("dequant_fp8_rows", (blocks, 1, 1), 256, 0, s, &mut a) }
     }
 }
 
@@ -1289,6 +1334,29 @@ mod tests {
             }
             let target = format!(".target {arch}");
             assert!(ptx.contains(&target), "PTX for {arch} lacks {target}");
+            // Launched with programmatic dependent launch on sm_90, every kernel must wait for
+            // the previous one itself (PDL_ENTER): a kernel without the wait could read what
+            // its predecessor has not written yet.
+            for entry in ptx.split(".entry ").skip(1) {
+                let name = entry.split('(').next().unwrap_or_default();
+                assert_eq!(
+                    entry.contains("griddepcontrol.wait"),
+                    arch == "sm_90",
+                    "{name} in the {arch} {dtype:?} PTX: griddepcontrol.wait"
+                );
+            }
         }
+    }
+
+    #[test]
+    fn pdl_only_from_sm_90() {
+        // HARRIER_PDL is not set in the test environment.
+        if std::env::var_os("HARRIER_PDL").is_none() {
+            assert!(pdl_default("sm_90"));
+            assert!(pdl_default("sm_120"));
+        }
+        assert!(!pdl_default("sm_80"));
+        assert!(!pdl_default("sm_89"));
+        assert!(!pdl_default("bogus"));
     }
 }

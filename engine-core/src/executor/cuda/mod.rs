@@ -314,6 +314,8 @@ pub struct CudaStartInfo {
     pub local_kv_blocks: Option<u32>,
     pub local_kv_bytes: usize,
     pub kernels_from_cache: bool,
+    /// Kernels launch with programmatic dependent launch (sm_90+, `HARRIER_PDL`).
+    pub pdl: bool,
     /// Batch sizes with captured decode graphs (empty: eager only).
     pub graph_sizes: Vec<usize>,
     pub graph_count: usize,
@@ -510,6 +512,7 @@ impl CudaExecutor {
             local_kv_blocks: num_local.map(|n| n - 1),
             local_kv_bytes: num_local.map_or(0, |n| n as usize * local_bpb),
             kernels_from_cache: kernels.from_cache,
+            pdl: kernels.pdl(),
             graph_sizes: buckets.sizes().to_vec(),
             graph_count: num_graphs,
             graph_capture_ms: 0.0,
