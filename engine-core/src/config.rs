@@ -138,11 +138,14 @@ impl EngineConfig {
 }
 
 /// CUDA (bf16): decode steps of up to this many tokens take the fused small-batch path
-/// (`--fused-decode-max-rows`). Off (0) by default until a device run has checked it
-/// (`scripts/gpu/latency_check.sh`: check-fused, check-graphs, parity) and measured where it
-/// stops winning; [`FUSED_TRIAL_ROWS`] is the limit the tools compare with meanwhile
-/// (docs/cuda.md, "Fused small-batch decode").
-pub const FUSED_DECODE_MAX_ROWS: usize = 0;
+/// (`--fused-decode-max-rows`; docs/cuda.md, "Fused small-batch decode"). Measured on the H100
+/// (session 8, docs/benchmarks.md, programmatic dependent launch on): at 1 row the 1B shape
+/// decodes 7% faster fused (1.473 vs 1.586 ms per step), the 3B and 8B 0.4-0.6%; at 2 rows the
+/// 1B still wins 4% but the 3B and 8B lose 3-4% (every block re-normalises the wider input);
+/// at 4-8 rows the paths tie on the 1B, and from 16 rows on the fused path loses badly (2.33 vs
+/// 2.09 ms at 16, 5.18 vs 2.19 at 64): the skinny kernels re-read the input rows from L2 in
+/// every block.
+pub const FUSED_DECODE_MAX_ROWS: usize = 1;
 
 /// The fused path's row limit that `harrier-cuda-tool bench` and `check-fused` use when not
 /// told: 8 rows, where the skinny GEMMs are expected to stop beating cuBLAS's tiled ones.
