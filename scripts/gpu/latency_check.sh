@@ -12,8 +12,11 @@
 #            tokenizer as .gpu/llama3-tokenizer.json.gz, which keeps the carry under 64 MiB,
 #            or as .gpu/llama3/tokenizer.json) and runs check-fp8's model part on it
 #            (the issue's accuracy on a trained checkpoint: greedy agreement, logprob error);
-#   parity:  bf16 CUDA vs transformers bf16 on llama-3.2-1b (8 prompts in one batch: its
-#            decode steps take the fused path), --rel-bar 2e-2;
+#   parity:  bf16 CUDA vs transformers bf16 on llama-3.2-1b (8 prompts in one batch, the
+#            default path; check-fused compares the fused path with the unfused one), --rel-bar 2e-2;
+#   pdl:     programmatic dependent launch on and off (HARRIER_PDL=1/0) side by side: bench
+#            graph-async and graph-async-unfused (--fused-max-rows FUSED_ROWS) on BENCH_MODELS
+#            at BATCHES, then FP8 at FP8_BATCHES (default 1,16,32,64);
 #   profile: per-kernel GPU time (ncu) of batch-1 decode steps, fused and unfused;
 #   bench:   harrier-cuda-tool bench, graph-async with and without the fused path side by side,
 #            on BENCH_MODELS at BATCHES, context 512; then the same with FP8 weights
@@ -93,6 +96,24 @@ for st in $STAGES; do
                 --modes graph-async,graph-async-unfused --prefill-seqs 1 --prefill-len 16 \
                 --fused-max-rows "${FUSED_ROWS:-8}" --quantization fp8 \
                 --json "$OUT/bench_${m}_fp8.json" 2>&1 | grep -E "^decode|Error" | tee -a "$OUT/bench.log"
+        done
+        ;;
+    pdl)
+        for m in ${BENCH_MODELS:-llama-3.2-1b}; do
+            gen "$m"
+            for pdl in 0 1; do
+                echo "-- $m HARRIER_PDL=$pdl" | tee -a "$OUT/pdl.log"
+                HARRIER_PDL=$pdl timeout 400 "$T" bench --model "$W/$m" --batches "$BATCHES" --context 512 --steps 64 \
+                    --modes graph-async,graph-async-unfused --prefill-seqs 1 --prefill-len 16 \
+                    --fused-max-rows "${FUSED_ROWS:-2}" 2>&1 | grep -E "^decode|Error" | tee -a "$OUT/pdl.log"
+            done
+        done
+        gen llama-3.2-1b
+        for pdl in 0 1; do
+            echo "-- llama-3.2-1b FP8 HARRIER_PDL=$pdl" | tee -a "$OUT/pdl.log"
+            HARRIER_PDL=$pdl timeout 300 "$T" bench --model "$W/llama-3.2-1b" --batches "${FP8_BATCHES:-1,16,32,64}" --context 512 \
+                --steps 64 --modes graph-async --prefill-seqs 1 --prefill-len 16 --quantization fp8 2>&1 \
+                | grep -E "^decode|Error" | tee -a "$OUT/pdl.log"
         done
         ;;
     profile)

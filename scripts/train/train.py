@@ -97,7 +97,7 @@ def heldout_loss(model, windows, bs=8):
     return total / count
 
 
-def train_one(spec, fam, sp, train_stream, held_windows, out_dir):
+def train_one(spec, fam, sp, train_stream, held_windows, out_dir, micro_batches=1):
     vocab = fam.vocab
     torch.manual_seed(spec.seed)
     cfg = hf_config(spec, vocab, sp)
@@ -127,22 +127,31 @@ def train_one(spec, fam, sp, train_stream, held_windows, out_dir):
             g["lr"] = lr_at(spec, step)
         offs = torch.randint(0, n, (spec.batch,), generator=gen)
         batch = train_stream[(offs[:, None] + ar[None, :]).cuda()]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(input_ids=batch[:, :-1]).logits
-        if teacher is None:
-            loss = F.cross_entropy(logits.float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
-        else:
-            with torch.no_grad():
-                t_logp = F.log_softmax(teacher(input_ids=batch[:, :-1]).logits.float(), -1).reshape(-1, vocab)
-            # Forward KL(teacher || student), per token.
-            loss = F.kl_div(F.log_softmax(logits.float(), -1).reshape(-1, vocab), t_logp,
-                            log_target=True, reduction="batchmean")
-            del t_logp
-        loss.backward()
+        # Gradient accumulation over micro-batches (same windows, same mean loss; only the
+        # order of the fp32 sums changes): the 1B's fp32 logits of a whole batch need ~8 GiB
+        # more than an 80 GB H100 has left.
+        step_loss = 0.0
+        for mb in batch.chunk(micro_batches):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(input_ids=mb[:, :-1]).logits
+            if teacher is None:
+                loss = F.cross_entropy(logits.float().reshape(-1, vocab), mb[:, 1:].reshape(-1))
+            else:
+                with torch.no_grad():
+                    t_logp = F.log_softmax(teacher(input_ids=mb[:, :-1]).logits.float(), -1).reshape(-1, vocab)
+                # Forward KL(teacher || student), per token.
+                loss = F.kl_div(F.log_softmax(logits.float(), -1).reshape(-1, vocab), t_logp,
+                                log_target=True, reduction="batchmean")
+                del t_logp
+            del logits
+            loss = loss * (mb.shape[0] / batch.shape[0])
+            loss.backward()
+            step_loss = step_loss + loss.detach()
+            del loss
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        pending.append(loss.detach())
+        pending.append(step_loss)
         if (step + 1) % every == 0 or step + 1 == spec.steps:
             mean = torch.stack(pending).mean().item()  # one sync per report
             pending = []
@@ -261,6 +270,9 @@ def main():
     ap.add_argument("--only", help="comma-separated model names (default: the whole family)")
     ap.add_argument("--llama3-tokenizer", help="tokenizer.json of Llama 3 (the llama3 families)")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="scale every step count (smoke tests only)")
+    ap.add_argument("--micro-batches", type=int, default=0,
+                    help="split each step's batch in this many micro-batches (gradient accumulation); "
+                         "default: 1, or 4 for the 1B shape on GPUs under 100 GB")
     args = ap.parse_args()
 
     t_start = time.time()
@@ -311,7 +323,9 @@ def main():
             log(f"{spec.name}: already trained in {d}")
             continue
         held_windows = eval_windows(held_np, spec.seq, EVAL_WINDOWS)
-        models[spec.name] = train_one(spec, fam, sp, train_stream, held_windows, d)
+        mb = args.micro_batches or (4 if spec.hidden >= 2048 and
+                                     torch.cuda.get_device_properties(0).total_memory < 100 * 2**30 else 1)
+        models[spec.name] = train_one(spec, fam, sp, train_stream, held_windows, d, mb)
         tok_mod.write_files(tk, d, spec.max_pos)
         open(os.path.join(d, ".done"), "w").close()
         json.dump(report, open(report_path, "w"), indent=1)
