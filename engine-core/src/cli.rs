@@ -629,6 +629,7 @@ pub fn build_cuda_engine(
         kv_mib = start.kv_bytes >> 20,
         kernels_cached = start.kernels_from_cache,
         pdl = start.pdl,
+        fp8_gemm = start.fp8_gemm,
         cuda_graphs = start.graph_count,
         graph_sizes = ?start.graph_sizes,
         graph_capture_ms = format!("{:.0}", start.graph_capture_ms),

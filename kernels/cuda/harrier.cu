@@ -1592,4 +1592,77 @@ extern "C" __global__ void dequant_fp8_rows(const unsigned char* q, const float*
     }
 }
 
+
+// Per-token FP8 activations for the FP8 tensor-core GEMM (cuBLASLt; sm_89+, the host only
+// launches it there): row m of x (bf16, K wide, K % 8 == 0) becomes e4m3 bytes xq[m] with scale
+// xs[m] = amax / 448 (1 when amax is 0 or not finite) and q = e4m3(x / scale), rounded to
+// nearest even and saturated: model::fp8's rule for weights (`quantize_rows`), so the host
+// computes the same bytes. One block per row.
+extern "C" __global__ void quantize_fp8_rows(const bf16* x, unsigned char* xq, float* xs, int K) {
+    PDL_ENTER();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    __shared__ float sh[32];
+    const int m = blockIdx.x;
+    const uint4* xr = (const uint4*)(x + (size_t)m * K);
+    const int groups = K >> 3;
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < groups; i += blockDim.x) {
+        const uint4 v = xr[i];
+        const u32 a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(a[j] << 16)), fabsf(__uint_as_float(a[j] & 0xffff0000u))));
+    }
+    amax = block_max(amax, sh);
+    const float scale = (amax > 0.0f && amax <= 3.4028235e38f) ? amax / 448.0f : 1.0f;
+    if (threadIdx.x == 0) xs[m] = scale;
+    uint2* qr = (uint2*)(xq + (size_t)m * K);
+    for (int i = threadIdx.x; i < groups; i += blockDim.x) {
+        const uint4 v = xr[i];
+        const u32 a[4] = {v.x, v.y, v.z, v.w};
+        u32 o[2];
+#pragma unroll
+        for (int j = 0; j < 4; j += 2) {
+            const float f0 = __fdiv_rn(__uint_as_float(a[j] << 16), scale);
+            const float f1 = __fdiv_rn(__uint_as_float(a[j] & 0xffff0000u), scale);
+            const float f2 = __fdiv_rn(__uint_as_float(a[j + 1] << 16), scale);
+            const float f3 = __fdiv_rn(__uint_as_float(a[j + 1] & 0xffff0000u), scale);
+            unsigned short p01, p23;
+            // The first source goes to the upper byte: element k + 1 there, k in the lower one.
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p01) : "f"(f1), "f"(f0));
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p23) : "f"(f3), "f"(f2));
+            o[j >> 1] = (u32)p01 | ((u32)p23 << 16);
+        }
+        qr[i] = make_uint2(o[0], o[1]);
+    }
+#endif
+}
+
+// The scales of an FP8 GEMM run with unit scales, in place: y[m, n] = y[m, n] * (xs[m] * ws[n])
+// for m < M, n < N, rows ld apart; bf16 y (rounded again), or f32 with f32_out (logits). Pairs
+// of elements per thread (N and ld even).
+extern "C" __global__ void fp8_rescale(void* y, const float* xs, const float* ws, int M, int N, int ld,
+                                       int f32_out) {
+    PDL_ENTER();
+    const int half = N >> 1;
+    const long long pairs = (long long)M * half;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int m = (int)(i / half), n = (int)(i - (long long)m * half) * 2;
+        const float sx = __ldg(xs + m);
+        const float s0 = sx * __ldg(ws + n), s1 = sx * __ldg(ws + n + 1);
+        const size_t o = (size_t)m * ld + n;
+        if (f32_out) {
+            float2* p = (float2*)((float*)y + o);
+            float2 v = *p;
+            v.x *= s0;
+            v.y *= s1;
+            *p = v;
+        } else {
+            u32* p = (u32*)((bf16*)y + o);
+            const u32 v = *p;
+            *p = pack_bf16(__uint_as_float(v << 16) * s0, __uint_as_float(v & 0xffff0000u) * s1);
+        }
+    }
+}
 #endif  // HARRIER_F32

@@ -52,11 +52,19 @@ pub const KERNELS: &[&str] = &[
     "skinny_gemm_f8_8_r4",
     "skinny_gemm_f8_16_r4",
     "dequant_fp8_rows",
+    "quantize_fp8_rows",
+    "fp8_rescale",
 ];
 
 /// Kernels that only exist in the bf16 build: these, and every tensor-core skinny GEMM and FP8
 /// kernel (names starting with [`BF16_ONLY_PREFIXES`]).
-const BF16_ONLY: &[&str] = &["gemv_bf16", "prefill_attention", "dequant_fp8_rows"];
+const BF16_ONLY: &[&str] = &[
+    "gemv_bf16",
+    "prefill_attention",
+    "dequant_fp8_rows",
+    "quantize_fp8_rows",
+    "fp8_rescale",
+];
 const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_"];
 
 /// Query tokens per `prefill_attention` tile (`PF_QT` in the source).
@@ -1170,6 +1178,54 @@ impl Kernels {
         let blocks = (groups as u64).div_ceil(256).min(132 * 16) as u32;
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses.
         unsafe { self.launch_fn("dequant_fp8_rows", (blocks, 1, 1), 256, 0, s, &mut a) }
+    }
+
+    /// Per-token FP8 activations (sm_89+ only: the conversion instruction does not exist
+    /// before): row `m < rows` of `x` (`[rows, k]` bf16) to e4m3 bytes `xq[m]` and its scale
+    /// `xs[m]`, by `model::fp8`'s rule for weights.
+    ///
+    /// # Safety
+    /// `x` must hold `rows * k` bf16, `xq` `rows * k` bytes and `xs` `rows` f32, 16-byte
+    /// aligned rows.
+    pub unsafe fn quantize_fp8_rows(
+        &self,
+        s: sys::CUstream,
+        (x, xq, xs): (u64, u64, u64),
+        rows: usize,
+        k: usize,
+    ) -> anyhow::Result<()> {
+        if !fp8_supports_k(k) {
+            bail!("quantize_fp8_rows: k {k} (a multiple of 64)");
+        }
+        let k32 = k as i32;
+        let mut a = params![x, xq, xs, k32];
+        // SAFETY: argument types match the kernel's; the caller vouches for the addresses.
+        unsafe { self.launch_fn("quantize_fp8_rows", (rows as u32, 1, 1), 256, 0, s, &mut a) }
+    }
+
+    /// `y[m, n] *= xs[m] * ws[n]` for `m < rows`, `n < n` (rows `ld` apart; bf16 `y`, or f32
+    /// with `f32_out`): the scales of an FP8 GEMM run with unit scales.
+    ///
+    /// # Safety
+    /// `y` must hold `rows` rows of `ld` elements, `xs` `rows` f32 and `ws` `n` f32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn fp8_rescale(
+        &self,
+        s: sys::CUstream,
+        (y, xs, ws): (u64, u64, u64),
+        rows: usize,
+        n: usize,
+        ld: usize,
+        f32_out: bool,
+    ) -> anyhow::Result<()> {
+        if !n.is_multiple_of(2) || !ld.is_multiple_of(2) || ld < n {
+            bail!("fp8_rescale: n {n} and ld {ld} must be even, ld >= n");
+        }
+        let (m32, n32, ld32, f) = (rows as i32, n as i32, ld as i32, f32_out as i32);
+        let mut a = params![y, xs, ws, m32, n32, ld32, f];
+        let blocks = ((rows * n / 2) as u64).div_ceil(256).clamp(1, 132 * 16) as u32;
+        // SAFETY: argument types match the kernel's; the caller vouches for the addresses.
+        unsafe { self.launch_fn("fp8_rescale", (blocks, 1, 1), 256, 0, s, &mut a) }
     }
 }
 

@@ -14,6 +14,11 @@
 #            (the issue's accuracy on a trained checkpoint: greedy agreement, logprob error);
 #   parity:  bf16 CUDA vs transformers bf16 on llama-3.2-1b (8 prompts in one batch, the
 #            default path; check-fused compares the fused path with the unfused one), --rel-bar 2e-2;
+#   fp8gemm: the FP8 tensor-core GEMM route of large FP8 steps (cuBLASLt, per-token activation
+#            scales): check-fp8's kernel part at LT_ROWS (bit-exact activation quantization,
+#            output vs an f64 reference, timing vs cuBLAS bf16 and dequantize + cuBLAS), then
+#            bench bf16 / FP8 with HARRIER_FP8_GEMM=0 / FP8 at FP8_BATCHES side by side, and
+#            check-graphs with FP8 weights (its batches past 16 rows take the route);
 #   pdl:     programmatic dependent launch on and off (HARRIER_PDL=1/0) side by side: bench
 #            graph-async and graph-async-unfused (--fused-max-rows FUSED_ROWS) on BENCH_MODELS
 #            at BATCHES, then FP8 at FP8_BATCHES (default 1,16,32,64);
@@ -69,7 +74,7 @@ for st in $STAGES; do
         fi
         [[ -f "$TW/trained-llama-1b/config.json" ]] || python3 scripts/train/train.py --family gpu --out "$TW" \
             --llama3-tokenizer "$TOK" --only trained-llama-1b >>"$OUT/train.log" 2>&1
-        timeout 300 "$T" check-fp8 --model "$TW/trained-llama-1b" --rows 1 --batches 1,8,32 --steps 64 \
+        timeout 300 "$T" check-fp8 --model "$TW/trained-llama-1b" --rows 1 --lt-rows 64 --batches ${FP8_TRAINED_BATCHES:-1,8,32} --steps 64 \
             --json "$OUT/fp8_trained-llama-1b.json" 2>&1 | grep -E "^\||Error" | tail -5 | tee -a "$OUT/fp8.txt"
         ;;
     fp8ckpt)
@@ -97,6 +102,22 @@ for st in $STAGES; do
                 --fused-max-rows "${FUSED_ROWS:-8}" --quantization fp8 \
                 --json "$OUT/bench_${m}_fp8.json" 2>&1 | grep -E "^decode|Error" | tee -a "$OUT/bench.log"
         done
+        ;;
+    fp8gemm)
+        gen llama-3.2-1b
+        timeout 300 "$T" check-fp8 --model "$W/llama-3.2-1b" --rows 1,16 --lt-rows "${LT_ROWS:-32,64,256,2048}" \
+            --batches 1,32 --steps 32 --json "$OUT/fp8gemm_llama-3.2-1b.json" 2>&1 \
+            | grep -E "^\||worst|Error|bit-exact|not available" | tee -a "$OUT/fp8gemm.txt"
+        for mode in bf16 dequant fp8gemm; do
+            q=""; env=""
+            [[ $mode == bf16 ]] || q="--quantization fp8"
+            [[ $mode == dequant ]] && env="HARRIER_FP8_GEMM=0"
+            echo "-- llama-3.2-1b $mode" | tee -a "$OUT/fp8gemm.txt"
+            env $env timeout 300 "$T" bench --model "$W/llama-3.2-1b" --batches "${FP8_BATCHES:-1,16,32,64,256}" --context 512 \
+                --steps 64 --modes graph-async --prefill-seqs 8 --prefill-len 2048 $q 2>&1 \
+                | grep -E "^decode|^prefill|Error" | tee -a "$OUT/fp8gemm.txt"
+        done
+        timeout 300 "$T" check-graphs --model "$W/llama-3.2-1b" --quantization fp8 2>&1 | grep -E "identical|Error|check-graphs" | tee -a "$OUT/fp8gemm.txt"
         ;;
     pdl)
         for m in ${BENCH_MODELS:-llama-3.2-1b}; do

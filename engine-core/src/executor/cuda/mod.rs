@@ -35,6 +35,7 @@
 //!   call fails too.
 
 pub mod blas;
+pub mod fp8_gemm;
 pub mod graph_check;
 mod graphs;
 pub mod layout;
@@ -316,6 +317,9 @@ pub struct CudaStartInfo {
     pub kernels_from_cache: bool,
     /// Kernels launch with programmatic dependent launch (sm_90+, `HARRIER_PDL`).
     pub pdl: bool,
+    /// FP8 models: steps past the skinny kernels run FP8 tensor-core GEMMs (sm_89+,
+    /// `HARRIER_FP8_GEMM`) rather than dequantizing to bf16.
+    pub fp8_gemm: bool,
     /// Batch sizes with captured decode graphs (empty: eager only).
     pub graph_sizes: Vec<usize>,
     pub graph_count: usize,
@@ -382,6 +386,12 @@ impl CudaExecutor {
         let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
         let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype, cfg.fp8)?;
         model.fused_max_rows = cfg.fused_max_rows;
+        if model.fp8 && std::env::var("HARRIER_FP8_GEMM").map_or(true, |v| v != "0") {
+            match model.enable_fp8_gemm(arch, caps.max_tokens.max(caps.max_seqs)) {
+                Ok(()) => tracing::info!("FP8 steps past the skinny kernels run FP8 tensor-core GEMMs (cuBLASLt, per-token activation scales)"),
+                Err(e) => tracing::warn!("FP8 steps past the skinny kernels dequantize to bf16: {e:#}"),
+            }
+        }
         let layout = MetaLayout::new(&caps);
         let max_rows = caps.max_seqs;
         let rows_d = DevBuf::new(max_rows * std::mem::size_of::<RowParams>())?;
@@ -513,6 +523,7 @@ impl CudaExecutor {
             local_kv_bytes: num_local.map_or(0, |n| n as usize * local_bpb),
             kernels_from_cache: kernels.from_cache,
             pdl: kernels.pdl(),
+            fp8_gemm: model.fp8_gemm_on(),
             graph_sizes: buckets.sizes().to_vec(),
             graph_count: num_graphs,
             graph_capture_ms: 0.0,

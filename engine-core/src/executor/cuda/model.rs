@@ -11,6 +11,7 @@ use harrier_kernels::{
 };
 
 use super::blas::Blas;
+use super::fp8_gemm::{Fp8Gemm, Fp8Out};
 use super::layout::{Capacities, ScratchSizes};
 use super::{ck, DevBuf};
 use crate::model::{
@@ -76,6 +77,9 @@ struct Scratch {
     /// FP8 models: a bf16 copy of one projection (or a slice of the output head) for the
     /// steps the skinny kernels do not take.
     wdq: Option<DevBuf>,
+    /// FP8 models with FP8 tensor-core GEMMs ([`GpuModel::enable_fp8_gemm`]): the step's
+    /// activations in e4m3 (`[max_tokens, widest k]` bytes) and their per-token scales.
+    xq: Option<(DevBuf, DevBuf)>,
 }
 
 /// One step's device metadata (addresses inside the slot's buffer), the per-row block tables
@@ -139,19 +143,24 @@ pub struct GpuModel {
     kv_layers: Vec<(usize, usize, bool)>,
     block_size: usize,
     pub blas: Blas,
+    /// FP8 tensor-core GEMMs for the steps past the skinny kernels (FP8 models on sm_89+).
+    fp8_gemm: Option<Fp8Gemm>,
     /// Steps of up to this many GEMM rows take the fused small-batch path (0: never; f32
     /// models never do, see [`ProjPlan::new`]). Set by the executor after loading.
     pub fused_max_rows: usize,
 }
 
 /// FP8 models: steps of up to this many GEMM rows run every projection through the FP8 skinny
-/// kernels (the weights read once, in 1 byte each); larger steps dequantize each projection to
-/// a bf16 scratch copy and run cuBLAS (prefill and large batches are compute-bound enough that
-/// the extra pass costs less than the skinny kernels' re-reads of the input there). The output
-/// head picks by the step's sampled rows. Measured on the H100 (session 8, `check-fp8`, 1B
-/// shapes): the FP8 skinny GEMM beats cuBLAS bf16 up to 16 rows (gate|up 28.7 vs 27.1 us at 16
-/// rows, 137 vs 28 us at 64) and dequantize + cuBLAS costs about 2.5x cuBLAS bf16.
+/// kernels (the weights read once, in 1 byte each, activations bf16); larger steps take FP8
+/// tensor-core GEMMs ([`super::fp8_gemm`], sm_89+) or, without them, dequantize each
+/// projection to a bf16 scratch copy and run cuBLAS. The output head picks by the step's
+/// sampled rows. Measured on the H100 (session 8, 1B, ms per decode step): with FP8 GEMMs,
+/// batch 8 on the skinny kernels 1.587, batch 16 2.212, batch 32 on FP8 GEMMs 1.683: the GEMM
+/// route already wins at 16, so its limit is 8 ([`FP8_SKINNY_MAX_ROWS_WITH_GEMM`]); without
+/// them the skinny kernels beat dequantize + cuBLAS up to 16 rows (gate|up 28.7 vs ~65 us at
+/// 16 rows; at 64 rows 137 vs 65).
 const FP8_SKINNY_MAX_ROWS: usize = 16;
+const FP8_SKINNY_MAX_ROWS_WITH_GEMM: usize = 8;
 
 /// Steps of at most this many rows norm inside the q|k|v and gate|up GEMMs. Every block of
 /// the launch normalises the whole input again: at 1 row that costs 2.5 us over the plain
@@ -182,15 +191,15 @@ struct ProjPlan {
 }
 
 impl ProjPlan {
-    /// The plan for a step of `rows` GEMM rows of a model `c` stored as `(dtype, fp8)`:
-    /// the fused path (bf16, up to `fused_max_rows` rows, every reduction width a multiple of
-    /// 32) takes skinny kernels with the residual adds (blocks without sandwich norms) and,
-    /// where `norm_fits(rows, hidden)` and the step is small enough, the norms fused; FP8
-    /// weights take the skinny kernels up to [`FP8_SKINNY_MAX_ROWS`] rows whatever the fused
-    /// limit (fusions only where the fused path is on).
+    /// The plan for a step of `rows` GEMM rows of a model `c` stored as `(dtype, fp8)`, where
+    /// `fp8` is the FP8 skinny kernels' row limit for FP8 weights: the fused path (bf16, up to
+    /// `fused_max_rows` rows, every reduction width a multiple of 32) takes skinny kernels with
+    /// the residual adds (blocks without sandwich norms) and, where `norm_fits(rows, hidden)`
+    /// and the step is small enough, the norms fused; FP8 weights take the skinny kernels up to
+    /// their limit whatever the fused limit (fusions only where the fused path is on).
     fn new(
         c: &ModelConfig,
-        (dtype, fp8): (Dtype, bool),
+        (dtype, fp8): (Dtype, Option<usize>),
         fused_max_rows: usize,
         rows: usize,
         norm_fits: impl Fn(usize, usize) -> bool,
@@ -200,7 +209,7 @@ impl ProjPlan {
             && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
                 .iter()
                 .all(|&k| skinny_supports(rows, k));
-        let skinny = fused || (fp8 && (1..=FP8_SKINNY_MAX_ROWS).contains(&rows));
+        let skinny = fused || fp8.is_some_and(|max| (1..=max).contains(&rows));
         let residual = fused && !c.architecture.sandwich_norms();
         ProjPlan {
             skinny,
@@ -500,6 +509,7 @@ impl GpuModel {
                 }
                 false => None,
             },
+            xq: None,
         };
         let blas = Blas::new(stream, dtype)?;
         let embed_scale = c.embed_scale(match dtype {
@@ -523,8 +533,48 @@ impl GpuModel {
             kv_layers: Vec::new(),
             block_size: caps.block_size,
             blas,
+            fp8_gemm: None,
             fused_max_rows: 0,
         })
+    }
+
+    /// FP8 models: steps past the skinny kernels run FP8 tensor-core GEMMs (cuBLASLt, per-token
+    /// activation scales; see [`super::fp8_gemm`]) instead of dequantizing each projection to
+    /// bf16, on `arch` sm_89 or newer with libcublasLt present, for steps of up to
+    /// `max_tokens` rows. Returns why not when it cannot (the model keeps the bf16 route).
+    pub(crate) fn enable_fp8_gemm(&mut self, arch: &str, max_tokens: usize) -> anyhow::Result<()> {
+        if !self.fp8 {
+            bail!("not an FP8 model");
+        }
+        let g = Fp8Gemm::new(arch)?;
+        let c = &self.config;
+        let widest = [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        self.scratch.xq = Some((
+            DevBuf::new(max_tokens.max(1) * widest)?,
+            DevBuf::new(max_tokens.max(1) * 4)?,
+        ));
+        self.fp8_gemm = Some(g);
+        // Every step past the skinny kernels now takes the FP8 GEMMs: the bf16 dequantization
+        // scratch (the largest layer projection in bf16) goes back to the KV cache.
+        self.scratch.wdq = None;
+        Ok(())
+    }
+
+    /// Whether FP8 tensor-core GEMMs are on (see [`GpuModel::enable_fp8_gemm`]).
+    pub(crate) fn fp8_gemm_on(&self) -> bool {
+        self.fp8_gemm.is_some()
+    }
+
+    /// FP8 weights: the most GEMM rows the skinny kernels take (see [`FP8_SKINNY_MAX_ROWS`]).
+    fn fp8_skinny_max_rows(&self) -> usize {
+        if self.fp8_gemm.is_some() {
+            FP8_SKINNY_MAX_ROWS_WITH_GEMM
+        } else {
+            FP8_SKINNY_MAX_ROWS
+        }
     }
 
     /// Allocates the KV cache: `num_blocks` blocks for every layer, or with
@@ -561,7 +611,7 @@ impl GpuModel {
     fn proj_plan(&self, k: &Kernels, rows: usize) -> ProjPlan {
         ProjPlan::new(
             &self.config,
-            (self.dtype, self.fp8),
+            (self.dtype, self.fp8.then(|| self.fp8_skinny_max_rows())),
             self.fused_max_rows,
             rows,
             |m, kk| k.skinny_norm_supports(m, kk),
@@ -618,11 +668,13 @@ impl GpuModel {
         let gated = if gelu { Epi::GeluTanhMul } else { Epi::SiluMul };
         let blas = &self.blas;
         let wdq = s.wdq.as_ref().map(|b| b.ptr);
+        let lt = self.fp8_gemm.as_ref().zip(s.xq.as_ref());
         // y = x · wᵀ over gemm_rows rows: the skinny kernels (bf16 or FP8), cuBLAS, or (FP8
-        // past the skinny kernels) cuBLAS over a bf16 copy of the weights.
+        // past the skinny kernels) FP8 tensor-core GEMMs with per-token activation scales, or
+        // without them cuBLAS over a bf16 copy of the weights.
         let proj = |(x, w, y): (u64, &Proj, u64), n: usize, kk: usize| -> anyhow::Result<()> {
             // SAFETY: as the launches below (the scratch buffers hold gemm_rows rows; wdq holds
-            // the largest layer projection).
+            // the largest layer projection; xq gemm_rows rows of the widest k).
             unsafe {
                 match (skinny, w.scale.as_ref(), wdq) {
                     (true, _, _) => {
@@ -630,6 +682,18 @@ impl GpuModel {
                     }
                     (false, None, _) => {
                         blas.gemm(k, stream, (x, w.w.ptr, y), gemm_rows, n, kk, false)
+                    }
+                    (false, Some(sc), _) if lt.is_some() => {
+                        let (g, (xq, xs)) = lt.expect("checked");
+                        k.quantize_fp8_rows(stream, (x, xq.ptr, xs.ptr), gemm_rows, kk)?;
+                        g.gemm(
+                            stream,
+                            (xq.ptr, w.w.ptr, y),
+                            gemm_rows,
+                            (n, kk),
+                            Fp8Out::Bf16,
+                        )?;
+                        k.fp8_rescale(stream, (y, xs.ptr, sc.ptr), gemm_rows, n, n, false)
                     }
                     (false, Some(sc), Some(wdq)) => {
                         k.dequant_fp8_rows(stream, (w.w.ptr, sc.ptr, wdq), n, kk)?;
@@ -840,10 +904,35 @@ impl GpuModel {
                 // FP8 heads take the skinny kernel whenever the sampled rows fit it (a prefill
                 // step samples few rows however many tokens it has).
                 let skinny_head = match head_scale {
-                    Some(_) => gemm_samples <= FP8_SKINNY_MAX_ROWS,
+                    Some(_) => gemm_samples <= self.fp8_skinny_max_rows(),
                     None => skinny,
                 };
                 match (skinny_head, head_scale, &s.wdq) {
+                    (false, Some(sc), _) if lt.is_some() => {
+                        let (g, (xq, xs)) = lt.expect("checked");
+                        let v = c.vocab_size;
+                        k.quantize_fp8_rows(
+                            stream,
+                            (s.final_h.ptr, xq.ptr, xs.ptr),
+                            gemm_samples,
+                            hid,
+                        )?;
+                        g.gemm(
+                            stream,
+                            (xq.ptr, head, s.logits.ptr),
+                            gemm_samples,
+                            (v, hid),
+                            Fp8Out::F32 { ld: v },
+                        )?;
+                        k.fp8_rescale(
+                            stream,
+                            (s.logits.ptr, xs.ptr, sc.ptr),
+                            gemm_samples,
+                            v,
+                            v,
+                            true,
+                        )?;
+                    }
                     (true, _, _) => k.skinny_gemm(
                         stream,
                         &SkinnyInputs::new(yw, gemm_samples, c.vocab_size, hid, Epi::StoreF32)
@@ -895,12 +984,13 @@ mod tests {
         let llama = Preset::from_name("llama-3.2-1b").unwrap().config();
         let gemma = Preset::from_name("gemma-3-1b").unwrap().config();
         let fits = |_: usize, _: usize| true;
-        let plan = |c: &ModelConfig, st: (Dtype, bool), max: usize, rows: usize| {
+        let plan = |c: &ModelConfig, st: (Dtype, Option<usize>), max: usize, rows: usize| {
             let p = ProjPlan::new(c, st, max, rows, fits);
             (p.skinny, p.residual, p.norm)
         };
-        let bf16 = (Dtype::Bf16, false);
-        let fp8 = (Dtype::Bf16, true);
+        let bf16 = (Dtype::Bf16, None);
+        let fp8 = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS));
+        let fp8_gemm = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS_WITH_GEMM));
         // bf16, fused path on up to 8 rows: norms fused up to 2 rows, residual adds up to 8.
         assert_eq!(plan(&llama, bf16, 8, 1), (true, true, true));
         assert_eq!(plan(&llama, bf16, 8, 2), (true, true, true));
@@ -910,7 +1000,7 @@ mod tests {
         // Off, and never for f32.
         assert_eq!(plan(&llama, bf16, 0, 1), (false, false, false));
         assert_eq!(
-            plan(&llama, (Dtype::F32, false), 8, 1),
+            plan(&llama, (Dtype::F32, None), 8, 1),
             (false, false, false)
         );
         // Gemma's sandwich norms: skinny kernels without the residual fusions.
@@ -932,6 +1022,9 @@ mod tests {
             (false, false, false)
         );
         assert_eq!(plan(&llama, fp8, 8, 1), (true, true, true));
+        // With FP8 tensor-core GEMMs the skinny kernels stop earlier.
+        assert_eq!(plan(&llama, fp8_gemm, 0, 8), (true, false, false));
+        assert_eq!(plan(&llama, fp8_gemm, 0, 9), (false, false, false));
         assert_eq!(plan(&llama, fp8, 8, 16), (true, false, false));
     }
 
