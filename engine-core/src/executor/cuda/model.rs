@@ -192,11 +192,11 @@ struct ProjPlan {
 
 impl ProjPlan {
     /// The plan for a step of `rows` GEMM rows of a model `c` stored as `(dtype, fp8)`, where
-    /// `fp8` is the FP8 skinny kernels' row limit for FP8 weights: the fused path (bf16, up to
-    /// `fused_max_rows` rows, bf16 weights, every reduction width a multiple of 32) takes skinny kernels with
-    /// the residual adds (blocks without sandwich norms) and, where `norm_fits(rows, hidden)`
-    /// and the step is small enough, the norms fused; FP8 weights take the skinny kernels up to
-    /// their limit whatever the fused limit (fusions only where the fused path is on).
+    /// `fp8` is the FP8 skinny kernels' row limit when the weights are FP8. The fused path
+    /// (bf16 weights, up to `fused_max_rows` rows, every reduction width a multiple of 32)
+    /// takes skinny kernels with the residual adds (blocks without sandwich norms) and, where
+    /// `norm_fits(rows, hidden)` and the step is small enough, the norms fused; FP8 weights
+    /// take the skinny kernels up to their limit, without the fusions.
     fn new(
         c: &ModelConfig,
         (dtype, fp8): (Dtype, Option<usize>),
