@@ -87,12 +87,13 @@ pub struct EngineCoreArgs {
     /// CUDA backend (bf16): decode steps of up to this many tokens run the fused small-batch
     /// path (skinny tensor-core GEMMs with RMSNorm, residual adds and the gated activation
     /// folded in; docs/cuda.md); 0 runs every step through cuBLAS and separate kernels. The
-    /// default is 0 until the path has been checked on a device (docs/cuda.md).
+    /// default, 1, is where it was measured to win (docs/benchmarks.md, session 8); FP8
+    /// weights never take the fusions.
     #[arg(long, default_value_t = crate::config::FUSED_DECODE_MAX_ROWS)]
     pub fused_decode_max_rows: usize,
     /// Weight quantization at load. `fp8`: the layers' projections and the output head as
-    /// e4m3 with one scale per output channel, activations in bf16 (CUDA, bf16 only;
-    /// docs/fp8.md). On the CPU backend the weights are rounded to those FP8 values and kept
+    /// e4m3 with one scale per output channel; activations bf16 in small decode steps and e4m3
+    /// per token in larger ones on sm_89+ (CUDA, bf16 only; docs/fp8.md). On the CPU backend the weights are rounded to those FP8 values and kept
     /// in f32: an accuracy model of the CUDA path, not a speedup. Checkpoints that are FP8
     /// already (a `quantization_config` of compressed-tensors, fbgemm_fp8 or fp8) need no flag.
     #[arg(long, value_enum)]
