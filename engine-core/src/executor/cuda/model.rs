@@ -562,9 +562,21 @@ impl GpuModel {
         ));
         self.fp8_gemm = Some(g);
         // Every step past the skinny kernels now takes the FP8 GEMMs: the bf16 dequantization
-        // scratch (the largest layer projection in bf16) goes back to the KV cache.
-        self.scratch.wdq = None;
+        // scratch (the largest layer projection in bf16) goes back to the KV cache, unless
+        // the output head still needs it (see `head_takes_fp8_gemm`).
+        if self.head_takes_fp8_gemm() {
+            self.scratch.wdq = None;
+        }
         Ok(())
+    }
+
+    /// Whether the output head's large steps take the FP8 GEMMs: cuBLASLt wants the f32
+    /// logits' rows 16-byte aligned and `fp8_rescale` pairs of columns, and only widths that
+    /// are multiples of 16 have been checked on the device, so other vocabularies keep the
+    /// dequantize + cuBLAS route there (the layers' widths are multiples of 64 for any FP8
+    /// model, `check_fp8_model`).
+    fn head_takes_fp8_gemm(&self) -> bool {
+        self.fp8_gemm.is_some() && self.config.vocab_size.is_multiple_of(16)
     }
 
     /// Whether FP8 tensor-core GEMMs are on (see [`GpuModel::enable_fp8_gemm`]).
@@ -912,7 +924,7 @@ impl GpuModel {
                     None => skinny,
                 };
                 match (skinny_head, head_scale, &s.wdq) {
-                    (false, Some(sc), _) if lt.is_some() => {
+                    (false, Some(sc), _) if self.head_takes_fp8_gemm() && lt.is_some() => {
                         let (g, (xq, xs)) = lt.expect("checked");
                         let v = c.vocab_size;
                         k.quantize_fp8_rows(
