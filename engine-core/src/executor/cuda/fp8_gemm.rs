@@ -145,6 +145,17 @@ impl Fp8Gemm {
         }
     }
 
+    /// Plans a shape ahead of use (start-up checks that cuBLASLt has an algorithm for the
+    /// model's shapes, so a step never finds out; the plan is kept).
+    pub fn prepare(&self, rows: usize, (n, k): (usize, usize), out: Fp8Out) -> anyhow::Result<()> {
+        let key = (n, rows, k, out);
+        if !self.plans.borrow().contains_key(&key) {
+            let plan = self.plan(n, rows, k, out)?;
+            self.plans.borrow_mut().insert(key, plan);
+        }
+        Ok(())
+    }
+
     /// `d[m, j] = Σ_k xq[m, k] · wq[j, k]` over `rows` rows of e4m3 (unit scales), into bf16
     /// rows of `n` or f32 rows `ld` apart. Plans the shape on first use.
     ///

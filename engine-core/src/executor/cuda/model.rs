@@ -552,6 +552,24 @@ impl GpuModel {
         }
         let g = Fp8Gemm::new(arch)?;
         let c = &self.config;
+        // The smallest and largest steps that take the route, on every shape: a refusal here
+        // keeps the model on the bf16 route instead of failing a step later.
+        let mut shapes = vec![
+            (c.qkv_dim(), c.hidden_size, Fp8Out::Bf16),
+            (c.hidden_size, c.num_heads * c.head_dim, Fp8Out::Bf16),
+            (2 * c.intermediate_size, c.hidden_size, Fp8Out::Bf16),
+            (c.hidden_size, c.intermediate_size, Fp8Out::Bf16),
+        ];
+        if c.vocab_size.is_multiple_of(16) {
+            let ld = c.vocab_size;
+            shapes.push((c.vocab_size, c.hidden_size, Fp8Out::F32 { ld }));
+        }
+        for rows in [FP8_SKINNY_MAX_ROWS_WITH_GEMM + 1, max_tokens.max(1)] {
+            for &(n, k, out) in &shapes {
+                g.prepare(rows, (n, k), out)
+                    .with_context(|| format!("planning an FP8 GEMM of {rows} x {n} x {k}"))?;
+            }
+        }
         let widest = [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
             .into_iter()
             .max()
