@@ -127,8 +127,11 @@ extern "C" __global__ void embed_tokens(elem* out, const elem* table, const int*
 // first, the same way: x = bf16(resid + bf16(norm(delta) * (w_off + delta_w))).
 // Block i handles row src = rows ? rows[i] : i and writes out row i (rows: the final norm over
 // the rows that want logits).
+__device__ __forceinline__ float norm_weight(float xn, float w, float w_off) {
+    return w_off != 0.0f ? xn * (w_off + w) : w * rnd(xn);
+}
 __device__ __forceinline__ float norm_scale(float xn, const elem* w, int j, float w_off) {
-    return w_off != 0.0f ? xn * (w_off + e2f(w[j])) : e2f(w[j]) * rnd(xn);
+    return norm_weight(xn, e2f(w[j]), w_off);
 }
 
 extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const elem* delta_w, const elem* w, elem* out,
@@ -225,21 +228,25 @@ extern "C" __global__ void rope_kv_write(elem* qkv, int qkv_stride, int nh, int 
 // ---------------------------------------------------------------------------------------------
 // out[r, i] = bf16(bf16(act(gate)) * up), rows of gu = [gate | up]; act is SiLU (silu_mul) or
 // the tanh approximation of GELU (gelu_tanh_mul: torch's gelu(approximate="tanh"), Gemma).
+// act(g) * u with the activation rounded to the storage type (HF's bf16 act, then the mul):
+// GELU with the tanh approximation, or SiLU. The skinny GEMMs' gated epilogue uses it too.
+__device__ __forceinline__ float act_mul(float g, float u, bool gelu) {
+    float a;
+    if (gelu) {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+        a = rnd(0.5f * g * (1.0f + tanhf(k0 * (g + k1 * g * g * g))));
+    } else {
+        a = rnd(g / (1.0f + expf(-g)));
+    }
+    return a * u;
+}
+
 template <bool GELU>
 __device__ __forceinline__ void gated_act(elem* out, const elem* gu, int inter, long long total) {
     for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < total; k += (long long)gridDim.x * blockDim.x) {
         long long r = k / inter;
         int i = (int)(k - r * inter);
-        float g = e2f(gu[r * 2 * inter + i]);
-        float u = e2f(gu[r * 2 * inter + inter + i]);
-        float a;
-        if (GELU) {
-            const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-            a = rnd(0.5f * g * (1.0f + tanhf(k0 * (g + k1 * g * g * g))));
-        } else {
-            a = rnd(g / (1.0f + expf(-g)));
-        }
-        out[k] = f2e(a * u);
+        out[k] = f2e(act_mul(e2f(gu[r * 2 * inter + i]), e2f(gu[r * 2 * inter + inter + i]), GELU));
     }
 }
 
@@ -1353,16 +1360,12 @@ __device__ __forceinline__ float sumsq8(uint4 v) {
     return s;
 }
 
-__device__ __forceinline__ float norm_one(float x, float w, float inv, float w_off) {
-    return w_off != 0.0f ? x * inv * (w_off + w) : w * rbf(x * inv);
-}
-
 __device__ __forceinline__ uint4 rms_norm8(uint4 xv, uint4 wv, float inv, float w_off) {
     u32 a[4] = {xv.x, xv.y, xv.z, xv.w}, b[4] = {wv.x, wv.y, wv.z, wv.w}, o[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        float lo = norm_one(__uint_as_float(a[i] << 16), __uint_as_float(b[i] << 16), inv, w_off);
-        float hi = norm_one(__uint_as_float(a[i] & 0xffff0000u), __uint_as_float(b[i] & 0xffff0000u), inv, w_off);
+        float lo = norm_weight(__uint_as_float(a[i] << 16) * inv, __uint_as_float(b[i] << 16), w_off);
+        float hi = norm_weight(__uint_as_float(a[i] & 0xffff0000u) * inv, __uint_as_float(b[i] & 0xffff0000u), w_off);
         o[i] = pack_bf16(lo, hi);
     }
     return make_uint4(o[0], o[1], o[2], o[3]);
@@ -1534,14 +1537,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
                 const size_t o = (size_t)m * p.N + n;
                 if (gated) {
                     const float up = F8 ? acc[i][j][r + 2] * __ldg(p.scale + p.N + n) : acc[i][j][r + 2];
-                    float gv = rbf(v), act;
-                    if (p.epi == SK_GELU) {
-                        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-                        act = rbf(0.5f * gv * (1.0f + tanhf(k0 * (gv + k1 * gv * gv * gv))));
-                    } else {
-                        act = rbf(gv / (1.0f + expf(-gv)));
-                    }
-                    ((bf16*)p.y)[o] = f2bf(act * rbf(up));
+                    ((bf16*)p.y)[o] = f2bf(act_mul(rbf(v), rbf(up), p.epi == SK_GELU));
                 } else if (p.epi == SK_STORE_F32) {
                     ((float*)p.y)[o] = v;
                 } else if (p.epi == SK_RESID) {

@@ -472,11 +472,19 @@ pub struct Kernels {
 /// of the launch gap between the ~100 small kernels of a decode step; in a CUDA graph the
 /// captured edges become programmatic. `HARRIER_PDL=0` is for side-by-side measurement.
 pub fn pdl_default(arch: &str) -> bool {
-    let hopper_or_newer = arch
-        .strip_prefix("sm_")
-        .and_then(|v| v.parse::<u32>().ok())
-        .is_some_and(|v| v >= 90);
-    hopper_or_newer && std::env::var("HARRIER_PDL").map_or(true, |v| v != "0")
+    sm_version(arch).is_some_and(|v| v >= 90)
+        && std::env::var("HARRIER_PDL").map_or(true, |v| v != "0")
+}
+
+/// The compute capability `arch` (an [`arch_name`]) names as one number: `"sm_89"` -> 89.
+pub fn sm_version(arch: &str) -> Option<u32> {
+    arch.strip_prefix("sm_")?.parse().ok()
+}
+
+/// Blocks of 256 threads for a grid-stride loop over `items`: one item a thread up to the
+/// grid's x limit (no items: no blocks, and the launch is skipped).
+fn grid_stride_blocks(items: usize) -> u32 {
+    items.div_ceil(256).min(65_535) as u32
 }
 
 // SAFETY: CUDA module and function handles are plain handles usable from any thread that has
@@ -593,14 +601,8 @@ impl Kernels {
         stream: sys::CUstream,
         params: &mut [*mut c_void],
     ) -> anyhow::Result<()> {
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-            return Ok(());
-        }
-        if !self.dtype.has_kernel(name) {
-            bail!("{name} does not exist in the {} build", self.dtype.name());
-        }
         // SAFETY: forwarded from the caller.
-        unsafe { self.launch_fn(name, grid, block, 0, stream, params) }
+        unsafe { self.launch_smem(name, grid, block, 0, stream, params) }
     }
 
     /// Whether launches use programmatic dependent launch ([`pdl_default`]).
@@ -608,12 +610,12 @@ impl Kernels {
         self.pdl
     }
 
-    /// Launches kernel `name` (known to exist in this build), with programmatic dependent
-    /// launch when [`Kernels::pdl`].
+    /// Launches kernel `name` with `smem` bytes of dynamic shared memory (an empty grid
+    /// launches nothing), with programmatic dependent launch when [`Kernels::pdl`].
     ///
     /// # Safety
     /// As [`Kernels::launch`]; `smem` within what the kernel was allowed.
-    unsafe fn launch_fn(
+    unsafe fn launch_smem(
         &self,
         name: &str,
         grid: (u32, u32, u32),
@@ -622,6 +624,12 @@ impl Kernels {
         stream: sys::CUstream,
         params: &mut [*mut c_void],
     ) -> anyhow::Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        if !self.dtype.has_kernel(name) {
+            bail!("{name} does not exist in the {} build", self.dtype.name());
+        }
         let f = self.func(name);
         if !self.pdl {
             // SAFETY: forwarded from the caller.
@@ -770,7 +778,7 @@ impl Kernels {
         gelu: bool,
     ) -> anyhow::Result<()> {
         let total = rows as i64 * inter as i64;
-        let blocks = ((total + 255) / 256).clamp(1, 65_535) as u32;
+        let blocks = grid_stride_blocks(total.max(0) as usize);
         let mut p = params![out, gu, inter, total];
         // SAFETY: argument types match the kernel's.
         unsafe {
@@ -1000,7 +1008,7 @@ impl Kernels {
         input: u64,
         n: i64,
     ) -> anyhow::Result<()> {
-        let blocks = ((n + 255) / 256).clamp(0, 65_535) as u32;
+        let blocks = grid_stride_blocks(n.max(0) as usize);
         let mut p = params![out, input, n];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("copy_f32", (blocks, 1, 1), 256, s, &mut p) }
@@ -1152,7 +1160,7 @@ impl Kernels {
         let grid = ((p.n as u32).div_ceil(rows), 1, 1);
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
         // dynamic shared memory is within what `load_ptx` allowed.
-        unsafe { self.launch_fn(name, grid, self.skinny_warps * 32, smem, s, &mut a) }
+        unsafe { self.launch_smem(name, grid, self.skinny_warps * 32, smem, s, &mut a) }
     }
 }
 
@@ -1175,9 +1183,9 @@ impl Kernels {
         let groups = (rows * k / 8) as i64;
         let k32 = k as i32;
         let mut a = params![q, scale, w, k32, groups];
-        let blocks = (groups as u64).div_ceil(256).min(132 * 16) as u32;
+        let blocks = grid_stride_blocks(groups as usize);
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses.
-        unsafe { self.launch_fn("dequant_fp8_rows", (blocks, 1, 1), 256, 0, s, &mut a) }
+        unsafe { self.launch("dequant_fp8_rows", (blocks, 1, 1), 256, s, &mut a) }
     }
 
     /// Per-token FP8 activations (sm_89+ only: the conversion instruction does not exist
@@ -1200,7 +1208,7 @@ impl Kernels {
         let k32 = k as i32;
         let mut a = params![x, xq, xs, k32];
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses.
-        unsafe { self.launch_fn("quantize_fp8_rows", (rows as u32, 1, 1), 256, 0, s, &mut a) }
+        unsafe { self.launch("quantize_fp8_rows", (rows as u32, 1, 1), 256, s, &mut a) }
     }
 
     /// `y[m, n] *= xs[m] * ws[n]` for `m < rows`, `n < n` (rows `ld` apart; bf16 `y`, or f32
@@ -1223,9 +1231,9 @@ impl Kernels {
         }
         let (m32, n32, ld32, f) = (rows as i32, n as i32, ld as i32, f32_out as i32);
         let mut a = params![y, xs, ws, m32, n32, ld32, f];
-        let blocks = ((rows * n / 2) as u64).div_ceil(256).clamp(1, 132 * 16) as u32;
+        let blocks = grid_stride_blocks(rows * n / 2);
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses.
-        unsafe { self.launch_fn("fp8_rescale", (blocks, 1, 1), 256, 0, s, &mut a) }
+        unsafe { self.launch("fp8_rescale", (blocks, 1, 1), 256, s, &mut a) }
     }
 }
 
@@ -1414,5 +1422,13 @@ mod tests {
         assert!(!pdl_default("sm_80"));
         assert!(!pdl_default("sm_89"));
         assert!(!pdl_default("bogus"));
+    }
+
+    #[test]
+    fn architectures_and_grid_stride_launches() {
+        assert_eq!(sm_version("sm_89"), Some(89));
+        assert_eq!(sm_version("bogus"), None);
+        assert_eq!((grid_stride_blocks(0), grid_stride_blocks(257)), (0, 2));
+        assert_eq!(grid_stride_blocks(usize::MAX / 2), 65_535);
     }
 }
