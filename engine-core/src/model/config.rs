@@ -311,6 +311,18 @@ impl ModelConfig {
         (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
     }
 
+    /// The layer projections as the backends run them, `(name, n, k)` for
+    /// `y[rows, n] = x[rows, k] · w[n, k]ᵀ`: q|k|v stacked, o, gate|up stacked, down.
+    pub fn layer_gemm_shapes(&self) -> [(&'static str, usize, usize); 4] {
+        let (h, i) = (self.hidden_size, self.intermediate_size);
+        [
+            ("qkv", self.qkv_dim(), h),
+            ("o", h, self.num_heads * self.head_dim),
+            ("gate_up", 2 * i, h),
+            ("down", h, i),
+        ]
+    }
+
     /// The number of weights (every tensor of [`super::expected_tensors`]), or `None` when it
     /// overflows `usize` even as a count of f32 bytes (times 4). Checked by [`Self::validate`]
     /// so that the loaders can multiply dimensions freely.

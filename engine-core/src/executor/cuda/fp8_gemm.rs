@@ -15,10 +15,12 @@
 //!
 //! cuBLASLt needs sm_89 or newer for FP8 and "TN" operands (both k-major: our weights and
 //! activations are); the plan of each shape (layouts and the heuristic's algorithm) is made on
-//! first use and kept, so a step's host cost is a hash lookup per GEMM (and graph replays have
-//! none).
+//! first use (or at start-up, [`Fp8Gemm::prepare`]) and kept, so a step's host cost is a hash
+//! lookup per GEMM (and graph replays have none). [`Fp8Gemm::project`] is the whole route; the
+//! e4m3 activations live in buffers of its own, sized at creation.
 
 use std::cell::RefCell;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 
@@ -26,6 +28,7 @@ use anyhow::{anyhow, bail, Context};
 use harrier_kernels::cudarc::cublas::sys::cublasOperation_t;
 use harrier_kernels::cudarc::cublaslt::sys as lt;
 use harrier_kernels::cudarc::driver::sys;
+use harrier_kernels::Kernels;
 
 use super::DevBuf;
 
@@ -48,7 +51,9 @@ pub enum Fp8Out {
     F32 { ld: usize },
 }
 
-/// One shape's layouts and algorithm.
+/// One shape's layouts and algorithm (the layouts are owned by [`Fp8Gemm::plans`]; copies
+/// are handles for one call).
+#[derive(Clone, Copy)]
 struct Plan {
     a: lt::cublasLtMatrixLayout_t,
     b: lt::cublasLtMatrixLayout_t,
@@ -63,6 +68,11 @@ pub struct Fp8Gemm {
     desc: lt::cublasLtMatmulDesc_t,
     pref: lt::cublasLtMatmulPreference_t,
     workspace: DevBuf,
+    /// The activations in e4m3, `[max_rows, max_k]` bytes, and their per-token scales.
+    xq: DevBuf,
+    xs: DevBuf,
+    max_rows: usize,
+    max_k: usize,
     /// Keyed by (n, rows, k, out).
     plans: RefCell<HashMap<(usize, usize, usize, Fp8Out), Plan>>,
 }
@@ -72,12 +82,11 @@ pub struct Fp8Gemm {
 unsafe impl Send for Fp8Gemm {}
 
 impl Fp8Gemm {
-    /// A handle, or why FP8 GEMMs are unavailable here (no libcublasLt, or a device before
-    /// sm_89): the caller then dequantizes to bf16 instead.
-    pub fn new(arch: &str) -> anyhow::Result<Fp8Gemm> {
-        let sm: u32 = arch
-            .strip_prefix("sm_")
-            .and_then(|v| v.parse().ok())
+    /// A handle for steps of up to `max_rows` rows over reductions up to `max_k` wide, or why
+    /// FP8 GEMMs are unavailable here (no libcublasLt, or a device before sm_89): the caller
+    /// then dequantizes to bf16 instead.
+    pub fn new(arch: &str, max_rows: usize, max_k: usize) -> anyhow::Result<Fp8Gemm> {
+        let sm = harrier_kernels::sm_version(arch)
             .with_context(|| format!("unknown architecture {arch}"))?;
         if sm < 89 {
             bail!("FP8 tensor cores need sm_89 or newer ({arch})");
@@ -86,12 +95,16 @@ impl Fp8Gemm {
         if !unsafe { lt::is_culib_present() } {
             bail!("libcublasLt not found");
         }
-        let workspace = DevBuf::new(WORKSPACE_BYTES)?;
+        let (max_rows, max_k) = (max_rows.max(1), max_k.max(1));
         let mut g = Fp8Gemm {
             handle: std::ptr::null_mut(),
             desc: std::ptr::null_mut(),
             pref: std::ptr::null_mut(),
-            workspace,
+            workspace: DevBuf::new(WORKSPACE_BYTES)?,
+            xq: DevBuf::new(max_rows * max_k)?,
+            xs: DevBuf::new(max_rows * 4)?,
+            max_rows,
+            max_k,
             plans: RefCell::new(HashMap::new()),
         };
         // SAFETY: plain cuBLASLt set-up calls on fresh handles (what fails before the end is
@@ -148,12 +161,58 @@ impl Fp8Gemm {
     /// Plans a shape ahead of use (start-up checks that cuBLASLt has an algorithm for the
     /// model's shapes, so a step never finds out; the plan is kept).
     pub fn prepare(&self, rows: usize, (n, k): (usize, usize), out: Fp8Out) -> anyhow::Result<()> {
-        let key = (n, rows, k, out);
-        if !self.plans.borrow().contains_key(&key) {
-            let plan = self.plan(n, rows, k, out)?;
-            self.plans.borrow_mut().insert(key, plan);
+        self.plan_for(rows, (n, k), out).map(drop)
+    }
+
+    /// The plan of a shape, made on first use.
+    fn plan_for(&self, rows: usize, (n, k): (usize, usize), out: Fp8Out) -> anyhow::Result<Plan> {
+        Ok(match self.plans.borrow_mut().entry((n, rows, k, out)) {
+            Entry::Occupied(e) => *e.get(),
+            Entry::Vacant(e) => *e.insert(self.plan(n, rows, k, out)?),
+        })
+    }
+
+    /// The e4m3 activations and their scales as the last [`Fp8Gemm::project`] left them
+    /// (device addresses; tools compare them with the host's quantizer).
+    pub fn activations(&self) -> (u64, u64) {
+        (self.xq.ptr, self.xs.ptr)
+    }
+
+    /// The whole route: `y[m, j] = (Σ_k e4m3(x[m, k] / xs[m]) · w[j, k]) · xs[m] · ws[j]` for
+    /// `m < rows`, with `w` e4m3 weights of one scale `ws[j]` per row: `quantize_fp8_rows`,
+    /// the cuBLASLt GEMM with unit scales, then `fp8_rescale` in place (bf16 rows of `n`, or
+    /// f32 rows `ld` apart).
+    ///
+    /// # Safety
+    /// `x` must hold `rows x k` bf16, `w` `n x k` bytes, `ws` `n` f32 and `y` the output rows,
+    /// 16-byte aligned; `stream` the stream the handle's work is ordered on.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn project(
+        &self,
+        kernels: &Kernels,
+        stream: sys::CUstream,
+        (x, w, ws, y): (u64, u64, u64, u64),
+        rows: usize,
+        (n, k): (usize, usize),
+        out: Fp8Out,
+    ) -> anyhow::Result<()> {
+        if rows > self.max_rows || k > self.max_k {
+            bail!(
+                "FP8 GEMM of {rows} x {k} exceeds its activation buffers ({} x {})",
+                self.max_rows,
+                self.max_k
+            );
         }
-        Ok(())
+        let (ld, f32_out) = match out {
+            Fp8Out::Bf16 => (n, false),
+            Fp8Out::F32 { ld } => (ld, true),
+        };
+        // SAFETY: the caller's contract for x, w, ws and y; xq/xs hold rows x k (checked).
+        unsafe {
+            kernels.quantize_fp8_rows(stream, (x, self.xq.ptr, self.xs.ptr), rows, k)?;
+            self.gemm(stream, (self.xq.ptr, w, y), rows, (n, k), out)?;
+            kernels.fp8_rescale(stream, (y, self.xs.ptr, ws), rows, n, ld, f32_out)
+        }
     }
 
     /// `d[m, j] = Σ_k xq[m, k] · wq[j, k]` over `rows` rows of e4m3 (unit scales), into bf16
@@ -162,7 +221,7 @@ impl Fp8Gemm {
     /// # Safety
     /// `wq` must hold `n * k` bytes, `xq` `rows * k` bytes, `d` the output rows; 16-byte
     /// aligned; `stream` the stream the handle's work is ordered on.
-    pub unsafe fn gemm(
+    unsafe fn gemm(
         &self,
         stream: sys::CUstream,
         (xq, wq, d): (u64, u64, u64),
@@ -173,12 +232,7 @@ impl Fp8Gemm {
         if rows == 0 {
             return Ok(());
         }
-        let key = (n, rows, k, out);
-        let mut plans = self.plans.borrow_mut();
-        let p = match plans.entry(key) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(n, rows, k, out)?),
-        };
+        let p = self.plan_for(rows, (n, k), out)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the plan's layouts describe these operands (caller's contract for the
         // addresses); alpha/beta are host f32 (the default pointer mode); C aliases D with
@@ -301,7 +355,10 @@ mod tests {
     #[test]
     fn refuses_devices_without_fp8_tensor_cores() {
         for arch in ["sm_80", "sm_86", "bogus"] {
-            let e = Fp8Gemm::new(arch).err().expect("refused").to_string();
+            let e = Fp8Gemm::new(arch, 1, 64)
+                .err()
+                .expect("refused")
+                .to_string();
             assert!(
                 e.contains("sm_89") || e.contains("unknown architecture"),
                 "{arch}: {e}"

@@ -77,9 +77,6 @@ struct Scratch {
     /// FP8 models: a bf16 copy of one projection (or a slice of the output head) for the
     /// steps the skinny kernels do not take.
     wdq: Option<DevBuf>,
-    /// FP8 models with FP8 tensor-core GEMMs ([`GpuModel::enable_fp8_gemm`]): the step's
-    /// activations in e4m3 (`[max_tokens, widest k]` bytes) and their per-token scales.
-    xq: Option<(DevBuf, DevBuf)>,
 }
 
 /// One step's device metadata (addresses inside the slot's buffer), the per-row block tables
@@ -210,9 +207,9 @@ impl ProjPlan {
         let fused = dtype == Dtype::Bf16
             && fp8.is_none()
             && rows <= fused_max_rows
-            && [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+            && c.layer_gemm_shapes()
                 .iter()
-                .all(|&k| skinny_supports(rows, k));
+                .all(|&(_, _, k)| skinny_supports(rows, k));
         let skinny = fused || fp8.is_some_and(|max| (1..=max).contains(&rows));
         let residual = fused && !c.architecture.sandwich_norms();
         ProjPlan {
@@ -284,6 +281,15 @@ impl Staging {
             Staging::F32(v) => upload(v, stream),
         }
     }
+}
+
+/// Whether an FP8 output head over `vocab` rows can take the FP8 GEMMs: cuBLASLt wants the
+/// f32 logits' rows 16-byte aligned and `fp8_rescale` pairs of columns, and only widths that
+/// are multiples of 16 have been checked on the device, so other vocabularies keep the
+/// dequantize + cuBLAS route there (the layers' widths are multiples of 64 for any FP8 model,
+/// [`check_fp8_model`]).
+fn fp8_gemm_vocab(vocab: usize) -> bool {
+    vocab.is_multiple_of(16)
 }
 
 /// Why `c` cannot hold FP8 weights in `dtype`, if it cannot.
@@ -500,20 +506,11 @@ impl GpuModel {
             // The largest layer projection; the output head goes through it in slices.
             wdq: match fp8 {
                 true => {
-                    let elems = [
-                        c.qkv_dim() * h,
-                        h * c.num_heads * c.head_dim,
-                        2 * c.intermediate_size * h,
-                    ]
-                    .into_iter()
-                    .max()
-                    .unwrap_or(0)
-                    .max(h);
-                    Some(DevBuf::new(elems * 2)?)
+                    let elems = c.layer_gemm_shapes().iter().map(|&(_, n, k)| n * k).max();
+                    Some(DevBuf::new(elems.unwrap_or(0).max(h) * 2)?)
                 }
                 false => None,
             },
-            xq: None,
         };
         let blas = Blas::new(stream, dtype)?;
         let embed_scale = c.embed_scale(match dtype {
@@ -550,34 +547,26 @@ impl GpuModel {
         if !self.fp8 {
             bail!("not an FP8 model");
         }
-        let g = Fp8Gemm::new(arch)?;
         let c = &self.config;
+        let shapes = c.layer_gemm_shapes();
+        let widest = shapes.iter().map(|&(_, _, k)| k).max().unwrap_or(0);
+        let g = Fp8Gemm::new(arch, max_tokens, widest)?;
         // The smallest and largest steps that take the route, on every shape: a refusal here
         // keeps the model on the bf16 route instead of failing a step later.
-        let mut shapes = vec![
-            (c.qkv_dim(), c.hidden_size, Fp8Out::Bf16),
-            (c.hidden_size, c.num_heads * c.head_dim, Fp8Out::Bf16),
-            (2 * c.intermediate_size, c.hidden_size, Fp8Out::Bf16),
-            (c.hidden_size, c.intermediate_size, Fp8Out::Bf16),
-        ];
-        if c.vocab_size.is_multiple_of(16) {
+        let mut plans: Vec<_> = shapes
+            .iter()
+            .map(|&(_, n, k)| (n, k, Fp8Out::Bf16))
+            .collect();
+        if fp8_gemm_vocab(c.vocab_size) {
             let ld = c.vocab_size;
-            shapes.push((c.vocab_size, c.hidden_size, Fp8Out::F32 { ld }));
+            plans.push((c.vocab_size, c.hidden_size, Fp8Out::F32 { ld }));
         }
         for rows in [FP8_SKINNY_MAX_ROWS_WITH_GEMM + 1, max_tokens.max(1)] {
-            for &(n, k, out) in &shapes {
+            for &(n, k, out) in &plans {
                 g.prepare(rows, (n, k), out)
                     .with_context(|| format!("planning an FP8 GEMM of {rows} x {n} x {k}"))?;
             }
         }
-        let widest = [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
-            .into_iter()
-            .max()
-            .unwrap_or(0);
-        self.scratch.xq = Some((
-            DevBuf::new(max_tokens.max(1) * widest)?,
-            DevBuf::new(max_tokens.max(1) * 4)?,
-        ));
         self.fp8_gemm = Some(g);
         // Every step past the skinny kernels now takes the FP8 GEMMs: the bf16 dequantization
         // scratch (the largest layer projection in bf16) goes back to the KV cache, unless
@@ -588,13 +577,9 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Whether the output head's large steps take the FP8 GEMMs: cuBLASLt wants the f32
-    /// logits' rows 16-byte aligned and `fp8_rescale` pairs of columns, and only widths that
-    /// are multiples of 16 have been checked on the device, so other vocabularies keep the
-    /// dequantize + cuBLAS route there (the layers' widths are multiples of 64 for any FP8
-    /// model, `check_fp8_model`).
+    /// Whether the output head's large steps take the FP8 GEMMs (see [`fp8_gemm_vocab`]).
     fn head_takes_fp8_gemm(&self) -> bool {
-        self.fp8_gemm.is_some() && self.config.vocab_size.is_multiple_of(16)
+        self.fp8_gemm.is_some() && fp8_gemm_vocab(self.config.vocab_size)
     }
 
     /// Whether FP8 tensor-core GEMMs are on (see [`GpuModel::enable_fp8_gemm`]).
@@ -702,38 +687,36 @@ impl GpuModel {
         let gated = if gelu { Epi::GeluTanhMul } else { Epi::SiluMul };
         let blas = &self.blas;
         let wdq = s.wdq.as_ref().map(|b| b.ptr);
-        let lt = self.fp8_gemm.as_ref().zip(s.xq.as_ref());
+        let fp8_gemm = self.fp8_gemm.as_ref();
         // y = x · wᵀ over gemm_rows rows: the skinny kernels (bf16 or FP8), cuBLAS, or (FP8
         // past the skinny kernels) FP8 tensor-core GEMMs with per-token activation scales, or
         // without them cuBLAS over a bf16 copy of the weights.
         let proj = |(x, w, y): (u64, &Proj, u64), n: usize, kk: usize| -> anyhow::Result<()> {
             // SAFETY: as the launches below (the scratch buffers hold gemm_rows rows; wdq holds
-            // the largest layer projection; xq gemm_rows rows of the widest k).
+            // the largest layer projection; the FP8 GEMMs' buffers max_tokens rows).
             unsafe {
-                match (skinny, w.scale.as_ref(), wdq) {
-                    (true, _, _) => {
+                match (skinny, w.scale.as_ref(), fp8_gemm, wdq) {
+                    (true, ..) => {
                         k.skinny_gemm(stream, &w.skinny((x, y), gemm_rows, n, kk, Epi::Store))
                     }
-                    (false, None, _) => {
+                    (false, None, ..) => {
                         blas.gemm(k, stream, (x, w.w.ptr, y), gemm_rows, n, kk, false)
                     }
-                    (false, Some(sc), _) if lt.is_some() => {
-                        let (g, (xq, xs)) = lt.expect("checked");
-                        k.quantize_fp8_rows(stream, (x, xq.ptr, xs.ptr), gemm_rows, kk)?;
-                        g.gemm(
-                            stream,
-                            (xq.ptr, w.w.ptr, y),
-                            gemm_rows,
-                            (n, kk),
-                            Fp8Out::Bf16,
-                        )?;
-                        k.fp8_rescale(stream, (y, xs.ptr, sc.ptr), gemm_rows, n, n, false)
-                    }
-                    (false, Some(sc), Some(wdq)) => {
+                    (false, Some(sc), Some(g), _) => g.project(
+                        k,
+                        stream,
+                        (x, w.w.ptr, sc.ptr, y),
+                        gemm_rows,
+                        (n, kk),
+                        Fp8Out::Bf16,
+                    ),
+                    (false, Some(sc), None, Some(wdq)) => {
                         k.dequant_fp8_rows(stream, (w.w.ptr, sc.ptr, wdq), n, kk)?;
                         blas.gemm(k, stream, (x, wdq, y), gemm_rows, n, kk, false)
                     }
-                    (false, Some(_), None) => bail!("FP8 weights without a dequantization buffer"),
+                    (false, Some(_), None, None) => {
+                        bail!("FP8 weights without a dequantization buffer")
+                    }
                 }
             }
         };
@@ -942,30 +925,18 @@ impl GpuModel {
                     None => skinny,
                 };
                 match (skinny_head, head_scale, &s.wdq) {
-                    (false, Some(sc), _) if self.head_takes_fp8_gemm() && lt.is_some() => {
-                        let (g, (xq, xs)) = lt.expect("checked");
+                    (false, Some(sc), _) if self.head_takes_fp8_gemm() => {
                         let v = c.vocab_size;
-                        k.quantize_fp8_rows(
-                            stream,
-                            (s.final_h.ptr, xq.ptr, xs.ptr),
-                            gemm_samples,
-                            hid,
-                        )?;
-                        g.gemm(
-                            stream,
-                            (xq.ptr, head, s.logits.ptr),
-                            gemm_samples,
-                            (v, hid),
-                            Fp8Out::F32 { ld: v },
-                        )?;
-                        k.fp8_rescale(
-                            stream,
-                            (s.logits.ptr, xs.ptr, sc.ptr),
-                            gemm_samples,
-                            v,
-                            v,
-                            true,
-                        )?;
+                        fp8_gemm
+                            .context("FP8 GEMMs without their handle")?
+                            .project(
+                                k,
+                                stream,
+                                (s.final_h.ptr, head, sc.ptr, s.logits.ptr),
+                                gemm_samples,
+                                (v, hid),
+                                Fp8Out::F32 { ld: v },
+                            )?;
                     }
                     (true, _, _) => k.skinny_gemm(
                         stream,

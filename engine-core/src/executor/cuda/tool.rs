@@ -1206,15 +1206,12 @@ fn check_penalties(a: &HashMap<String, String>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The model's projection GEMMs as (name, n, k): y[rows, n] = x[rows, k] · w[n, k]ᵀ.
-fn gemm_shapes(c: &harrier_engine::model::ModelConfig) -> [(&'static str, usize, usize); 5] {
-    [
-        ("qkv", c.qkv_dim(), c.hidden_size),
-        ("o", c.hidden_size, c.num_heads * c.head_dim),
-        ("gate_up", 2 * c.intermediate_size, c.hidden_size),
-        ("down", c.hidden_size, c.intermediate_size),
-        ("lm_head", c.vocab_size, c.hidden_size),
-    ]
+/// The model's projection GEMMs as (name, n, k): y[rows, n] = x[rows, k] · w[n, k]ᵀ, the
+/// layers' and the output head's.
+fn gemm_shapes(c: &harrier_engine::model::ModelConfig) -> Vec<(&'static str, usize, usize)> {
+    let mut v = c.layer_gemm_shapes().to_vec();
+    v.push(("lm_head", c.vocab_size, c.hidden_size));
+    v
 }
 
 /// Whether cuBLAS computes a row the same whatever the other rows: the model's GEMM shapes at
@@ -1502,6 +1499,27 @@ fn rel_l2(x: impl Iterator<Item = f64> + Clone, y: impl Iterator<Item = f64>) ->
     }
 }
 
+/// `len` device outputs at `d` as f64: f32 with `f32_out`, else bf16.
+///
+/// # Safety
+/// `d` must hold `len` values of that type; the work writing them must be finished.
+unsafe fn read_f64(d: u64, len: usize, f32_out: bool) -> anyhow::Result<Vec<f64>> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        Ok(if f32_out {
+            let mut y = vec![0f32; len];
+            dr::memcpy_dtoh_sync(&mut y, d)?;
+            y.iter().map(|&v| v as f64).collect()
+        } else {
+            let mut y = vec![0u16; len];
+            dr::memcpy_dtoh_sync(&mut y, d)?;
+            y.iter()
+                .map(|&b| half::bf16::from_bits(b).to_f64())
+                .collect()
+        })
+    }
+}
+
 fn argmax(v: &[f32]) -> usize {
     harrier_engine::sampling::argmax(v) as usize
 }
@@ -1770,14 +1788,7 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     // The reference: cuBLAS over the dequantized copy.
                     blas.cublas(dx, dwq, dy1, m, n, kk, false)?;
                     dr::stream::synchronize(st)?;
-                    let read = |d: u64| -> anyhow::Result<Vec<f64>> {
-                        let mut y = vec![0u16; m * n];
-                        dr::memcpy_dtoh_sync(&mut y, d)?;
-                        Ok(y.iter()
-                            .map(|&b| half::bf16::from_bits(b).to_f64())
-                            .collect())
-                    };
-                    let (r, g) = (read(dy1)?, read(dy2)?);
+                    let (r, g) = (read_f64(dy1, m * n, false)?, read_f64(dy2, m * n, false)?);
                     let rel = rel_l2(r.iter().copied(), g.iter().copied());
                     worst = worst.max(rel);
                     let gbs = (n * kk + 4 * n) as f64 / (t_f8 * 1e-6) / 1e9;
@@ -1854,14 +1865,16 @@ fn check_fp8_gemm(
 ) -> anyhow::Result<()> {
     use harrier_engine::executor::cuda::fp8_gemm::{Fp8Gemm, Fp8Out};
     use harrier_engine::model::fp8;
-    let g = match Fp8Gemm::new(arch) {
+    let maxm = rows_list.iter().copied().max().unwrap_or(1).max(1);
+    let max_k = gemm_shapes(c).iter().map(|&(_, _, k)| k).max().unwrap_or(1);
+    let g = match Fp8Gemm::new(arch, maxm, max_k) {
         Ok(g) => g,
         Err(e) => {
             println!("FP8 tensor-core GEMM: not available ({e:#})");
             return Ok(());
         }
     };
-    let maxm = rows_list.iter().copied().max().unwrap_or(1).max(1);
+    let (dxq, dxs) = g.activations();
     let lut: Vec<f64> = (0..=255u8).map(|b| fp8::decode(b) as f64).collect();
     println!("\n| shape | n x k | rows | cuBLAS bf16 us | dequant + cuBLAS us | FP8 GEMM us (quantize + GEMM + rescale) | vs f64 over the quantized operands | vs bf16 activations |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -1894,8 +1907,6 @@ fn check_fp8_gemm(
             let ds = dr::malloc_sync(n * 4)?;
             let dwq = dr::malloc_sync(n * kk * 2)?;
             let dx = dr::malloc_sync(maxm * kk * 2)?;
-            let dxq = dr::malloc_sync(maxm * kk)?;
-            let dxs = dr::malloc_sync(maxm * 4)?;
             let dy1 = dr::malloc_sync(maxm * n * ob)?;
             let dy2 = dr::malloc_sync(maxm * n * ob)?;
             dr::memcpy_htod_sync(dw, &w)?;
@@ -1909,11 +1920,7 @@ fn check_fp8_gemm(
                 Fp8Out::Bf16
             };
             for &m in rows_list {
-                let fp8_route = || -> anyhow::Result<()> {
-                    k.quantize_fp8_rows(st, (dx, dxq, dxs), m, kk)?;
-                    g.gemm(st, (dxq, dq, dy2), m, (n, kk), out)?;
-                    k.fp8_rescale(st, (dy2, dxs, ds), m, n, n, out_f32)
-                };
+                let fp8_route = || g.project(k, st, (dx, dq, ds, dy2), m, (n, kk), out);
                 let time = |f: &dyn Fn() -> anyhow::Result<()>| time_us(st, (e0, e1), f);
                 let t_blas = time(&|| blas.cublas(dx, dw, dy1, m, n, kk, out_f32))?;
                 let t_dq = time(&|| {
@@ -1937,20 +1944,10 @@ fn check_fp8_gemm(
                 if bad + bad_s > 0 {
                     bail!("quantize_fp8_rows: {bad} of {} bytes and {bad_s} of {m} scales of {name} differ from the host's", m * kk);
                 }
-                let read = |d: u64| -> anyhow::Result<Vec<f64>> {
-                    Ok(if out_f32 {
-                        let mut y = vec![0f32; m * n];
-                        dr::memcpy_dtoh_sync(&mut y, d)?;
-                        y.iter().map(|&v| v as f64).collect()
-                    } else {
-                        let mut y = vec![0u16; m * n];
-                        dr::memcpy_dtoh_sync(&mut y, d)?;
-                        y.iter()
-                            .map(|&b| half::bf16::from_bits(b).to_f64())
-                            .collect()
-                    })
-                };
-                let (r_act, got) = (read(dy1)?, read(dy2)?);
+                let (r_act, got) = (
+                    read_f64(dy1, m * n, out_f32)?,
+                    read_f64(dy2, m * n, out_f32)?,
+                );
                 // The f64 reference over the quantized operands, on a few rows.
                 let sample: Vec<usize> = [0, 1, m / 2, m - 1]
                     .into_iter()
@@ -1987,7 +1984,7 @@ fn check_fp8_gemm(
                     "rel_vs_exact": rel_exact, "rel_vs_bf16_act": rel_act}),
                 );
             }
-            for d in [dw, dq, ds, dwq, dx, dxq, dxs, dy1, dy2] {
+            for d in [dw, dq, ds, dwq, dx, dy1, dy2] {
                 dr::free_sync(d)?;
             }
         }
