@@ -36,6 +36,16 @@ STAGES="${STAGES:-gemv fused graphs fp8}"
 BATCHES="${BATCHES:-1,4,8,16,64}"
 . scripts/gpu/common.sh
 
+# decode_bench LOG MODEL BATCHES ARGS...: harrier-cuda-tool bench of $W/MODEL at BATCHES
+# (context 512, 64 steps) with ARGS, its decode and prefill lines appended to LOG. Set
+# HARRIER_PDL / HARRIER_FP8_GEMM in the environment of the call to compare.
+decode_bench() {
+    local log=$1 model=$2 batches=$3
+    shift 3
+    timeout 400 "$T" bench --model "$W/$model" --batches "$batches" --context 512 --steps 64 "$@" 2>&1 \
+        | grep -E "^decode|^prefill|Error" | tee -a "$log"
+}
+
 for st in $STAGES; do
     echo "== $st"
     case "$st" in
@@ -91,16 +101,13 @@ for st in $STAGES; do
     bench)
         for m in ${BENCH_MODELS:-llama-3.2-1b}; do
             gen "$m"
-            timeout 400 "$T" bench --model "$W/$m" --batches "$BATCHES" --context 512 --steps 64 \
-                --modes graph-async,graph-async-unfused --prefill-seqs 1 --prefill-len 16 \
-                --fused-max-rows "${FUSED_ROWS:-8}" \
-                --json "$OUT/bench_$m.json" 2>&1 | grep -E "^decode|Error" | tee -a "$OUT/bench.log"
+            decode_bench "$OUT/bench.log" "$m" "$BATCHES" --modes graph-async,graph-async-unfused \
+                --prefill-seqs 1 --prefill-len 16 --fused-max-rows "${FUSED_ROWS:-8}" --json "$OUT/bench_$m.json"
             [[ "${BENCH_FP8:-1}" == 1 ]] || continue
             echo "-- $m FP8" | tee -a "$OUT/bench.log"
-            timeout 400 "$T" bench --model "$W/$m" --batches "$BATCHES" --context 512 --steps 64 \
-                --modes graph-async,graph-async-unfused --prefill-seqs 1 --prefill-len 16 \
-                --fused-max-rows "${FUSED_ROWS:-8}" --quantization fp8 \
-                --json "$OUT/bench_${m}_fp8.json" 2>&1 | grep -E "^decode|Error" | tee -a "$OUT/bench.log"
+            decode_bench "$OUT/bench.log" "$m" "$BATCHES" --modes graph-async,graph-async-unfused \
+                --prefill-seqs 1 --prefill-len 16 --fused-max-rows "${FUSED_ROWS:-8}" --quantization fp8 \
+                --json "$OUT/bench_${m}_fp8.json"
         done
         ;;
     fp8gemm)
@@ -109,13 +116,11 @@ for st in $STAGES; do
             --batches 1,32 --steps 32 --json "$OUT/fp8gemm_llama-3.2-1b.json" 2>&1 \
             | grep -E "^\||worst|Error|bit-exact|not available" | tee -a "$OUT/fp8gemm.txt"
         for mode in bf16 dequant fp8gemm; do
-            q=""; env=""
-            [[ $mode == bf16 ]] || q="--quantization fp8"
-            [[ $mode == dequant ]] && env="HARRIER_FP8_GEMM=0"
+            q=()
+            [[ $mode == bf16 ]] || q=(--quantization fp8)
             echo "-- llama-3.2-1b $mode" | tee -a "$OUT/fp8gemm.txt"
-            env $env timeout 300 "$T" bench --model "$W/llama-3.2-1b" --batches "${FP8_BATCHES:-1,16,32,64,256}" --context 512 \
-                --steps 64 --modes graph-async --prefill-seqs 8 --prefill-len 2048 $q 2>&1 \
-                | grep -E "^decode|^prefill|Error" | tee -a "$OUT/fp8gemm.txt"
+            HARRIER_FP8_GEMM=$([[ $mode == dequant ]] && echo 0 || echo 1) decode_bench "$OUT/fp8gemm.txt" llama-3.2-1b \
+                "${FP8_BATCHES:-1,16,32,64,256}" --modes graph-async --prefill-seqs 8 --prefill-len 2048 "${q[@]}"
         done
         timeout 300 "$T" check-graphs --model "$W/llama-3.2-1b" --quantization fp8 2>&1 | grep -E "identical|Error|check-graphs" | tee -a "$OUT/fp8gemm.txt"
         ;;
@@ -124,17 +129,15 @@ for st in $STAGES; do
             gen "$m"
             for pdl in 0 1; do
                 echo "-- $m HARRIER_PDL=$pdl" | tee -a "$OUT/pdl.log"
-                HARRIER_PDL=$pdl timeout 400 "$T" bench --model "$W/$m" --batches "$BATCHES" --context 512 --steps 64 \
-                    --modes graph-async,graph-async-unfused --prefill-seqs 1 --prefill-len 16 \
-                    --fused-max-rows "${FUSED_ROWS:-2}" 2>&1 | grep -E "^decode|Error" | tee -a "$OUT/pdl.log"
+                HARRIER_PDL=$pdl decode_bench "$OUT/pdl.log" "$m" "$BATCHES" --modes graph-async,graph-async-unfused \
+                    --prefill-seqs 1 --prefill-len 16 --fused-max-rows "${FUSED_ROWS:-2}"
             done
         done
         gen llama-3.2-1b
         for pdl in 0 1; do
             echo "-- llama-3.2-1b FP8 HARRIER_PDL=$pdl" | tee -a "$OUT/pdl.log"
-            HARRIER_PDL=$pdl timeout 300 "$T" bench --model "$W/llama-3.2-1b" --batches "${FP8_BATCHES:-1,16,32,64}" --context 512 \
-                --steps 64 --modes graph-async --prefill-seqs 1 --prefill-len 16 --quantization fp8 2>&1 \
-                | grep -E "^decode|Error" | tee -a "$OUT/pdl.log"
+            HARRIER_PDL=$pdl decode_bench "$OUT/pdl.log" llama-3.2-1b "${FP8_BATCHES:-1,16,32,64}" --modes graph-async \
+                --prefill-seqs 1 --prefill-len 16 --quantization fp8
         done
         ;;
     profile)
