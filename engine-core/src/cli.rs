@@ -574,16 +574,21 @@ pub fn build_cuda_engine(
     let dir = ModelDir::open(model_dir)
         .with_context(|| format!("opening model directory {}", model_dir.display()))?;
     let mc = &dir.config;
-    if args.spec_choice()? != SpecChoice::Off {
-        bail!(
-            "speculative decoding runs on the CPU backend only so far (the CUDA backend's \
-             proposers and verification are not built yet); use --device cpu or drop the \
-             --speculative-* options"
-        );
-    }
+    let (speculative, k) = match args.spec_choice()? {
+        SpecChoice::Off => (None, 0),
+        SpecChoice::Draft { model, k } => {
+            let draft = resolve_model(Some(&model), None)?;
+            (Some((draft.dir, k as usize)), k)
+        }
+        SpecChoice::Ngram { .. } => bail!(
+            "n-gram speculation runs on the CPU backend only so far (the CUDA backend \
+             speculates with a draft model: --speculative-model DIR); use --device cpu or a \
+             draft model"
+        ),
+    };
     let started = std::time::Instant::now();
     let max_model_len = model_len_limit(args, mc)?;
-    let window = hybrid_window(args, mc, false);
+    let window = hybrid_window(args, mc, speculative.is_some());
     let (exec, start) = CudaExecutor::new(
         &dir,
         &CudaExecutorConfig {
@@ -602,6 +607,7 @@ pub fn build_cuda_engine(
             local_kv_blocks: window.map(|w| local_pool_demand(args, w, max_model_len)),
             fused_max_rows: args.fused_decode_max_rows,
             fp8: args.quantization == Some(Quantization::Fp8),
+            speculative,
         },
     )
     .with_context(|| format!("starting the CUDA backend for {}", model_dir.display()))?;
@@ -615,7 +621,7 @@ pub fn build_cuda_engine(
                 // reserves its own block 0 as scratch, which the executor's pool also has.
                 num_blocks: blocks,
             });
-    let cfg = engine_config(args, max_model_len, num_kv_blocks, 0, local_kv)?;
+    let cfg = engine_config(args, max_model_len, num_kv_blocks, k, local_kv)?;
     let max_model_len = cfg.max_model_len;
     tracing::info!(
         model = %dir.name,

@@ -994,29 +994,26 @@ __device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
     return r == 0x7fffffff ? 0 : r;
 }
 
-// Samples one token per block (the k-th sampled sequence, row sample_rows[k]) from logits
-// (f32 [n, vocab], modified in place), in the CPU sampler's order: logit_bias; penalties (repetition over
-// prompt and output tokens, HF's divide-or-multiply; then frequency and presence over output
-// counts; the same float operations, unfused, as the CPU sampler); min_tokens mask; greedy
-// argmax, or temperature, top-k, softmax, top-p, min-p and inverse-CDF sampling in token-id
-// order with philox(seed, generated). Writes out_tokens[k] and pending[row]; advances the row
-// (and its output counts when it has penalties). blockDim.x = 1024.
-extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sample_rows, RowParams* rows,
-                                         int* out_tokens, int* pending, unsigned short* counts,
-                                         const u32* seen, const int* bias_ids, const float* bias_vals) {
-    PDL_ENTER();
-    __shared__ float shf[32];
-    __shared__ int shi[32];
-    __shared__ double shd[32];
-    __shared__ double chunk_prefix[1024];
-    __shared__ int found;
-    int k = blockIdx.x;
-    int row = sample_rows[k];
-    RowParams* rp = rows + row;
-    if (rp->host_sampled) return;
-    float* lg = logits + (size_t)k * vocab;
-    u32 gen = rp->generated;
-    int penalties = rp->penalties;
+// Shared scratch of the sampling functions below (one per block).
+struct SampleShared {
+    float f[32];
+    int i[32];
+    double d[32];
+    double chunk_prefix[1024];
+    int found;
+};
+
+// Processes row `row`'s logits lg[0..vocab) in place for its draw number `gen` (the Philox
+// counter and the min_tokens test), in the CPU sampler's order: logit_bias; penalties
+// (repetition over prompt and output tokens, HF's divide-or-multiply; then frequency and
+// presence over output counts; the same float operations, unfused, as the CPU sampler);
+// min_tokens mask; then greedy argmax, or temperature, top-k, softmax, top-p and min-p.
+// Returns the token when the choice is already made (greedy rows, or nothing left above -inf),
+// else -1 with lg holding the kept unnormalised probabilities (dropped tokens 0).
+// blockDim.x = 1024; every thread returns the same value.
+__device__ int process_logits(float* lg, int vocab, const RowParams* rp, int row, u32 gen,
+                              const unsigned short* counts, const u32* seen, const int* bias_ids,
+                              const float* bias_vals, SampleShared& sh) {
     if (rp->n_bias > 0) {  // distinct ids (a JSON map)
         const int* ids = bias_ids + (size_t)row * BIAS_CAP;
         const float* vals = bias_vals + (size_t)row * BIAS_CAP;
@@ -1027,10 +1024,11 @@ extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sa
         }
         __syncthreads();
     }
-    if (penalties) {
+    if (rp->penalties) {
         const unsigned short* c = counts + (size_t)row * vocab;
         const u32* sb = seen + (size_t)row * ((vocab + 31) >> 5);
         float rep = rp->repetition_penalty, fp = rp->frequency_penalty, pp = rp->presence_penalty;
+        __syncthreads();
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
             u32 n = c[i];
             bool prompt = (sb[i >> 5] >> (i & 31)) & 1u;
@@ -1050,133 +1048,325 @@ extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sa
         }
         __syncthreads();
     }
-    int token;
     float temp = rp->temperature;
-    if (temp < 1e-5f) {
-        token = block_argmax(lg, vocab, shf, shi);
-    } else {
-        float inv_t = 1.0f / temp;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) lg[i] *= inv_t;
-        __syncthreads();
-        int topk = rp->top_k;
-        if (topk > 0 && topk < vocab) {
-            // Largest key u with count(key >= u) >= k: the k-th largest value.
-            u32 ans = 0;
-            for (int bit = 31; bit >= 0; bit--) {
-                u32 cand = ans | (1u << bit);
-                float c = 0.0f;
-                for (int i = threadIdx.x; i < vocab; i += blockDim.x) c += fkey(lg[i]) >= cand ? 1.0f : 0.0f;
-                c = block_sum(c, shf);
-                if (c >= (float)topk) ans = cand;
-            }
-            for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-                if (fkey(lg[i]) < ans) lg[i] = NEG_INF;
-            __syncthreads();
+    if (temp < 1e-5f) return block_argmax(lg, vocab, sh.f, sh.i);
+    float inv_t = 1.0f / temp;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) lg[i] *= inv_t;
+    __syncthreads();
+    int topk = rp->top_k;
+    if (topk > 0 && topk < vocab) {
+        // Largest key u with count(key >= u) >= k: the k-th largest value.
+        u32 ans = 0;
+        for (int bit = 31; bit >= 0; bit--) {
+            u32 cand = ans | (1u << bit);
+            float c = 0.0f;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) c += fkey(lg[i]) >= cand ? 1.0f : 0.0f;
+            c = block_sum(c, sh.f);
+            if (c >= (float)topk) ans = cand;
         }
-        float mx = NEG_INF;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+            if (fkey(lg[i]) < ans) lg[i] = NEG_INF;
+        __syncthreads();
+    }
+    float mx = NEG_INF;
 #pragma unroll 8
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, lg[i]);
-        mx = block_max(mx, shf);
-        if (mx == NEG_INF) {
-            token = block_argmax(lg, vocab, shf, shi);
-        } else {
-            double sum = 0.0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, lg[i]);
+    mx = block_max(mx, sh.f);
+    if (mx == NEG_INF) return block_argmax(lg, vocab, sh.f, sh.i);
+    double sum = 0.0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float p = expf(lg[i] - mx);
+        lg[i] = p;
+        sum += (double)p;
+    }
+    sum = block_sum(sum, sh.d);
+    if (rp->top_p < 1.0f) {
+        // Keep the largest probabilities whose sum reaches top_p * sum: the largest key u with
+        // S(key >= u) >= target, then drop everything below it (ties at the threshold are all
+        // kept).
+        double target = (double)rp->top_p * sum;
+        u32 ans = 0;
+        for (int bit = 31; bit >= 0; bit--) {
+            u32 cand = ans | (1u << bit);
+            double s = 0.0;
             for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-                float p = expf(lg[i] - mx);
-                lg[i] = p;
-                sum += (double)p;
-            }
-            sum = block_sum(sum, shd);
-            if (rp->top_p < 1.0f) {
-                // Keep the largest probabilities whose sum reaches top_p * sum: the largest key u
-                // with S(key >= u) >= target, then drop everything below it (ties at the
-                // threshold are all kept).
-                double target = (double)rp->top_p * sum;
-                u32 ans = 0;
-                for (int bit = 31; bit >= 0; bit--) {
-                    u32 cand = ans | (1u << bit);
-                    double s = 0.0;
-                    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-                        float p = lg[i];
-                        if (p > 0.0f && fkey(p) >= cand) s += (double)p;
-                    }
-                    s = block_sum(s, shd);
-                    if (s >= target) ans = cand;
-                }
-                for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-                    if (fkey(lg[i]) < ans) lg[i] = 0.0f;
-                __syncthreads();
-            }
-            if (rp->min_p > 0.0f) {
-                float th = rp->min_p;
-                for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-                    if (lg[i] < th) lg[i] = 0.0f;
-                __syncthreads();
-            }
-            // Inverse CDF in token-id order: contiguous chunks per thread, prefix over chunks.
-            int chunk = (vocab + blockDim.x - 1) / blockDim.x;
-            int lo = threadIdx.x * chunk, hi = min(vocab, lo + chunk);
-            double cs = 0.0;
-            int last = -1;
-            for (int i = lo; i < hi; i++) {
                 float p = lg[i];
-                if (p > 0.0f) {
-                    cs += (double)p;
-                    last = i;
-                }
+                if (p > 0.0f && fkey(p) >= cand) s += (double)p;
             }
-            chunk_prefix[threadIdx.x] = cs;
-            if (threadIdx.x == 0) found = (int)0x80000000;
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                double acc = 0.0;
-                for (int j = 0; j < blockDim.x; j++) {
-                    double v = chunk_prefix[j];
-                    chunk_prefix[j] = acc;
-                    acc += v;
+            s = block_sum(s, sh.d);
+            if (s >= target) ans = cand;
+        }
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+            if (fkey(lg[i]) < ans) lg[i] = 0.0f;
+        __syncthreads();
+    }
+    if (rp->min_p > 0.0f) {
+        float th = rp->min_p;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+            if (lg[i] < th) lg[i] = 0.0f;
+    }
+    __syncthreads();
+    return -1;
+}
+
+// Draws a token from the unnormalised weights w[0..n) (>= 0) with the uniform u: inverse CDF
+// in token-id order (contiguous chunks per thread, a prefix over the chunks); rounding that
+// runs past the end takes the last token with weight. Every thread returns the token.
+__device__ int block_draw(const float* w, int n, double u, SampleShared& sh) {
+    int chunk = (n + blockDim.x - 1) / blockDim.x;
+    int lo = threadIdx.x * chunk, hi = min(n, lo + chunk);
+    double cs = 0.0;
+    int last = -1;
+    for (int i = lo; i < hi; i++) {
+        float p = w[i];
+        if (p > 0.0f) {
+            cs += (double)p;
+            last = i;
+        }
+    }
+    __syncthreads();
+    sh.chunk_prefix[threadIdx.x] = cs;
+    if (threadIdx.x == 0) sh.found = (int)0x80000000;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double acc = 0.0;
+        for (int j = 0; j < blockDim.x; j++) {
+            double v = sh.chunk_prefix[j];
+            sh.chunk_prefix[j] = acc;
+            acc += v;
+        }
+        sh.d[0] = acc;
+    }
+    __syncthreads();
+    double tgt = u * sh.d[0];
+    double before = sh.chunk_prefix[threadIdx.x];
+    if (before <= tgt && before + cs > tgt) {
+        double acc = before;
+        for (int i = lo; i < hi; i++) {
+            float p = w[i];
+            if (p > 0.0f) {
+                acc += (double)p;
+                if (acc > tgt) {
+                    atomicMax(&sh.found, -1 - i);  // lowest i wins (largest -1-i)
+                    break;
                 }
-                shd[0] = acc;
-            }
-            __syncthreads();
-            double total = shd[0];
-            double u = philox_uniform(rp->seed_lo, rp->seed_hi, (u64)gen);
-            double tgt = u * total;
-            double before = chunk_prefix[threadIdx.x];
-            if (before <= tgt && before + cs > tgt) {
-                double acc = before;
-                for (int i = lo; i < hi; i++) {
-                    float p = lg[i];
-                    if (p > 0.0f) {
-                        acc += (double)p;
-                        if (acc > tgt) {
-                            atomicMax(&found, -1 - i);  // lowest i wins (largest -1-i)
-                            break;
-                        }
-                    }
-                }
-            }
-            // Fallback (rounding): the last kept token.
-            __syncthreads();
-            int f = found;
-            if (f == (int)0x80000000) {
-                shi[0] = -1;
-                __syncthreads();
-                if (last >= 0) atomicMax(&shi[0], last);
-                __syncthreads();
-                token = max(shi[0], 0);
-            } else {
-                token = -1 - f;
             }
         }
     }
+    __syncthreads();
+    int f = sh.found;
+    int token;
+    if (f == (int)0x80000000) {
+        // Fallback (rounding): the last kept token.
+        __syncthreads();
+        if (threadIdx.x == 0) sh.i[0] = -1;
+        __syncthreads();
+        if (last >= 0) atomicMax(&sh.i[0], last);
+        __syncthreads();
+        token = max(sh.i[0], 0);
+    } else {
+        token = -1 - f;
+    }
+    __syncthreads();
+    return token;
+}
+
+// Records an emitted token in its row: the draw counter, and the output counts of rows with
+// penalties (one thread).
+__device__ __forceinline__ void record_token(RowParams* rp, int row, int vocab, int token,
+                                             unsigned short* counts) {
+    rp->generated = rp->generated + 1;
+    if (rp->penalties) {
+        unsigned short* c = counts + (size_t)row * vocab + token;
+        if (*c < 65535) *c = *c + 1;
+    }
+}
+
+// Samples one token per block (the k-th sampled sequence, row sample_rows[k]) from logits
+// (f32 [n, vocab], modified in place): process_logits, then the greedy token or a draw with
+// philox(seed, generated). Writes out_tokens[k] and pending[row]; advances the row (and its
+// output counts when it has penalties). blockDim.x = 1024.
+extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sample_rows, RowParams* rows,
+                                         int* out_tokens, int* pending, unsigned short* counts,
+                                         const u32* seen, const int* bias_ids, const float* bias_vals) {
+    PDL_ENTER();
+    __shared__ SampleShared sh;
+    int k = blockIdx.x;
+    int row = sample_rows[k];
+    RowParams* rp = rows + row;
+    if (rp->host_sampled) return;
+    float* lg = logits + (size_t)k * vocab;
+    u32 gen = rp->generated;
+    int token = process_logits(lg, vocab, rp, row, gen, counts, seen, bias_ids, bias_vals, sh);
+    if (token < 0) token = block_draw(lg, vocab, philox_uniform(rp->seed_lo, rp->seed_hi, (u64)gen), sh);
     if (threadIdx.x == 0) {
         out_tokens[k] = token;
         pending[row] = token;
-        rp->generated = gen + 1;
-        if (penalties) {
-            unsigned short* c = counts + (size_t)row * vocab + token;
-            if (*c < 65535) *c = *c + 1;
+        record_token(rp, row, vocab, token, counts);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Speculative decoding (engine-core/src/executor/cuda/spec.rs). Per-row device state beside
+// `pending`: kv_len[row] (positions whose target KV is valid: the pending token sits at
+// kv_len), prev_tok[row] (the token at kv_len - 1), proposals[row][K] and, for sampled rows,
+// q[row][K][vocab] (the draft's normalised distribution each proposal was drawn from).
+// The host's positions of a decode entry are upper bounds (rounds still in flight may accept
+// fewer tokens than it booked); spec_place puts them at the true lengths on the device.
+
+// Philox keys of the draft's draws and of the acceptance tests: the request's seed xor these
+// (engine-core/src/sampling/spec.rs, DRAFT_KEY and ACCEPT_KEY).
+#define DRAFT_KEY_LO 0xf7d4af7du
+#define DRAFT_KEY_HI 0xd4af7d4au
+#define ACCEPT_KEY_LO 0xce97acceu
+#define ACCEPT_KEY_HI 0xacce97acu
+
+// Places decode entries at their rows' true lengths. Entry e (thread e) owns tokens
+// first[e] .. first[e] + n (first == null: token e; ntok == null: n = n_const) of the step's
+// metadata: token j gets position kv_len[row] + off0 + j, its KV slot through the row's block
+// table, and the token id at that offset: prev_tok (-1), pending (0) or proposal off - 1.
+extern "C" __global__ void spec_place(int* tok_src, int* positions, int* slots, const int* tok_row,
+                                      const int* first, const int* ntok, int n_const, int n_entries, int off0,
+                                      const int* kv_len, const int* prev_tok, const int* pending,
+                                      const int* proposals, int K, const int* block_tables, int bt_stride,
+                                      int block_size) {
+    PDL_ENTER();
+    int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n_entries) return;
+    int t0 = first ? first[e] : e;
+    int n = ntok ? ntok[e] : n_const;
+    int row = tok_row[t0];
+    int len = kv_len[row];
+    for (int j = 0; j < n; j++) {
+        int off = off0 + j;
+        int pos = max(len + off, 0);
+        int tok = off < 0 ? prev_tok[row] : off == 0 ? pending[row] : proposals[row * K + off - 1];
+        tok_src[t0 + j] = tok;
+        positions[t0 + j] = pos;
+        slots[t0 + j] = block_tables[(size_t)row * bt_stride + pos / block_size] * block_size + pos % block_size;
+    }
+}
+
+// Draft side, proposal i of each speculating row (block b: row spec_rows[b], logits row b):
+// the row's processing at draw generated + i, then the greedy token, or a draw with
+// philox(seed ^ DRAFT_KEY, generated + i) whose normalised distribution is kept in q.
+// Host-sampled rows propose nothing (spec_verify ignores their proposals).
+extern "C" __global__ void draft_sample(float* logits, int vocab, const int* spec_rows, int i, RowParams* rows,
+                                        int* proposals, float* q, int K, const unsigned short* counts,
+                                        const u32* seen, const int* bias_ids, const float* bias_vals) {
+    PDL_ENTER();
+    __shared__ SampleShared sh;
+    int b = blockIdx.x;
+    int row = spec_rows[b];
+    const RowParams* rp = rows + row;
+    if (rp->host_sampled) return;
+    float* lg = logits + (size_t)b * vocab;
+    u32 gen = rp->generated + i;
+    int token = process_logits(lg, vocab, rp, row, gen, counts, seen, bias_ids, bias_vals, sh);
+    if (token < 0) {
+        double total = 0.0;
+        for (int x = threadIdx.x; x < vocab; x += blockDim.x) total += (double)lg[x];
+        total = block_sum(total, sh.d);
+        double inv = 1.0 / total;
+        float* qr = q + ((size_t)row * K + i) * vocab;
+        for (int x = threadIdx.x; x < vocab; x += blockDim.x) qr[x] = (float)((double)lg[x] * inv);
+        token = block_draw(lg, vocab, philox_uniform(rp->seed_lo ^ DRAFT_KEY_LO, rp->seed_hi ^ DRAFT_KEY_HI, (u64)gen),
+                           sh);
+    }
+    if (threadIdx.x == 0) proposals[row * K + i] = token;
+}
+
+// Verification (block k: the k-th sampled sequence, row sample_rows[k], its samp_draft[k]
+// proposals scored by logits rows samp_first[k] ..= + samp_draft[k]), as RowSampler::verify:
+// position i is processed after recording the i tokens emitted before it; greedy rows accept
+// while the proposal is the argmax; sampled rows accept t with probability min(1, p(t) / q(t))
+// (philox(seed ^ ACCEPT_KEY, n)), resample a rejection from norm(max(0, p - q)) and draw a
+// bonus from p (philox(seed, n)); q == null: proposals are point masses (no draft model).
+// A sequence without proposals is a plain sample. Writes out_tokens[k * (K + 1) + i],
+// out_counts[k], pending, kv_len and prev_tok of the row. Host-sampled rows only get kv_len
+// and prev_tok (the host samples their one token).
+extern "C" __global__ void spec_verify(float* logits, int vocab, const int* sample_rows, const int* samp_first,
+                                       const int* samp_draft, const int* logit_rows, const int* tok_src,
+                                       const int* positions, RowParams* rows, int* out_tokens, int* out_counts,
+                                       int* pending, int* kv_len, int* prev_tok, const int* proposals,
+                                       const float* q, int K, unsigned short* counts, const u32* seen,
+                                       const int* bias_ids, const float* bias_vals) {
+    PDL_ENTER();
+    __shared__ SampleShared sh;
+    int k = blockIdx.x;
+    int row = sample_rows[k];
+    int first = samp_first[k];
+    RowParams* rp = rows + row;
+    int t0 = logit_rows[first];
+    int pos0 = positions[t0], tok0 = tok_src[t0];
+    const int* prop = proposals + row * K;
+    if (rp->host_sampled) {
+        if (threadIdx.x == 0) {
+            kv_len[row] = pos0 + 1;
+            prev_tok[row] = tok0;
+            out_counts[k] = 1;
         }
+        return;
+    }
+    int nd = samp_draft[k];
+    int emitted = 0, token = 0;
+    for (int i = 0; i <= nd; i++) {
+        float* lg = logits + (size_t)(first + i) * vocab;
+        __syncthreads();
+        u32 gen = rp->generated;
+        __syncthreads();
+        int g = process_logits(lg, vocab, rp, row, gen, counts, seen, bias_ids, bias_vals, sh);
+        bool stop = true;
+        if (i < nd) {
+            int t = prop[i];
+            if (g >= 0) {
+                token = g;
+                stop = g != t;
+            } else {
+                double total = 0.0;
+                for (int x = threadIdx.x; x < vocab; x += blockDim.x) total += (double)lg[x];
+                total = block_sum(total, sh.d);
+                double inv = 1.0 / total;
+                const float* qr = q ? q + ((size_t)row * K + i) * vocab : nullptr;
+                double p_t = (double)lg[t] * inv;
+                double q_t = qr ? (double)qr[t] : 1.0;
+                double u = philox_uniform(rp->seed_lo ^ ACCEPT_KEY_LO, rp->seed_hi ^ ACCEPT_KEY_HI, (u64)gen);
+                if (u * q_t < p_t) {
+                    token = t;
+                    stop = false;
+                } else {
+                    double rs = 0.0;
+                    for (int x = threadIdx.x; x < vocab; x += blockDim.x) {
+                        double qx = qr ? (double)qr[x] : (x == t ? 1.0 : 0.0);
+                        rs += fmax((double)lg[x] * inv - qx, 0.0);
+                    }
+                    rs = block_sum(rs, sh.d);
+                    // p == q up to rounding leaves nothing: the target's own draw.
+                    if (rs > 0.0) {
+                        for (int x = threadIdx.x; x < vocab; x += blockDim.x) {
+                            double qx = qr ? (double)qr[x] : (x == t ? 1.0 : 0.0);
+                            lg[x] = (float)fmax((double)lg[x] * inv - qx, 0.0);
+                        }
+                        __syncthreads();
+                    }
+                    token = block_draw(lg, vocab, philox_uniform(rp->seed_lo, rp->seed_hi, (u64)gen), sh);
+                }
+            }
+        } else {
+            token = g >= 0 ? g : block_draw(lg, vocab, philox_uniform(rp->seed_lo, rp->seed_hi, (u64)gen), sh);
+        }
+        if (threadIdx.x == 0) {
+            out_tokens[k * (K + 1) + i] = token;
+            record_token(rp, row, vocab, token, counts);
+        }
+        emitted = i + 1;
+        if (stop) break;
+    }
+    if (threadIdx.x == 0) {
+        out_counts[k] = emitted;
+        pending[row] = token;
+        kv_len[row] = pos0 + emitted;
+        prev_tok[row] = emitted == 1 ? tok0 : prop[emitted - 2];
     }
 }
 

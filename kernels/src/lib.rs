@@ -31,6 +31,9 @@ pub const KERNELS: &[&str] = &[
     "paged_attention",
     "apply_row_inits",
     "sample_tokens",
+    "spec_place",
+    "draft_sample",
+    "spec_verify",
     "copy_f32",
     "scatter_i32",
     "apply_token_mask",
@@ -286,6 +289,60 @@ pub struct SamplerState {
     pub seen: u64,
     pub bias_ids: u64,
     pub bias_vals: u64,
+}
+
+/// The per-row device state of speculative decoding (see `spec_place` in the source):
+/// `kv_len`, `prev_tok` and `pending` (`[rows]` i32), `proposals` (`[rows, k]` i32) and the
+/// draft's distributions `q` (`[rows, k, vocab]` f32; 0: proposals are point masses).
+#[derive(Debug, Clone, Copy)]
+pub struct SpecRows {
+    pub kv_len: u64,
+    pub prev_tok: u64,
+    pub pending: u64,
+    pub proposals: u64,
+    pub q: u64,
+    pub k: i32,
+}
+
+/// A step's per-token metadata sections that `spec_place` writes (and the rows it reads).
+#[derive(Debug, Clone, Copy)]
+pub struct TokenMeta {
+    pub tok_src: u64,
+    pub positions: u64,
+    pub slots: u64,
+    pub tok_row: u64,
+}
+
+/// The decode entries `spec_place` places: entry `e` owns tokens `first[e] ..` (`first` 0:
+/// token `e`), `ntok[e]` of them (`ntok` 0: `n_const`), at offsets `off0 ..` from its row's
+/// `kv_len`.
+#[derive(Debug, Clone, Copy)]
+pub struct PlaceEntries {
+    pub first: u64,
+    pub ntok: u64,
+    pub n_const: i32,
+    pub n: u32,
+    pub off0: i32,
+}
+
+/// Per-row block tables: `[rows + 1, stride]` block ids.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockTables {
+    pub ptr: u64,
+    pub stride: i32,
+    pub block_size: i32,
+}
+
+/// The sampled sequences `spec_verify` takes: per sequence its row, first logits row and
+/// proposal count; per logits row its token (whose position and id start the round).
+#[derive(Debug, Clone, Copy)]
+pub struct VerifySeqs {
+    pub sample_rows: u64,
+    pub samp_first: u64,
+    pub samp_draft: u64,
+    pub logit_rows: u64,
+    pub tok_src: u64,
+    pub positions: u64,
 }
 
 /// What every attention kernel reads and writes, whatever its plan; passed to the kernels by
@@ -967,6 +1024,156 @@ impl Kernels {
         ];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("sample_tokens", (n, 1, 1), 1024, s, &mut p) }
+    }
+
+    /// Places `at.n` decode entries at their rows' true lengths (speculative decoding; see
+    /// `spec_place` in the source): positions, KV slots and token ids of their tokens in
+    /// `meta`, from the rows' `kv_len`, `prev_tok`, `pending` and proposals.
+    ///
+    /// # Safety
+    /// Device addresses must be valid; every entry's tokens inside `meta`'s sections.
+    pub unsafe fn spec_place(
+        &self,
+        s: sys::CUstream,
+        meta: TokenMeta,
+        at: PlaceEntries,
+        spec: SpecRows,
+        bt: BlockTables,
+    ) -> anyhow::Result<()> {
+        let TokenMeta {
+            tok_src,
+            positions,
+            slots,
+            tok_row,
+        } = meta;
+        let PlaceEntries {
+            first,
+            ntok,
+            n_const,
+            n,
+            off0,
+        } = at;
+        let SpecRows {
+            kv_len,
+            prev_tok,
+            pending,
+            proposals,
+            k,
+            ..
+        } = spec;
+        let BlockTables {
+            ptr,
+            stride,
+            block_size,
+        } = bt;
+        let n_entries = n as i32;
+        let mut p = params![
+            tok_src, positions, slots, tok_row, first, ntok, n_const, n_entries, off0, kv_len,
+            prev_tok, pending, proposals, k, ptr, stride, block_size
+        ];
+        // SAFETY: argument types match the kernel's.
+        unsafe { self.launch("spec_place", (n.div_ceil(128), 1, 1), 128, s, &mut p) }
+    }
+
+    /// Draws proposal `i` of `n` speculating rows `spec_rows[b]` from the draft's logits rows
+    /// `b` (modified): the rows' processing, greedy or a draw whose distribution goes to
+    /// `spec.q`.
+    ///
+    /// # Safety
+    /// Device addresses must be valid; `i < spec.k`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn draft_sample(
+        &self,
+        s: sys::CUstream,
+        logits: u64,
+        vocab: i32,
+        spec_rows: u64,
+        i: i32,
+        rows: u64,
+        spec: SpecRows,
+        state: SamplerState,
+        n: u32,
+    ) -> anyhow::Result<()> {
+        let SamplerState {
+            counts,
+            seen,
+            bias_ids,
+            bias_vals,
+        } = state;
+        let (proposals, q, k) = (spec.proposals, spec.q, spec.k);
+        let mut p = params![
+            logits, vocab, spec_rows, i, rows, proposals, q, k, counts, seen, bias_ids, bias_vals
+        ];
+        // SAFETY: argument types match the kernel's.
+        unsafe { self.launch("draft_sample", (n, 1, 1), 1024, s, &mut p) }
+    }
+
+    /// Verifies `n` sampled sequences (speculative rounds and plain samples; see `spec_verify`
+    /// in the source): emitted tokens to `out_tokens` (`[n, k + 1]`) and their counts to
+    /// `out_counts`; the rows' pending token, `kv_len` and `prev_tok` move on.
+    ///
+    /// # Safety
+    /// Device addresses must be valid; the sequences' logits rows inside `logits`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn spec_verify(
+        &self,
+        s: sys::CUstream,
+        logits: u64,
+        vocab: i32,
+        seqs: VerifySeqs,
+        rows: u64,
+        (out_tokens, out_counts): (u64, u64),
+        spec: SpecRows,
+        state: SamplerState,
+        n: u32,
+    ) -> anyhow::Result<()> {
+        let VerifySeqs {
+            sample_rows,
+            samp_first,
+            samp_draft,
+            logit_rows,
+            tok_src,
+            positions,
+        } = seqs;
+        let SpecRows {
+            kv_len,
+            prev_tok,
+            pending,
+            proposals,
+            q,
+            k,
+        } = spec;
+        let SamplerState {
+            counts,
+            seen,
+            bias_ids,
+            bias_vals,
+        } = state;
+        let mut p = params![
+            logits,
+            vocab,
+            sample_rows,
+            samp_first,
+            samp_draft,
+            logit_rows,
+            tok_src,
+            positions,
+            rows,
+            out_tokens,
+            out_counts,
+            pending,
+            kv_len,
+            prev_tok,
+            proposals,
+            q,
+            k,
+            counts,
+            seen,
+            bias_ids,
+            bias_vals
+        ];
+        // SAFETY: argument types match the kernel's.
+        unsafe { self.launch("spec_verify", (n, 1, 1), 1024, s, &mut p) }
     }
 
     /// Resets the sampling state of `n` rows `rows[i]` (penalty counts and prompt bits, logit

@@ -13,13 +13,26 @@
 //!   logit_rows[S]    token row whose hidden state gives each sampled sequence's logits
 //!   sample_rows[S]   backend row of each sampled sequence
 //!   init_rows[S]     rows re-initialised before this step (parallel to the RowParams buffer)
+//!   (speculative decoding only; empty sections otherwise, see `super::spec`)
+//!   samp_first[S]    first logits row of each sampled sequence ...
+//!   samp_draft[S]    ... and its proposals (a round's 1 + draft rows are consecutive)
+//!   place_first[S]   decode entries, placed on the device: first token ...
+//!   place_n[S]       ... and token count
+//!   d_*[D]           the draft's first forward of a step: tok_src, positions, slot_mapping,
+//!                    tok_row (prefill chunks as above, 2 tokens per decode entry: the
+//!                    token before the pending one, and the pending one)
+//!   d_place[S]       first draft token of each decode entry
+//!   d_logit_rows[S]  the draft token whose logits give each speculating row's 1st proposal
+//!   b_*[S]           the draft's later forwards (one token per speculating row): tok_src,
+//!                    positions, slot_mapping (device-written), tok_row, logit_rows
 //!   bt_index[U]      new block-table entries of this step: row * B + j ...
 //!   bt_value[U]      ... and the block id written there
 //!   pf_tiles[2P]     prefill attention tiles: (first token, count) of up to 64 consecutive
 //!                    tokens of one sequence (steps with prefill chunks only)
 //!   att_list[T]      the tokens the tiles leave, for the per-token attention kernel
 //! ```
-//! with T = max tokens per step, S = max sequences per step, B = max blocks per sequence,
+//! with T = max tokens per step, S = max sequences per step (logit_rows: [`Capacities::max_logits`]),
+//! D = T + S, B = max blocks per sequence,
 //! U = S * B (a step may hand a whole table to every row: prefix-cache hits arrive at once) and
 //! P = [`prefill_tile_cap`]. The head (up to `bt_index`) is uploaded every step; the last two
 //! sections only by steps with tiles.
@@ -43,6 +56,8 @@ pub struct Capacities {
     /// Sliding-window layers keep their KV in a pool of their own, addressed through a second
     /// block table per row (`crate::scheduler::LocalKvConfig`).
     pub hybrid: bool,
+    /// Speculative decoding: proposals per round (0: off).
+    pub spec_k: usize,
 }
 
 impl Capacities {
@@ -58,7 +73,34 @@ impl Capacities {
             max_blocks_per_seq: max_model_len.div_ceil(block_size).max(1),
             block_size,
             hybrid: false,
+            spec_k: 0,
         }
+    }
+
+    /// Capacities for speculative rounds of `k` proposals: a round's KV may reach `k`
+    /// positions past `max_model_len` (its last round may overrun; the tokens are dropped).
+    pub fn with_spec(mut self, k: usize, max_model_len: usize) -> Self {
+        self.spec_k = k;
+        self.max_blocks_per_seq = (max_model_len + k).div_ceil(self.block_size).max(1);
+        self
+    }
+
+    /// Rows of logits one step can ask for: one per sampled sequence, `1 + k` per speculative
+    /// round (within the token budget).
+    pub fn max_logits(&self) -> usize {
+        if self.spec_k == 0 {
+            self.max_seqs
+        } else {
+            (self.max_seqs * (1 + self.spec_k))
+                .min(self.max_tokens)
+                .max(self.max_seqs)
+        }
+    }
+
+    /// Tokens of the draft's first forward in a step: the step's prefill tokens and 2 per
+    /// decode entry.
+    pub fn max_draft_tokens(&self) -> usize {
+        self.max_tokens + self.max_seqs
     }
 
     /// Words of one block-table array, `[max_seqs + 1, max_blocks_per_seq]` (the last row is
@@ -80,6 +122,21 @@ pub struct MetaLayout {
     pub logit_rows: usize,
     pub sample_rows: usize,
     pub init_rows: usize,
+    pub samp_first: usize,
+    pub samp_draft: usize,
+    pub place_first: usize,
+    pub place_n: usize,
+    pub d_tok_src: usize,
+    pub d_positions: usize,
+    pub d_slot_mapping: usize,
+    pub d_tok_row: usize,
+    pub d_place: usize,
+    pub d_logit_rows: usize,
+    pub b_tok_src: usize,
+    pub b_positions: usize,
+    pub b_slot_mapping: usize,
+    pub b_tok_row: usize,
+    pub b_logit_rows: usize,
     pub bt_index: usize,
     pub bt_value: usize,
     /// Capacity of the two block-table update sections.
@@ -101,11 +158,33 @@ impl MetaLayout {
         let slot_mapping_local = slot_mapping + t;
         let tok_row = slot_mapping_local + if c.hybrid { t } else { 0 };
         let logit_rows = tok_row + t;
-        let sample_rows = logit_rows + s;
+        let sample_rows = logit_rows + round(c.max_logits());
         let init_rows = sample_rows + s;
+        // Speculative sections: empty without speculation.
+        let on = c.spec_k > 0;
+        let (ss, d) = if on {
+            (s, round(c.max_draft_tokens()))
+        } else {
+            (0, 0)
+        };
+        let samp_first = init_rows + s;
+        let samp_draft = samp_first + ss;
+        let place_first = samp_draft + ss;
+        let place_n = place_first + ss;
+        let d_tok_src = place_n + ss;
+        let d_positions = d_tok_src + d;
+        let d_slot_mapping = d_positions + d;
+        let d_tok_row = d_slot_mapping + d;
+        let d_place = d_tok_row + d;
+        let d_logit_rows = d_place + ss;
+        let b_tok_src = d_logit_rows + ss;
+        let b_positions = b_tok_src + ss;
+        let b_slot_mapping = b_positions + ss;
+        let b_tok_row = b_slot_mapping + ss;
+        let b_logit_rows = b_tok_row + ss;
         // A row's whole table (twice with local tables) may arrive in one step.
         let bt_cap = c.max_seqs * c.max_blocks_per_seq * if c.hybrid { 2 } else { 1 };
-        let bt_index = init_rows + s;
+        let bt_index = b_logit_rows + ss;
         let bt_value = bt_index + round(bt_cap);
         let pf_tiles = bt_value + round(bt_cap);
         let att_list = pf_tiles + round(2 * prefill_tile_cap(c));
@@ -119,6 +198,21 @@ impl MetaLayout {
             logit_rows,
             sample_rows,
             init_rows,
+            samp_first,
+            samp_draft,
+            place_first,
+            place_n,
+            d_tok_src,
+            d_positions,
+            d_slot_mapping,
+            d_tok_row,
+            d_place,
+            d_logit_rows,
+            b_tok_src,
+            b_positions,
+            b_slot_mapping,
+            b_tok_row,
+            b_logit_rows,
             bt_index,
             bt_value,
             bt_cap,
@@ -253,9 +347,9 @@ pub struct ScratchSizes {
     pub delta: usize,
     pub gate_up: usize,
     pub act: usize,
-    /// f32 logits, `max_seqs` rows.
+    /// f32 logits, [`Capacities::max_logits`] rows.
     pub logits: usize,
-    /// Final-normed rows that want logits, `max_seqs` rows.
+    /// Final-normed rows that want logits, as many rows.
     pub final_h: usize,
     /// f32 partials of split decode attention: `max_seqs * nh * splits * (hd + 2)`.
     pub attn_part: usize,
@@ -279,8 +373,8 @@ impl ScratchSizes {
             delta: t * m.hidden_size * elem,
             gate_up: t * 2 * m.intermediate_size * elem,
             act: t * m.intermediate_size * elem,
-            logits: c.max_seqs * m.vocab_size * 4,
-            final_h: c.max_seqs * m.hidden_size * elem,
+            logits: c.max_logits() * m.vocab_size * 4,
+            final_h: c.max_logits() * m.hidden_size * elem,
             // Splits only when batch * heads < DECODE_TARGET_BLOCKS, so batch * heads * splits
             // < 2 * DECODE_TARGET_BLOCKS.
             attn_part: 2 * DECODE_TARGET_BLOCKS * (m.head_dim + 2) * 4,
@@ -392,6 +486,61 @@ mod tests {
         assert_eq!((l.positions, l.bt_index), (64, 4 * 64 + 3 * 64));
         assert_eq!((l.bt_cap, l.bt_value), (2, 8 * 64));
         assert_eq!((l.pf_tiles, l.att_list, l.len), (9 * 64, 10 * 64, 11 * 64));
+    }
+
+    #[test]
+    fn speculative_sections_fit_their_capacities() {
+        let c = Capacities::new(2048, 256, 4096, 16).with_spec(4, 4096);
+        // The KV of a last round may reach k positions past max_model_len.
+        assert_eq!(c.max_blocks_per_seq, (4096 + 4usize).div_ceil(16));
+        assert_eq!(c.max_logits(), 1280);
+        assert_eq!(c.max_draft_tokens(), 2048 + 256);
+        let l = MetaLayout::new(&c);
+        let d = c.max_draft_tokens();
+        let sections = [
+            (l.tok_src, 2048),
+            (l.positions, 2048),
+            (l.slot_mapping, 2048),
+            (l.tok_row, 2048),
+            (l.logit_rows, 1280),
+            (l.sample_rows, 256),
+            (l.init_rows, 256),
+            (l.samp_first, 256),
+            (l.samp_draft, 256),
+            (l.place_first, 256),
+            (l.place_n, 256),
+            (l.d_tok_src, d),
+            (l.d_positions, d),
+            (l.d_slot_mapping, d),
+            (l.d_tok_row, d),
+            (l.d_place, 256),
+            (l.d_logit_rows, 256),
+            (l.b_tok_src, 256),
+            (l.b_positions, 256),
+            (l.b_slot_mapping, 256),
+            (l.b_tok_row, 256),
+            (l.b_logit_rows, 256),
+            (l.bt_index, l.bt_cap),
+        ];
+        for w in sections.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{sections:?}");
+        }
+        // Logits: 1 + k rows per round, capped by the token budget.
+        assert_eq!(
+            Capacities::new(64, 32, 256, 16)
+                .with_spec(4, 256)
+                .max_logits(),
+            64
+        );
+        assert_eq!(
+            Capacities::new(8, 32, 256, 16)
+                .with_spec(4, 256)
+                .max_logits(),
+            32
+        );
+        // Without speculation the sections are empty.
+        let l = MetaLayout::new(&Capacities::new(2048, 256, 4096, 16));
+        assert_eq!(l.bt_index, l.samp_first);
     }
 
     #[test]

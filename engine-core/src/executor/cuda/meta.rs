@@ -4,9 +4,10 @@
 use std::ops::Range;
 
 use super::layout::{prefill_tiles, Capacities, MetaLayout};
-use crate::batch::{ExecBatch, RowInit};
+use crate::batch::{ExecBatch, RowInit, StepOutput};
 use crate::sampling::RowSampler;
 use harrier_kernels::{LOGIT_BIAS_CAP, MASK_CAP};
+use harrier_shared::protocol::{TokenId, TokenLogprobs};
 
 /// Host mirror of a backend row.
 pub(crate) struct HostRow {
@@ -38,6 +39,10 @@ impl HostRow {
 pub(crate) struct StepCounts {
     pub tokens: usize,
     pub samples: usize,
+    /// Logits rows (`samples` without speculation; `1 + draft` per speculative round).
+    pub logits: usize,
+    /// Decode entries placed on the device (`place_first` / `place_n`; speculation only).
+    pub placed: usize,
     /// New block-table entries (`bt_index` / `bt_value`).
     pub bt_updates: usize,
     /// Prefill attention tiles (`pf_tiles`) and the tokens they leave (`att_list`); both 0
@@ -157,9 +162,12 @@ pub(crate) fn fill_step(
     tiled: bool,
 ) -> StepCounts {
     let (bs, stride) = (caps.block_size, caps.max_blocks_per_seq);
+    let spec = caps.spec_k > 0;
     let mut n = StepCounts {
         tokens: 0,
         samples: 0,
+        logits: 0,
+        placed: 0,
         bt_updates: 0,
         pf_tiles: 0,
         att_listed: 0,
@@ -218,14 +226,38 @@ pub(crate) fn fill_step(
             meta[l.tok_row + t] = r as i32;
             n.tokens += 1;
         }
+        // With speculation a decode entry's host positions are upper bounds: `spec_place`
+        // rewrites its positions, slots and tokens on the device (the host's slots above
+        // stay inside the booked blocks).
+        let placed = spec && seq.host_len == 0;
+        if placed {
+            meta[l.place_first + n.placed] = first as i32;
+            meta[l.place_n + n.placed] = seq.num_tokens as i32;
+            n.placed += 1;
+        }
         if seq.sample {
-            meta[l.logit_rows + n.samples] = (n.tokens - 1) as i32;
+            let host = row.host_sampler.is_some();
+            // A round's tokens all give logits; host-sampled rows propose nothing.
+            let (logits, draft) = match (seq.draft, host) {
+                (0, _) | (_, true) => (1, 0),
+                (d, false) => (1 + d as usize, d),
+            };
+            if spec {
+                meta[l.samp_first + n.samples] = n.logits as i32;
+                meta[l.samp_draft + n.samples] = draft as i32;
+            }
+            // A round's rows start at its pending token; a plain sample's is its last token.
+            let start = if seq.draft > 0 { first } else { n.tokens - 1 };
+            for j in 0..logits {
+                meta[l.logit_rows + n.logits + j] = (start + j) as i32;
+            }
             meta[l.sample_rows + n.samples] = r as i32;
-            if row.host_sampler.is_some() {
+            if host {
                 host_samples.push((n.samples, seq.row.0));
             }
             row.has_pending = true;
             n.samples += 1;
+            n.logits += logits;
         }
     }
     if n.pf_tiles == 0 {
@@ -233,6 +265,113 @@ pub(crate) fn fill_step(
         n.att_listed = 0;
     }
     n
+}
+
+/// How much of the draft's sections [`fill_draft_step`] wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DraftCounts {
+    /// Tokens of the draft's first forward.
+    pub tokens: usize,
+    /// Decode entries in it (`d_place`).
+    pub entries: usize,
+    /// Rows that draft proposals (`d_logit_rows`, `b_tok_row`, `b_logit_rows`).
+    pub drafting: usize,
+}
+
+impl DraftCounts {
+    /// Whether the draft has work: prefill tokens to take in, or proposals to make.
+    pub fn any(&self) -> bool {
+        self.drafting > 0 || self.tokens > 2 * self.entries
+    }
+}
+
+/// Writes the draft's sections of a speculative step, after [`fill_step`] wrote the target's
+/// (see `super::spec`): the draft's first forward takes every prefill chunk's tokens as the
+/// target does (so its KV is ready when the row decodes) and 2 tokens per decode entry, the
+/// token before the pending one and the pending one (positions and ids from the device; the
+/// first is usually in the draft's KV already, but not after a round that accepted every
+/// proposal). Rows with proposals (not host-sampled) take the logits of their pending token
+/// and one token per later draft forward.
+pub(crate) fn fill_draft_step(
+    meta: &mut [i32],
+    l: &MetaLayout,
+    batch: &ExecBatch,
+    rows: &[Option<HostRow>],
+) -> DraftCounts {
+    let mut c = DraftCounts {
+        tokens: 0,
+        entries: 0,
+        drafting: 0,
+    };
+    let mut t = 0;
+    for seq in &batch.seqs {
+        let (r, n) = (seq.row.0 as usize, seq.num_tokens as usize);
+        let d = c.tokens;
+        if seq.host_len == 0 {
+            meta[l.d_place + c.entries] = d as i32;
+            c.entries += 1;
+            for j in d..d + 2 {
+                meta[l.d_tok_src + j] = -1 - r as i32;
+                meta[l.d_positions + j] = 0;
+                meta[l.d_slot_mapping + j] = 0;
+                meta[l.d_tok_row + j] = r as i32;
+            }
+            let host = rows[r].as_ref().is_some_and(|h| h.host_sampler.is_some());
+            if seq.draft > 0 && !host {
+                let m = c.drafting;
+                meta[l.d_logit_rows + m] = (d + 1) as i32;
+                meta[l.b_tok_row + m] = r as i32;
+                meta[l.b_logit_rows + m] = m as i32;
+                c.drafting += 1;
+            }
+            c.tokens += 2;
+        } else {
+            for (from, to) in [
+                (l.tok_src, l.d_tok_src),
+                (l.positions, l.d_positions),
+                (l.slot_mapping, l.d_slot_mapping),
+                (l.tok_row, l.d_tok_row),
+            ] {
+                meta.copy_within(from + t..from + t + n, to + d);
+            }
+            c.tokens += n;
+        }
+        t += n;
+    }
+    c
+}
+
+/// Reads a speculative step's output words (`[counts: max_seqs | tokens: n × (k + 1)]`, from
+/// `spec_verify`) into `out`: per sampled sequence its emitted tokens and the proposals it
+/// verified (`drafts`, as `fill_step` wrote them: 0 for host-sampled rows, whose one token
+/// is in `host`, drained here). A count outside `1..=1 + draft` means the device state is
+/// corrupt: an error, not a guess.
+pub(crate) fn read_spec_output(
+    words: &[i32],
+    (max_seqs, k): (usize, usize),
+    drafts: &[i32],
+    host: &mut Vec<(usize, TokenId, Option<TokenLogprobs>)>,
+    out: &mut StepOutput,
+) -> anyhow::Result<()> {
+    let mut host = host.drain(..).peekable();
+    for (j, &d) in drafts.iter().enumerate() {
+        if let Some((_, tok, lp)) = host.next_if(|h| h.0 == j) {
+            out.push_one(tok, lp);
+            continue;
+        }
+        let c = words[j];
+        anyhow::ensure!(
+            c >= 1 && c <= 1 + d,
+            "sequence {j} of the step emitted {c} tokens for a round of {d} proposals"
+        );
+        let at = max_seqs + j * (k + 1);
+        out.tokens
+            .extend(words[at..at + c as usize].iter().map(|&t| t as TokenId));
+        out.logprobs.extend((0..c).map(|_| None));
+        out.counts.push(c as u32);
+        out.proposed.push(d as u32);
+    }
+    Ok(())
 }
 
 /// Fills token rows `range` with graph padding: token 0, position -1 (attention reads
@@ -317,6 +456,24 @@ fn check_batch(
     }
     if batch.row_inits.len() > c.max_seqs {
         return Err("too many row inits".into());
+    }
+    if let Some(s) = batch.seqs.iter().find(|s| s.draft as usize > c.spec_k) {
+        return Err(format!(
+            "a speculative entry of {} proposals; this backend speculates {}",
+            s.draft, c.spec_k
+        ));
+    }
+    let logits: usize = batch
+        .seqs
+        .iter()
+        .filter(|s| s.sample)
+        .map(|s| 1 + s.draft as usize)
+        .sum();
+    if logits > c.max_logits() {
+        return Err(format!(
+            "{logits} logits rows exceed the step capacity {}",
+            c.max_logits()
+        ));
     }
     if let Some(&tok) = batch.host_tokens.iter().find(|&&x| x >= lim.vocab) {
         return Err(format!(
@@ -561,6 +718,8 @@ mod tests {
             StepCounts {
                 tokens: 8,
                 samples: 3,
+                logits: 3,
+                placed: 0,
                 bt_updates: 3,
                 pf_tiles: 0,
                 att_listed: 0,
@@ -601,6 +760,8 @@ mod tests {
             StepCounts {
                 tokens: 1,
                 samples: 1,
+                logits: 1,
+                placed: 0,
                 bt_updates: 0,
                 pf_tiles: 0,
                 att_listed: 0,
@@ -622,6 +783,8 @@ mod tests {
             StepCounts {
                 tokens: 3,
                 samples: 0,
+                logits: 0,
+                placed: 0,
                 bt_updates: 1,
                 pf_tiles: 0,
                 att_listed: 0,
@@ -832,5 +995,161 @@ mod tests {
         // Errors leave the marks clear too.
         assert!(check(&twice).is_err());
         assert!(check(&reinit).is_err());
+    }
+
+    /// A step with a prefill chunk (row 0, samples), a speculative round (row 1, 3
+    /// proposals), a plain decode (row 2) and a host-sampled round (row 3).
+    fn spec_step() -> (
+        Capacities,
+        MetaLayout,
+        Vec<i32>,
+        Vec<Option<HostRow>>,
+        ExecBatch,
+    ) {
+        let caps = Capacities::new(64, 4, 64, 4).with_spec(3, 64);
+        let l = MetaLayout::new(&caps);
+        let mut rows: Vec<Option<HostRow>> = (0..4).map(|_| Some(HostRow::new(None))).collect();
+        for r in 1..4 {
+            rows[r].as_mut().unwrap().block_table = vec![4 + r as u32, 8 + r as u32];
+            rows[r].as_mut().unwrap().has_pending = true;
+        }
+        rows[3].as_mut().unwrap().host_sampler = Some(RowSampler::new(&row_init(
+            3,
+            SamplingParams::greedy(8),
+            vec![1],
+            vec![],
+        )));
+        let round = |row: u32, pos: u32, draft: u32| {
+            let mut s = seq(row, pos, 1 + draft, (0, 0), (0, 0));
+            s.draft = draft;
+            s
+        };
+        let batch = ExecBatch {
+            seqs: vec![
+                seq(0, 0, 3, (0, 3), (0, 1)),
+                round(1, 4, 3),
+                seq(2, 5, 1, (0, 0), (1, 0)),
+                round(3, 2, 3),
+            ],
+            host_tokens: vec![10, 11, 12],
+            new_blocks: vec![2],
+            ..Default::default()
+        };
+        (caps, l, vec![i32::MIN; l.len], rows, batch)
+    }
+
+    #[test]
+    fn speculative_rounds_take_a_logits_row_per_position() {
+        let (caps, l, mut meta, mut rows, batch) = spec_step();
+        let mut host = Vec::new();
+        let n = fill_step(&mut meta, &l, &caps, &batch, &mut rows, &mut host, false);
+        // Tokens: 3 prefill (0..3), round 1 (3..7), decode (7), host round (8..12).
+        assert_eq!(
+            (n.tokens, n.samples, n.logits, n.placed),
+            (12, 4, 1 + 4 + 1 + 1, 3)
+        );
+        let sec = |off: usize, len: usize| meta[off..off + len].to_vec();
+        // The prefill's last token; the round's 4 positions; the decode; the host round's
+        // pending token only (it proposes nothing).
+        assert_eq!(sec(l.logit_rows, 7), [2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(sec(l.samp_first, 4), [0, 1, 5, 6]);
+        assert_eq!(sec(l.samp_draft, 4), [0, 3, 0, 0]);
+        assert_eq!(sec(l.sample_rows, 4), [0, 1, 2, 3]);
+        // Every decode entry (plain ones too) is placed on the device.
+        assert_eq!(sec(l.place_first, 3), [3, 7, 8]);
+        assert_eq!(sec(l.place_n, 3), [4, 1, 4]);
+        assert_eq!(host, [(3, 3)]);
+        // Host positions are upper bounds, inside the booked blocks.
+        assert_eq!(sec(l.positions + 3, 4), [4, 5, 6, 7]);
+        assert_eq!(sec(l.slot_mapping + 3, 4), [36, 37, 38, 39]);
+
+        let d = fill_draft_step(&mut meta, &l, &batch, &rows);
+        let sec = |off: usize, len: usize| meta[off..off + len].to_vec();
+        // The prefill's 3 tokens, then 2 per decode entry; only row 1 drafts.
+        assert_eq!(
+            d,
+            DraftCounts {
+                tokens: 3 + 2 * 3,
+                entries: 3,
+                drafting: 1,
+            }
+        );
+        assert!(d.any());
+        assert_eq!(sec(l.d_tok_src, 3), [10, 11, 12]);
+        assert_eq!(sec(l.d_positions, 3), [0, 1, 2]);
+        assert_eq!(sec(l.d_slot_mapping, 3), sec(l.slot_mapping, 3));
+        assert_eq!(sec(l.d_tok_row, 9), [0, 0, 0, 1, 1, 2, 2, 3, 3]);
+        assert_eq!(sec(l.d_tok_src + 3, 2), [-2, -2]);
+        assert_eq!(sec(l.d_place, 3), [3, 5, 7]);
+        assert_eq!(sec(l.d_logit_rows, 1), [4]);
+        assert_eq!(sec(l.b_tok_row, 1), [1]);
+        assert_eq!(sec(l.b_logit_rows, 1), [0]);
+        // A decode-only step without rounds leaves the draft idle.
+        let plain = ExecBatch {
+            seqs: vec![seq(2, 6, 1, (0, 0), (0, 0))],
+            ..Default::default()
+        };
+        assert!(!fill_draft_step(&mut meta, &l, &plain, &rows).any());
+    }
+
+    #[test]
+    fn speculative_outputs_are_read_per_sequence() {
+        let (max_seqs, k) = (4, 3);
+        let mut words = vec![0; max_seqs * (k + 2)];
+        // Counts of 3 sequences: a prefill's sample, a round accepting 2 of 3, a host row.
+        words[..3].copy_from_slice(&[1, 3, 1]);
+        let tok = |j: usize| max_seqs + j * (k + 1);
+        words[tok(0)] = 70;
+        words[tok(1)..tok(1) + 3].copy_from_slice(&[71, 72, 73]);
+        words[tok(2)] = -5; // not written for host rows
+        let mut host = vec![(2, 99, None)];
+        let mut out = StepOutput::default();
+        read_spec_output(&words, (max_seqs, k), &[0, 3, 0], &mut host, &mut out).unwrap();
+        assert_eq!(out.tokens, [70, 71, 72, 73, 99]);
+        assert_eq!(out.counts, [1, 3, 1]);
+        assert_eq!(out.proposed, [0, 3, 0]);
+        assert_eq!(out.logprobs.len(), 5);
+        assert!(host.is_empty());
+        // A count the round cannot produce is an error, not a guess.
+        words[1] = 5;
+        let e = read_spec_output(&words, (max_seqs, k), &[0, 3, 0], &mut vec![], &mut out);
+        assert!(e.unwrap_err().to_string().contains("emitted 5 tokens"));
+        words[1] = 0;
+        assert!(read_spec_output(&words, (max_seqs, k), &[0, 3], &mut vec![], &mut out).is_err());
+    }
+
+    #[test]
+    fn validate_bounds_speculative_rounds() {
+        let lim = |k: usize| Limits {
+            caps: Capacities::new(16, 4, 16, 4).with_spec(k, 16),
+            vocab: 100,
+            kv_blocks: 10,
+            local_kv_blocks: 0,
+        };
+        let mut rows: Vec<Option<HostRow>> = (0..4).map(|_| Some(HostRow::new(None))).collect();
+        for r in rows.iter_mut().flatten() {
+            r.block_table = vec![1, 2, 3];
+            r.has_pending = true;
+        }
+        let round = |row: u32, draft: u32| {
+            let mut s = seq(row, 2, 1 + draft, (0, 0), (0, 0));
+            s.draft = draft;
+            s
+        };
+        let b = ExecBatch {
+            seqs: vec![round(0, 3)],
+            ..Default::default()
+        };
+        assert_eq!(validate(&b, &lim(3), &rows, &mut [0; 4]), Ok(()));
+        let e = validate(&b, &lim(2), &rows, &mut [0; 4]).unwrap_err();
+        assert!(e.contains("speculates 2"), "{e}");
+        let e = validate(&b, &lim(0), &rows, &mut [0; 4]).unwrap_err();
+        assert!(e.contains("speculates 0"), "{e}");
+        // Rounds fill the token budget exactly: 4 x (1 + 3) = 16 tokens and logits rows.
+        let four = ExecBatch {
+            seqs: (0..4).map(|r| round(r, 3)).collect(),
+            ..Default::default()
+        };
+        assert_eq!(validate(&four, &lim(3), &rows, &mut [0; 4]), Ok(()));
     }
 }

@@ -41,6 +41,8 @@ mod graphs;
 pub mod layout;
 mod meta;
 mod model;
+mod spec;
+pub mod spec_check;
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -170,6 +172,24 @@ fn new_event(timing: bool) -> anyhow::Result<sys::CUevent> {
     ck(dr::event::create(flags), "cuEventCreate")
 }
 
+/// Refuses head layouts the attention kernels do not take.
+fn check_head_layout(mc: &ModelConfig) -> anyhow::Result<()> {
+    if !mc.head_dim.is_multiple_of(64) || mc.head_dim > harrier_kernels::MAX_HEAD_DIM {
+        bail!(
+            "head_dim {} is not supported by the CUDA kernels (a multiple of 64 up to 256)",
+            mc.head_dim
+        );
+    }
+    if !mc.num_heads.is_multiple_of(mc.num_kv_heads) {
+        bail!(
+            "num_heads {} is not a multiple of num_kv_heads {}",
+            mc.num_heads,
+            mc.num_kv_heads
+        );
+    }
+    Ok(())
+}
+
 /// Options of the CUDA executor.
 #[derive(Debug, Clone)]
 pub struct CudaExecutorConfig {
@@ -196,6 +216,9 @@ pub struct CudaExecutorConfig {
     /// Store the projections and the output head in FP8 (`--quantization fp8`; bf16 only).
     /// FP8 checkpoints are FP8 without it.
     pub fp8: bool,
+    /// Speculative decoding with a draft model (`--speculative-model`): its directory and the
+    /// proposals per round (see [`spec`]).
+    pub speculative: Option<(std::path::PathBuf, usize)>,
 }
 
 /// Words of row state (penalty rows' prompt and output tokens, logit_bias pairs) one step can
@@ -227,6 +250,8 @@ struct Slot {
     copy_done: sys::CUevent,
     // The step in flight.
     n_samples: usize,
+    /// Logits rows of the step (`n_samples` unless it has speculative rounds).
+    n_logits: usize,
     /// (index among samples, row) of host-sampled sequences.
     host_samples: Vec<(usize, u32)>,
     host_results: Vec<(usize, TokenId, Option<TokenLogprobs>)>,
@@ -247,6 +272,8 @@ pub struct CudaExecutor {
     copy: sys::CUstream,
     kernels: Kernels,
     model: GpuModel,
+    /// Speculative decoding (a draft model), if on.
+    spec: Option<spec::SpecDecoder>,
     caps: Capacities,
     layout: MetaLayout,
     /// Usable KV blocks (the engine's); block `num_kv_blocks` is the padding rows' scratch.
@@ -362,19 +389,7 @@ impl CudaExecutor {
             "cuStreamCreate",
         )?;
         let mc = dir.config.clone();
-        if !mc.head_dim.is_multiple_of(64) || mc.head_dim > harrier_kernels::MAX_HEAD_DIM {
-            bail!(
-                "head_dim {} is not supported by the CUDA kernels (a multiple of 64 up to 256)",
-                mc.head_dim
-            );
-        }
-        if !mc.num_heads.is_multiple_of(mc.num_kv_heads) {
-            bail!(
-                "num_heads {} is not a multiple of num_kv_heads {}",
-                mc.num_heads,
-                mc.num_kv_heads
-            );
-        }
+        check_head_layout(&mc).with_context(|| format!("model {}", dir.path.display()))?;
         let mut caps = Capacities::new(
             cfg.max_num_batched_tokens as usize,
             cfg.max_num_seqs as usize,
@@ -382,6 +397,12 @@ impl CudaExecutor {
             cfg.block_size as usize,
         );
         caps.hybrid = cfg.local_kv_blocks.is_some();
+        if let Some((_, k)) = &cfg.speculative {
+            if caps.hybrid {
+                bail!("speculative decoding does not combine with window-sized KV yet");
+            }
+            caps = caps.with_spec(*k, cfg.max_model_len as usize);
+        }
         let elem = cfg.dtype.size();
         let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
         let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype, cfg.fp8)?;
@@ -392,8 +413,28 @@ impl CudaExecutor {
                 Err(e) => tracing::warn!("FP8 steps past the skinny kernels dequantize to bf16: {e:#}"),
             }
         }
+        let mut spec = match &cfg.speculative {
+            None => None,
+            Some((path, k)) => {
+                let ddir = ModelDir::open(path).with_context(|| {
+                    format!("opening the draft model directory {}", path.display())
+                })?;
+                crate::spec::check_draft(dir, &ddir)?;
+                check_head_layout(&ddir.config)
+                    .with_context(|| format!("draft model {}", path.display()))?;
+                Some(spec::SpecDecoder::load(
+                    &ddir, compute, &caps, cfg.dtype, *k,
+                )?)
+            }
+        };
         let layout = MetaLayout::new(&caps);
         let max_rows = caps.max_seqs;
+        // Output words per slot: one token per sampled sequence, or with speculation the
+        // counts and then `1 + k` tokens per sequence.
+        let out_words = match caps.spec_k {
+            0 => max_rows,
+            k => max_rows * (k + 2),
+        };
         let rows_d = DevBuf::new(max_rows * std::mem::size_of::<RowParams>())?;
         let pending_d = DevBuf::new(max_rows * 4)?;
         anyhow::ensure!(
@@ -428,8 +469,8 @@ impl CudaExecutor {
                 meta_d: DevBuf::new(layout.bytes())?,
                 inits_h: HostBuf::new(max_rows)?,
                 inits_d: DevBuf::new(max_rows * std::mem::size_of::<RowParams>())?,
-                out_d: DevBuf::new(max_rows * 4)?,
-                out_h: HostBuf::new(max_rows)?,
+                out_d: DevBuf::new(out_words * 4)?,
+                out_h: HostBuf::new(out_words)?,
                 host_tok_h: HostBuf::new(2 * max_rows)?,
                 host_tok_d: DevBuf::new(2 * max_rows * 4)?,
                 state_h: HostBuf::new(4 * max_rows + 1 + ROW_STATE_WORDS_PER_STEP)?,
@@ -438,6 +479,7 @@ impl CudaExecutor {
                 step_done: new_event(true)?,
                 copy_done: new_event(false)?,
                 n_samples: 0,
+                n_logits: 0,
                 host_samples: Vec::new(),
                 host_results: Vec::new(),
                 masks: None,
@@ -450,10 +492,16 @@ impl CudaExecutor {
             "synchronising after the upload",
         )?;
         let bpb = layout::kv_bytes_per_block(&mc, caps.block_size, elem);
-        let buckets = GraphBuckets::new(&cfg.graph_sizes, caps.max_seqs.min(caps.max_tokens));
+        // No decode graphs with speculation: its steps place decode entries on the device
+        // (`spec_place`), which the captured decode forward does not run.
+        let graph_sizes: &[usize] = if spec.is_some() {
+            &[]
+        } else {
+            &cfg.graph_sizes
+        };
+        let buckets = GraphBuckets::new(graph_sizes, caps.max_seqs.min(caps.max_tokens));
         let num_graphs = buckets.sizes().len() * NUM_SLOTS;
-        let dropped: Vec<usize> = cfg
-            .graph_sizes
+        let dropped: Vec<usize> = graph_sizes
             .iter()
             .copied()
             .filter(|s| !buckets.sizes().contains(s))
@@ -469,6 +517,11 @@ impl CudaExecutor {
         // budget), then the full layers' blocks cost only those layers' bytes.
         let local_bpb = layout::local_kv_bytes_per_block(&mc, caps.block_size, elem);
         let bpb = if caps.hybrid { bpb - local_bpb } else { bpb };
+        // The draft's KV shares the target's block ids: one block costs both.
+        let draft_bpb = spec.as_ref().map_or(0, |s| {
+            layout::kv_bytes_per_block(&s.draft.config, caps.block_size, elem)
+        });
+        let bpb = bpb + draft_bpb;
         let (free, total) = ck(dr::mem_get_info(), "cuMemGetInfo")?;
         let budget = (total as f64 * cfg.gpu_memory_utilization) as usize;
         // One more block than the engine gets in each pool: the graph padding rows' scratch.
@@ -509,6 +562,20 @@ impl CudaExecutor {
             num_local.map(|n| n as usize),
             caps.block_size,
         )?;
+        if let Some(s) = &mut spec {
+            s.draft.fused_max_rows = cfg.fused_max_rows;
+            s.draft
+                .alloc_kv(num_kv_blocks as usize, None, caps.block_size)?;
+            let target_bpb = bpb - draft_bpb;
+            tracing::info!(
+                k = s.k,
+                draft_weights_mib = s.draft.weight_bytes >> 20,
+                target_kv_mib = (num_kv_blocks as usize * target_bpb) >> 20,
+                draft_kv_mib = (num_kv_blocks as usize * draft_bpb) >> 20,
+                draft_state_mib = s.state_bytes() >> 20,
+                "speculative decoding with a draft model on the GPU (the KV budget split by bytes per block; draft prefill beside the target's; no decode graphs)"
+            );
+        }
         let usable = num_kv_blocks - 1;
         let mut info = CudaStartInfo {
             device_name,
@@ -534,6 +601,7 @@ impl CudaExecutor {
             copy,
             kernels,
             model,
+            spec,
             caps,
             layout,
             num_kv_blocks: usable,
@@ -718,6 +786,15 @@ impl CudaExecutor {
     /// only: captured graphs keep what they were captured with.
     pub fn set_custom_gemv(&mut self, on: bool) {
         self.model.blas.use_gemv = on;
+    }
+
+    /// The per-row block tables as the kernels take them.
+    fn block_tables(&self) -> harrier_kernels::BlockTables {
+        harrier_kernels::BlockTables {
+            ptr: self.row_bt_d.ptr,
+            stride: self.caps.max_blocks_per_seq as i32,
+            block_size: self.caps.block_size as i32,
+        }
     }
 
     /// The device addresses of the per-row sampling state.
@@ -906,6 +983,11 @@ impl CudaExecutor {
         );
         let (t, n_samples, n_bt) = (counts.tokens, counts.samples, counts.bt_updates);
         s.n_samples = n_samples;
+        s.n_logits = counts.logits;
+        let draft_counts = self
+            .spec
+            .is_some()
+            .then(|| meta::fill_draft_step(s.meta_h.as_mut_slice(), &l, batch, &self.rows));
         if let Some((_, size)) = graph {
             self.fill_padding(slot, t..size);
         }
@@ -976,6 +1058,41 @@ impl CudaExecutor {
                     n_state as u32,
                 )?;
             }
+            let base = self.step_meta(slot, t, counts.logits, (None, false), (0, 0));
+            let (bt, state) = (self.block_tables(), self.sampler_state());
+            if let Some(sp) = &mut self.spec {
+                // Drafting, then the decode entries placed at the rows' true lengths.
+                let d = &self.slots[slot].meta_d;
+                if let Some(dc) = draft_counts.filter(|c| c.any()) {
+                    sp.propose(
+                        &self.kernels,
+                        st,
+                        (d, &l),
+                        dc,
+                        &base,
+                        (self.rows_d.ptr, state),
+                        bt,
+                    )?;
+                }
+                self.kernels.spec_place(
+                    st,
+                    harrier_kernels::TokenMeta {
+                        tok_src: base.tok_src,
+                        positions: base.positions,
+                        slots: base.slot_mapping,
+                        tok_row: base.tok_row,
+                    },
+                    harrier_kernels::PlaceEntries {
+                        first: d.at(l.place_first * 4),
+                        ntok: d.at(l.place_n * 4),
+                        n_const: 0,
+                        n: counts.placed as u32,
+                        off0: 0,
+                    },
+                    sp.rows(self.pending_d.ptr),
+                    bt,
+                )?;
+            }
             if let Some((i, size)) = graph {
                 self.graphs[slot][i].replay(st, size, self.graph_addrs(slot))?;
                 self.counters.graph_replays += 1;
@@ -992,7 +1109,7 @@ impl CudaExecutor {
                 let mut m = self.step_meta(
                     slot,
                     t,
-                    n_samples,
+                    counts.logits,
                     self.attention_plan(plan_n, decode_only),
                     (counts.pf_tiles, counts.att_listed),
                 );
@@ -1015,20 +1132,46 @@ impl CudaExecutor {
         let st = self.compute;
         let vocab = self.model.config.vocab_size;
         let state = self.sampler_state();
+        let speculating = self.spec.is_some();
         let s = &mut self.slots[slot];
+        // Output words: tokens, or with speculation counts then `1 + k` tokens per sequence.
+        let out_words = match &self.spec {
+            None => s.n_samples,
+            Some(sp) => self.caps.max_seqs + s.n_samples * (sp.k + 1),
+        };
         // SAFETY: device addresses are our allocations; sizes within capacities.
         unsafe {
-            self.kernels.sample_tokens(
-                st,
-                self.model.logits_ptr(),
-                vocab as i32,
-                s.meta_d.at(l.sample_rows * 4),
-                self.rows_d.ptr,
-                s.out_d.ptr,
-                self.pending_d.ptr,
-                state,
-                s.n_samples as u32,
-            )?;
+            match &self.spec {
+                None => self.kernels.sample_tokens(
+                    st,
+                    self.model.logits_ptr(),
+                    vocab as i32,
+                    s.meta_d.at(l.sample_rows * 4),
+                    self.rows_d.ptr,
+                    s.out_d.ptr,
+                    self.pending_d.ptr,
+                    state,
+                    s.n_samples as u32,
+                )?,
+                Some(sp) => self.kernels.spec_verify(
+                    st,
+                    self.model.logits_ptr(),
+                    vocab as i32,
+                    harrier_kernels::VerifySeqs {
+                        sample_rows: s.meta_d.at(l.sample_rows * 4),
+                        samp_first: s.meta_d.at(l.samp_first * 4),
+                        samp_draft: s.meta_d.at(l.samp_draft * 4),
+                        logit_rows: s.meta_d.at(l.logit_rows * 4),
+                        tok_src: s.meta_d.at(l.tok_src * 4),
+                        positions: s.meta_d.at(l.positions * 4),
+                    },
+                    self.rows_d.ptr,
+                    (s.out_d.at(self.caps.max_seqs * 4), s.out_d.ptr),
+                    sp.rows(self.pending_d.ptr),
+                    state,
+                    s.n_samples as u32,
+                )?,
+            }
             if !s.host_samples.is_empty() {
                 // Host sampling: the CPU backend's sampler on this step's raw logits.
                 ck(dr::stream::synchronize(st), "sync for host sampling")?;
@@ -1036,10 +1179,15 @@ impl CudaExecutor {
                 logits.resize(vocab, 0.0);
                 let n = s.host_samples.len();
                 for (i, &(k, row)) in s.host_samples.iter().enumerate() {
+                    // The sequence's logits row: its round's first with speculation.
+                    let lr = match speculating {
+                        false => k,
+                        true => s.meta_h.as_slice()[l.samp_first + k] as usize,
+                    };
                     ck(
                         dr::memcpy_dtoh_sync(
                             logits.as_mut_slice(),
-                            self.model.logits_ptr() + (k * vocab * 4) as u64,
+                            self.model.logits_ptr() + (lr * vocab * 4) as u64,
                         ),
                         "logits D2H",
                     )?;
@@ -1076,7 +1224,7 @@ impl CudaExecutor {
                 "stream wait",
             )?;
             if s.n_samples > 0 {
-                let out = std::slice::from_raw_parts_mut(s.out_h.ptr, s.n_samples);
+                let out = std::slice::from_raw_parts_mut(s.out_h.ptr, out_words);
                 ck(
                     dr::memcpy_dtoh_async(out, s.out_d.ptr, self.copy),
                     "tokens D2H",
@@ -1097,14 +1245,29 @@ impl CudaExecutor {
             "waiting for the step",
         )?;
         out.clear();
-        let toks = &s.out_h.as_slice()[..s.n_samples];
-        out.tokens.extend(toks.iter().map(|&t| t as TokenId));
-        out.logprobs.resize(s.n_samples, None);
-        out.counts.resize(s.n_samples, 1);
-        out.proposed.resize(s.n_samples, 0);
-        for (k, tok, lp) in s.host_results.drain(..) {
-            out.tokens[k] = tok;
-            out.logprobs[k] = lp;
+        match &self.spec {
+            None => {
+                let toks = &s.out_h.as_slice()[..s.n_samples];
+                out.tokens.extend(toks.iter().map(|&t| t as TokenId));
+                out.logprobs.resize(s.n_samples, None);
+                out.counts.resize(s.n_samples, 1);
+                out.proposed.resize(s.n_samples, 0);
+                for (k, tok, lp) in s.host_results.drain(..) {
+                    out.tokens[k] = tok;
+                    out.logprobs[k] = lp;
+                }
+            }
+            Some(sp) => {
+                let (l, n) = (&self.layout, s.n_samples);
+                let drafts = &s.meta_h.as_slice()[l.samp_draft..l.samp_draft + n];
+                meta::read_spec_output(
+                    s.out_h.as_slice(),
+                    (self.caps.max_seqs, sp.k),
+                    drafts,
+                    &mut s.host_results,
+                    out,
+                )?;
+            }
         }
         if self.record_gaps {
             // SAFETY: both events were recorded on the compute stream and have completed.
@@ -1195,6 +1358,7 @@ impl CudaExecutor {
             "token masks of {wpm} words cannot cover {vocab} tokens"
         );
         let max_rows = self.caps.max_seqs;
+        let spec_first = self.spec.as_ref().map(|_| self.layout.samp_first);
         let s = &mut self.slots[slot];
         let need = max_rows + max_rows * wpm;
         if s.masks
@@ -1206,7 +1370,12 @@ impl CudaExecutor {
         let (h, d) = s.masks.as_mut().expect("allocated above");
         let hs = h.as_mut_slice();
         for (i, &k) in masks.samples.iter().enumerate() {
-            hs[i] = k;
+            // The sequence's logits row: its round's first with speculation (constrained
+            // rows do not speculate: their round is that one row).
+            hs[i] = match spec_first {
+                None => k,
+                Some(f) => s.meta_h.as_slice()[f + k as usize] as u32,
+            };
         }
         hs[n..n + n * wpm].copy_from_slice(&masks.words[..n * wpm]);
         ck(self.ctx.bind_to_thread(), "bind")?;

@@ -81,6 +81,7 @@ struct Scratch {
 
 /// One step's device metadata (addresses inside the slot's buffer), the per-row block tables
 /// and counts. For a graph step the counts are the bucket's (padding included).
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct StepMeta {
     pub n_tokens: usize,
     pub n_samples: usize,

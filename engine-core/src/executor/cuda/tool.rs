@@ -40,6 +40,10 @@
 //! - `check-graphs --model DIR [--fused-max-rows N]`: greedy tokens with CUDA graphs against eager through the
 //!   real engine (see `executor::cuda::graph_check`).
 //!
+//! - `check-spec --model DIR --draft DIR [--prompts FILE] [--k 4]` and `bench-spec ...
+//!   [--batches 1,4,16,64] [--max-tokens 256]`: speculative decoding through the real engine
+//!   against the plain engine (see `executor::cuda::spec_check`).
+//!
 //! `--enforce-eager 1` turns graph capture off for `parity` and `bench`.
 
 use std::collections::HashMap;
@@ -48,7 +52,9 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use harrier_engine::batch::{ExecBatch, RowId, RowInit, SeqInput, StepOutput};
 use harrier_engine::executor::cuda::blas::Blas;
-use harrier_engine::executor::cuda::{graph_check, layout, CudaExecutor, CudaExecutorConfig};
+use harrier_engine::executor::cuda::{
+    graph_check, layout, spec_check, CudaExecutor, CudaExecutorConfig,
+};
 use harrier_engine::executor::Executor;
 use harrier_engine::model::ModelDir;
 use harrier_engine::pipeline::SlotId;
@@ -102,6 +108,7 @@ impl Driver {
             local_kv_blocks: None,
             fused_max_rows: harrier_engine::config::FUSED_DECODE_MAX_ROWS,
             fp8: TOOL_FP8.load(std::sync::atomic::Ordering::Relaxed),
+            speculative: None,
         };
         let (exec, info) = CudaExecutor::new(dir, &cfg)?;
         eprintln!("{info:?}");
@@ -559,12 +566,27 @@ fn main() -> anyhow::Result<()> {
                 .transpose()?
                 .unwrap_or(harrier_engine::config::FUSED_DECODE_MAX_ROWS),
         ),
+        "check-spec" | "bench-spec" => {
+            let path = |k: &str| -> anyhow::Result<std::path::PathBuf> {
+                Ok(a.get(k).with_context(|| format!("--{k}"))?.into())
+            };
+            let (target, draft) = (path("model")?, path("draft")?);
+            let prompts = a.get("prompts").map(std::path::PathBuf::from);
+            let k = a.get("k").map(|v| v.parse()).transpose()?.unwrap_or(4);
+            if cmd == "check-spec" {
+                spec_check::check_spec(&target, &draft, prompts.as_deref(), k)
+            } else {
+                let batches: Vec<usize> = list_arg(&a, "batches", "1,4,16,64")?;
+                let max_tokens = a.get("max-tokens").map(|v| v.parse()).transpose()?.unwrap_or(256);
+                spec_check::bench_spec(&target, &draft, prompts.as_deref(), (k, &batches, max_tokens))
+            }
+        }
         "check-gemv" => check_gemv(&a),
         "check-gemm-rows" => check_gemm_rows(&a),
         "check-fused" => check_fused(&a),
         "check-fp8" => check_fp8(&a),
         _ => bail!(
-            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-gemv|check-gemm-rows|check-fused|check-fp8 ..."
+            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-spec|bench-spec|check-gemv|check-gemm-rows|check-fused|check-fp8 ..."
         ),
     }
 }

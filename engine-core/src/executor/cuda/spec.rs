@@ -1,0 +1,228 @@
+//! Speculative decoding on the CUDA backend (docs/speculative.md): a draft model proposes,
+//! the target verifies every round in one forward, and rejection sampling accepts, all on the
+//! compute stream, so the host never waits for a round before launching the next.
+//!
+//! A step with speculative rounds enqueues, in stream order:
+//!
+//! ```text
+//!   spec_place(draft, off -1)   decode entries of the draft's first forward: the token before
+//!                               the pending one and the pending one, at kv_len - 1 and kv_len
+//!   draft forward               prefill chunks (the draft's KV keeps up with the target's) and
+//!                               those 2 tokens per decode entry
+//!   draft_sample(0)             proposal 1 (and its distribution q) per drafting row
+//!   k - 1 times:                spec_place(off i): proposal i at kv_len + i; draft forward;
+//!                               draft_sample(i)
+//!   spec_place(target, off 0)   decode entries at kv_len ..: [pending, proposals]
+//!   target forward              logits of every round position
+//!   spec_verify                 accept / resample / bonus per row; pending, kv_len, prev_tok
+//! ```
+//!
+//! The rows' true lengths (`kv_len`) and the tokens at `kv_len - 1` (`prev_tok`) live on the
+//! device beside `pending`: the host's positions for a decode entry are upper bounds while
+//! earlier rounds are in flight, and the placement kernel puts every decode entry (plain ones
+//! too) where its row really is. The draft's KV sits in its own cache indexed by the same block
+//! ids: one block table serves both.
+//!
+//! Choices of this first version: steps run eagerly (no CUDA graphs with speculation on:
+//! their positions come from the placement kernel, which the captured decode graphs do not
+//! run); host-sampled rows (logprobs) propose nothing (their rounds emit one token); a step
+//! without rounds (speculation turned off by batch size) skips the draft, whose KV then misses
+//! those positions (acceptance falls for them; the output does not change).
+
+use anyhow::Context;
+use harrier_kernels::cudarc::driver::{result as dr, sys};
+use harrier_kernels::{
+    BlockTables, Dtype, Kernels, PlaceEntries, SamplerState, SpecRows, TokenMeta,
+};
+
+use super::layout::{self, Capacities, MetaLayout, ScratchSizes};
+use super::meta::DraftCounts;
+use super::model::{GpuModel, StepMeta};
+use super::{ck, DevBuf};
+use crate::model::ModelDir;
+
+/// The draft model and the per-row state of speculative rounds.
+pub(crate) struct SpecDecoder {
+    pub draft: GpuModel,
+    /// Proposals per round.
+    pub k: usize,
+    kv_len: DevBuf,
+    prev_tok: DevBuf,
+    proposals: DevBuf,
+    /// `[rows, k, vocab]` f32: the draft's distribution of each proposal (sampled rows).
+    q: DevBuf,
+}
+
+impl SpecDecoder {
+    /// Loads the draft at `dir` (same dtype as the target) with activations for the draft's
+    /// first forward of a step ([`Capacities::max_draft_tokens`]).
+    pub fn load(
+        dir: &ModelDir,
+        stream: sys::CUstream,
+        caps: &Capacities,
+        dtype: Dtype,
+        k: usize,
+    ) -> anyhow::Result<SpecDecoder> {
+        let mut dcaps = Capacities::new(
+            caps.max_draft_tokens(),
+            caps.max_seqs,
+            caps.max_blocks_per_seq * caps.block_size,
+            caps.block_size,
+        );
+        dcaps.max_blocks_per_seq = caps.max_blocks_per_seq;
+        let sizes = ScratchSizes::new(&dir.config, &dcaps, dtype.size());
+        let draft = GpuModel::load(dir, stream, &dcaps, &sizes, dtype, false)
+            .with_context(|| format!("loading the draft model {}", dir.path.display()))?;
+        let rows = caps.max_seqs + 1;
+        let vocab = dir.config.vocab_size;
+        let zeroed = |bytes: usize| -> anyhow::Result<DevBuf> {
+            let b = DevBuf::new(bytes)?;
+            ck(
+                // SAFETY: a fresh allocation of `bytes`, zeroed on our stream.
+                unsafe { dr::memset_d8_async(b.ptr, 0, b.bytes, stream) },
+                "memset",
+            )?;
+            Ok(b)
+        };
+        Ok(SpecDecoder {
+            draft,
+            k,
+            kv_len: zeroed(rows * 4)?,
+            prev_tok: zeroed(rows * 4)?,
+            // Zeroed: a proposal slot never drafted (host-sampled rows) still embeds a valid id.
+            proposals: zeroed(rows * k * 4)?,
+            q: DevBuf::new(rows * k * vocab * 4).context("allocating the draft distributions")?,
+        })
+    }
+
+    /// Device bytes of the per-row state (the q buffer dominates).
+    pub fn state_bytes(&self) -> usize {
+        self.kv_len.bytes + self.prev_tok.bytes + self.proposals.bytes + self.q.bytes
+    }
+
+    pub fn rows(&self, pending: u64) -> SpecRows {
+        SpecRows {
+            kv_len: self.kv_len.ptr,
+            prev_tok: self.prev_tok.ptr,
+            pending,
+            proposals: self.proposals.ptr,
+            q: self.q.ptr,
+            k: self.k as i32,
+        }
+    }
+
+    /// Whether the draft's attention over `tokens` single-split rows takes the grouped kernel.
+    fn grouped(&self, tokens: usize) -> bool {
+        let c = &self.draft.config;
+        self.draft.dtype == Dtype::Bf16
+            && harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
+            && layout::use_grouped_attention(tokens, c.num_kv_heads)
+    }
+
+    /// Enqueues the draft's work of a step: its first forward (prefill chunks and the decode
+    /// entries' last two tokens) and the `k` proposals of every drafting row.
+    ///
+    /// # Safety
+    /// `meta` is the slot's device metadata holding the draft sections [`fill_draft_step`]
+    /// wrote (uploaded); `base` carries the executor's shared addresses.
+    ///
+    /// [`fill_draft_step`]: super::meta::fill_draft_step
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn propose(
+        &mut self,
+        kn: &Kernels,
+        st: sys::CUstream,
+        (meta, l): (&DevBuf, &MetaLayout),
+        c: DraftCounts,
+        base: &StepMeta,
+        (rows_d, state): (u64, SamplerState),
+        bt: BlockTables,
+    ) -> anyhow::Result<()> {
+        let spec = self.rows(base.pending);
+        let vocab = self.draft.config.vocab_size as i32;
+        let at = |off: usize| meta.at(off * 4);
+        // SAFETY: (all launches) the sections hold the counts `fill_draft_step` wrote; the
+        // draft's activations hold `max_draft_tokens` rows and its logits `max_seqs` rows.
+        unsafe {
+            kn.spec_place(
+                st,
+                TokenMeta {
+                    tok_src: at(l.d_tok_src),
+                    positions: at(l.d_positions),
+                    slots: at(l.d_slot_mapping),
+                    tok_row: at(l.d_tok_row),
+                },
+                PlaceEntries {
+                    first: at(l.d_place),
+                    ntok: 0,
+                    n_const: 2,
+                    n: c.entries as u32,
+                    off0: -1,
+                },
+                spec,
+                bt,
+            )?;
+            let first = StepMeta {
+                n_tokens: c.tokens,
+                n_samples: c.drafting,
+                tok_src: at(l.d_tok_src),
+                positions: at(l.d_positions),
+                slot_mapping: at(l.d_slot_mapping),
+                tok_row: at(l.d_tok_row),
+                logit_rows: at(l.d_logit_rows),
+                grouped_attention: self.grouped(c.tokens),
+                decode_splits: None,
+                n_pf_tiles: 0,
+                n_att_listed: 0,
+                gemm_rows: None,
+                ..*base
+            };
+            self.draft.forward(kn, st, &first)?;
+            let n = c.drafting as u32;
+            if n == 0 {
+                return Ok(());
+            }
+            let spec_rows = at(l.b_tok_row);
+            let logits = self.draft.logits_ptr();
+            kn.draft_sample(st, logits, vocab, spec_rows, 0, rows_d, spec, state, n)?;
+            let splits = layout::decode_attention_splits(c.drafting, self.draft.config.num_heads);
+            let later = StepMeta {
+                n_tokens: c.drafting,
+                n_samples: c.drafting,
+                tok_src: at(l.b_tok_src),
+                positions: at(l.b_positions),
+                slot_mapping: at(l.b_slot_mapping),
+                tok_row: spec_rows,
+                logit_rows: at(l.b_logit_rows),
+                grouped_attention: splits == 1 && self.grouped(c.drafting),
+                decode_splits: (splits > 1).then_some(splits),
+                ..first
+            };
+            for i in 1..self.k {
+                kn.spec_place(
+                    st,
+                    TokenMeta {
+                        tok_src: later.tok_src,
+                        positions: later.positions,
+                        slots: later.slot_mapping,
+                        tok_row: spec_rows,
+                    },
+                    PlaceEntries {
+                        first: 0,
+                        ntok: 0,
+                        n_const: 1,
+                        n,
+                        off0: i as i32,
+                    },
+                    spec,
+                    bt,
+                )?;
+                self.draft.forward(kn, st, &later)?;
+                kn.draft_sample(
+                    st, logits, vocab, spec_rows, i as i32, rows_d, spec, state, n,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,363 @@
+//! `harrier-cuda-tool check-spec` and `bench-spec`: speculative decoding on the CUDA backend
+//! through the real engine loop (scheduler, async pipeline, commit), against the same target
+//! without speculation.
+//!
+//! check-spec (fails on any mismatch):
+//! - greedy text with speculation equals greedy text without, token for token: one request,
+//!   all prompts at once, arrivals every 3 steps (batches grow and shrink mid-round), and
+//!   `max_tokens` 1 to 12 (budgets inside rounds);
+//! - a logprobs request (sampled on the host: it proposes nothing) among speculating rows;
+//! - seeded sampled requests (temperature, top-k/p, min-p; one with penalties, logit_bias and
+//!   min_tokens: the device's row state) give the same text alone and among other requests;
+//! - acceptance is reported (mean tokens per round, per-position acceptance).
+//!
+//! `HARRIER_SPEC_CHECK_F32=1` loads both engines in f32 (random-weight models have near-flat
+//! distributions whose bf16 near-ties flip between kernel shapes).
+//!
+//! bench-spec: output tokens/s with and without speculation at each batch size (every
+//! request `--max-tokens` greedy tokens after its prompt, `ignore_eos`), both engines loaded
+//! side by side, each batch measured on both before the next.
+
+use std::time::Instant;
+
+use anyhow::{ensure, Context};
+use harrier_shared::protocol::{EngineCoreRequest, FinishReason, SamplingParams, TokenId};
+
+use super::CudaExecutor;
+use crate::cli::{build_cuda_engine, EngineCoreArgs};
+use crate::engine::{EngineCore, Progress};
+use crate::request::Origin;
+
+/// One request: arrives before engine step `at`.
+struct Arrival {
+    at: u64,
+    prompt: Vec<TokenId>,
+    sampling: SamplingParams,
+}
+
+/// Prompts from `file` (a JSON list of token-id lists, or the parity fixture's
+/// `{"prompts": [{"prompt_ids": [..]}, ..]}`), else synthetic ones over `vocab`.
+pub fn load_prompts(
+    file: Option<&std::path::Path>,
+    vocab: u32,
+) -> anyhow::Result<Vec<Vec<TokenId>>> {
+    let Some(f) = file else {
+        return Ok((0..16u64)
+            .map(|i| {
+                (0..8 + (i * 13) % 57)
+                    .map(|t| ((t * 7919 + i * 104_729 + 17) % vocab.min(32_000) as u64) as TokenId)
+                    .collect()
+            })
+            .collect());
+    };
+    let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text)?;
+    let list = json.get("prompts").unwrap_or(&json);
+    let ids = |v: &serde_json::Value| -> Option<Vec<TokenId>> {
+        v.as_array()?
+            .iter()
+            .map(|x| x.as_u64().map(|t| t as TokenId))
+            .collect()
+    };
+    let out: Vec<Vec<TokenId>> = list
+        .as_array()
+        .context("prompts: a JSON list")?
+        .iter()
+        .filter_map(|p| ids(p.get("prompt_ids").unwrap_or(p)))
+        .filter(|p| !p.is_empty())
+        .collect();
+    ensure!(!out.is_empty(), "no prompts in {}", f.display());
+    ensure!(
+        out.iter().flatten().all(|&t| t < vocab),
+        "a prompt token is outside the vocabulary ({vocab})"
+    );
+    Ok(out)
+}
+
+/// Runs `reqs` to completion; returns each request's tokens.
+fn run(
+    engine: &mut EngineCore<CudaExecutor>,
+    reqs: &[Arrival],
+    tag: &str,
+) -> anyhow::Result<Vec<Vec<TokenId>>> {
+    let mut out = vec![Vec::new(); reqs.len()];
+    let (mut done, mut step, mut next) = (0, 0u64, 0);
+    while done < reqs.len() {
+        while next < reqs.len() && reqs[next].at <= step {
+            let r = &reqs[next];
+            engine.add_request(
+                Origin(0),
+                EngineCoreRequest {
+                    request_id: format!("{tag}-{next}"),
+                    prompt_token_ids: r.prompt.clone(),
+                    sampling: r.sampling.clone(),
+                    arrival_time: 0.0,
+                    cache_salt: None,
+                },
+            );
+            next += 1;
+        }
+        let progress = engine.step().map_err(|e| anyhow::anyhow!("{}", e.0))?;
+        step += 1;
+        for (_, o) in engine.take_outputs() {
+            let i: usize = o
+                .request_id
+                .rsplit('-')
+                .next()
+                .and_then(|x| x.parse().ok())
+                .context("request id")?;
+            out[i].extend_from_slice(&o.new_token_ids);
+            if let Some(f) = &o.finish {
+                ensure!(
+                    f.reason != FinishReason::Error,
+                    "request {i} failed: {:?}",
+                    f.message
+                );
+                done += 1;
+            }
+        }
+        ensure!(
+            progress == Progress::Worked || engine.has_work() || next < reqs.len(),
+            "engine idle with {} of {} requests unfinished",
+            reqs.len() - done,
+            reqs.len()
+        );
+        ensure!(step < 200_000, "scenario did not finish");
+    }
+    Ok(out)
+}
+
+fn greedy(max_tokens: u32) -> SamplingParams {
+    SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_tokens)
+    }
+}
+
+fn at_once(
+    prompts: &[Vec<TokenId>],
+    n: usize,
+    s: impl Fn(usize) -> SamplingParams,
+) -> Vec<Arrival> {
+    (0..n)
+        .map(|i| Arrival {
+            at: 0,
+            prompt: prompts[i % prompts.len()].clone(),
+            sampling: s(i),
+        })
+        .collect()
+}
+
+/// Greedy scenarios: (name, requests).
+fn greedy_scenarios(prompts: &[Vec<TokenId>]) -> Vec<(String, Vec<Arrival>)> {
+    let n = prompts.len();
+    let mut v = vec![
+        ("one".to_string(), at_once(prompts, 1, |_| greedy(64))),
+        ("all".into(), at_once(prompts, n, |_| greedy(48))),
+    ];
+    let churn = (0..2 * n)
+        .map(|i| Arrival {
+            at: 3 * i as u64,
+            prompt: prompts[i % n].clone(),
+            sampling: greedy(8 + (i as u32 * 37) % 56),
+        })
+        .collect();
+    v.push(("churn".into(), churn));
+    v.push((
+        "budgets".into(),
+        at_once(prompts, 12, |i| greedy(1 + i as u32)),
+    ));
+    // A logprobs row samples on the host and proposes nothing; its batch mates speculate.
+    v.push((
+        "logprobs".into(),
+        at_once(prompts, 6, |i| SamplingParams {
+            logprobs: (i == 2).then_some(2),
+            ..greedy(40)
+        }),
+    ));
+    v
+}
+
+fn seeded(i: usize, max_tokens: u32) -> SamplingParams {
+    let mut s = SamplingParams {
+        temperature: 0.8,
+        seed: Some(1000 + i as u64),
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_tokens)
+    };
+    match i % 4 {
+        0 => s.top_p = 0.9,
+        1 => s.top_k = Some(20),
+        2 => s.min_p = 0.05,
+        _ => {
+            s.repetition_penalty = 1.2;
+            s.frequency_penalty = 0.3;
+            s.presence_penalty = 0.2;
+            s.logit_bias = vec![(5, 2.0), (7, -100.0)];
+            s.min_tokens = 4;
+        }
+    }
+    s
+}
+
+fn args_for(draft: Option<&std::path::Path>, k: u32, max_seqs: u32) -> EngineCoreArgs {
+    let mut args = EngineCoreArgs::defaults();
+    if std::env::var("HARRIER_SPEC_CHECK_F32").is_ok_and(|v| v == "1") {
+        args.dtype = crate::cli::ModelDtype::Float32;
+    }
+    args.max_num_seqs = max_seqs;
+    args.max_num_batched_tokens = 4096;
+    args.max_model_len = Some(1024);
+    args.num_kv_blocks = Some(4096);
+    args.no_prefix_caching = true;
+    args.speculative_model = draft.map(|d| d.to_path_buf());
+    args.num_speculative_tokens = k;
+    args
+}
+
+fn acceptance(engine: &EngineCore<CudaExecutor>) -> String {
+    let s = engine.stats();
+    let rounds = s.spec_drafts_total.max(1) as f64;
+    let per_pos: Vec<String> = s
+        .spec_accepted_per_pos_total
+        .iter()
+        .take_while(|&&n| n > 0)
+        .map(|&n| format!("{:.2}", n as f64 / rounds))
+        .collect();
+    format!(
+        "{} rounds, {:.2} tokens/round, acceptance {:.3}, per position [{}]",
+        s.spec_drafts_total,
+        1.0 + s.spec_accepted_tokens_total as f64 / rounds,
+        s.spec_accepted_tokens_total as f64 / s.spec_draft_tokens_total.max(1) as f64,
+        per_pos.join(", ")
+    )
+}
+
+/// The check (see the module doc); prints one line per scenario, fails on any mismatch.
+pub fn check_spec(
+    target: &std::path::Path,
+    draft: &std::path::Path,
+    prompts: Option<&std::path::Path>,
+    k: u32,
+) -> anyhow::Result<()> {
+    let mut plain = build_cuda_engine(&args_for(None, 0, 64), target)?.engine;
+    let built = build_cuda_engine(&args_for(Some(draft), k, 64), target)?;
+    let vocab = built.info.vocab_size;
+    let mut spec = built.engine;
+    let prompts = load_prompts(prompts, vocab)?;
+    let mut failures = 0;
+    for (name, reqs) in greedy_scenarios(&prompts) {
+        let want = run(&mut plain, &reqs, &format!("{name}-p"))?;
+        let got = run(&mut spec, &reqs, &format!("{name}-s"))?;
+        let same = want.iter().zip(&got).filter(|(a, b)| a == b).count();
+        let lengths = got
+            .iter()
+            .zip(&reqs)
+            .all(|(t, r)| t.len() == r.sampling.max_tokens as usize);
+        let first_diff = want
+            .iter()
+            .zip(&got)
+            .enumerate()
+            .find(|(_, (a, b))| a != b)
+            .map(|(i, (a, b))| {
+                let j = a.iter().zip(b.iter()).take_while(|(x, y)| x == y).count();
+                format!(" (first: request {i} at token {j})")
+            })
+            .unwrap_or_default();
+        let ok = same == reqs.len() && lengths;
+        println!(
+            "{name:>9}: {same}/{} greedy requests identical to the plain engine{first_diff} -> {}",
+            reqs.len(),
+            if ok { "ok" } else { "FAIL" }
+        );
+        failures += !ok as usize;
+    }
+    println!("acceptance (greedy scenarios): {}", acceptance(&spec));
+    // Seeded rows: the same text on every run of the same batch (bit-exact). Alone vs among
+    // other requests is reported beside the plain engine's own figure: another batch runs
+    // other GEMM shapes, whose bf16 rounding can move a draw across a threshold on either
+    // engine.
+    let n = prompts.len().min(8);
+    let batch = at_once(&prompts, n, |i| seeded(i, 40));
+    let first = run(&mut spec, &batch, "seeded1-s")?;
+    let again = run(&mut spec, &batch, "seeded2-s")?;
+    let same = first.iter().zip(&again).filter(|(a, b)| a == b).count();
+    let ok = same == n;
+    println!(
+        "   seeded: {same}/{n} seeded requests give the same text on a second run -> {}",
+        if ok { "ok" } else { "FAIL" }
+    );
+    failures += !ok as usize;
+    for (name, engine) in [("speculative", &mut spec), ("plain", &mut plain)] {
+        let together = run(engine, &batch, &format!("together-{name}"))?;
+        let mut same = 0;
+        for (i, t) in together.iter().enumerate() {
+            let r = [Arrival {
+                at: 0,
+                prompt: prompts[i].clone(),
+                sampling: seeded(i, 40),
+            }];
+            same += (run(engine, &r, &format!("alone{i}-{name}"))?[0] == *t) as usize;
+        }
+        println!("   seeded ({name}): {same}/{n} give the same text alone as in the batch");
+    }
+    println!("acceptance (all): {}", acceptance(&spec));
+    ensure!(failures == 0, "{failures} scenario(s) failed");
+    println!("check-spec: all scenarios pass");
+    Ok(())
+}
+
+/// Output tokens/s of `n` requests of `max_tokens` greedy tokens each, and the engine steps
+/// they took.
+fn throughput(
+    engine: &mut EngineCore<CudaExecutor>,
+    prompts: &[Vec<TokenId>],
+    n: usize,
+    max_tokens: u32,
+    tag: &str,
+) -> anyhow::Result<(f64, u64)> {
+    let reqs = at_once(prompts, n, |_| greedy(max_tokens));
+    let steps0 = engine.stats().steps_total;
+    let t0 = Instant::now();
+    let out = run(engine, &reqs, tag)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let tokens: usize = out.iter().map(Vec::len).sum();
+    Ok((tokens as f64 / secs, engine.stats().steps_total - steps0))
+}
+
+/// bench-spec (see the module doc): one line per batch size.
+pub fn bench_spec(
+    target: &std::path::Path,
+    draft: &std::path::Path,
+    prompts: Option<&std::path::Path>,
+    (k, batches, max_tokens): (u32, &[usize], u32),
+) -> anyhow::Result<()> {
+    let max_seqs = batches.iter().copied().max().unwrap_or(1).max(1) as u32;
+    let mut plain = build_cuda_engine(&args_for(None, 0, max_seqs), target)?.engine;
+    let built = build_cuda_engine(&args_for(Some(draft), k, max_seqs), target)?;
+    let vocab = built.info.vocab_size;
+    let mut spec = built.engine;
+    let prompts = load_prompts(prompts, vocab)?;
+    // Warm-up (kernels, cuBLAS heuristics).
+    throughput(&mut plain, &prompts, 2, 16, "warm-p")?;
+    throughput(&mut spec, &prompts, 2, 16, "warm-s")?;
+    println!("| batch | plain tok/s | speculative tok/s | ratio | tokens/round | acceptance |");
+    println!("|---|---|---|---|---|---|");
+    for &b in batches {
+        let (p, _) = throughput(&mut plain, &prompts, b, max_tokens, &format!("b{b}-p"))?;
+        let before = spec.stats();
+        let (s, _) = throughput(&mut spec, &prompts, b, max_tokens, &format!("b{b}-s"))?;
+        let after = spec.stats();
+        let rounds = (after.spec_drafts_total - before.spec_drafts_total).max(1) as f64;
+        let acc = (after.spec_accepted_tokens_total - before.spec_accepted_tokens_total) as f64;
+        let drafted =
+            (after.spec_draft_tokens_total - before.spec_draft_tokens_total).max(1) as f64;
+        println!(
+            "| {b} | {p:.0} | {s:.0} | {:.2}x | {:.2} | {:.3} |",
+            s / p,
+            1.0 + acc / rounds,
+            acc / drafted
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Speculative decoding on the CUDA backend, in one device call (harrier-cuda-tool check-spec /
+# bench-spec: the real engine loop, speculation against the plain engine):
+#   sampler:  check-sampling and check-penalties (the device sampler, refactored into the
+#             functions the draft and verification kernels share) on the 1B shape;
+#   cpu-pair: check-spec with the committed trained pair (harrier-cpu target, harrier-cpu-draft)
+#             on the held-out prompts, K = 1, 4, 7, then bench-spec;
+#   random:   check-spec on the random 1B shape with itself as draft (acceptance near 1:
+#             the full-acceptance paths), in bf16 and in f32 (HARRIER_SPEC_CHECK_F32=1: bf16
+#             near-ties on random weights flip greedy tokens between kernel shapes), then
+#             bench-spec (the ceiling of a round: K target-sized draft steps + one verify);
+#   trained:  trains trained-llama-1b and trained-draft-2l-distilled (scripts/train, ~6 min on
+#             an H100), then check-spec and bench-spec on them (needs .gpu/llama3/tokenizer.json).
+# Build and carry .gpu/ as for cuda_check.sh. STAGES (default "sampler cpu-pair random"),
+# BATCHES (default 1,4,16,64), MAX_TOKENS (default 256).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-/tmp/harrier-spec-out}"
+W=/tmp/harrier-spec-work
+STAGES="${STAGES:-sampler cpu-pair random}"
+BATCHES="${BATCHES:-1,4,16,64}"
+MAX_TOKENS="${MAX_TOKENS:-256}"
+. scripts/gpu/common.sh
+status=0
+models=engine-core/models
+fixture=tests/fixtures/parity_harrier-cpu.json
+
+for st in $STAGES; do
+    case "$st" in
+    sampler)
+        gen llama-3.2-1b
+        timeout 200 "$T" check-sampling --model "$W/llama-3.2-1b" 2>&1 | tail -6 | tee "$OUT/sampler.txt" || status=1
+        timeout 200 "$T" check-penalties --model "$W/llama-3.2-1b" 2>&1 | tail -6 | tee -a "$OUT/sampler.txt" || status=1
+        ;;
+    cpu-pair)
+        for k in 1 4 7; do
+            echo "## K=$k" | tee -a "$OUT/cpu-pair.txt"
+            timeout 200 "$T" check-spec --model $models/harrier-cpu --draft $models/harrier-cpu-draft \
+                --prompts $fixture --k $k 2>&1 | grep -v INFO | tee -a "$OUT/cpu-pair.txt" || status=1
+        done
+        timeout 200 "$T" bench-spec --model $models/harrier-cpu --draft $models/harrier-cpu-draft \
+            --prompts $fixture --batches "$BATCHES" --max-tokens "$MAX_TOKENS" 2>&1 | grep -v INFO | tee -a "$OUT/cpu-pair.txt" || status=1
+        ;;
+    random)
+        gen llama-3.2-1b
+        m="$W/llama-3.2-1b"
+        for f32 in 1 0; do
+            echo "## target llama-3.2-1b, draft itself, f32=$f32" | tee -a "$OUT/random.txt"
+            HARRIER_SPEC_CHECK_F32=$f32 timeout 240 "$T" check-spec --model "$m" --draft "$m" 2>&1 | grep -v INFO | tee -a "$OUT/random.txt" || status=1
+        done
+        [[ -n "${RANDOM_BENCH:-}" ]] && { timeout 240 "$T" bench-spec --model "$m" --draft "$m" --batches "$BATCHES" \
+            --max-tokens "$MAX_TOKENS" 2>&1 | grep -v INFO | tee -a "$OUT/random.txt" || status=1; }
+        ;;
+    trained)
+        TW=/tmp/harrier-train
+        mkdir -p .gpu/llama3
+        [[ -f .gpu/llama3/tokenizer.json ]] || gunzip -c .gpu/llama3-tokenizer.json.gz > .gpu/llama3/tokenizer.json
+        python3 scripts/train/train.py --family gpu --out "$TW/gpu" --llama3-tokenizer .gpu/llama3/tokenizer.json \
+            --only trained-llama-1b,trained-draft-2l-distilled 2>&1 | tail -30 > "$OUT/train.log" || status=1
+        tail -5 "$OUT/train.log"
+        p="$TW/gpu/heldout_prompts.json"
+        [[ -f "$p" ]] || p=""
+        timeout 240 "$T" check-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
+            ${p:+--prompts "$p"} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
+        timeout 300 "$T" bench-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
+            ${p:+--prompts "$p"} --batches "$BATCHES" --max-tokens "$MAX_TOKENS" 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
+        ;;
+    *)
+        echo "spec_check.sh: unknown stage $st" >&2
+        status=2
+        ;;
+    esac
+done
+exit $status
