@@ -34,6 +34,7 @@ pub const KERNELS: &[&str] = &[
     "spec_place",
     "draft_sample",
     "spec_verify",
+    "row_argmax_parts",
     "copy_f32",
     "scatter_i32",
     "apply_token_mask",
@@ -289,7 +290,13 @@ pub struct SamplerState {
     pub seen: u64,
     pub bias_ids: u64,
     pub bias_vals: u64,
+    /// Partial maxima of the logits rows ([`Kernels::row_argmax_parts`], `[rows,
+    /// ARGMAX_PARTS]` of (f32, i32)); 0: greedy rows scan their logits in one block.
+    pub argmax_parts: u64,
 }
+
+/// Partial maxima per logits row (`ARGMAX_PARTS` in the source).
+pub const ARGMAX_PARTS: usize = 32;
 
 /// The per-row device state of speculative decoding (see `spec_place` in the source):
 /// `kv_len`, `prev_tok` and `pending` (`[rows]` i32), `proposals` (`[rows, k]` i32) and the
@@ -1009,6 +1016,7 @@ impl Kernels {
             seen,
             bias_ids,
             bias_vals,
+            argmax_parts,
         } = state;
         let mut p = params![
             logits,
@@ -1020,10 +1028,37 @@ impl Kernels {
             counts,
             seen,
             bias_ids,
-            bias_vals
+            bias_vals,
+            argmax_parts
         ];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("sample_tokens", (n, 1, 1), 1024, s, &mut p) }
+    }
+
+    /// The partial maxima of `n_rows` logits rows into `parts` (`[n_rows, ARGMAX_PARTS]`):
+    /// the sampling kernels' greedy rows combine them instead of scanning a row in one block.
+    ///
+    /// # Safety
+    /// Device addresses must be valid; `parts` holds `n_rows * ARGMAX_PARTS` entries.
+    pub unsafe fn row_argmax_parts(
+        &self,
+        s: sys::CUstream,
+        logits: u64,
+        vocab: i32,
+        parts: u64,
+        n_rows: u32,
+    ) -> anyhow::Result<()> {
+        let mut p = params![logits, vocab, parts];
+        // SAFETY: argument types match the kernel's.
+        unsafe {
+            self.launch(
+                "row_argmax_parts",
+                (n_rows, ARGMAX_PARTS as u32, 1),
+                256,
+                s,
+                &mut p,
+            )
+        }
     }
 
     /// Places `at.n` decode entries at their rows' true lengths (speculative decoding; see
@@ -1099,10 +1134,23 @@ impl Kernels {
             seen,
             bias_ids,
             bias_vals,
+            argmax_parts,
         } = state;
         let (proposals, q, k) = (spec.proposals, spec.q, spec.k);
         let mut p = params![
-            logits, vocab, spec_rows, i, rows, proposals, q, k, counts, seen, bias_ids, bias_vals
+            logits,
+            vocab,
+            spec_rows,
+            i,
+            rows,
+            proposals,
+            q,
+            k,
+            counts,
+            seen,
+            bias_ids,
+            bias_vals,
+            argmax_parts
         ];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("draft_sample", (n, 1, 1), 1024, s, &mut p) }
@@ -1148,6 +1196,7 @@ impl Kernels {
             seen,
             bias_ids,
             bias_vals,
+            argmax_parts,
         } = state;
         let mut p = params![
             logits,
@@ -1170,7 +1219,8 @@ impl Kernels {
             counts,
             seen,
             bias_ids,
-            bias_vals
+            bias_vals,
+            argmax_parts
         ];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("spec_verify", (n, 1, 1), 1024, s, &mut p) }
@@ -1198,6 +1248,7 @@ impl Kernels {
             seen,
             bias_ids,
             bias_vals,
+            ..
         } = state;
         let mut p = params![counts, seen, bias_ids, bias_vals, vocab, rows, offs, data];
         // SAFETY: argument types match the kernel's.

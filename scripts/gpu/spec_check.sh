@@ -12,7 +12,7 @@
 #   trained:  trains trained-llama-1b and trained-draft-2l-distilled (scripts/train, ~6 min on
 #             an H100), then check-spec and bench-spec on them (needs .gpu/llama3/tokenizer.json).
 # Build and carry .gpu/ as for cuda_check.sh. STAGES (default "sampler cpu-pair random"),
-# BATCHES (default 1,4,16,64), MAX_TOKENS (default 256).
+# BATCHES (default 1,4,16,64), MAX_TOKENS (default 256), CPU_PAIR_KS (default "1 4 7").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/harrier-spec-out}"
@@ -33,7 +33,7 @@ for st in $STAGES; do
         timeout 200 "$T" check-penalties --model "$W/llama-3.2-1b" 2>&1 | tail -6 | tee -a "$OUT/sampler.txt" || status=1
         ;;
     cpu-pair)
-        for k in 1 4 7; do
+        for k in ${CPU_PAIR_KS:-1 4 7}; do
             echo "## K=$k" | tee -a "$OUT/cpu-pair.txt"
             timeout 200 "$T" check-spec --model $models/harrier-cpu --draft $models/harrier-cpu-draft \
                 --prompts $fixture --k $k 2>&1 | grep -v INFO | tee -a "$OUT/cpu-pair.txt" || status=1
@@ -56,7 +56,7 @@ for st in $STAGES; do
         mkdir -p .gpu/llama3
         [[ -f .gpu/llama3/tokenizer.json ]] || gunzip -c .gpu/llama3-tokenizer.json.gz > .gpu/llama3/tokenizer.json
         python3 scripts/train/train.py --family gpu --out "$TW/gpu" --llama3-tokenizer .gpu/llama3/tokenizer.json \
-            --only trained-llama-1b,trained-draft-2l-distilled 2>&1 | tail -30 > "$OUT/train.log" || status=1
+            --only trained-llama-1b,trained-draft-2l-distilled > "$OUT/train.log" 2>&1 || status=1
         tail -5 "$OUT/train.log"
         p="$TW/gpu/heldout_prompts.json"
         [[ -f "$p" ]] || p=""

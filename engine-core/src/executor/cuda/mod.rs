@@ -288,6 +288,9 @@ pub struct CudaExecutor {
     /// bits `[max_rows, words]`, logit_bias ids and values `[max_rows, LOGIT_BIAS_CAP]`.
     pen_counts_d: DevBuf,
     pen_seen_d: DevBuf,
+    /// Partial maxima of the logits rows for greedy sampling (`row_argmax_parts`), shared by
+    /// the target's and the draft's logits (stream order).
+    argmax_parts_d: DevBuf,
     bias_ids_d: DevBuf,
     bias_vals_d: DevBuf,
     slots: Vec<Slot>,
@@ -445,6 +448,7 @@ impl CudaExecutor {
         let row_bt_d = DevBuf::new(caps.bt_words() * if caps.hybrid { 2 } else { 1 } * 4)?;
         let pen_counts_d = DevBuf::new(scratch_sizes.penalty_counts)?;
         let pen_seen_d = DevBuf::new(scratch_sizes.penalty_seen)?;
+        let argmax_parts_d = DevBuf::new(caps.max_logits() * harrier_kernels::ARGMAX_PARTS * 8)?;
         let bias_ids_d = DevBuf::new(scratch_sizes.logit_bias / 2)?;
         let bias_vals_d = DevBuf::new(scratch_sizes.logit_bias / 2)?;
         // SAFETY: fresh allocations of those sizes; zeroed on the compute stream.
@@ -611,6 +615,7 @@ impl CudaExecutor {
             row_bt_d,
             pen_counts_d,
             pen_seen_d,
+            argmax_parts_d,
             bias_ids_d,
             bias_vals_d,
             slots,
@@ -804,6 +809,7 @@ impl CudaExecutor {
             seen: self.pen_seen_d.ptr,
             bias_ids: self.bias_ids_d.ptr,
             bias_vals: self.bias_vals_d.ptr,
+            argmax_parts: self.argmax_parts_d.ptr,
         }
     }
 
@@ -1141,6 +1147,13 @@ impl CudaExecutor {
         };
         // SAFETY: device addresses are our allocations; sizes within capacities.
         unsafe {
+            self.kernels.row_argmax_parts(
+                st,
+                self.model.logits_ptr(),
+                vocab as i32,
+                state.argmax_parts,
+                s.n_logits as u32,
+            )?;
             match &self.spec {
                 None => self.kernels.sample_tokens(
                     st,

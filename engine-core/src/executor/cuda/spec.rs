@@ -184,6 +184,7 @@ impl SpecDecoder {
             }
             let spec_rows = at(l.b_tok_row);
             let logits = self.draft.logits_ptr();
+            kn.row_argmax_parts(st, logits, vocab, state.argmax_parts, n)?;
             kn.draft_sample(st, logits, vocab, spec_rows, 0, rows_d, spec, state, n)?;
             let splits = layout::decode_attention_splits(c.drafting, self.draft.config.num_heads);
             let later = StepMeta {
@@ -218,6 +219,7 @@ impl SpecDecoder {
                     bt,
                 )?;
                 self.draft.forward(kn, st, &later)?;
+                kn.row_argmax_parts(st, logits, vocab, state.argmax_parts, n)?;
                 kn.draft_sample(
                     st, logits, vocab, spec_rows, i as i32, rows_d, spec, state, n,
                 )?;
