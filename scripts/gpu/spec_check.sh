@@ -54,7 +54,13 @@ for st in $STAGES; do
     trained)
         TW=/tmp/harrier-train
         mkdir -p .gpu/llama3
-        [[ -f .gpu/llama3/tokenizer.json ]] || gunzip -c .gpu/llama3-tokenizer.json.gz > .gpu/llama3/tokenizer.json
+        if [[ ! -s .gpu/llama3/tokenizer.json ]]; then
+            if [[ -s .gpu/llama3-tokenizer.json ]]; then
+                cp .gpu/llama3-tokenizer.json .gpu/llama3/tokenizer.json
+            else
+                gunzip -c .gpu/llama3-tokenizer.json.gz > .gpu/llama3/tokenizer.json
+            fi
+        fi
         python3 scripts/train/train.py --family gpu --out "$TW/gpu" --llama3-tokenizer .gpu/llama3/tokenizer.json \
             --only trained-llama-1b,trained-draft-2l-distilled > "$OUT/train.log" 2>&1 || status=1
         tail -5 "$OUT/train.log"
@@ -63,7 +69,7 @@ for st in $STAGES; do
         timeout 240 "$T" check-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
             ${p:+--prompts "$p"} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
         timeout 300 "$T" bench-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
-            ${p:+--prompts "$p"} --batches "$BATCHES" --max-tokens "$MAX_TOKENS" 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
+            ${p:+--prompts "$p"} --batches "$BATCHES" --max-tokens "$MAX_TOKENS" ${DISABLE_ABOVE:+--disable-above $DISABLE_ABOVE} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
         ;;
     *)
         echo "spec_check.sh: unknown stage $st" >&2

@@ -2,7 +2,7 @@
 //! through the real engine loop (scheduler, async pipeline, commit), against the same target
 //! without speculation.
 //!
-//! check-spec (fails on any mismatch):
+//! check-spec (fails on any mismatch; greedy mismatches only with f32 weights, see below):
 //! - greedy text with speculation equals greedy text without, token for token: one request,
 //!   all prompts at once, arrivals every 3 steps (batches grow and shrink mid-round), and
 //!   `max_tokens` 1 to 12 (budgets inside rounds);
@@ -11,8 +11,11 @@
 //!   min_tokens: the device's row state) give the same text alone and among other requests;
 //! - acceptance is reported (mean tokens per round, per-position acceptance).
 //!
-//! `HARRIER_SPEC_CHECK_F32=1` loads both engines in f32 (random-weight models have near-flat
-//! distributions whose bf16 near-ties flip between kernel shapes).
+//! `HARRIER_SPEC_CHECK_F32=1` loads both engines in f32, where greedy equality is gated. In
+//! bf16 a verify step (1 + k rows per sequence) runs other GEMM shapes than a plain decode
+//! step, and rounding moves near-ties between them as another batch composition does on the
+//! plain engine: bf16 mismatches are reported beside the plain engine's own alone-vs-batch
+//! figure, not gated.
 //!
 //! bench-spec: output tokens/s with and without speculation at each batch size (every
 //! request `--max-tokens` greedy tokens after its prompt, `ignore_eos`), both engines loaded
@@ -246,6 +249,11 @@ pub fn check_spec(
     let mut spec = built.engine;
     let prompts = load_prompts(prompts, vocab)?;
     let mut failures = 0;
+    // Greedy text is compared token for token; in bf16 a mismatch fails only the f32 run:
+    // a round's verify step runs other GEMM shapes (1 + k rows per sequence) than a plain
+    // decode step, and bf16 rounding moves near-ties between them just as another batch
+    // composition moves them on the plain engine (measured below as its own baseline).
+    let strict = std::env::var("HARRIER_SPEC_CHECK_F32").is_ok_and(|v| v == "1");
     for (name, reqs) in greedy_scenarios(&prompts) {
         let want = run(&mut plain, &reqs, &format!("{name}-p"))?;
         let got = run(&mut spec, &reqs, &format!("{name}-s"))?;
@@ -264,14 +272,36 @@ pub fn check_spec(
                 format!(" (first: request {i} at token {j})")
             })
             .unwrap_or_default();
-        let ok = same == reqs.len() && lengths;
+        let ok = lengths && (same == reqs.len() || !strict);
+        let verdict = match (ok, same == reqs.len()) {
+            (false, _) => "FAIL",
+            (true, true) => "ok",
+            (true, false) => "differ (bf16: reported, not gated)",
+        };
         println!(
-            "{name:>9}: {same}/{} greedy requests identical to the plain engine{first_diff} -> {}",
+            "{name:>9}: {same}/{} greedy requests identical to the plain engine{first_diff} -> {verdict}",
             reqs.len(),
-            if ok { "ok" } else { "FAIL" }
         );
         failures += !ok as usize;
     }
+    // The plain engine's own batch dependence: each request of the "all" scenario alone vs
+    // all at once.
+    let all = at_once(&prompts, prompts.len(), |_| greedy(48));
+    let together = run(&mut plain, &all, "baseline-all")?;
+    let mut same = 0;
+    for (i, a) in all.iter().enumerate() {
+        let one = [Arrival {
+            at: 0,
+            prompt: a.prompt.clone(),
+            sampling: a.sampling.clone(),
+        }];
+        same += (run(&mut plain, &one, &format!("baseline{i}"))?[0] == together[i]) as usize;
+    }
+    println!(
+        " baseline: plain engine, greedy alone vs in the batch of {}: {same}/{} identical",
+        all.len(),
+        all.len()
+    );
     println!("acceptance (greedy scenarios): {}", acceptance(&spec));
     // Seeded rows: the same text on every run of the same batch (bit-exact). Alone vs among
     // other requests is reported beside the plain engine's own figure: another batch runs
@@ -331,18 +361,34 @@ pub fn bench_spec(
     draft: &std::path::Path,
     prompts: Option<&std::path::Path>,
     (k, batches, max_tokens): (u32, &[usize], u32),
+    disable_above: Option<u32>,
 ) -> anyhow::Result<()> {
     let max_seqs = batches.iter().copied().max().unwrap_or(1).max(1) as u32;
     let mut plain = build_cuda_engine(&args_for(None, 0, max_seqs), target)?.engine;
     let built = build_cuda_engine(&args_for(Some(draft), k, max_seqs), target)?;
     let vocab = built.info.vocab_size;
     let mut spec = built.engine;
+    // With `--speculative-disable-by-batch-size`: speculation off above that many decodes.
+    let mut gated = match disable_above {
+        None => None,
+        Some(n) => {
+            let mut a = args_for(Some(draft), k, max_seqs);
+            a.speculative_disable_by_batch_size = Some(n);
+            Some(build_cuda_engine(&a, target)?.engine)
+        }
+    };
     let prompts = load_prompts(prompts, vocab)?;
     // Warm-up (kernels, cuBLAS heuristics).
     throughput(&mut plain, &prompts, 2, 16, "warm-p")?;
     throughput(&mut spec, &prompts, 2, 16, "warm-s")?;
-    println!("| batch | plain tok/s | speculative tok/s | ratio | tokens/round | acceptance |");
-    println!("|---|---|---|---|---|---|");
+    if let Some(g) = &mut gated {
+        throughput(g, &prompts, 2, 16, "warm-g")?;
+    }
+    println!(
+        "| batch | plain tok/s | speculative tok/s | ratio | tokens/round | acceptance | off above {} tok/s | ratio |",
+        disable_above.map_or("-".into(), |n| n.to_string())
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for &b in batches {
         let (p, _) = throughput(&mut plain, &prompts, b, max_tokens, &format!("b{b}-p"))?;
         let before = spec.stats();
@@ -352,8 +398,15 @@ pub fn bench_spec(
         let acc = (after.spec_accepted_tokens_total - before.spec_accepted_tokens_total) as f64;
         let drafted =
             (after.spec_draft_tokens_total - before.spec_draft_tokens_total).max(1) as f64;
+        let g = match &mut gated {
+            Some(g) => {
+                let (t, _) = throughput(g, &prompts, b, max_tokens, &format!("b{b}-g"))?;
+                format!("{t:.0} | {:.2}x", t / p)
+            }
+            None => "- | -".into(),
+        };
         println!(
-            "| {b} | {p:.0} | {s:.0} | {:.2}x | {:.2} | {:.3} |",
+            "| {b} | {p:.0} | {s:.0} | {:.2}x | {:.2} | {:.3} | {g} |",
             s / p,
             1.0 + acc / rounds,
             acc / drafted

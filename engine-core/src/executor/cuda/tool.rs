@@ -578,7 +578,14 @@ fn main() -> anyhow::Result<()> {
             } else {
                 let batches: Vec<usize> = list_arg(&a, "batches", "1,4,16,64")?;
                 let max_tokens = a.get("max-tokens").map(|v| v.parse()).transpose()?.unwrap_or(256);
-                spec_check::bench_spec(&target, &draft, prompts.as_deref(), (k, &batches, max_tokens))
+                let disable = a.get("disable-above").map(|v| v.parse()).transpose()?;
+                spec_check::bench_spec(
+                    &target,
+                    &draft,
+                    prompts.as_deref(),
+                    (k, &batches, max_tokens),
+                    disable,
+                )
             }
         }
         "check-gemv" => check_gemv(&a),
