@@ -1286,6 +1286,7 @@ extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sa
 // first[e] .. first[e] + n (first == null: token e; ntok == null: n = n_const) of the step's
 // metadata: token j gets position kv_len[row] + off0 + j, its KV slot through the row's block
 // table, and the token id at that offset: prev_tok (-1), pending (0) or proposal off - 1.
+// Rows with kv_len < 0 (the graph padding row) keep what the host wrote.
 extern "C" __global__ void spec_place(int* tok_src, int* positions, int* slots, const int* tok_row,
                                       const int* first, const int* ntok, int n_const, int n_entries, int off0,
                                       const int* kv_len, const int* prev_tok, const int* pending,
@@ -1298,6 +1299,7 @@ extern "C" __global__ void spec_place(int* tok_src, int* positions, int* slots, 
     int n = ntok ? ntok[e] : n_const;
     int row = tok_row[t0];
     int len = kv_len[row];
+    if (len < 0) return;  // a graph's padding row: the host's padding metadata stays
     for (int j = 0; j < n; j++) {
         int off = off0 + j;
         int pos = max(len + off, 0);

@@ -9,6 +9,13 @@
 #             the full-acceptance paths), in bf16 and in f32 (HARRIER_SPEC_CHECK_F32=1: bf16
 #             near-ties on random weights flip greedy tokens between kernel shapes), then
 #             bench-spec (the ceiling of a round: K target-sized draft steps + one verify);
+#   serve:    `harrier serve --device cuda` with the committed pair and --speculative-model,
+#             against a plain CUDA server: greedy completions (streamed and not) equal, SSE
+#             chunks carrying several tokens, usage.speculative_decoding, the vLLM-named
+#             metrics;
+#   shapes:   bench-spec at batch 1 on random checkpoints (acceptance is meaningless there; the
+#             round time is not): 3B target with the 1B shape as draft, 8B with the 1B shape:
+#             per-round time and the tokens per round at which each breaks even;
 #   trained:  trains trained-llama-1b and trained-draft-2l-distilled (scripts/train, ~6 min on
 #             an H100), then check-spec and bench-spec on them (needs .gpu/llama3/tokenizer.json).
 # Build and carry .gpu/ as for cuda_check.sh. STAGES (default "sampler cpu-pair random"),
@@ -70,6 +77,55 @@ for st in $STAGES; do
             ${p:+--prompts "$p"} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
         timeout 300 "$T" bench-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
             ${p:+--prompts "$p"} --batches "$BATCHES" --max-tokens "$MAX_TOKENS" ${DISABLE_ABOVE:+--disable-above $DISABLE_ABOVE} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
+        ;;
+    serve)
+        prompts=("def fibonacci(n):" "import os" "class Stack:" "The quick brown fox" "for i in range(10):")
+        for mode in plain spec; do
+            extra=()
+            [[ $mode == spec ]] && extra=(--speculative-model $models/harrier-cpu-draft --num-speculative-tokens 4)
+            .gpu/harrier serve --device cuda --model $models/harrier-cpu "${extra[@]}" --port 8125 \
+                >"$OUT/serve-$mode.out" 2>"$OUT/serve-$mode.err" &
+            PID=$!
+            for _ in $(seq 1 240); do grep -q "Harrier is serving" "$OUT/serve-$mode.out" && break; sleep 0.5; done
+            for i in "${!prompts[@]}"; do
+                body=$(python3 -c 'import json,sys; print(json.dumps({"prompt": sys.argv[1], "max_tokens": 48, "temperature": 0}))' "${prompts[$i]}")
+                curl -s http://127.0.0.1:8125/v1/completions -H 'Content-Type: application/json' -d "$body" > "$W/$mode-$i.json"
+                python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["choices"][0]["text"]))' "$W/$mode-$i.json" > "$W/$mode-$i.txt"
+            done
+            body=$(python3 -c 'import json; print(json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}))')
+            curl -sN http://127.0.0.1:8125/v1/completions -H 'Content-Type: application/json' -d "$body" > "$W/$mode-stream.sse"
+            [[ $mode == spec ]] && curl -s http://127.0.0.1:8125/metrics | grep -E "^vllm:spec_decode" | head -8 | tee -a "$OUT/serve.txt"
+            kill -TERM "$PID"; wait "$PID"; echo "serve ($mode) exit status: $?" | tee -a "$OUT/serve.txt"
+        done
+        same=0
+        for i in "${!prompts[@]}"; do cmp -s "$W/plain-$i.txt" "$W/spec-$i.txt" && same=$((same + 1)); done
+        echo "greedy completions identical with and without speculation: $same/${#prompts[@]}" | tee -a "$OUT/serve.txt"
+        python3 - "$W/plain-stream.sse" "$W/spec-stream.sse" <<'PY' | tee -a "$OUT/serve.txt"
+import json, sys
+def read(path):
+    text, chunks, usage = "", 0, None
+    for line in open(path):
+        if not line.startswith("data: {"):
+            continue
+        d = json.loads(line[6:])
+        if d.get("choices"):
+            text += d["choices"][0]["text"]
+            chunks += 1
+        if d.get("usage"):
+            usage = d["usage"]
+    return text, chunks, usage
+(pt, pc, pu), (st, sc, su) = read(sys.argv[1]), read(sys.argv[2])
+print(f"streamed: plain {pc} chunks, speculative {sc} chunks for {su['completion_tokens'] if su else '?'} tokens; text identical: {pt == st}")
+print(f"speculative usage: {json.dumps(su)}")
+PY
+        ;;
+    shapes)
+        gen llama-3.2-1b
+        for t in llama-3.2-3b llama-3.1-8b; do
+            gen $t
+            echo "## target $t, draft llama-3.2-1b (random weights)" | tee -a "$OUT/shapes.txt"
+            timeout 200 "$T" bench-spec --model "$W/$t" --draft "$W/llama-3.2-1b" --batches 1 --max-tokens 128 2>&1 | grep -v INFO | tee -a "$OUT/shapes.txt" || status=1
+        done
         ;;
     *)
         echo "spec_check.sh: unknown stage $st" >&2

@@ -193,7 +193,8 @@ pub(crate) fn fill_step(
             n.bt_updates += 1;
         }
         let first = n.tokens;
-        match prefill_tiles(first, seq.num_tokens as usize).filter(|_| tiled) {
+        // Rounds are short: never tiled (a round graph's shapes stay fixed).
+        match prefill_tiles(first, seq.num_tokens as usize).filter(|_| tiled && seq.draft == 0) {
             Some(tiles) => {
                 for (t0, count) in tiles {
                     meta[l.pf_tiles + 2 * n.pf_tiles] = t0 as i32;
@@ -237,11 +238,10 @@ pub(crate) fn fill_step(
         }
         if seq.sample {
             let host = row.host_sampler.is_some();
-            // A round's tokens all give logits; host-sampled rows propose nothing.
-            let (logits, draft) = match (seq.draft, host) {
-                (0, _) | (_, true) => (1, 0),
-                (d, false) => (1 + d as usize, d),
-            };
+            // A round's tokens all give logits (a graph's shapes stay fixed); host-sampled rows
+            // verify none of their proposals: their first row is their plain sample.
+            let logits = 1 + seq.draft as usize;
+            let draft = if host { 0 } else { seq.draft };
             if spec {
                 meta[l.samp_first + n.samples] = n.logits as i32;
                 meta[l.samp_draft + n.samples] = draft as i32;
@@ -279,6 +279,13 @@ pub(crate) struct DraftCounts {
 }
 
 impl DraftCounts {
+    /// No draft work.
+    pub const NONE: DraftCounts = DraftCounts {
+        tokens: 0,
+        entries: 0,
+        drafting: 0,
+    };
+
     /// Whether the draft has work: prefill tokens to take in, or proposals to make.
     pub fn any(&self) -> bool {
         self.drafting > 0 || self.tokens > 2 * self.entries
@@ -290,14 +297,9 @@ impl DraftCounts {
 /// target does (so its KV is ready when the row decodes) and 2 tokens per decode entry, the
 /// token before the pending one and the pending one (positions and ids from the device; the
 /// first is usually in the draft's KV already, but not after a round that accepted every
-/// proposal). Rows with proposals (not host-sampled) take the logits of their pending token
-/// and one token per later draft forward.
-pub(crate) fn fill_draft_step(
-    meta: &mut [i32],
-    l: &MetaLayout,
-    batch: &ExecBatch,
-    rows: &[Option<HostRow>],
-) -> DraftCounts {
+/// proposal). Rounds take the logits of their pending token and one token per later draft
+/// forward.
+pub(crate) fn fill_draft_step(meta: &mut [i32], l: &MetaLayout, batch: &ExecBatch) -> DraftCounts {
     let mut c = DraftCounts {
         tokens: 0,
         entries: 0,
@@ -316,8 +318,9 @@ pub(crate) fn fill_draft_step(
                 meta[l.d_slot_mapping + j] = 0;
                 meta[l.d_tok_row + j] = r as i32;
             }
-            let host = rows[r].as_ref().is_some_and(|h| h.host_sampler.is_some());
-            if seq.draft > 0 && !host {
+            // Host-sampled rows draft too (their proposals go unverified), so that a step of
+            // rounds has fixed shapes for its graph.
+            if seq.draft > 0 {
                 let m = c.drafting;
                 meta[l.d_logit_rows + m] = (d + 1) as i32;
                 meta[l.b_tok_row + m] = r as i32;
@@ -385,6 +388,13 @@ pub(crate) fn fill_padding(
     block_size: usize,
     pad_row: usize,
 ) {
+    if l.place_n > l.place_first {
+        // Speculation: padding entries are placed too (their row's kv_len < 0 keeps them).
+        for i in range.clone() {
+            meta[l.place_first + i] = i as i32;
+            meta[l.place_n + i] = 1;
+        }
+    }
     for i in range {
         meta[l.tok_src + i] = 0;
         meta[l.positions + i] = -1;
@@ -395,6 +405,58 @@ pub(crate) fn fill_padding(
         meta[l.tok_row + i] = pad_row as i32;
         meta[l.logit_rows + i] = i as i32;
     }
+}
+
+/// Fills sequences `range` of a step of speculative rounds (`1 + k` tokens each) with graph
+/// padding, in every section a round graph reads: the target's tokens and logits rows, the
+/// placement entries, the draft's first forward (2 tokens each) and its later forwards. The
+/// padding row's `kv_len` is negative, so `spec_place` leaves these as written: position -1
+/// (attention reads nothing), KV into `scratch_block`, token 0.
+pub(crate) fn fill_round_padding(
+    meta: &mut [i32],
+    l: &MetaLayout,
+    range: Range<usize>,
+    k: usize,
+    (scratch_block, block_size): (usize, usize),
+    pad_row: usize,
+) {
+    let slot = |i: usize| (scratch_block * block_size + i % block_size) as i32;
+    for e in range {
+        let t0 = e * (1 + k);
+        for t in t0..t0 + 1 + k {
+            meta[l.tok_src + t] = 0;
+            meta[l.positions + t] = -1;
+            meta[l.slot_mapping + t] = slot(t);
+            meta[l.tok_row + t] = pad_row as i32;
+            meta[l.logit_rows + t] = t as i32;
+        }
+        meta[l.place_first + e] = t0 as i32;
+        meta[l.place_n + e] = (1 + k) as i32;
+        for d in 2 * e..2 * e + 2 {
+            meta[l.d_tok_src + d] = 0;
+            meta[l.d_positions + d] = -1;
+            meta[l.d_slot_mapping + d] = slot(d);
+            meta[l.d_tok_row + d] = pad_row as i32;
+        }
+        meta[l.d_place + e] = (2 * e) as i32;
+        meta[l.d_logit_rows + e] = (2 * e + 1) as i32;
+        meta[l.b_tok_src + e] = 0;
+        meta[l.b_positions + e] = -1;
+        meta[l.b_slot_mapping + e] = slot(e);
+        meta[l.b_tok_row + e] = pad_row as i32;
+        meta[l.b_logit_rows + e] = e as i32;
+    }
+}
+
+/// Whether every sequence of `batch` is a speculative round of `k` proposals: a step a
+/// captured round graph can run.
+pub(crate) fn is_round_only(batch: &ExecBatch, k: usize) -> bool {
+    k > 0
+        && !batch.seqs.is_empty()
+        && batch
+            .seqs
+            .iter()
+            .all(|q| q.draft as usize == k && q.host_len == 0 && q.sample)
 }
 
 /// What a step may use: capacities, the vocabulary and the engine's KV blocks (of both pools
@@ -1009,9 +1071,10 @@ mod tests {
         let caps = Capacities::new(64, 4, 64, 4).with_spec(3, 64);
         let l = MetaLayout::new(&caps);
         let mut rows: Vec<Option<HostRow>> = (0..4).map(|_| Some(HostRow::new(None))).collect();
-        for r in 1..4 {
-            rows[r].as_mut().unwrap().block_table = vec![4 + r as u32, 8 + r as u32];
-            rows[r].as_mut().unwrap().has_pending = true;
+        for (r, row) in rows.iter_mut().enumerate().skip(1) {
+            let row = row.as_mut().unwrap();
+            row.block_table = vec![4 + r as u32, 8 + r as u32];
+            row.has_pending = true;
         }
         rows[3].as_mut().unwrap().host_sampler = Some(RowSampler::new(&row_init(
             3,
@@ -1046,12 +1109,12 @@ mod tests {
         // Tokens: 3 prefill (0..3), round 1 (3..7), decode (7), host round (8..12).
         assert_eq!(
             (n.tokens, n.samples, n.logits, n.placed),
-            (12, 4, 1 + 4 + 1 + 1, 3)
+            (12, 4, 1 + 4 + 1 + 4, 3)
         );
         let sec = |off: usize, len: usize| meta[off..off + len].to_vec();
-        // The prefill's last token; the round's 4 positions; the decode; the host round's
-        // pending token only (it proposes nothing).
-        assert_eq!(sec(l.logit_rows, 7), [2, 3, 4, 5, 6, 7, 8]);
+        // The prefill's last token; the round's 4 positions; the decode; the host round's 4
+        // (it verifies none: its first row is its plain sample).
+        assert_eq!(sec(l.logit_rows, 10), [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]);
         assert_eq!(sec(l.samp_first, 4), [0, 1, 5, 6]);
         assert_eq!(sec(l.samp_draft, 4), [0, 3, 0, 0]);
         assert_eq!(sec(l.sample_rows, 4), [0, 1, 2, 3]);
@@ -1063,15 +1126,16 @@ mod tests {
         assert_eq!(sec(l.positions + 3, 4), [4, 5, 6, 7]);
         assert_eq!(sec(l.slot_mapping + 3, 4), [36, 37, 38, 39]);
 
-        let d = fill_draft_step(&mut meta, &l, &batch, &rows);
+        let d = fill_draft_step(&mut meta, &l, &batch);
         let sec = |off: usize, len: usize| meta[off..off + len].to_vec();
-        // The prefill's 3 tokens, then 2 per decode entry; only row 1 drafts.
+        // The prefill's 3 tokens, then 2 per decode entry; both rounds draft (the host row's
+        // proposals go unverified).
         assert_eq!(
             d,
             DraftCounts {
                 tokens: 3 + 2 * 3,
                 entries: 3,
-                drafting: 1,
+                drafting: 2,
             }
         );
         assert!(d.any());
@@ -1081,15 +1145,16 @@ mod tests {
         assert_eq!(sec(l.d_tok_row, 9), [0, 0, 0, 1, 1, 2, 2, 3, 3]);
         assert_eq!(sec(l.d_tok_src + 3, 2), [-2, -2]);
         assert_eq!(sec(l.d_place, 3), [3, 5, 7]);
-        assert_eq!(sec(l.d_logit_rows, 1), [4]);
-        assert_eq!(sec(l.b_tok_row, 1), [1]);
-        assert_eq!(sec(l.b_logit_rows, 1), [0]);
+        assert_eq!(sec(l.d_logit_rows, 2), [4, 8]);
+        assert_eq!(sec(l.b_tok_row, 2), [1, 3]);
+        assert_eq!(sec(l.b_logit_rows, 2), [0, 1]);
         // A decode-only step without rounds leaves the draft idle.
         let plain = ExecBatch {
             seqs: vec![seq(2, 6, 1, (0, 0), (0, 0))],
             ..Default::default()
         };
-        assert!(!fill_draft_step(&mut meta, &l, &plain, &rows).any());
+        assert!(!fill_draft_step(&mut meta, &l, &plain).any());
+        assert!(!is_round_only(&batch, 3));
     }
 
     #[test]
@@ -1151,5 +1216,57 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(validate(&four, &lim(3), &rows, &mut [0; 4]), Ok(()));
+    }
+
+    #[test]
+    fn round_graph_padding_matches_the_real_rounds_layout() {
+        let caps = Capacities::new(64, 4, 64, 4).with_spec(3, 64);
+        let l = MetaLayout::new(&caps);
+        let mut meta = vec![i32::MIN; l.len];
+        let mut rows: Vec<Option<HostRow>> = (0..4).map(|_| Some(HostRow::new(None))).collect();
+        for r in rows.iter_mut().flatten() {
+            r.block_table = vec![1, 2];
+            r.has_pending = true;
+        }
+        let round = |row: u32| {
+            let mut s = seq(row, 4, 4, (0, 0), (0, 0));
+            s.draft = 3;
+            s
+        };
+        // Two real rounds padded to a bucket of 4.
+        let batch = ExecBatch {
+            seqs: vec![round(2), round(0)],
+            ..Default::default()
+        };
+        assert!(is_round_only(&batch, 3));
+        assert!(!is_round_only(&batch, 4));
+        let n = fill_step(&mut meta, &l, &caps, &batch, &mut rows, &mut vec![], true);
+        let d = fill_draft_step(&mut meta, &l, &batch);
+        assert_eq!(
+            (n.tokens, n.logits, n.pf_tiles, d.tokens, d.drafting),
+            (8, 8, 0, 4, 2)
+        );
+        fill_round_padding(&mut meta, &l, 2..4, 3, (9, 4), 4);
+        let sec = |off: usize, len: usize| meta[off..off + len].to_vec();
+        // Every section continues the real entries' pattern over the bucket.
+        assert_eq!(sec(l.place_first, 4), [0, 4, 8, 12]);
+        assert_eq!(sec(l.place_n, 4), [4; 4]);
+        assert_eq!(sec(l.logit_rows, 16), (0..16).collect::<Vec<_>>());
+        assert_eq!(sec(l.d_place, 4), [0, 2, 4, 6]);
+        assert_eq!(sec(l.d_logit_rows, 4), [1, 3, 5, 7]);
+        assert_eq!(sec(l.b_logit_rows, 4), [0, 1, 2, 3]);
+        assert_eq!(sec(l.b_tok_row, 4), [2, 0, 4, 4]);
+        assert_eq!(sec(l.tok_row + 8, 8), [4; 8]);
+        assert_eq!(sec(l.positions + 8, 8), [-1; 8]);
+        assert_eq!(sec(l.d_positions + 4, 4), [-1; 4]);
+        assert_eq!(sec(l.b_positions + 2, 2), [-1; 2]);
+        // Padding KV goes to the scratch block only.
+        for (off, len) in [
+            (l.slot_mapping + 8, 8),
+            (l.d_slot_mapping + 4, 4),
+            (l.b_slot_mapping + 2, 2),
+        ] {
+            assert!(sec(off, len).iter().all(|&s| (36..40).contains(&s)));
+        }
     }
 }

@@ -299,6 +299,9 @@ pub struct CudaExecutor {
     buckets: GraphBuckets,
     /// Per slot, one graph per bucket (same order as `buckets.sizes()`); empty when eager.
     graphs: Vec<Vec<DecodeGraph>>,
+    /// Speculation: buckets of steps of rounds and their graphs per slot (see [`spec`]).
+    round_buckets: GraphBuckets,
+    round_graphs: Vec<Vec<DecodeGraph>>,
     counters: ExecCounters,
     rows: Vec<Option<HostRow>>,
     scratch: SamplerScratch,
@@ -438,7 +441,9 @@ impl CudaExecutor {
             0 => max_rows,
             k => max_rows * (k + 2),
         };
-        let rows_d = DevBuf::new(max_rows * std::mem::size_of::<RowParams>())?;
+        // One more row: the graph padding row (zeroed: greedy, no state), which round graphs
+        // draft for.
+        let rows_d = DevBuf::new((max_rows + 1) * std::mem::size_of::<RowParams>())?;
         let pending_d = DevBuf::new(max_rows * 4)?;
         anyhow::ensure!(
             (max_rows + 1) * caps.max_blocks_per_seq < i32::MAX as usize,
@@ -496,15 +501,19 @@ impl CudaExecutor {
             "synchronising after the upload",
         )?;
         let bpb = layout::kv_bytes_per_block(&mc, caps.block_size, elem);
-        // No decode graphs with speculation: its steps place decode entries on the device
-        // (`spec_place`), which the captured decode forward does not run.
-        let graph_sizes: &[usize] = if spec.is_some() {
-            &[]
-        } else {
-            &cfg.graph_sizes
-        };
+        let graph_sizes: &[usize] = &cfg.graph_sizes;
         let buckets = GraphBuckets::new(graph_sizes, caps.max_seqs.min(caps.max_tokens));
-        let num_graphs = buckets.sizes().len() * NUM_SLOTS;
+        // Steps of rounds: (1 + k) tokens per sequence within the token budget.
+        let round_buckets = match &spec {
+            Some(sp) => GraphBuckets::new(
+                graph_sizes,
+                (caps.max_tokens / (1 + sp.k))
+                    .min(caps.max_seqs)
+                    .min(spec::ROUND_GRAPH_MAX_SEQS),
+            ),
+            None => GraphBuckets::new(&[], 0),
+        };
+        let num_graphs = (buckets.sizes().len() + round_buckets.sizes().len()) * NUM_SLOTS;
         let dropped: Vec<usize> = graph_sizes
             .iter()
             .copied()
@@ -622,6 +631,8 @@ impl CudaExecutor {
             row_marks: vec![0; max_rows],
             buckets,
             graphs: (0..NUM_SLOTS).map(|_| Vec::new()).collect(),
+            round_buckets,
+            round_graphs: (0..NUM_SLOTS).map(|_| Vec::new()).collect(),
             counters: ExecCounters::default(),
             rows: (0..max_rows).map(|_| None).collect(),
             scratch: SamplerScratch::default(),
@@ -638,7 +649,7 @@ impl CudaExecutor {
             grouped_attention: None,
             ctx,
         };
-        if !exec.buckets.is_empty() {
+        if !exec.buckets.is_empty() || !exec.round_buckets.is_empty() {
             let (free_before, _) = ck(dr::mem_get_info(), "cuMemGetInfo")?;
             let t0 = std::time::Instant::now();
             exec.capture_graphs()
@@ -704,6 +715,19 @@ impl CudaExecutor {
     /// Fills `range` of the slot's token rows with padding: token 0, position -1 (attention
     /// reads nothing), KV written into the scratch block, the padding row's block table, and
     /// logits from the row itself.
+    /// Fills sequences `range` of a step of rounds with graph padding
+    /// ([`meta::fill_round_padding`]).
+    fn fill_round_padding(&mut self, slot: usize, range: std::ops::Range<usize>, k: usize) {
+        meta::fill_round_padding(
+            self.slots[slot].meta_h.as_mut_slice(),
+            &self.layout,
+            range,
+            k,
+            (self.num_kv_blocks as usize, self.caps.block_size),
+            self.caps.max_seqs,
+        );
+    }
+
     fn fill_padding(&mut self, slot: usize, range: std::ops::Range<usize>) {
         meta::fill_padding(
             self.slots[slot].meta_h.as_mut_slice(),
@@ -733,30 +757,85 @@ impl CudaExecutor {
     }
 
     /// Captures a graph per (slot, bucket). Each bucket first runs once eagerly over padding
-    /// rows (cuBLAS settles its choices outside the capture), then is captured.
+    /// rows (cuBLAS settles its choices outside the capture), then is captured. With
+    /// speculation, decode graphs also place their entries, and steps of rounds get graphs of
+    /// their own ([`spec`]).
     fn capture_graphs(&mut self) -> anyhow::Result<()> {
         let st = self.compute;
-        let sizes = self.buckets.sizes().to_vec();
+        let (bt, state) = (self.block_tables(), self.sampler_state());
+        let rows_d = self.rows_d.ptr;
         for slot in 0..NUM_SLOTS {
-            let largest = *sizes.last().expect("non-empty buckets");
-            self.fill_padding(slot, 0..largest);
-            // SAFETY: the upload is synchronised before the pinned buffer changes again.
-            unsafe {
-                self.upload_head(slot)?;
-                ck(dr::stream::synchronize(st), "sync")?;
-            }
-            for &size in &sizes {
-                let m = self.step_meta(slot, size, size, self.attention_plan(size, true), (0, 0));
-                let addrs = self.graph_addrs(slot);
-                let (model, kernels) = (&mut self.model, &self.kernels);
-                // SAFETY: the metadata holds `size` padding rows; only kernel launches and
-                // cuBLAS calls are enqueued under capture.
-                let g = unsafe {
-                    model.forward(kernels, st, &m)?;
-                    ck(dr::stream::synchronize(st), "warm-up forward")?;
-                    DecodeGraph::capture(st, size, addrs, || model.forward(kernels, st, &m))?
+            for rounds in [false, true] {
+                let (sizes, k) = match (rounds, &self.spec) {
+                    (false, sp) => (
+                        self.buckets.sizes().to_vec(),
+                        sp.as_ref().map_or(0, |s| s.k),
+                    ),
+                    (true, Some(sp)) => (self.round_buckets.sizes().to_vec(), sp.k),
+                    (true, None) => continue,
                 };
-                self.graphs[slot].push(g);
+                let Some(&largest) = sizes.last() else {
+                    continue;
+                };
+                if rounds {
+                    self.fill_round_padding(slot, 0..largest, k);
+                } else {
+                    self.fill_padding(slot, 0..largest);
+                }
+                // SAFETY: the upload is synchronised before the pinned buffer changes again.
+                unsafe {
+                    self.upload_head(slot)?;
+                    ck(dr::stream::synchronize(st), "sync")?;
+                }
+                for &size in &sizes {
+                    let t = if rounds { (1 + k) * size } else { size };
+                    let m = self.step_meta(slot, t, t, self.attention_plan(t, !rounds), (0, 0));
+                    let draft = meta::DraftCounts {
+                        tokens: 2 * size,
+                        entries: size,
+                        drafting: size,
+                    };
+                    let draft = if rounds {
+                        draft
+                    } else {
+                        meta::DraftCounts::NONE
+                    };
+                    let addrs = self.graph_addrs(slot);
+                    let (model, kernels) = (&mut self.model, &self.kernels);
+                    let meta_d = &self.slots[slot].meta_d;
+                    let l = &self.layout;
+                    let mut spec = self.spec.as_mut();
+                    let mut body = || -> anyhow::Result<()> {
+                        // SAFETY: the metadata holds `size` padding rows (or rounds); only
+                        // kernel launches and cuBLAS calls are enqueued under capture.
+                        unsafe {
+                            match spec.as_deref_mut() {
+                                None => model.forward(kernels, st, &m),
+                                Some(sp) => sp.enqueue_step(
+                                    kernels,
+                                    st,
+                                    model,
+                                    (meta_d, l),
+                                    (draft, size),
+                                    &m,
+                                    (rows_d, state),
+                                    bt,
+                                ),
+                            }
+                        }
+                    };
+                    // SAFETY: as above; the warm-up is synchronised before the capture.
+                    let g = unsafe {
+                        body()?;
+                        ck(dr::stream::synchronize(st), "warm-up forward")?;
+                        DecodeGraph::capture(st, size, addrs, body)?
+                    };
+                    if rounds {
+                        self.round_graphs[slot].push(g);
+                    } else {
+                        self.graphs[slot].push(g);
+                    }
+                }
             }
         }
         // SAFETY: our stream.
@@ -768,8 +847,16 @@ impl CudaExecutor {
     /// steps (nothing in flight).
     pub fn set_fused_max_rows(&mut self, max_rows: usize) -> anyhow::Result<()> {
         self.model.fused_max_rows = max_rows;
-        if self.graphs.iter().any(|g| !g.is_empty()) {
-            for g in &mut self.graphs {
+        if let Some(sp) = &mut self.spec {
+            sp.draft.fused_max_rows = max_rows;
+        }
+        if self
+            .graphs
+            .iter()
+            .chain(&self.round_graphs)
+            .any(|g| !g.is_empty())
+        {
+            for g in self.graphs.iter_mut().chain(&mut self.round_graphs) {
                 g.clear();
             }
             self.capture_graphs()?;
@@ -967,15 +1054,22 @@ impl CudaExecutor {
         }
         // Per-token and per-sequence metadata; new block-table entries.
         let decode_only = meta::is_decode_only(batch);
+        let k = self.spec.as_ref().map_or(0, |sp| sp.k);
+        let round_only = meta::is_round_only(batch, k);
         let n_seqs = batch.seqs.len();
-        // A decode step's bucket: its graph, and the padded size that fixes its attention
-        // splits whether it replays or not.
-        let bucket = if decode_only {
-            self.buckets.bucket_for(n_seqs)
-        } else {
-            None
+        // A decode step's bucket (or a step of rounds'): its graph, and the padded size that
+        // fixes its attention splits whether it replays or not.
+        let (bucket, graphs) = match (decode_only, round_only) {
+            (true, _) => (self.buckets.bucket_for(n_seqs), &self.graphs[slot]),
+            (_, true) => (
+                self.round_buckets.bucket_for(n_seqs),
+                &self.round_graphs[slot],
+            ),
+            _ => (None, &self.graphs[slot]),
         };
-        let graph = bucket.filter(|_| self.use_graphs && !self.graphs[slot].is_empty());
+        let graph = bucket.filter(|_| self.use_graphs && !graphs.is_empty());
+        // Token rows per sequence of a bucketed step.
+        let per_seq = if round_only { 1 + k } else { 1 };
         let s = &mut self.slots[slot];
         s.host_results.clear();
         let counts = meta::fill_step(
@@ -990,12 +1084,14 @@ impl CudaExecutor {
         let (t, n_samples, n_bt) = (counts.tokens, counts.samples, counts.bt_updates);
         s.n_samples = n_samples;
         s.n_logits = counts.logits;
-        let draft_counts = self
-            .spec
-            .is_some()
-            .then(|| meta::fill_draft_step(s.meta_h.as_mut_slice(), &l, batch, &self.rows));
-        if let Some((_, size)) = graph {
-            self.fill_padding(slot, t..size);
+        let draft_counts = match self.spec {
+            Some(_) => meta::fill_draft_step(s.meta_h.as_mut_slice(), &l, batch),
+            None => meta::DraftCounts::NONE,
+        };
+        match graph {
+            Some((_, size)) if round_only => self.fill_round_padding(slot, n_seqs..size, k),
+            Some((_, size)) => self.fill_padding(slot, t..size),
+            None => {}
         }
         let st = self.compute;
         let s = &self.slots[slot];
@@ -1064,49 +1160,18 @@ impl CudaExecutor {
                     n_state as u32,
                 )?;
             }
-            let base = self.step_meta(slot, t, counts.logits, (None, false), (0, 0));
-            let (bt, state) = (self.block_tables(), self.sampler_state());
-            if let Some(sp) = &mut self.spec {
-                // Drafting, then the decode entries placed at the rows' true lengths.
-                let d = &self.slots[slot].meta_d;
-                if let Some(dc) = draft_counts.filter(|c| c.any()) {
-                    sp.propose(
-                        &self.kernels,
-                        st,
-                        (d, &l),
-                        dc,
-                        &base,
-                        (self.rows_d.ptr, state),
-                        bt,
-                    )?;
-                }
-                self.kernels.spec_place(
-                    st,
-                    harrier_kernels::TokenMeta {
-                        tok_src: base.tok_src,
-                        positions: base.positions,
-                        slots: base.slot_mapping,
-                        tok_row: base.tok_row,
-                    },
-                    harrier_kernels::PlaceEntries {
-                        first: d.at(l.place_first * 4),
-                        ntok: d.at(l.place_n * 4),
-                        n_const: 0,
-                        n: counts.placed as u32,
-                        off0: 0,
-                    },
-                    sp.rows(self.pending_d.ptr),
-                    bt,
-                )?;
-            }
             if let Some((i, size)) = graph {
-                self.graphs[slot][i].replay(st, size, self.graph_addrs(slot))?;
+                let g = match round_only {
+                    true => &self.round_graphs[slot][i],
+                    false => &self.graphs[slot][i],
+                };
+                g.replay(st, size, self.graph_addrs(slot))?;
                 self.counters.graph_replays += 1;
             } else if t > 0 {
-                // The attention plan follows the padded batch of a decode step (as its graph
-                // would), else the tokens left to the per-token kernels.
-                let plan_n = if decode_only {
-                    bucket.map_or(n_seqs, |(_, b)| b)
+                // The attention plan follows the padded batch of a bucketed step (as its
+                // graph would), else the tokens left to the per-token kernels.
+                let plan_n = if decode_only || round_only {
+                    bucket.map_or(t, |(_, b)| b * per_seq)
                 } else if counts.pf_tiles > 0 {
                     counts.att_listed
                 } else {
@@ -1120,8 +1185,21 @@ impl CudaExecutor {
                     (counts.pf_tiles, counts.att_listed),
                 );
                 // GEMMs over the bucket's rows, as its graph computes them.
-                m.gemm_rows = bucket.map(|(_, b)| b);
-                self.model.forward(&self.kernels, st, &m)?;
+                m.gemm_rows = bucket.map(|(_, b)| b * per_seq);
+                let (bt, state) = (self.block_tables(), self.sampler_state());
+                match &mut self.spec {
+                    None => self.model.forward(&self.kernels, st, &m)?,
+                    Some(sp) => sp.enqueue_step(
+                        &self.kernels,
+                        st,
+                        &mut self.model,
+                        (&self.slots[slot].meta_d, &l),
+                        (draft_counts, counts.placed),
+                        &m,
+                        (self.rows_d.ptr, state),
+                        bt,
+                    )?,
+                }
                 if decode_only {
                     self.counters.eager_decode_steps += 1;
                 } else {

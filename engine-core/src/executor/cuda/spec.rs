@@ -23,11 +23,17 @@
 //! too) where its row really is. The draft's KV sits in its own cache indexed by the same block
 //! ids: one block table serves both.
 //!
-//! Choices of this first version: steps run eagerly (no CUDA graphs with speculation on:
-//! their positions come from the placement kernel, which the captured decode graphs do not
-//! run); host-sampled rows (logprobs) propose nothing (their rounds emit one token); a step
-//! without rounds (speculation turned off by batch size) skips the draft, whose KV then misses
-//! those positions (acceptance falls for them; the output does not change).
+//! CUDA graphs: a step whose sequences are all rounds of `k` (up to [`ROUND_GRAPH_MAX_SEQS`]
+//! sequences) replays a graph of everything above but the verification (which runs after it
+//! with the real rows), padded to its bucket; a step of plain decodes replays a graph of the
+//! placement and the target's forward. Padding rows belong to the padding row, whose
+//! `kv_len` is -1: the placement leaves their metadata as the host wrote it (position -1,
+//! KV into the scratch block). Other steps (prefill chunks, mixed steps) run eagerly.
+//!
+//! Host-sampled rows (logprobs) draft like the others, so that a step of rounds keeps its
+//! shapes, but verify none of their proposals: their round emits one token. A step without
+//! rounds (speculation turned off by batch size) skips the draft, whose KV then misses those
+//! positions (acceptance falls for them; the output does not change).
 
 use anyhow::Context;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
@@ -40,6 +46,10 @@ use super::meta::DraftCounts;
 use super::model::{GpuModel, StepMeta};
 use super::{ck, DevBuf};
 use crate::model::ModelDir;
+
+/// Steps of rounds of up to this many sequences replay captured graphs (larger ones are
+/// rarely worth speculating: `--speculative-disable-by-batch-size`).
+pub(crate) const ROUND_GRAPH_MAX_SEQS: usize = 64;
 
 /// The draft model and the per-row state of speculative rounds.
 pub(crate) struct SpecDecoder {
@@ -84,10 +94,17 @@ impl SpecDecoder {
             )?;
             Ok(b)
         };
+        let kv_len = zeroed(rows * 4)?;
+        ck(
+            // SAFETY: the last entry (the graph padding row) of our allocation: -1, so that
+            // `spec_place` leaves padding where the host put it.
+            unsafe { dr::memset_d8_async(kv_len.at(caps.max_seqs * 4), 0xff, 4, stream) },
+            "memset",
+        )?;
         Ok(SpecDecoder {
             draft,
             k,
-            kv_len: zeroed(rows * 4)?,
+            kv_len,
             prev_tok: zeroed(rows * 4)?,
             // Zeroed: a proposal slot never drafted (host-sampled rows) still embeds a valid id.
             proposals: zeroed(rows * k * 4)?,
@@ -117,6 +134,51 @@ impl SpecDecoder {
         self.draft.dtype == Dtype::Bf16
             && harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
             && layout::use_grouped_attention(tokens, c.num_kv_heads)
+    }
+
+    /// Enqueues a speculative step's forward work, eagerly or under graph capture (the same
+    /// launches either way): drafting when `draft` has work, the `placed` decode entries put
+    /// at their rows' true lengths, then the target's forward over `m`.
+    ///
+    /// # Safety
+    /// As [`SpecDecoder::propose`]; `m` is the target's view of the slot's metadata.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn enqueue_step(
+        &mut self,
+        kn: &Kernels,
+        st: sys::CUstream,
+        target: &mut GpuModel,
+        (meta, l): (&DevBuf, &MetaLayout),
+        (draft, placed): (DraftCounts, usize),
+        m: &StepMeta,
+        (rows_d, state): (u64, SamplerState),
+        bt: BlockTables,
+    ) -> anyhow::Result<()> {
+        // SAFETY: forwarded from the caller; the placement entries are the slot's sections.
+        unsafe {
+            if draft.any() {
+                self.propose(kn, st, (meta, l), draft, m, (rows_d, state), bt)?;
+            }
+            kn.spec_place(
+                st,
+                TokenMeta {
+                    tok_src: m.tok_src,
+                    positions: m.positions,
+                    slots: m.slot_mapping,
+                    tok_row: m.tok_row,
+                },
+                PlaceEntries {
+                    first: meta.at(l.place_first * 4),
+                    ntok: meta.at(l.place_n * 4),
+                    n_const: 0,
+                    n: placed as u32,
+                    off0: 0,
+                },
+                self.rows(m.pending),
+                bt,
+            )?;
+            target.forward(kn, st, m)
+        }
     }
 
     /// Enqueues the draft's work of a step: its first forward (prefill chunks and the decode

@@ -9,6 +9,7 @@
 //! - a logprobs request (sampled on the host: it proposes nothing) among speculating rows;
 //! - seeded sampled requests (temperature, top-k/p, min-p; one with penalties, logit_bias and
 //!   min_tokens: the device's row state) give the same text alone and among other requests;
+//! - the same text with CUDA graphs (steps of rounds and plain steps replayed) and eagerly;
 //! - acceptance is reported (mean tokens per round, per-position acceptance).
 //!
 //! `HARRIER_SPEC_CHECK_F32=1` loads both engines in f32, where greedy equality is gated. In
@@ -29,6 +30,7 @@ use harrier_shared::protocol::{EngineCoreRequest, FinishReason, SamplingParams, 
 use super::CudaExecutor;
 use crate::cli::{build_cuda_engine, EngineCoreArgs};
 use crate::engine::{EngineCore, Progress};
+use crate::executor::Executor;
 use crate::request::Origin;
 
 /// One request: arrives before engine step `at`.
@@ -303,6 +305,26 @@ pub fn check_spec(
         all.len()
     );
     println!("acceptance (greedy scenarios): {}", acceptance(&spec));
+    // Round graphs against the same rounds run eagerly: the target computes the same GEMM
+    // shapes either way (eager steps run their bucket's rows), so greedy text is identical in
+    // any dtype.
+    for (name, reqs) in greedy_scenarios(&prompts) {
+        let before = spec.executor_mut().counters();
+        let graphs = run(&mut spec, &reqs, &format!("{name}-g"))?;
+        let mid = spec.executor_mut().counters();
+        spec.executor_mut().use_graphs = false;
+        let eager = run(&mut spec, &reqs, &format!("{name}-e"))?;
+        spec.executor_mut().use_graphs = true;
+        let same = graphs.iter().zip(&eager).filter(|(a, b)| a == b).count();
+        let replays = mid.graph_replays - before.graph_replays;
+        let ok = same == reqs.len() && replays > 0;
+        println!(
+            "{name:>9}: {same}/{} identical with graphs ({replays} replays) and eager -> {}",
+            reqs.len(),
+            if ok { "ok" } else { "FAIL" }
+        );
+        failures += !ok as usize;
+    }
     // Seeded rows: the same text on every run of the same batch (bit-exact). Alone vs among
     // other requests is reported beside the plain engine's own figure: another batch runs
     // other GEMM shapes, whose bf16 rounding can move a draw across a threshold on either
@@ -385,10 +407,10 @@ pub fn bench_spec(
         throughput(g, &prompts, 2, 16, "warm-g")?;
     }
     println!(
-        "| batch | plain tok/s | speculative tok/s | ratio | tokens/round | acceptance | off above {} tok/s | ratio |",
+        "| batch | plain tok/s | speculative tok/s | ratio | tokens/round | acceptance | round ms | break-even tokens/round | off above {} tok/s | ratio |",
         disable_above.map_or("-".into(), |n| n.to_string())
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for &b in batches {
         let (p, _) = throughput(&mut plain, &prompts, b, max_tokens, &format!("b{b}-p"))?;
         let before = spec.stats();
@@ -405,11 +427,16 @@ pub fn bench_spec(
             }
             None => "- | -".into(),
         };
+        // A round yields `tpr` tokens per sequence: it takes b * tpr / s seconds, and pays
+        // off once it yields what plain decoding makes in that time.
+        let tpr = 1.0 + acc / rounds;
+        let round_s = b as f64 * tpr / s;
         println!(
-            "| {b} | {p:.0} | {s:.0} | {:.2}x | {:.2} | {:.3} | {g} |",
+            "| {b} | {p:.0} | {s:.0} | {:.2}x | {tpr:.2} | {:.3} | {:.3} | {:.2} | {g} |",
             s / p,
-            1.0 + acc / rounds,
-            acc / drafted
+            acc / drafted,
+            round_s * 1e3,
+            round_s * p / b as f64
         );
     }
     Ok(())
