@@ -19,7 +19,9 @@
 #   trained:  trains trained-llama-1b and trained-draft-2l-distilled (scripts/train, ~6 min on
 #             an H100), then check-spec and bench-spec on them (needs .gpu/llama3/tokenizer.json).
 # Build and carry .gpu/ as for cuda_check.sh. STAGES (default "sampler cpu-pair random"),
-# BATCHES (default 1,4,16,64), MAX_TOKENS (default 256), CPU_PAIR_KS (default "1 4 7").
+# BATCHES (default 1,4,16,64), MAX_TOKENS (default 256), CPU_PAIR_KS (default "1 4 7"),
+# CPU_PAIR_F32=1 (check the pair in f32, where greedy equality is gated), CPU_PAIR_BENCH=0,
+# TRAINED_CHECK=0 (bench only), DISABLE_ABOVE=N (bench-spec --disable-above N too).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/harrier-spec-out}"
@@ -41,17 +43,17 @@ for st in $STAGES; do
         ;;
     cpu-pair)
         for k in ${CPU_PAIR_KS:-1 4 7}; do
-            echo "## K=$k" | tee -a "$OUT/cpu-pair.txt"
-            timeout 200 "$T" check-spec --model $models/harrier-cpu --draft $models/harrier-cpu-draft \
+            echo "## K=$k f32=${CPU_PAIR_F32:-0}" | tee -a "$OUT/cpu-pair.txt"
+            HARRIER_SPEC_CHECK_F32=${CPU_PAIR_F32:-0} timeout 200 "$T" check-spec --model $models/harrier-cpu --draft $models/harrier-cpu-draft \
                 --prompts $fixture --k $k 2>&1 | grep -v INFO | tee -a "$OUT/cpu-pair.txt" || status=1
         done
-        timeout 200 "$T" bench-spec --model $models/harrier-cpu --draft $models/harrier-cpu-draft \
+        [[ "${CPU_PAIR_BENCH:-1}" == 1 ]] && timeout 200 "$T" bench-spec --model $models/harrier-cpu --draft $models/harrier-cpu-draft \
             --prompts $fixture --batches "$BATCHES" --max-tokens "$MAX_TOKENS" 2>&1 | grep -v INFO | tee -a "$OUT/cpu-pair.txt" || status=1
         ;;
     random)
         gen llama-3.2-1b
         m="$W/llama-3.2-1b"
-        for f32 in 1 0; do
+        for f32 in ${RANDOM_F32:-1 0}; do
             echo "## target llama-3.2-1b, draft itself, f32=$f32" | tee -a "$OUT/random.txt"
             HARRIER_SPEC_CHECK_F32=$f32 timeout 240 "$T" check-spec --model "$m" --draft "$m" 2>&1 | grep -v INFO | tee -a "$OUT/random.txt" || status=1
         done
@@ -73,8 +75,8 @@ for st in $STAGES; do
         tail -5 "$OUT/train.log"
         p="$TW/gpu/heldout_prompts.json"
         [[ -f "$p" ]] || p=""
-        timeout 240 "$T" check-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
-            ${p:+--prompts "$p"} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
+        [[ "${TRAINED_CHECK:-1}" == 1 ]] && { timeout 240 "$T" check-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
+            ${p:+--prompts "$p"} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1; }
         timeout 300 "$T" bench-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
             ${p:+--prompts "$p"} --batches "$BATCHES" --max-tokens "$MAX_TOKENS" ${DISABLE_ABOVE:+--disable-above $DISABLE_ABOVE} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
         ;;
@@ -124,7 +126,7 @@ PY
         for t in llama-3.2-3b llama-3.1-8b; do
             gen $t
             echo "## target $t, draft llama-3.2-1b (random weights)" | tee -a "$OUT/shapes.txt"
-            timeout 200 "$T" bench-spec --model "$W/$t" --draft "$W/llama-3.2-1b" --batches 1 --max-tokens 128 2>&1 | grep -v INFO | tee -a "$OUT/shapes.txt" || status=1
+            timeout 200 "$T" bench-spec --model "$W/$t" --draft "$W/llama-3.2-1b" --batches 1 --max-tokens "${SHAPES_TOKENS:-128}" 2>&1 | grep -v INFO | tee -a "$OUT/shapes.txt" || status=1
         done
         ;;
     *)

@@ -305,9 +305,9 @@ pub fn check_spec(
         all.len()
     );
     println!("acceptance (greedy scenarios): {}", acceptance(&spec));
-    // Round graphs against the same rounds run eagerly: the target computes the same GEMM
-    // shapes either way (eager steps run their bucket's rows), so greedy text is identical in
-    // any dtype.
+    // Round graphs against the same rounds run eagerly (eager steps run their bucket's GEMM
+    // rows): gated in f32; in bf16 a draft computed in other shapes accepts differently, so
+    // a position may be verified at another row of another round, and near-ties move.
     for (name, reqs) in greedy_scenarios(&prompts) {
         let before = spec.executor_mut().counters();
         let graphs = run(&mut spec, &reqs, &format!("{name}-g"))?;
@@ -317,11 +317,15 @@ pub fn check_spec(
         spec.executor_mut().use_graphs = true;
         let same = graphs.iter().zip(&eager).filter(|(a, b)| a == b).count();
         let replays = mid.graph_replays - before.graph_replays;
-        let ok = same == reqs.len() && replays > 0;
+        let ok = replays > 0 && (same == reqs.len() || !strict);
+        let verdict = match (ok, same == reqs.len()) {
+            (false, _) => "FAIL",
+            (true, true) => "ok",
+            (true, false) => "differ (bf16: reported, not gated)",
+        };
         println!(
-            "{name:>9}: {same}/{} identical with graphs ({replays} replays) and eager -> {}",
+            "{name:>9}: {same}/{} identical with graphs ({replays} replays) and eager -> {verdict}",
             reqs.len(),
-            if ok { "ok" } else { "FAIL" }
         );
         failures += !ok as usize;
     }
