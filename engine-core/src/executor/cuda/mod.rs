@@ -501,7 +501,14 @@ impl CudaExecutor {
             "synchronising after the upload",
         )?;
         let bpb = layout::kv_bytes_per_block(&mc, caps.block_size, elem);
-        let graph_sizes: &[usize] = &cfg.graph_sizes;
+        // With speculation, graphs only on request (`HARRIER_SPEC_GRAPHS=1`): the round and
+        // placed-decode graphs failed their device check (see [`spec`]); speculative steps run
+        // eagerly as checked.
+        let spec_graphs = std::env::var("HARRIER_SPEC_GRAPHS").is_ok_and(|v| v == "1");
+        let graph_sizes: &[usize] = match (&spec, spec_graphs) {
+            (Some(_), false) => &[],
+            _ => &cfg.graph_sizes,
+        };
         let buckets = GraphBuckets::new(graph_sizes, caps.max_seqs.min(caps.max_tokens));
         // Steps of rounds: (1 + k) tokens per sequence within the token budget.
         let round_buckets = match &spec {

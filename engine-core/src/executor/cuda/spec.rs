@@ -23,12 +23,20 @@
 //! too) where its row really is. The draft's KV sits in its own cache indexed by the same block
 //! ids: one block table serves both.
 //!
-//! CUDA graphs: a step whose sequences are all rounds of `k` (up to [`ROUND_GRAPH_MAX_SEQS`]
-//! sequences) replays a graph of everything above but the verification (which runs after it
-//! with the real rows), padded to its bucket; a step of plain decodes replays a graph of the
-//! placement and the target's forward. Padding rows belong to the padding row, whose
-//! `kv_len` is -1: the placement leaves their metadata as the host wrote it (position -1,
-//! KV into the scratch block). Other steps (prefill chunks, mixed steps) run eagerly.
+//! CUDA graphs (off unless `HARRIER_SPEC_GRAPHS=1`: they failed their device check, below):
+//! a step whose sequences are all rounds of `k` (up to [`ROUND_GRAPH_MAX_SEQS`] sequences)
+//! replays a graph of everything above but the verification (which runs after it with the
+//! real rows), padded to its bucket; a step of plain decodes replays a graph of the placement
+//! and the target's forward. Padding rows belong to the padding row, whose `kv_len` is -1: the
+//! placement leaves their metadata as the host wrote it (position -1, KV into the scratch
+//! block). Other steps (prefill chunks, mixed steps) run eagerly.
+//!
+//! What the device showed with the graphs on (H100, session 9, docs/benchmarks.md): on a fresh
+//! engine the first scenarios matched the plain engine, but later ones did not, in f32 too
+//! (the committed pair: `churn` 31/32 with the first token of a request different; `one`
+//! differing between graph and eager runs), and the trained pair's acceptance moved far
+//! from its eager value (batch 1: 0.91 vs 0.76; batch 4: 0.27 vs 0.67). Eager steps are
+//! what every check and benchmark of this module rests on.
 //!
 //! Host-sampled rows (logprobs) draft like the others, so that a step of rounds keeps its
 //! shapes, but verify none of their proposals: their round emits one token. A step without
