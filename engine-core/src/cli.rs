@@ -772,4 +772,21 @@ mod tests {
         assert_eq!(w.args.dtype, ModelDtype::Float32);
         assert!(<Wrapper as clap::Parser>::try_parse_from(["h", "--dtype", "fp8"]).is_err());
     }
+
+    /// The CUDA backend speculates with a draft model only: n-gram lookup is refused before
+    /// any device is touched (so this runs without a GPU), naming the way out.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_refuses_ngram_speculation_at_start_up() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/harrier-cpu");
+        let mut a = EngineCoreArgs::defaults();
+        a.speculative_method = Some(crate::spec::SpecMethod::Ngram);
+        let e = build_cuda_engine(&a, &dir).err().expect("refused");
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("n-gram speculation runs on the CPU backend only"),
+            "{msg}"
+        );
+        assert!(msg.contains("--speculative-model"), "{msg}");
+    }
 }
