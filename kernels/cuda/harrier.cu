@@ -960,14 +960,16 @@ __device__ __forceinline__ void warp_argmax(float& best, int& bi) {
     }
 }
 
-// Argmax over v[0..n), ties to the lowest index, NaN never wins.
-__device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
+// (max, lowest index of it) of v[lo..hi) over the block, returned to every thread; NaN
+// never wins; nothing above -inf gives (-inf, 0x7fffffff).
+__device__ void block_argmax_range(const float* v, int lo, int hi, float* shv, int* shi, float& best_out,
+                                   int& bi_out) {
     float best = NEG_INF;
     int bi = 0x7fffffff;
-    // Unrolled so that 8 loads are in flight per thread: one block scans the whole vocabulary
-    // (52 us for 128k logits with one dependent load at a time).
+    // Unrolled so that 8 loads are in flight per thread: one block scanning a whole 128k
+    // vocabulary with one dependent load at a time took 52 us.
 #pragma unroll 8
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         float x = v[i];
         if (x > best || (x == best && i < bi)) {
             best = x;
@@ -986,12 +988,23 @@ __device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
         best = lane < nw ? shv[lane] : NEG_INF;
         bi = lane < nw ? shi[lane] : 0x7fffffff;
         warp_argmax(best, bi);
-        if (lane == 0) shi[0] = bi;
+        if (lane == 0) {
+            shv[0] = best;
+            shi[0] = bi;
+        }
     }
     __syncthreads();
-    int r = shi[0];
+    best_out = shv[0];
+    bi_out = shi[0];
     __syncthreads();
-    return r == 0x7fffffff ? 0 : r;
+}
+
+// Argmax over v[0..n), ties to the lowest index, NaN never wins.
+__device__ int block_argmax(const float* v, int n, float* shv, int* shi) {
+    float best;
+    int bi;
+    block_argmax_range(v, 0, n, shv, shi, best, bi);
+    return bi == 0x7fffffff ? 0 : bi;
 }
 
 // Greedy rows without logit changes (no logit_bias, penalties or min_tokens mask) take their
@@ -1013,30 +1026,10 @@ extern "C" __global__ void row_argmax_parts(const float* logits, int vocab, ArgP
     int r = blockIdx.x, p = blockIdx.y;
     int chunk = (vocab + ARGMAX_PARTS - 1) / ARGMAX_PARTS;
     int lo = p * chunk, hi = min(vocab, lo + chunk);
-    const float* v = logits + (size_t)r * vocab;
-    float best = NEG_INF;
-    int bi = 0x7fffffff;
-#pragma unroll 4
-    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        float x = v[i];
-        if (x > best || (x == best && i < bi)) {
-            best = x;
-            bi = i;
-        }
-    }
-    warp_argmax(best, bi);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    if (lane == 0) {
-        shv[warp] = best;
-        shi[warp] = bi;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        best = lane < nw ? shv[lane] : NEG_INF;
-        bi = lane < nw ? shi[lane] : 0x7fffffff;
-        warp_argmax(best, bi);
-        if (lane == 0) parts[(size_t)r * ARGMAX_PARTS + p] = ArgPart{best, bi};
-    }
+    float best;
+    int bi;
+    block_argmax_range(logits + (size_t)r * vocab, lo, hi, shv, shi, best, bi);
+    if (threadIdx.x == 0) parts[(size_t)r * ARGMAX_PARTS + p] = ArgPart{best, bi};
 }
 
 // Shared scratch of the sampling functions below (one per block).

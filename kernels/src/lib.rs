@@ -295,6 +295,20 @@ pub struct SamplerState {
     pub argmax_parts: u64,
 }
 
+impl SamplerState {
+    /// The addresses in the order the sampling kernels take them (counts, seen, bias ids,
+    /// bias values, partial maxima).
+    pub fn ptrs(&self) -> [u64; 5] {
+        [
+            self.counts,
+            self.seen,
+            self.bias_ids,
+            self.bias_vals,
+            self.argmax_parts,
+        ]
+    }
+}
+
 /// Partial maxima per logits row (`ARGMAX_PARTS` in the source).
 pub const ARGMAX_PARTS: usize = 32;
 
@@ -1011,13 +1025,7 @@ impl Kernels {
         state: SamplerState,
         n: u32,
     ) -> anyhow::Result<()> {
-        let SamplerState {
-            counts,
-            seen,
-            bias_ids,
-            bias_vals,
-            argmax_parts,
-        } = state;
+        let st = state.ptrs();
         let mut p = params![
             logits,
             vocab,
@@ -1025,11 +1033,11 @@ impl Kernels {
             rows,
             out_tokens,
             pending,
-            counts,
-            seen,
-            bias_ids,
-            bias_vals,
-            argmax_parts
+            st[0],
+            st[1],
+            st[2],
+            st[3],
+            st[4]
         ];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("sample_tokens", (n, 1, 1), 1024, s, &mut p) }
@@ -1129,28 +1137,10 @@ impl Kernels {
         state: SamplerState,
         n: u32,
     ) -> anyhow::Result<()> {
-        let SamplerState {
-            counts,
-            seen,
-            bias_ids,
-            bias_vals,
-            argmax_parts,
-        } = state;
+        let st = state.ptrs();
         let (proposals, q, k) = (spec.proposals, spec.q, spec.k);
         let mut p = params![
-            logits,
-            vocab,
-            spec_rows,
-            i,
-            rows,
-            proposals,
-            q,
-            k,
-            counts,
-            seen,
-            bias_ids,
-            bias_vals,
-            argmax_parts
+            logits, vocab, spec_rows, i, rows, proposals, q, k, st[0], st[1], st[2], st[3], st[4]
         ];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("draft_sample", (n, 1, 1), 1024, s, &mut p) }
@@ -1191,13 +1181,7 @@ impl Kernels {
             q,
             k,
         } = spec;
-        let SamplerState {
-            counts,
-            seen,
-            bias_ids,
-            bias_vals,
-            argmax_parts,
-        } = state;
+        let st = state.ptrs();
         let mut p = params![
             logits,
             vocab,
@@ -1216,11 +1200,11 @@ impl Kernels {
             proposals,
             q,
             k,
-            counts,
-            seen,
-            bias_ids,
-            bias_vals,
-            argmax_parts
+            st[0],
+            st[1],
+            st[2],
+            st[3],
+            st[4]
         ];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("spec_verify", (n, 1, 1), 1024, s, &mut p) }

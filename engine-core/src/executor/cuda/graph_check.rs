@@ -12,27 +12,27 @@
 //! Every request's tokens must match; the graph runs must replay (and `oversize` must fall
 //! back), or the check fails.
 
-use anyhow::{ensure, Context};
-use harrier_shared::protocol::{EngineCoreRequest, FinishReason, SamplingParams, TokenId};
+use anyhow::ensure;
+use harrier_shared::protocol::TokenId;
 
+use super::scenario::{greedy, run, Arrival};
 use super::CudaExecutor;
 use crate::cli::{build_cuda_engine, EngineCoreArgs};
-use crate::engine::{EngineCore, Progress};
+use crate::engine::EngineCore;
 use crate::executor::{ExecCounters, Executor};
-use crate::request::Origin;
 
 /// One request of a scenario: arrives before engine step `at`.
-struct Arrival {
+struct Planned {
     at: u64,
     prompt_len: u32,
     max_tokens: u32,
 }
 
-fn scenarios() -> Vec<(String, Vec<Arrival>)> {
+fn scenarios() -> Vec<(String, Vec<Planned>)> {
     let mut v = Vec::new();
     for n in [1u32, 3, 5, 8, 17, 33] {
         let reqs = (0..n)
-            .map(|i| Arrival {
+            .map(|i| Planned {
                 at: 0,
                 prompt_len: 8 + (i * 13) % 57,
                 max_tokens: 64,
@@ -41,7 +41,7 @@ fn scenarios() -> Vec<(String, Vec<Arrival>)> {
         v.push((format!("batch-{n}"), reqs));
     }
     let churn = (0..40u32)
-        .map(|i| Arrival {
+        .map(|i| Planned {
             at: 3 * i as u64,
             prompt_len: 5 + (i * 29) % 40,
             max_tokens: 16 + (i * 37) % 64,
@@ -49,7 +49,7 @@ fn scenarios() -> Vec<(String, Vec<Arrival>)> {
         .collect();
     v.push(("churn".into(), churn));
     let over = (0..56u32)
-        .map(|i| Arrival {
+        .map(|i| Planned {
             at: 0,
             prompt_len: 4 + i % 9,
             max_tokens: 20 + i,
@@ -65,63 +65,25 @@ fn prompt(i: usize, len: u32, vocab: u32) -> Vec<TokenId> {
         .collect()
 }
 
-/// Runs one scenario; returns each request's tokens and the counters it added.
-fn run(
+/// Runs one scenario (greedy, EOS ignored); returns each request's tokens and the counters
+/// it added.
+fn run_planned(
     engine: &mut EngineCore<CudaExecutor>,
-    reqs: &[Arrival],
+    reqs: &[Planned],
     vocab: u32,
     tag: &str,
 ) -> anyhow::Result<(Vec<Vec<TokenId>>, ExecCounters)> {
+    let arrivals: Vec<Arrival> = reqs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Arrival {
+            at: r.at,
+            prompt: prompt(i, r.prompt_len, vocab),
+            sampling: greedy(r.max_tokens),
+        })
+        .collect();
     let before = engine.executor_mut().counters();
-    let mut out = vec![Vec::new(); reqs.len()];
-    let mut done = 0;
-    let mut step = 0u64;
-    let mut next = 0;
-    while done < reqs.len() {
-        while next < reqs.len() && reqs[next].at <= step {
-            let r = &reqs[next];
-            engine.add_request(
-                Origin(0),
-                EngineCoreRequest {
-                    request_id: format!("{tag}-{next}"),
-                    prompt_token_ids: prompt(next, r.prompt_len, vocab),
-                    sampling: SamplingParams {
-                        ignore_eos: true,
-                        ..SamplingParams::greedy(r.max_tokens)
-                    },
-                    arrival_time: 0.0,
-                    cache_salt: None,
-                },
-            );
-            next += 1;
-        }
-        let progress = engine.step().map_err(|e| anyhow::anyhow!("{}", e.0))?;
-        step += 1;
-        for (_, o) in engine.take_outputs() {
-            let i: usize = o
-                .request_id
-                .rsplit('-')
-                .next()
-                .and_then(|x| x.parse().ok())
-                .context("request id")?;
-            out[i].extend_from_slice(&o.new_token_ids);
-            if let Some(f) = &o.finish {
-                ensure!(
-                    f.reason != FinishReason::Error,
-                    "request {i} failed: {:?}",
-                    f.message
-                );
-                done += 1;
-            }
-        }
-        ensure!(
-            progress == Progress::Worked || engine.has_work() || next < reqs.len(),
-            "engine idle with {} of {} requests unfinished",
-            reqs.len() - done,
-            reqs.len()
-        );
-        ensure!(step < 100_000, "scenario did not finish");
-    }
+    let out = run(engine, &arrivals, tag)?;
     let after = engine.executor_mut().counters();
     let delta = ExecCounters {
         graph_replays: after.graph_replays - before.graph_replays,
@@ -153,9 +115,9 @@ pub fn check_graphs(
     let mut failures = 0;
     for (name, reqs) in scenarios() {
         engine.executor_mut().use_graphs = true;
-        let (g, gc) = run(&mut engine, &reqs, vocab, &format!("{name}-g"))?;
+        let (g, gc) = run_planned(&mut engine, &reqs, vocab, &format!("{name}-g"))?;
         engine.executor_mut().use_graphs = false;
-        let (e, ec) = run(&mut engine, &reqs, vocab, &format!("{name}-e"))?;
+        let (e, ec) = run_planned(&mut engine, &reqs, vocab, &format!("{name}-e"))?;
         let same = g.iter().zip(&e).filter(|(a, b)| a == b).count();
         let first_diff = g
             .iter()

@@ -41,6 +41,7 @@ mod graphs;
 pub mod layout;
 mod meta;
 mod model;
+mod scenario;
 mod spec;
 pub mod spec_check;
 

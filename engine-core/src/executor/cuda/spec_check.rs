@@ -25,20 +25,13 @@
 use std::time::Instant;
 
 use anyhow::{ensure, Context};
-use harrier_shared::protocol::{EngineCoreRequest, FinishReason, SamplingParams, TokenId};
+use harrier_shared::protocol::{SamplingParams, TokenId};
 
+use super::scenario::{greedy, run, Arrival};
 use super::CudaExecutor;
 use crate::cli::{build_cuda_engine, EngineCoreArgs};
-use crate::engine::{EngineCore, Progress};
+use crate::engine::EngineCore;
 use crate::executor::Executor;
-use crate::request::Origin;
-
-/// One request: arrives before engine step `at`.
-struct Arrival {
-    at: u64,
-    prompt: Vec<TokenId>,
-    sampling: SamplingParams,
-}
 
 /// Prompts from `file` (a JSON list of token-id lists, or the parity fixture's
 /// `{"prompts": [{"prompt_ids": [..]}, ..]}`), else synthetic ones over `vocab`.
@@ -77,66 +70,6 @@ pub fn load_prompts(
         "a prompt token is outside the vocabulary ({vocab})"
     );
     Ok(out)
-}
-
-/// Runs `reqs` to completion; returns each request's tokens.
-fn run(
-    engine: &mut EngineCore<CudaExecutor>,
-    reqs: &[Arrival],
-    tag: &str,
-) -> anyhow::Result<Vec<Vec<TokenId>>> {
-    let mut out = vec![Vec::new(); reqs.len()];
-    let (mut done, mut step, mut next) = (0, 0u64, 0);
-    while done < reqs.len() {
-        while next < reqs.len() && reqs[next].at <= step {
-            let r = &reqs[next];
-            engine.add_request(
-                Origin(0),
-                EngineCoreRequest {
-                    request_id: format!("{tag}-{next}"),
-                    prompt_token_ids: r.prompt.clone(),
-                    sampling: r.sampling.clone(),
-                    arrival_time: 0.0,
-                    cache_salt: None,
-                },
-            );
-            next += 1;
-        }
-        let progress = engine.step().map_err(|e| anyhow::anyhow!("{}", e.0))?;
-        step += 1;
-        for (_, o) in engine.take_outputs() {
-            let i: usize = o
-                .request_id
-                .rsplit('-')
-                .next()
-                .and_then(|x| x.parse().ok())
-                .context("request id")?;
-            out[i].extend_from_slice(&o.new_token_ids);
-            if let Some(f) = &o.finish {
-                ensure!(
-                    f.reason != FinishReason::Error,
-                    "request {i} failed: {:?}",
-                    f.message
-                );
-                done += 1;
-            }
-        }
-        ensure!(
-            progress == Progress::Worked || engine.has_work() || next < reqs.len(),
-            "engine idle with {} of {} requests unfinished",
-            reqs.len() - done,
-            reqs.len()
-        );
-        ensure!(step < 200_000, "scenario did not finish");
-    }
-    Ok(out)
-}
-
-fn greedy(max_tokens: u32) -> SamplingParams {
-    SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(max_tokens)
-    }
 }
 
 fn at_once(
