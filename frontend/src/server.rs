@@ -169,6 +169,23 @@ fn bearer_matches(header: Option<&str>, key: &str) -> bool {
     std::hint::black_box(diff) == 0
 }
 
+/// Reads and drops a rejected body, up to twice the limit and for at most a second, before
+/// the 413 goes out (a lingering close): a client still writing its body would otherwise have
+/// its connection reset under it and never read the error. Larger bodies are cut off.
+async fn drain_rejected(mut body: Incoming, limit: usize) {
+    let cap = limit.saturating_mul(2);
+    let mut seen = 0usize;
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        while let Some(Ok(frame)) = body.frame().await {
+            seen += frame.data_ref().map_or(0, Bytes::len);
+            if seen > cap {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
 async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
     let declared = req
         .headers()
@@ -176,6 +193,7 @@ async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiErr
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
+        drain_rejected(req.into_body(), limit).await;
         return Err(ApiError::payload_too_large(limit));
     }
     match Limited::new(req.into_body(), limit).collect().await {
