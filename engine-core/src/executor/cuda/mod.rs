@@ -594,7 +594,8 @@ impl CudaExecutor {
                 target_kv_mib = (num_kv_blocks as usize * target_bpb) >> 20,
                 draft_kv_mib = (num_kv_blocks as usize * draft_bpb) >> 20,
                 draft_state_mib = s.state_bytes() >> 20,
-                "speculative decoding with a draft model on the GPU (the KV budget split by bytes per block; draft prefill beside the target's; no decode graphs)"
+                graphs = spec_graphs,
+                "speculative decoding with a draft model on the GPU (the KV budget split by bytes per block; draft prefill beside the target's; graphs only with HARRIER_SPEC_GRAPHS=1)"
             );
         }
         let usable = num_kv_blocks - 1;
