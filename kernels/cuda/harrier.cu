@@ -1223,6 +1223,13 @@ __device__ int block_draw(const float* w, int n, double u, SampleShared& sh) {
     return token;
 }
 
+// Sum of the kept weights w[0..n) (process_logits' output), in every thread.
+__device__ double block_total(const float* w, int n, SampleShared& sh) {
+    double total = 0.0;
+    for (int x = threadIdx.x; x < n; x += blockDim.x) total += (double)w[x];
+    return block_sum(total, sh.d);
+}
+
 // Records an emitted token in its row: the draw counter, and the output counts of rows with
 // penalties (one thread).
 __device__ __forceinline__ void record_token(RowParams* rp, int row, int vocab, int token,
@@ -1322,10 +1329,7 @@ extern "C" __global__ void draft_sample(float* logits, int vocab, const int* spe
     const ArgPart* pp = parts ? parts + (size_t)b * ARGMAX_PARTS : nullptr;
     int token = process_logits(lg, vocab, rp, row, gen, counts, seen, bias_ids, bias_vals, pp, sh);
     if (token < 0) {
-        double total = 0.0;
-        for (int x = threadIdx.x; x < vocab; x += blockDim.x) total += (double)lg[x];
-        total = block_sum(total, sh.d);
-        double inv = 1.0 / total;
+        double inv = 1.0 / block_total(lg, vocab, sh);
         float* qr = q + ((size_t)row * K + i) * vocab;
         for (int x = threadIdx.x; x < vocab; x += blockDim.x) qr[x] = (float)((double)lg[x] * inv);
         token = block_draw(lg, vocab, philox_uniform(rp->seed_lo ^ DRAFT_KEY_LO, rp->seed_hi ^ DRAFT_KEY_HI, (u64)gen),
@@ -1382,10 +1386,7 @@ extern "C" __global__ void spec_verify(float* logits, int vocab, const int* samp
                 token = g;
                 stop = g != t;
             } else {
-                double total = 0.0;
-                for (int x = threadIdx.x; x < vocab; x += blockDim.x) total += (double)lg[x];
-                total = block_sum(total, sh.d);
-                double inv = 1.0 / total;
+                double inv = 1.0 / block_total(lg, vocab, sh);
                 const float* qr = q ? q + ((size_t)row * K + i) * vocab : nullptr;
                 double p_t = (double)lg[t] * inv;
                 double q_t = qr ? (double)qr[t] : 1.0;

@@ -1234,6 +1234,9 @@ impl CudaExecutor {
         };
         // SAFETY: device addresses are our allocations; sizes within capacities.
         unsafe {
+            // Every step, whether or not a row is greedy (the host does not track it): one
+            // extra read of the logits (about 10 us at 64 rows of 128k), against a 52 us
+            // single-block scan per greedy row.
             self.kernels.row_argmax_parts(
                 st,
                 self.model.logits_ptr(),

@@ -171,6 +171,15 @@ fn acceptance(engine: &EngineCore<CudaExecutor>) -> String {
     )
 }
 
+/// A scenario's verdict: failed, identical, or different where bf16 is reported, not gated.
+fn verdict(ok: bool, identical: bool) -> &'static str {
+    match (ok, identical) {
+        (false, _) => "FAIL",
+        (true, true) => "ok",
+        (true, false) => "differ (bf16: reported, not gated)",
+    }
+}
+
 /// The check (see the module doc); prints one line per scenario, fails on any mismatch.
 pub fn check_spec(
     target: &std::path::Path,
@@ -208,11 +217,7 @@ pub fn check_spec(
             })
             .unwrap_or_default();
         let ok = lengths && (same == reqs.len() || !strict);
-        let verdict = match (ok, same == reqs.len()) {
-            (false, _) => "FAIL",
-            (true, true) => "ok",
-            (true, false) => "differ (bf16: reported, not gated)",
-        };
+        let verdict = verdict(ok, same == reqs.len());
         println!(
             "{name:>9}: {same}/{} greedy requests identical to the plain engine{first_diff} -> {verdict}",
             reqs.len(),
@@ -255,11 +260,7 @@ pub fn check_spec(
         let same = graphs.iter().zip(&eager).filter(|(a, b)| a == b).count();
         let replays = mid.graph_replays - before.graph_replays;
         let ok = replays > 0 && (same == reqs.len() || !strict);
-        let verdict = match (ok, same == reqs.len()) {
-            (false, _) => "FAIL",
-            (true, true) => "ok",
-            (true, false) => "differ (bf16: reported, not gated)",
-        };
+        let verdict = verdict(ok, same == reqs.len());
         println!(
             "{name:>9}: {same}/{} identical with graphs ({replays} replays) and eager -> {verdict}",
             reqs.len(),
