@@ -1351,8 +1351,9 @@ extern "C" __global__ void spec_verify(float* logits, int vocab, const int* samp
                                        const int* samp_draft, const int* logit_rows, const int* tok_src,
                                        const int* positions, RowParams* rows, int* out_tokens, int* out_counts,
                                        int* pending, int* kv_len, int* prev_tok, const int* proposals,
-                                       const float* q, int K, unsigned short* counts, const u32* seen,
-                                       const int* bias_ids, const float* bias_vals, const ArgPart* parts) {
+                                       const float* q, int K, const int* prop_count, int* hist, int hist_stride,
+                                       unsigned short* counts, const u32* seen, const int* bias_ids,
+                                       const float* bias_vals, const ArgPart* parts) {
     PDL_ENTER();
     __shared__ SampleShared sh;
     int k = blockIdx.x;
@@ -1362,15 +1363,20 @@ extern "C" __global__ void spec_verify(float* logits, int vocab, const int* samp
     int t0 = logit_rows[first];
     int pos0 = positions[t0], tok0 = tok_src[t0];
     const int* prop = proposals + row * K;
+    int* hrow = hist ? hist + (size_t)row * hist_stride : nullptr;
     if (rp->host_sampled) {
         if (threadIdx.x == 0) {
             kv_len[row] = pos0 + 1;
             prev_tok[row] = tok0;
             out_counts[k] = 1;
+            if (hrow && pos0 >= 0 && pos0 < hist_stride) hrow[pos0] = tok0;
         }
         return;
     }
+    // The proposals verified: what the host booked, or fewer when the n-gram lookup found
+    // fewer (its count per row).
     int nd = samp_draft[k];
+    if (prop_count) nd = min(nd, prop_count[row]);
     int emitted = 0, token = 0;
     for (int i = 0; i <= nd; i++) {
         float* lg = logits + (size_t)(first + i) * vocab;
@@ -1423,11 +1429,87 @@ extern "C" __global__ void spec_verify(float* logits, int vocab, const int* samp
         if (stop) break;
     }
     if (threadIdx.x == 0) {
-        out_counts[k] = emitted;
+        out_counts[k] = emitted | (nd << 16);
         pending[row] = token;
         kv_len[row] = pos0 + emitted;
         prev_tok[row] = emitted == 1 ? tok0 : prop[emitted - 2];
+        // The n-gram history gains the tokens whose KV this round computed and kept: the one at
+        // pos0 and the accepted proposals (the new pending token is read from `pending`).
+        if (hrow)
+            for (int j = 0; j < emitted && pos0 + j < hist_stride; j++)
+                if (pos0 + j >= 0) hrow[pos0 + j] = j == 0 ? tok0 : prop[j - 1];
     }
+}
+
+// N-gram prompt lookup on the device (RowSampler-free proposals, engine-core/src/spec.rs
+// `ngram_propose` is the reference): per row a token history `hist[row][0 .. kv_len)` (the
+// tokens with target KV; positions below hist_start[row] unknown, see ngram_init) followed by
+// the pending token is the context.
+
+// Row initialisations: block i copies the staged tokens of rows[i] (offsets[i] ..
+// offsets[i + 1], the row's first tokens) into its history and sets hist_start[row] to
+// starts[i] (0, or the first position of the row's first chunk when its cached prefix did
+// not fit the step's staging).
+extern "C" __global__ void ngram_init(int* hist, int stride, int* hist_start, const int* rows, const int* offsets,
+                                      const int* starts, const int* tokens) {
+    PDL_ENTER();
+    int i = blockIdx.x, row = rows[i];
+    int a = offsets[i], n = min(offsets[i + 1] - a, stride);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) hist[(size_t)row * stride + j] = tokens[a + j];
+    if (threadIdx.x == 0) hist_start[row] = starts[i];
+}
+
+// Records the step's host tokens (prefill chunks, before placement: decode entries still read
+// `pending`, tok_src < 0; graph padding has position -1) in their rows' histories.
+extern "C" __global__ void ngram_record(int* hist, int stride, const int* tok_src, const int* positions,
+                                        const int* tok_row, int n) {
+    PDL_ENTER();
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    int tok = tok_src[t], pos = positions[t];
+    if (tok >= 0 && pos >= 0 && pos < stride) hist[(size_t)tok_row[t] * stride + pos] = tok;
+}
+
+// Block b proposes for row spec_rows[b]: the longest suffix of the context (max_n tokens down
+// to min_n) that occurs earlier in it, at its latest earlier start, and the up to K tokens
+// that followed it; prop_count[row] says how many (0: no suffix recurs).
+extern "C" __global__ void ngram_propose(const int* hist, int stride, const int* hist_start, const int* kv_len,
+                                         const int* pending, const int* spec_rows, int min_n, int max_n,
+                                         int* proposals, int* prop_count, int K) {
+    PDL_ENTER();
+    __shared__ int best;
+    int row = spec_rows[blockIdx.x];
+    if (kv_len[row] < 0) {  // a graph's padding row
+        if (threadIdx.x == 0) prop_count[row] = 0;
+        return;
+    }
+    const int* h = hist + (size_t)row * stride;
+    int len = min(kv_len[row], stride) + 1, h0 = hist_start[row], last = pending[row];
+    auto tok = [&](int i) { return i == len - 1 ? last : h[i]; };
+    int count = 0;
+    for (int n = min(max_n, len - 1 - h0); n >= min_n && count == 0; n--) {
+        // Scan start positions from the latest down, a block-wide window at a time.
+        for (int hi = len - n - 1; hi >= h0; hi -= blockDim.x) {
+            if (threadIdx.x == 0) best = -1;
+            __syncthreads();
+            int s = hi - (int)threadIdx.x;
+            if (s >= h0) {
+                bool same = true;
+                for (int j = 0; j < n && same; j++) same = tok(s + j) == tok(len - n + j);
+                if (same) atomicMax(&best, s);
+            }
+            __syncthreads();
+            int b = best;
+            __syncthreads();
+            if (b >= 0) {
+                int from = b + n;
+                count = min(K, len - from);
+                for (int i = threadIdx.x; i < count; i += blockDim.x) proposals[row * K + i] = tok(from + i);
+                break;
+            }
+        }
+    }
+    if (threadIdx.x == 0) prop_count[row] = count;
 }
 
 // Copies float rows: out[i] = in[i] (used to keep raw logits for host-side sampling).

@@ -35,6 +35,9 @@ pub const KERNELS: &[&str] = &[
     "draft_sample",
     "spec_verify",
     "row_argmax_parts",
+    "ngram_init",
+    "ngram_record",
+    "ngram_propose",
     "copy_f32",
     "scatter_i32",
     "apply_token_mask",
@@ -323,6 +326,20 @@ pub struct SpecRows {
     pub proposals: u64,
     pub q: u64,
     pub k: i32,
+    /// N-gram proposals: how many each row has (`[rows]` i32; 0: the host's counts) and the
+    /// token histories `spec_verify` extends.
+    pub prop_count: u64,
+    pub hist: NgramHist,
+}
+
+/// The per-row token histories of n-gram proposals (see `ngram_propose` in the source):
+/// `hist` (`[rows, stride]` i32; 0: none) and `start` (`[rows]` i32: the first known
+/// position).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NgramHist {
+    pub hist: u64,
+    pub stride: i32,
+    pub start: u64,
 }
 
 /// A step's per-token metadata sections that `spec_place` writes (and the rows it reads).
@@ -1180,7 +1197,10 @@ impl Kernels {
             proposals,
             q,
             k,
+            prop_count,
+            hist,
         } = spec;
+        let (hist, hist_stride) = (hist.hist, hist.stride);
         let st = state.ptrs();
         let mut p = params![
             logits,
@@ -1200,6 +1220,9 @@ impl Kernels {
             proposals,
             q,
             k,
+            prop_count,
+            hist,
+            hist_stride,
             st[0],
             st[1],
             st[2],
@@ -1208,6 +1231,74 @@ impl Kernels {
         ];
         // SAFETY: argument types match the kernel's.
         unsafe { self.launch("spec_verify", (n, 1, 1), 1024, s, &mut p) }
+    }
+
+    /// Sets the n-gram histories of `n` re-initialised rows `rows[i]`: the staged tokens
+    /// `tokens[offsets[i] .. offsets[i + 1]]` from position 0, and the first known position
+    /// `starts[i]`.
+    ///
+    /// # Safety
+    /// Device addresses must be valid; `offsets` holds `n + 1` entries.
+    pub unsafe fn ngram_init(
+        &self,
+        s: sys::CUstream,
+        h: NgramHist,
+        (rows, offsets, starts, tokens): (u64, u64, u64, u64),
+        n: u32,
+    ) -> anyhow::Result<()> {
+        let (hist, stride, start) = (h.hist, h.stride, h.start);
+        let mut p = params![hist, stride, start, rows, offsets, starts, tokens];
+        // SAFETY: argument types match the kernel's.
+        unsafe { self.launch("ngram_init", (n, 1, 1), 256, s, &mut p) }
+    }
+
+    /// Records the host tokens among `n` metadata tokens in their rows' n-gram histories.
+    ///
+    /// # Safety
+    /// Device addresses must be valid; rows inside the histories.
+    pub unsafe fn ngram_record(
+        &self,
+        s: sys::CUstream,
+        h: NgramHist,
+        meta: TokenMeta,
+        n: u32,
+    ) -> anyhow::Result<()> {
+        let (hist, stride) = (h.hist, h.stride);
+        let (tok_src, positions, tok_row) = (meta.tok_src, meta.positions, meta.tok_row);
+        let n_tokens = n as i32;
+        let mut p = params![hist, stride, tok_src, positions, tok_row, n_tokens];
+        // SAFETY: argument types match the kernel's.
+        unsafe { self.launch("ngram_record", (n.div_ceil(256), 1, 1), 256, s, &mut p) }
+    }
+
+    /// N-gram proposals for `n` rows `spec_rows[b]` (suffixes of `min_n ..= max_n` tokens)
+    /// into `spec.proposals`, their counts into `spec.prop_count`.
+    ///
+    /// # Safety
+    /// Device addresses must be valid; `spec.prop_count` and `spec.hist` set.
+    pub unsafe fn ngram_propose(
+        &self,
+        s: sys::CUstream,
+        spec: SpecRows,
+        spec_rows: u64,
+        (min_n, max_n): (i32, i32),
+        n: u32,
+    ) -> anyhow::Result<()> {
+        let SpecRows {
+            kv_len,
+            pending,
+            proposals,
+            k,
+            prop_count,
+            hist: h,
+            ..
+        } = spec;
+        let (hist, stride, start) = (h.hist, h.stride, h.start);
+        let mut p = params![
+            hist, stride, start, kv_len, pending, spec_rows, min_n, max_n, proposals, prop_count, k
+        ];
+        // SAFETY: argument types match the kernel's.
+        unsafe { self.launch("ngram_propose", (n, 1, 1), 128, s, &mut p) }
     }
 
     /// Resets the sampling state of `n` rows `rows[i]` (penalty counts and prompt bits, logit

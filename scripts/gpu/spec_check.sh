@@ -16,8 +16,13 @@
 #   shapes:   bench-spec at batch 1 on random checkpoints (acceptance is meaningless there; the
 #             round time is not): 3B target with the 1B shape as draft, 8B with the 1B shape:
 #             per-round time and the tokens per round at which each breaks even;
+#   ngram:    n-gram lookup (--ngram 1-4) on the committed target with the held-out prompts
+#             repeated 3 times: check-spec in f32 and bf16 (f32: greedy equality and the
+#             device's lookups against the CPU backend's), then bench-spec (prompts x4);
 #   trained:  trains trained-llama-1b and trained-draft-2l-distilled (scripts/train, ~6 min on
-#             an H100), then check-spec and bench-spec on them (needs .gpu/llama3/tokenizer.json).
+#             an H100), then check-spec and bench-spec on them (needs .gpu/llama3/tokenizer.json);
+#             TRAINED_NGRAM=1 also benches n-gram lookup on the 1B (prompts x NGRAM_REPEAT).
+# HARRIER_SPEC_GRAPHS (0, 1, rounds, decode) and HARRIER_SPEC_CHECK_PREFIX_CACHE=1 pass through.
 # Build and carry .gpu/ as for cuda_check.sh. STAGES (default "sampler cpu-pair random"),
 # BATCHES (default 1,4,16,64), MAX_TOKENS (default 256), CPU_PAIR_KS (default "1 4 7"),
 # CPU_PAIR_F32=1 (check the pair in f32, where greedy equality is gated), CPU_PAIR_BENCH=0,
@@ -50,6 +55,17 @@ for st in $STAGES; do
         [[ "${CPU_PAIR_BENCH:-1}" == 1 ]] && timeout 200 "$T" bench-spec --model $models/harrier-cpu --draft $models/harrier-cpu-draft \
             --prompts $fixture --batches "$BATCHES" --max-tokens "$MAX_TOKENS" 2>&1 | grep -v INFO | tee -a "$OUT/cpu-pair.txt" || status=1
         ;;
+    ngram)
+        # N-gram lookup on the device: check-spec on the committed target (f32 gates greedy
+        # equality and the lookups against the CPU backend's), on prompts repeated 3 times.
+        for f32 in ${NGRAM_F32:-1 0}; do
+            echo "## ngram 1-4, harrier-cpu, f32=$f32, graphs=${HARRIER_SPEC_GRAPHS:-0}" | tee -a "$OUT/ngram.txt"
+            HARRIER_SPEC_CHECK_F32=$f32 timeout 200 "$T" check-spec --model $models/harrier-cpu --ngram 1-4 \
+                --prompts $fixture --repeat 3 --k 4 2>&1 | grep -v INFO | tee -a "$OUT/ngram.txt" || status=1
+        done
+        [[ "${NGRAM_BENCH:-1}" == 1 ]] && { timeout 200 "$T" bench-spec --model $models/harrier-cpu --ngram 1-4 --prompts $fixture \
+            --repeat 4 --batches "$BATCHES" --max-tokens "$MAX_TOKENS" 2>&1 | grep -v INFO | tee -a "$OUT/ngram.txt" || status=1; }
+        ;;
     random)
         gen llama-3.2-1b
         m="$W/llama-3.2-1b"
@@ -77,8 +93,13 @@ for st in $STAGES; do
         [[ -f "$p" ]] || p=""
         [[ "${TRAINED_CHECK:-1}" == 1 ]] && { timeout 240 "$T" check-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
             ${p:+--prompts "$p"} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1; }
-        timeout 300 "$T" bench-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
-            ${p:+--prompts "$p"} --batches "$BATCHES" --max-tokens "$MAX_TOKENS" ${DISABLE_ABOVE:+--disable-above $DISABLE_ABOVE} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
+        [[ "${TRAINED_DRAFT_BENCH:-1}" == 1 ]] && { timeout 300 "$T" bench-spec --model "$TW/gpu/trained-llama-1b" --draft "$TW/gpu/trained-draft-2l-distilled" \
+            ${p:+--prompts "$p"} --batches "$BATCHES" --max-tokens "$MAX_TOKENS" ${DISABLE_ABOVE:+--disable-above $DISABLE_ABOVE} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1; }
+        if [[ "${TRAINED_NGRAM:-0}" == 1 ]]; then
+            echo "## n-gram 1-4 on the trained 1B, prompts repeated ${NGRAM_REPEAT:-3} times" | tee -a "$OUT/trained.txt"
+            timeout 300 "$T" bench-spec --model "$TW/gpu/trained-llama-1b" --ngram 1-4 ${p:+--prompts "$p"} --repeat "${NGRAM_REPEAT:-3}" \
+                --batches "$BATCHES" --max-tokens "$MAX_TOKENS" ${DISABLE_ABOVE:+--disable-above $DISABLE_ABOVE} 2>&1 | grep -v INFO | tee -a "$OUT/trained.txt" || status=1
+        fi
         ;;
     serve)
         prompts=("def fibonacci(n):" "import os" "class Stack:" "The quick brown fox" "for i in range(10):")

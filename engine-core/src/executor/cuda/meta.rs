@@ -344,6 +344,69 @@ pub(crate) fn fill_draft_step(meta: &mut [i32], l: &MetaLayout, batch: &ExecBatc
     c
 }
 
+/// Tokens of n-gram history one step can stage for its row inits (256 KiB of pinned memory
+/// per slot): a row whose cached prefix does not fit starts its history at its first chunk.
+pub(crate) const NGRAM_STAGE_TOKENS: usize = 1 << 16;
+
+/// Offsets of the n-gram staging sections (`[rows: R | starts: R | offsets: R + 1 |
+/// tokens]`, R = `max_rows`): (rows, starts, offsets, tokens).
+pub(crate) fn ngram_stage_sections(max_rows: usize) -> (usize, usize, usize, usize) {
+    (0, max_rows, 2 * max_rows, 3 * max_rows + 1)
+}
+
+/// Words of an n-gram staging buffer.
+pub(crate) fn ngram_stage_words(max_rows: usize) -> usize {
+    ngram_stage_sections(max_rows).3 + NGRAM_STAGE_TOKENS
+}
+
+/// Stages the n-gram histories of `batch`'s row inits into `buf` for `ngram_init`: per init
+/// its row, the tokens before its first chunk in this step (prompt then earlier output: the
+/// cached prefix, or everything when the row has no chunk) and the history's first known
+/// position (0, or that chunk's position when its tokens did not fit). Later positions come
+/// from the chunks themselves (`ngram_record`). Returns the number of inits staged.
+pub(crate) fn stage_ngram_inits(buf: &mut [i32], max_rows: usize, batch: &ExecBatch) -> usize {
+    let (rows, starts, offsets, tokens) = ngram_stage_sections(max_rows);
+    let mut used = 0;
+    for (i, init) in batch.row_inits.iter().enumerate() {
+        let context = init.prompt.iter().chain(&init.output);
+        let known = init.prompt.len() + init.output.len();
+        let before = batch
+            .seqs
+            .iter()
+            .find(|q| q.row == init.row)
+            .map_or(known, |q| (q.position as usize).min(known));
+        let fits = used + before <= NGRAM_STAGE_TOKENS;
+        buf[rows + i] = init.row.0 as i32;
+        buf[offsets + i] = used as i32;
+        if fits {
+            for (dst, &t) in buf[tokens + used..tokens + used + before]
+                .iter_mut()
+                .zip(context)
+            {
+                *dst = t as i32;
+            }
+            used += before;
+            buf[starts + i] = 0;
+        } else {
+            tracing::debug!(
+                row = init.row.0,
+                tokens = before,
+                "n-gram history: the cached prefix does not fit this step's staging; the row's lookups start at its first chunk"
+            );
+            buf[starts + i] = before as i32;
+        }
+    }
+    let n = batch.row_inits.len();
+    buf[offsets + n] = used as i32;
+    n
+}
+
+/// Words of `buf` to upload after [`stage_ngram_inits`] staged `n` inits.
+pub(crate) fn ngram_staged_words(buf: &[i32], max_rows: usize, n: usize) -> usize {
+    let (_, _, offsets, tokens) = ngram_stage_sections(max_rows);
+    tokens + buf[offsets + n] as usize
+}
+
 /// Reads a speculative step's output words (`[counts: max_seqs | tokens: n × (k + 1)]`, from
 /// `spec_verify`) into `out`: per sampled sequence its emitted tokens and the proposals it
 /// verified (`drafts`, as `fill_step` wrote them: 0 for host-sampled rows, whose one token
@@ -362,17 +425,19 @@ pub(crate) fn read_spec_output(
             out.push_one(tok, lp);
             continue;
         }
-        let c = words[j];
+        // The count word: emitted tokens, and above bit 16 the proposals verified (fewer
+        // than booked when an n-gram lookup found fewer).
+        let (c, v) = (words[j] & 0xffff, words[j] >> 16);
         anyhow::ensure!(
-            c >= 1 && c <= 1 + d,
-            "sequence {j} of the step emitted {c} tokens for a round of {d} proposals"
+            (0..=d).contains(&v) && c >= 1 && c <= 1 + v,
+            "sequence {j} of the step emitted {c} tokens for a round of {v} proposals ({d} booked)"
         );
         let at = max_seqs + j * (k + 1);
         out.tokens
             .extend(words[at..at + c as usize].iter().map(|&t| t as TokenId));
         out.logprobs.extend((0..c).map(|_| None));
         out.counts.push(c as u32);
-        out.proposed.push(d as u32);
+        out.proposed.push(v as u32);
     }
     Ok(())
 }
@@ -380,19 +445,24 @@ pub(crate) fn read_spec_output(
 /// Fills token rows `range` with graph padding: token 0, position -1 (attention reads
 /// nothing and writes zeros), a KV slot in `scratch_block` (never a request's block), the
 /// padding row's block table, and logits from the row itself.
+///
+/// With speculation the graph also places `range.end` decode entries, of which the step
+/// wrote `placed`: the rest become no-ops (no tokens). They are not `range`'s tokens: a
+/// sequence with host tokens (a one-token prefill after a prefix-cache hit) is a decode-only
+/// step's token but no placement entry, so entries and tokens need not line up, and a stale
+/// entry from an earlier step would move another row's tokens.
 pub(crate) fn fill_padding(
     meta: &mut [i32],
     l: &MetaLayout,
-    range: Range<usize>,
+    (range, placed): (Range<usize>, usize),
     (scratch_block, local_scratch): (usize, Option<usize>),
     block_size: usize,
     pad_row: usize,
 ) {
     if l.place_n > l.place_first {
-        // Speculation: padding entries are placed too (their row's kv_len < 0 keeps them).
-        for i in range.clone() {
-            meta[l.place_first + i] = i as i32;
-            meta[l.place_n + i] = 1;
+        for e in placed..range.end {
+            meta[l.place_first + e] = 0;
+            meta[l.place_n + e] = 0;
         }
     }
     for i in range {
@@ -905,7 +975,7 @@ mod tests {
     #[test]
     fn padding_rows_touch_only_the_scratch_block() {
         let (_, l, mut meta) = setup();
-        fill_padding(&mut meta, &l, 3..6, (9, None), 4, 4);
+        fill_padding(&mut meta, &l, (3..6, 3), (9, None), 4, 4);
         assert_eq!(&meta[l.positions + 3..l.positions + 6], [-1, -1, -1]);
         assert_eq!(&meta[l.slot_mapping + 3..l.slot_mapping + 6], [39, 36, 37]);
         assert_eq!(&meta[l.tok_row + 3..l.tok_row + 6], [4, 4, 4]);
@@ -968,7 +1038,7 @@ mod tests {
             [8, 9, 10, 11, 20, 21]
         );
         assert_eq!(rows[0].as_ref().unwrap().local_block_table, [2, 5]);
-        fill_padding(&mut meta, &l, 6..8, (9, Some(11)), 4, 4);
+        fill_padding(&mut meta, &l, (6..8, 6), (9, Some(11)), 4, 4);
         assert_eq!(
             &meta[l.slot_mapping_local + 6..l.slot_mapping_local + 8],
             [46, 47]
@@ -1161,8 +1231,9 @@ mod tests {
     fn speculative_outputs_are_read_per_sequence() {
         let (max_seqs, k) = (4, 3);
         let mut words = vec![0; max_seqs * (k + 2)];
-        // Counts of 3 sequences: a prefill's sample, a round accepting 2 of 3, a host row.
-        words[..3].copy_from_slice(&[1, 3, 1]);
+        // Counts of 3 sequences: a prefill's sample, a round accepting 2 of 3, a host row
+        // (emitted | verified << 16).
+        words[..3].copy_from_slice(&[1, 3 | 3 << 16, 1]);
         let tok = |j: usize| max_seqs + j * (k + 1);
         words[tok(0)] = 70;
         words[tok(1)..tok(1) + 3].copy_from_slice(&[71, 72, 73]);
@@ -1175,10 +1246,27 @@ mod tests {
         assert_eq!(out.proposed, [0, 3, 0]);
         assert_eq!(out.logprobs.len(), 5);
         assert!(host.is_empty());
+        // An n-gram round that found 1 proposal of the 3 booked, and accepted it.
+        words[1] = 2 | 1 << 16;
+        let mut out = StepOutput::default();
+        read_spec_output(
+            &words,
+            (max_seqs, k),
+            &[0, 3, 0],
+            &mut vec![(2, 99, None)],
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(
+            (&out.counts[..], &out.proposed[..]),
+            (&[1, 2, 1][..], &[0, 1, 0][..])
+        );
         // A count the round cannot produce is an error, not a guess.
-        words[1] = 5;
-        let e = read_spec_output(&words, (max_seqs, k), &[0, 3, 0], &mut vec![], &mut out);
-        assert!(e.unwrap_err().to_string().contains("emitted 5 tokens"));
+        for bad in [5 | 3 << 16, 3 | 1 << 16, 1 | 4 << 16] {
+            words[1] = bad;
+            let e = read_spec_output(&words, (max_seqs, k), &[0, 3, 0], &mut vec![], &mut out);
+            assert!(e.unwrap_err().to_string().contains("tokens for a round of"));
+        }
         words[1] = 0;
         assert!(read_spec_output(&words, (max_seqs, k), &[0, 3], &mut vec![], &mut out).is_err());
     }
@@ -1268,5 +1356,116 @@ mod tests {
         ] {
             assert!(sec(off, len).iter().all(|&s| (36..40).contains(&s)));
         }
+    }
+
+    /// The token rows `spec_place` rewrites for `entries` placement entries (as the kernel
+    /// walks them: rows whose `kv_len` is negative, here `pad_row`, keep theirs).
+    fn placed_tokens(meta: &[i32], l: &MetaLayout, entries: usize, pad_row: i32) -> Vec<usize> {
+        let mut out = vec![];
+        for e in 0..entries {
+            let (t0, n) = (
+                meta[l.place_first + e] as usize,
+                meta[l.place_n + e] as usize,
+            );
+            if meta[l.tok_row + t0] != pad_row {
+                out.extend(t0..t0 + n);
+            }
+        }
+        out
+    }
+
+    /// A decode graph of a speculative engine places its bucket's entries. A one-token
+    /// prefill (host token, no entry) among decode rows leaves fewer entries than tokens: the
+    /// entries after the step's own must not be what a step of rounds left there (the graph
+    /// would then move the prefill's token to another row's length: wrong first tokens).
+    #[test]
+    fn decode_graph_padding_places_only_the_steps_entries() {
+        let caps = Capacities::new(64, 4, 64, 4).with_spec(3, 64);
+        let l = MetaLayout::new(&caps);
+        let mut meta = vec![i32::MIN; l.len];
+        let mut rows: Vec<Option<HostRow>> = (0..4).map(|_| Some(HostRow::new(None))).collect();
+        for r in rows.iter_mut().flatten() {
+            r.block_table = vec![1, 2, 3];
+            r.has_pending = true;
+        }
+        let round = |row: u32| SeqInput {
+            draft: 3,
+            ..seq(row, 4, 4, (0, 0), (0, 0))
+        };
+        let rounds = ExecBatch {
+            seqs: vec![round(0), round(1), round(2)],
+            ..Default::default()
+        };
+        fill_step(&mut meta, &l, &caps, &rounds, &mut rows, &mut vec![], true);
+        // Rows 0 and 2 decode; row 3 prefills its last prompt token (the rest was cached).
+        let step = ExecBatch {
+            seqs: vec![
+                seq(0, 8, 1, (0, 0), (0, 0)),
+                seq(3, 5, 1, (0, 1), (0, 0)),
+                seq(2, 8, 1, (0, 0), (0, 0)),
+            ],
+            host_tokens: vec![7],
+            ..Default::default()
+        };
+        assert!(is_decode_only(&step));
+        let n = fill_step(&mut meta, &l, &caps, &step, &mut rows, &mut vec![], true);
+        assert_eq!((n.tokens, n.placed), (3, 2));
+        fill_padding(&mut meta, &l, (3..4, n.placed), (9, None), 4, 4);
+        assert_eq!(placed_tokens(&meta, &l, 4, 4), [0, 2]);
+        assert_eq!(meta[l.tok_src + 1], 7);
+        // Capture-time padding of a whole bucket places nothing.
+        fill_padding(&mut meta, &l, (0..4, 0), (9, None), 4, 4);
+        assert_eq!(placed_tokens(&meta, &l, 4, 4), Vec::<usize>::new());
+    }
+
+    /// Row inits stage the tokens before their first chunk (the cached prefix; everything
+    /// for a row without a chunk), prompt then output; a prefix past the staging capacity is
+    /// left out and its row's history starts at the chunk.
+    #[test]
+    fn ngram_inits_stage_the_tokens_before_the_first_chunk() {
+        let max_rows = 4;
+        let mut buf = vec![-7; ngram_stage_words(max_rows)];
+        let (rows, starts, offsets, tokens) = ngram_stage_sections(max_rows);
+        let batch = ExecBatch {
+            row_inits: vec![
+                row_init(2, SamplingParams::greedy(4), vec![10, 11, 12, 13], vec![]),
+                row_init(0, SamplingParams::greedy(4), vec![20, 21], vec![22, 23]),
+                row_init(3, SamplingParams::greedy(4), vec![30, 31, 32], vec![]),
+            ],
+            seqs: vec![
+                seq(2, 3, 1, (0, 1), (0, 0)),
+                seq(0, 0, 4, (1, 4), (0, 0)),
+                // Row 3 has no chunk this step: its whole context is staged.
+            ],
+            host_tokens: vec![13, 20, 21, 22, 23],
+            ..Default::default()
+        };
+        let n = stage_ngram_inits(&mut buf, max_rows, &batch);
+        assert_eq!(n, 3);
+        assert_eq!(&buf[rows..rows + 3], [2, 0, 3]);
+        assert_eq!(&buf[starts..starts + 3], [0, 0, 0]);
+        assert_eq!(&buf[offsets..offsets + 4], [0, 3, 3, 6]);
+        assert_eq!(&buf[tokens..tokens + 6], [10, 11, 12, 30, 31, 32]);
+        assert_eq!(ngram_staged_words(&buf, max_rows, n), tokens + 6);
+        // A cached prefix larger than what is left: nothing staged, the history starts at
+        // the chunk.
+        let long: Vec<u32> = (0..NGRAM_STAGE_TOKENS as u32 + 8).collect();
+        let batch = ExecBatch {
+            row_inits: vec![
+                row_init(1, SamplingParams::greedy(4), vec![5, 6], vec![]),
+                row_init(2, SamplingParams::greedy(4), long, vec![]),
+            ],
+            seqs: vec![
+                seq(1, 1, 1, (0, 1), (0, 0)),
+                seq(2, NGRAM_STAGE_TOKENS as u32 + 4, 4, (1, 4), (0, 0)),
+            ],
+            host_tokens: vec![6, 1, 2, 3, 4],
+            ..Default::default()
+        };
+        let n = stage_ngram_inits(&mut buf, max_rows, &batch);
+        assert_eq!(&buf[starts..starts + 2], [0, NGRAM_STAGE_TOKENS as i32 + 4]);
+        assert_eq!(&buf[offsets..offsets + 3], [0, 1, 1]);
+        assert_eq!(buf[tokens], 5);
+        assert_eq!(ngram_staged_words(&buf, max_rows, n), tokens + 1);
     }
 }

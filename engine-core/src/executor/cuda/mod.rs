@@ -62,6 +62,7 @@ use graphs::{DecodeGraph, GraphAddrs};
 use layout::{Capacities, GraphBuckets, MetaLayout};
 use meta::HostRow;
 pub use model::GpuModel;
+pub use spec::{CudaProposer, CudaSpecConfig};
 
 /// Whether the CUDA driver library can be loaded and reports at least one device.
 pub fn cuda_present() -> bool {
@@ -217,9 +218,9 @@ pub struct CudaExecutorConfig {
     /// Store the projections and the output head in FP8 (`--quantization fp8`; bf16 only).
     /// FP8 checkpoints are FP8 without it.
     pub fp8: bool,
-    /// Speculative decoding with a draft model (`--speculative-model`): its directory and the
-    /// proposals per round (see [`spec`]).
-    pub speculative: Option<(std::path::PathBuf, usize)>,
+    /// Speculative decoding (`--speculative-model`, `--speculative-method ngram`): the
+    /// proposer and the proposals per round (see [`spec`]).
+    pub speculative: Option<CudaSpecConfig>,
 }
 
 /// Words of row state (penalty rows' prompt and output tokens, logit_bias pairs) one step can
@@ -246,9 +247,14 @@ struct Slot {
     /// Row-state inits (`meta::stage_row_state`): `[rows | offsets (3 max_rows + 1) | data]`.
     state_h: HostBuf<i32>,
     state_d: DevBuf,
+    /// N-gram speculation: row inits' history tokens (`meta::stage_ngram_inits`).
+    ngram: Option<(HostBuf<i32>, DevBuf)>,
     step_start: sys::CUevent,
     step_done: sys::CUevent,
     copy_done: sys::CUevent,
+    /// Recorded after an eager speculative step's proposer work when timing (`record_gaps`).
+    draft_done: sys::CUevent,
+    drafted: bool,
     // The step in flight.
     n_samples: usize,
     /// Logits rows of the step (`n_samples` unless it has speculative rounds).
@@ -266,6 +272,9 @@ struct Slot {
 pub struct GapStats {
     pub gaps_ms: Vec<f32>,
     pub step_ms: Vec<f32>,
+    /// Eager speculative steps with proposer work: the proposer's share of `step_ms` (from the
+    /// step's start to the end of its drafting; graph replays cannot be split).
+    pub draft_ms: Vec<f32>,
 }
 
 pub struct CudaExecutor {
@@ -404,11 +413,11 @@ impl CudaExecutor {
             cfg.block_size as usize,
         );
         caps.hybrid = cfg.local_kv_blocks.is_some();
-        if let Some((_, k)) = &cfg.speculative {
+        if let Some(sc) = &cfg.speculative {
             if caps.hybrid {
                 bail!("speculative decoding does not combine with window-sized KV yet");
             }
-            caps = caps.with_spec(*k, cfg.max_model_len as usize);
+            caps = caps.with_spec(sc.k, cfg.max_model_len as usize);
         }
         let elem = cfg.dtype.size();
         let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
@@ -422,17 +431,7 @@ impl CudaExecutor {
         }
         let mut spec = match &cfg.speculative {
             None => None,
-            Some((path, k)) => {
-                let ddir = ModelDir::open(path).with_context(|| {
-                    format!("opening the draft model directory {}", path.display())
-                })?;
-                crate::spec::check_draft(dir, &ddir)?;
-                check_head_layout(&ddir.config)
-                    .with_context(|| format!("draft model {}", path.display()))?;
-                Some(spec::SpecDecoder::load(
-                    &ddir, compute, &caps, cfg.dtype, *k,
-                )?)
-            }
+            Some(sc) => Some(spec::SpecDecoder::load(sc, dir, compute, &caps, cfg.dtype)?),
         };
         let layout = MetaLayout::new(&caps);
         let max_rows = caps.max_seqs;
@@ -485,9 +484,18 @@ impl CudaExecutor {
                 host_tok_d: DevBuf::new(2 * max_rows * 4)?,
                 state_h: HostBuf::new(4 * max_rows + 1 + ROW_STATE_WORDS_PER_STEP)?,
                 state_d: DevBuf::new((4 * max_rows + 1 + ROW_STATE_WORDS_PER_STEP) * 4)?,
+                ngram: match spec.as_ref().and_then(|s| s.ngram_hist()) {
+                    Some(_) => {
+                        let words = meta::ngram_stage_words(max_rows);
+                        Some((HostBuf::new(words)?, DevBuf::new(words * 4)?))
+                    }
+                    None => None,
+                },
                 step_start: new_event(true)?,
                 step_done: new_event(true)?,
                 copy_done: new_event(false)?,
+                draft_done: new_event(true)?,
+                drafted: false,
                 n_samples: 0,
                 n_logits: 0,
                 host_samples: Vec::new(),
@@ -505,21 +513,21 @@ impl CudaExecutor {
         // With speculation, graphs only on request (`HARRIER_SPEC_GRAPHS=1`): the round and
         // placed-decode graphs failed their device check (see [`spec`]); speculative steps run
         // eagerly as checked.
-        let spec_graphs = std::env::var("HARRIER_SPEC_GRAPHS").is_ok_and(|v| v == "1");
-        let graph_sizes: &[usize] = match (&spec, spec_graphs) {
+        let spec_graphs = spec::SpecGraphs::from_env()?;
+        let graph_sizes: &[usize] = match (&spec, spec_graphs.decode) {
             (Some(_), false) => &[],
             _ => &cfg.graph_sizes,
         };
         let buckets = GraphBuckets::new(graph_sizes, caps.max_seqs.min(caps.max_tokens));
         // Steps of rounds: (1 + k) tokens per sequence within the token budget.
         let round_buckets = match &spec {
-            Some(sp) => GraphBuckets::new(
-                graph_sizes,
+            Some(sp) if spec_graphs.rounds => GraphBuckets::new(
+                &cfg.graph_sizes,
                 (caps.max_tokens / (1 + sp.k))
                     .min(caps.max_seqs)
                     .min(spec::ROUND_GRAPH_MAX_SEQS),
             ),
-            None => GraphBuckets::new(&[], 0),
+            _ => GraphBuckets::new(&[], 0),
         };
         let num_graphs = (buckets.sizes().len() + round_buckets.sizes().len()) * NUM_SLOTS;
         let dropped: Vec<usize> = graph_sizes
@@ -539,8 +547,8 @@ impl CudaExecutor {
         let local_bpb = layout::local_kv_bytes_per_block(&mc, caps.block_size, elem);
         let bpb = if caps.hybrid { bpb - local_bpb } else { bpb };
         // The draft's KV shares the target's block ids: one block costs both.
-        let draft_bpb = spec.as_ref().map_or(0, |s| {
-            layout::kv_bytes_per_block(&s.draft.config, caps.block_size, elem)
+        let draft_bpb = spec.as_ref().and_then(|s| s.draft()).map_or(0, |d| {
+            layout::kv_bytes_per_block(&d.config, caps.block_size, elem)
         });
         let bpb = bpb + draft_bpb;
         let (free, total) = ck(dr::mem_get_info(), "cuMemGetInfo")?;
@@ -584,19 +592,29 @@ impl CudaExecutor {
             caps.block_size,
         )?;
         if let Some(s) = &mut spec {
-            s.draft.fused_max_rows = cfg.fused_max_rows;
-            s.draft
-                .alloc_kv(num_kv_blocks as usize, None, caps.block_size)?;
-            let target_bpb = bpb - draft_bpb;
-            tracing::info!(
-                k = s.k,
-                draft_weights_mib = s.draft.weight_bytes >> 20,
-                target_kv_mib = (num_kv_blocks as usize * target_bpb) >> 20,
-                draft_kv_mib = (num_kv_blocks as usize * draft_bpb) >> 20,
-                draft_state_mib = s.state_bytes() >> 20,
-                graphs = spec_graphs,
-                "speculative decoding with a draft model on the GPU (the KV budget split by bytes per block; draft prefill beside the target's; graphs only with HARRIER_SPEC_GRAPHS=1)"
-            );
+            let (state_mib, k) = (s.state_bytes() >> 20, s.k);
+            match s.draft_mut() {
+                Some(d) => {
+                    d.fused_max_rows = cfg.fused_max_rows;
+                    d.alloc_kv(num_kv_blocks as usize, None, caps.block_size)?;
+                    let target_bpb = bpb - draft_bpb;
+                    tracing::info!(
+                        k,
+                        draft_weights_mib = d.weight_bytes >> 20,
+                        target_kv_mib = (num_kv_blocks as usize * target_bpb) >> 20,
+                        draft_kv_mib = (num_kv_blocks as usize * draft_bpb) >> 20,
+                        draft_state_mib = state_mib,
+                        graphs = ?spec_graphs,
+                        "speculative decoding with a draft model on the GPU (the KV budget split by bytes per block; draft prefill beside the target's)"
+                    );
+                }
+                None => tracing::info!(
+                    k = s.k,
+                    history_mib = state_mib,
+                    graphs = ?spec_graphs,
+                    "speculative decoding with n-gram lookup on the GPU (per-row token histories on the device)"
+                ),
+            }
         }
         let usable = num_kv_blocks - 1;
         let mut info = CudaStartInfo {
@@ -721,9 +739,6 @@ impl CudaExecutor {
         }
     }
 
-    /// Fills `range` of the slot's token rows with padding: token 0, position -1 (attention
-    /// reads nothing), KV written into the scratch block, the padding row's block table, and
-    /// logits from the row itself.
     /// Fills sequences `range` of a step of rounds with graph padding
     /// ([`meta::fill_round_padding`]).
     fn fill_round_padding(&mut self, slot: usize, range: std::ops::Range<usize>, k: usize) {
@@ -737,11 +752,13 @@ impl CudaExecutor {
         );
     }
 
-    fn fill_padding(&mut self, slot: usize, range: std::ops::Range<usize>) {
+    /// Fills token rows `range` with graph padding; placement entries from `placed` on
+    /// become no-ops ([`meta::fill_padding`]).
+    fn fill_padding(&mut self, slot: usize, range: std::ops::Range<usize>, placed: usize) {
         meta::fill_padding(
             self.slots[slot].meta_h.as_mut_slice(),
             &self.layout,
-            range,
+            (range, placed),
             (
                 self.num_kv_blocks as usize,
                 self.num_local_kv_blocks.map(|n| n as usize),
@@ -789,7 +806,7 @@ impl CudaExecutor {
                 if rounds {
                     self.fill_round_padding(slot, 0..largest, k);
                 } else {
-                    self.fill_padding(slot, 0..largest);
+                    self.fill_padding(slot, 0..largest, 0);
                 }
                 // SAFETY: the upload is synchronised before the pinned buffer changes again.
                 unsafe {
@@ -828,7 +845,7 @@ impl CudaExecutor {
                                     (draft, size),
                                     &m,
                                     (rows_d, state),
-                                    bt,
+                                    (bt, None),
                                 ),
                             }
                         }
@@ -856,8 +873,8 @@ impl CudaExecutor {
     /// steps (nothing in flight).
     pub fn set_fused_max_rows(&mut self, max_rows: usize) -> anyhow::Result<()> {
         self.model.fused_max_rows = max_rows;
-        if let Some(sp) = &mut self.spec {
-            sp.draft.fused_max_rows = max_rows;
+        if let Some(d) = self.spec.as_mut().and_then(|s| s.draft_mut()) {
+            d.fused_max_rows = max_rows;
         }
         if self
             .graphs
@@ -1066,21 +1083,9 @@ impl CudaExecutor {
         let k = self.spec.as_ref().map_or(0, |sp| sp.k);
         let round_only = meta::is_round_only(batch, k);
         let n_seqs = batch.seqs.len();
-        // A decode step's bucket (or a step of rounds'): its graph, and the padded size that
-        // fixes its attention splits whether it replays or not.
-        let (bucket, graphs) = match (decode_only, round_only) {
-            (true, _) => (self.buckets.bucket_for(n_seqs), &self.graphs[slot]),
-            (_, true) => (
-                self.round_buckets.bucket_for(n_seqs),
-                &self.round_graphs[slot],
-            ),
-            _ => (None, &self.graphs[slot]),
-        };
-        let graph = bucket.filter(|_| self.use_graphs && !graphs.is_empty());
-        // Token rows per sequence of a bucketed step.
-        let per_seq = if round_only { 1 + k } else { 1 };
         let s = &mut self.slots[slot];
         s.host_results.clear();
+        s.drafted = false;
         let counts = meta::fill_step(
             s.meta_h.as_mut_slice(),
             &l,
@@ -1097,9 +1102,29 @@ impl CudaExecutor {
             Some(_) => meta::fill_draft_step(s.meta_h.as_mut_slice(), &l, batch),
             None => meta::DraftCounts::NONE,
         };
+        // A decode step's bucket (or a step of rounds'): its graph, and the padded size that
+        // fixes its attention splits whether it replays or not. A speculative engine's decode
+        // graphs have no proposer work: a decode step with some (a one-token prefill the
+        // draft or the n-gram histories must take in) runs eagerly.
+        let decode_only = decode_only && !draft_counts.any();
+        let (bucket, graphs) = match (decode_only, round_only) {
+            (true, _) => (self.buckets.bucket_for(n_seqs), &self.graphs[slot]),
+            (_, true) => (
+                self.round_buckets.bucket_for(n_seqs),
+                &self.round_graphs[slot],
+            ),
+            _ => (None, &self.graphs[slot]),
+        };
+        let graph = bucket.filter(|_| self.use_graphs && !graphs.is_empty());
+        // Token rows per sequence of a bucketed step.
+        let per_seq = if round_only { 1 + k } else { 1 };
+        let n_ngram = match &mut self.slots[slot].ngram {
+            Some((h, _)) => meta::stage_ngram_inits(h.as_mut_slice(), max_rows, batch),
+            None => 0,
+        };
         match graph {
             Some((_, size)) if round_only => self.fill_round_padding(slot, n_seqs..size, k),
-            Some((_, size)) => self.fill_padding(slot, t..size),
+            Some((_, size)) => self.fill_padding(slot, t..size, counts.placed),
             None => {}
         }
         let st = self.compute;
@@ -1139,6 +1164,24 @@ impl CudaExecutor {
                     s.inits_d.ptr,
                     s.meta_d.at(l.init_rows * 4),
                     n_inits as i32,
+                )?;
+            }
+            if let (Some((h, d)), Some(hist)) = (
+                s.ngram.as_ref().filter(|_| n_ngram > 0),
+                self.spec.as_ref().and_then(|sp| sp.ngram_hist()),
+            ) {
+                let words = meta::ngram_staged_words(h.as_slice(), max_rows, n_ngram);
+                ck(
+                    dr::memcpy_htod_async(d.ptr, &h.as_slice()[..words], st),
+                    "n-gram history H2D",
+                )?;
+                let at = |w: usize| d.at(w * 4);
+                let (rows, starts, offsets, tokens) = meta::ngram_stage_sections(max_rows);
+                self.kernels.ngram_init(
+                    st,
+                    hist,
+                    (at(rows), at(offsets), at(starts), at(tokens)),
+                    n_ngram as u32,
                 )?;
             }
             if counts.pf_tiles > 0 {
@@ -1196,6 +1239,8 @@ impl CudaExecutor {
                 // GEMMs over the bucket's rows, as its graph computes them.
                 m.gemm_rows = bucket.map(|(_, b)| b * per_seq);
                 let (bt, state) = (self.block_tables(), self.sampler_state());
+                let mark =
+                    (self.record_gaps && draft_counts.any()).then_some(self.slots[slot].draft_done);
                 match &mut self.spec {
                     None => self.model.forward(&self.kernels, st, &m)?,
                     Some(sp) => sp.enqueue_step(
@@ -1206,9 +1251,10 @@ impl CudaExecutor {
                         (draft_counts, counts.placed),
                         &m,
                         (self.rows_d.ptr, state),
-                        bt,
+                        (bt, mark),
                     )?,
                 }
+                self.slots[slot].drafted = mark.is_some();
                 if decode_only {
                     self.counters.eager_decode_steps += 1;
                 } else {
@@ -1383,6 +1429,11 @@ impl CudaExecutor {
                 if let Ok(d) = dr::event::elapsed(s.step_start, s.step_done) {
                     self.gaps.step_ms.push(d);
                 }
+                if s.drafted {
+                    if let Ok(d) = dr::event::elapsed(s.step_start, s.draft_done) {
+                        self.gaps.draft_ms.push(d);
+                    }
+                }
             }
             self.last_done = Some(s.step_done);
         }
@@ -1515,6 +1566,7 @@ impl Drop for CudaExecutor {
                 for s in &self.slots {
                     let _ = dr::event::destroy(s.step_start);
                     let _ = dr::event::destroy(s.step_done);
+                    let _ = dr::event::destroy(s.draft_done);
                     let _ = dr::event::destroy(s.copy_done);
                 }
             }

@@ -4,8 +4,8 @@
 use anyhow::{ensure, Context};
 use harrier_shared::protocol::{EngineCoreRequest, FinishReason, SamplingParams, TokenId};
 
-use super::CudaExecutor;
 use crate::engine::{EngineCore, Progress};
+use crate::executor::Executor;
 use crate::request::Origin;
 
 /// One request: arrives before engine step `at`.
@@ -18,8 +18,8 @@ pub struct Arrival {
 /// Runs `reqs` to completion (request ids `{tag}-{index}`); returns each request's tokens.
 /// Fails on a request that ends in error, an engine that idles with work left, or a run
 /// that does not finish.
-pub fn run(
-    engine: &mut EngineCore<CudaExecutor>,
+pub fn run<E: Executor>(
+    engine: &mut EngineCore<E>,
     reqs: &[Arrival],
     tag: &str,
 ) -> anyhow::Result<Vec<Vec<TokenId>>> {

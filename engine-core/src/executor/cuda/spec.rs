@@ -46,7 +46,7 @@
 use anyhow::Context;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
-    BlockTables, Dtype, Kernels, PlaceEntries, SamplerState, SpecRows, TokenMeta,
+    BlockTables, Dtype, Kernels, NgramHist, PlaceEntries, SamplerState, SpecRows, TokenMeta,
 };
 
 use super::layout::{self, Capacities, MetaLayout, ScratchSizes};
@@ -59,50 +59,153 @@ use crate::model::ModelDir;
 /// rarely worth speculating: `--speculative-disable-by-batch-size`).
 pub(crate) const ROUND_GRAPH_MAX_SEQS: usize = 64;
 
-/// The draft model and the per-row state of speculative rounds.
+/// Which CUDA graphs a speculative engine captures (`HARRIER_SPEC_GRAPHS`): `1` or `all`
+/// both kinds, `rounds` only steps of rounds, `decode` only placed plain decode steps, `0` or
+/// unset none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SpecGraphs {
+    pub rounds: bool,
+    pub decode: bool,
+}
+
+impl SpecGraphs {
+    pub fn from_env() -> anyhow::Result<SpecGraphs> {
+        let v = std::env::var("HARRIER_SPEC_GRAPHS").unwrap_or_default();
+        Self::parse(&v)
+    }
+
+    fn parse(v: &str) -> anyhow::Result<SpecGraphs> {
+        let (rounds, decode) = match v {
+            "" | "0" => (false, false),
+            "1" | "all" => (true, true),
+            "rounds" => (true, false),
+            "decode" => (false, true),
+            other => anyhow::bail!(
+                "HARRIER_SPEC_GRAPHS={other:?}: expected 0, 1 (all), rounds or decode"
+            ),
+        };
+        Ok(SpecGraphs { rounds, decode })
+    }
+
+    pub fn any(&self) -> bool {
+        self.rounds || self.decode
+    }
+}
+
+/// What proposes (the executor's configuration).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CudaProposer {
+    /// A draft model's directory.
+    Draft(std::path::PathBuf),
+    /// N-gram lookup over suffixes of `min ..= max` tokens.
+    Ngram { min: usize, max: usize },
+}
+
+/// Speculative decoding on the CUDA backend: the proposer and the proposals per round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaSpecConfig {
+    pub proposer: CudaProposer,
+    pub k: usize,
+}
+
+/// A draft model and the distributions its proposals were drawn from.
+pub(crate) struct DraftProposer {
+    pub model: GpuModel,
+    /// `[rows, k, vocab]` f32: the draft's distribution of each proposal (sampled rows).
+    q: DevBuf,
+}
+
+/// N-gram lookup: per-row token histories on the device (see `ngram_propose` in the
+/// kernels' source) and how many proposals each row found.
+pub(crate) struct NgramProposer {
+    min: usize,
+    max: usize,
+    /// `[rows, stride]` i32: row r's token at each position below its `kv_len`.
+    hist: DevBuf,
+    stride: usize,
+    /// `[rows]` i32: the first position the history knows (0 unless a row's cached prefix did
+    /// not fit its step's staging).
+    start: DevBuf,
+    /// `[rows]` i32: proposals found in the last lookup.
+    count: DevBuf,
+}
+
+pub(crate) enum Proposer {
+    Draft(Box<DraftProposer>),
+    Ngram(NgramProposer),
+}
+
+/// The proposer and the per-row state of speculative rounds.
 pub(crate) struct SpecDecoder {
-    pub draft: GpuModel,
+    pub proposer: Proposer,
     /// Proposals per round.
     pub k: usize,
     kv_len: DevBuf,
     prev_tok: DevBuf,
     proposals: DevBuf,
-    /// `[rows, k, vocab]` f32: the draft's distribution of each proposal (sampled rows).
-    q: DevBuf,
+}
+
+/// A fresh device allocation of `bytes`, zeroed on `stream`.
+fn zeroed(bytes: usize, stream: sys::CUstream) -> anyhow::Result<DevBuf> {
+    let b = DevBuf::new(bytes)?;
+    ck(
+        // SAFETY: a fresh allocation of `bytes`, zeroed on our stream.
+        unsafe { dr::memset_d8_async(b.ptr, 0, b.bytes, stream) },
+        "memset",
+    )?;
+    Ok(b)
 }
 
 impl SpecDecoder {
-    /// Loads the draft at `dir` (same dtype as the target) with activations for the draft's
-    /// first forward of a step ([`Capacities::max_draft_tokens`]).
+    /// Sets up speculation as `cfg` asks: a draft model is loaded from its directory (same
+    /// dtype as the target) with activations for the draft's first forward of a step
+    /// ([`Capacities::max_draft_tokens`]); n-gram lookup gets its token histories.
     pub fn load(
-        dir: &ModelDir,
+        cfg: &CudaSpecConfig,
+        target: &ModelDir,
         stream: sys::CUstream,
         caps: &Capacities,
         dtype: Dtype,
-        k: usize,
     ) -> anyhow::Result<SpecDecoder> {
-        let mut dcaps = Capacities::new(
-            caps.max_draft_tokens(),
-            caps.max_seqs,
-            caps.max_blocks_per_seq * caps.block_size,
-            caps.block_size,
-        );
-        dcaps.max_blocks_per_seq = caps.max_blocks_per_seq;
-        let sizes = ScratchSizes::new(&dir.config, &dcaps, dtype.size());
-        let draft = GpuModel::load(dir, stream, &dcaps, &sizes, dtype, false)
-            .with_context(|| format!("loading the draft model {}", dir.path.display()))?;
-        let rows = caps.max_seqs + 1;
-        let vocab = dir.config.vocab_size;
-        let zeroed = |bytes: usize| -> anyhow::Result<DevBuf> {
-            let b = DevBuf::new(bytes)?;
-            ck(
-                // SAFETY: a fresh allocation of `bytes`, zeroed on our stream.
-                unsafe { dr::memset_d8_async(b.ptr, 0, b.bytes, stream) },
-                "memset",
-            )?;
-            Ok(b)
+        let (k, rows) = (cfg.k, caps.max_seqs + 1);
+        let vocab = target.config.vocab_size;
+        let proposer = match &cfg.proposer {
+            CudaProposer::Draft(path) => {
+                let dir = ModelDir::open(path).with_context(|| {
+                    format!("opening the draft model directory {}", path.display())
+                })?;
+                crate::spec::check_draft(target, &dir)?;
+                super::check_head_layout(&dir.config)
+                    .with_context(|| format!("draft model {}", path.display()))?;
+                let mut dcaps = Capacities::new(
+                    caps.max_draft_tokens(),
+                    caps.max_seqs,
+                    caps.max_blocks_per_seq * caps.block_size,
+                    caps.block_size,
+                );
+                dcaps.max_blocks_per_seq = caps.max_blocks_per_seq;
+                let sizes = ScratchSizes::new(&dir.config, &dcaps, dtype.size());
+                let model = GpuModel::load(&dir, stream, &dcaps, &sizes, dtype, false)
+                    .with_context(|| format!("loading the draft model {}", path.display()))?;
+                let q = DevBuf::new(rows * k * vocab * 4)
+                    .context("allocating the draft distributions")?;
+                Proposer::Draft(Box::new(DraftProposer { model, q }))
+            }
+            &CudaProposer::Ngram { min, max } => {
+                // Positions up to the booked length of a round past the model length.
+                let stride = caps.max_blocks_per_seq * caps.block_size;
+                Proposer::Ngram(NgramProposer {
+                    min,
+                    max,
+                    hist: zeroed(rows * stride * 4, stream)
+                        .context("allocating the n-gram token histories")?,
+                    stride,
+                    start: zeroed(rows * 4, stream)?,
+                    count: zeroed(rows * 4, stream)?,
+                })
+            }
         };
-        let kv_len = zeroed(rows * 4)?;
+        let kv_len = zeroed(rows * 4, stream)?;
         ck(
             // SAFETY: the last entry (the graph padding row) of our allocation: -1, so that
             // `spec_place` leaves padding where the host put it.
@@ -110,43 +213,76 @@ impl SpecDecoder {
             "memset",
         )?;
         Ok(SpecDecoder {
-            draft,
+            proposer,
             k,
             kv_len,
-            prev_tok: zeroed(rows * 4)?,
+            prev_tok: zeroed(rows * 4, stream)?,
             // Zeroed: a proposal slot never drafted (host-sampled rows) still embeds a valid id.
-            proposals: zeroed(rows * k * 4)?,
-            q: DevBuf::new(rows * k * vocab * 4).context("allocating the draft distributions")?,
+            proposals: zeroed(rows * k * 4, stream)?,
         })
     }
 
-    /// Device bytes of the per-row state (the q buffer dominates).
+    /// The draft model, if one proposes.
+    pub fn draft(&self) -> Option<&GpuModel> {
+        match &self.proposer {
+            Proposer::Draft(d) => Some(&d.model),
+            Proposer::Ngram(_) => None,
+        }
+    }
+
+    pub fn draft_mut(&mut self) -> Option<&mut GpuModel> {
+        match &mut self.proposer {
+            Proposer::Draft(d) => Some(&mut d.model),
+            Proposer::Ngram(_) => None,
+        }
+    }
+
+    /// The n-gram histories, if n-gram lookup proposes.
+    pub fn ngram_hist(&self) -> Option<NgramHist> {
+        match &self.proposer {
+            Proposer::Ngram(n) => Some(n.hist()),
+            Proposer::Draft(_) => None,
+        }
+    }
+
+    /// Device bytes of the per-row state (a draft's q buffer dominates).
     pub fn state_bytes(&self) -> usize {
-        self.kv_len.bytes + self.prev_tok.bytes + self.proposals.bytes + self.q.bytes
+        let own = self.kv_len.bytes + self.prev_tok.bytes + self.proposals.bytes;
+        own + match &self.proposer {
+            Proposer::Draft(d) => d.q.bytes,
+            Proposer::Ngram(n) => n.hist.bytes + n.start.bytes + n.count.bytes,
+        }
     }
 
     pub fn rows(&self, pending: u64) -> SpecRows {
+        let (q, prop_count, hist) = match &self.proposer {
+            Proposer::Draft(d) => (d.q.ptr, 0, NgramHist::default()),
+            Proposer::Ngram(n) => (0, n.count.ptr, n.hist()),
+        };
         SpecRows {
             kv_len: self.kv_len.ptr,
             prev_tok: self.prev_tok.ptr,
             pending,
             proposals: self.proposals.ptr,
-            q: self.q.ptr,
+            q,
             k: self.k as i32,
+            prop_count,
+            hist,
         }
     }
 
     /// Whether the draft's attention over `tokens` single-split rows takes the grouped kernel.
-    fn grouped(&self, tokens: usize) -> bool {
-        let c = &self.draft.config;
-        self.draft.dtype == Dtype::Bf16
+    fn grouped(draft: &GpuModel, tokens: usize) -> bool {
+        let c = &draft.config;
+        draft.dtype == Dtype::Bf16
             && harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
             && layout::use_grouped_attention(tokens, c.num_kv_heads)
     }
 
     /// Enqueues a speculative step's forward work, eagerly or under graph capture (the same
-    /// launches either way): drafting when `draft` has work, the `placed` decode entries put
-    /// at their rows' true lengths, then the target's forward over `m`.
+    /// launches either way): proposing when `draft` has work, the `placed` decode entries put
+    /// at their rows' true lengths, then the target's forward over `m`. `mark` (eager timing
+    /// only) is recorded between the proposer's work and the target's.
     ///
     /// # Safety
     /// As [`SpecDecoder::propose`]; `m` is the target's view of the slot's metadata.
@@ -160,21 +296,44 @@ impl SpecDecoder {
         (draft, placed): (DraftCounts, usize),
         m: &StepMeta,
         (rows_d, state): (u64, SamplerState),
-        bt: BlockTables,
+        (bt, mark): (BlockTables, Option<sys::CUevent>),
     ) -> anyhow::Result<()> {
+        let target_meta = TokenMeta {
+            tok_src: m.tok_src,
+            positions: m.positions,
+            slots: m.slot_mapping,
+            tok_row: m.tok_row,
+        };
         // SAFETY: forwarded from the caller; the placement entries are the slot's sections.
         unsafe {
             if draft.any() {
-                self.propose(kn, st, (meta, l), draft, m, (rows_d, state), bt)?;
+                let spec = self.rows(m.pending);
+                match &mut self.proposer {
+                    Proposer::Draft(d) => {
+                        d.propose(kn, st, (meta, l), draft, m, (rows_d, state), (spec, bt))?
+                    }
+                    Proposer::Ngram(ng) => {
+                        // The step's host tokens before placement (decode entries still
+                        // read `pending`), then the lookups.
+                        kn.ngram_record(st, ng.hist(), target_meta, m.n_tokens as u32)?;
+                        if draft.drafting > 0 {
+                            kn.ngram_propose(
+                                st,
+                                spec,
+                                meta.at(l.b_tok_row * 4),
+                                (ng.min as i32, ng.max as i32),
+                                draft.drafting as u32,
+                            )?;
+                        }
+                    }
+                }
+            }
+            if let Some(ev) = mark {
+                ck(dr::event::record(ev, st), "event record")?;
             }
             kn.spec_place(
                 st,
-                TokenMeta {
-                    tok_src: m.tok_src,
-                    positions: m.positions,
-                    slots: m.slot_mapping,
-                    tok_row: m.tok_row,
-                },
+                target_meta,
                 PlaceEntries {
                     first: meta.at(l.place_first * 4),
                     ntok: meta.at(l.place_n * 4),
@@ -188,7 +347,9 @@ impl SpecDecoder {
             target.forward(kn, st, m)
         }
     }
+}
 
+impl DraftProposer {
     /// Enqueues the draft's work of a step: its first forward (prefill chunks and the decode
     /// entries' last two tokens) and the `k` proposals of every drafting row.
     ///
@@ -206,10 +367,9 @@ impl SpecDecoder {
         c: DraftCounts,
         base: &StepMeta,
         (rows_d, state): (u64, SamplerState),
-        bt: BlockTables,
+        (spec, bt): (SpecRows, BlockTables),
     ) -> anyhow::Result<()> {
-        let spec = self.rows(base.pending);
-        let vocab = self.draft.config.vocab_size as i32;
+        let vocab = self.model.config.vocab_size as i32;
         let at = |off: usize| meta.at(off * 4);
         // SAFETY: (all launches) the sections hold the counts `fill_draft_step` wrote; the
         // draft's activations hold `max_draft_tokens` rows and its logits `max_seqs` rows.
@@ -240,23 +400,23 @@ impl SpecDecoder {
                 slot_mapping: at(l.d_slot_mapping),
                 tok_row: at(l.d_tok_row),
                 logit_rows: at(l.d_logit_rows),
-                grouped_attention: self.grouped(c.tokens),
+                grouped_attention: SpecDecoder::grouped(&self.model, c.tokens),
                 decode_splits: None,
                 n_pf_tiles: 0,
                 n_att_listed: 0,
                 gemm_rows: None,
                 ..*base
             };
-            self.draft.forward(kn, st, &first)?;
+            self.model.forward(kn, st, &first)?;
             let n = c.drafting as u32;
             if n == 0 {
                 return Ok(());
             }
             let spec_rows = at(l.b_tok_row);
-            let logits = self.draft.logits_ptr();
+            let logits = self.model.logits_ptr();
             kn.row_argmax_parts(st, logits, vocab, state.argmax_parts, n)?;
             kn.draft_sample(st, logits, vocab, spec_rows, 0, rows_d, spec, state, n)?;
-            let splits = layout::decode_attention_splits(c.drafting, self.draft.config.num_heads);
+            let splits = layout::decode_attention_splits(c.drafting, self.model.config.num_heads);
             let later = StepMeta {
                 n_tokens: c.drafting,
                 n_samples: c.drafting,
@@ -265,11 +425,11 @@ impl SpecDecoder {
                 slot_mapping: at(l.b_slot_mapping),
                 tok_row: spec_rows,
                 logit_rows: at(l.b_logit_rows),
-                grouped_attention: splits == 1 && self.grouped(c.drafting),
+                grouped_attention: splits == 1 && SpecDecoder::grouped(&self.model, c.drafting),
                 decode_splits: (splits > 1).then_some(splits),
                 ..first
             };
-            for i in 1..self.k {
+            for i in 1..spec.k {
                 kn.spec_place(
                     st,
                     TokenMeta {
@@ -283,18 +443,47 @@ impl SpecDecoder {
                         ntok: 0,
                         n_const: 1,
                         n,
-                        off0: i as i32,
+                        off0: i,
                     },
                     spec,
                     bt,
                 )?;
-                self.draft.forward(kn, st, &later)?;
+                self.model.forward(kn, st, &later)?;
                 kn.row_argmax_parts(st, logits, vocab, state.argmax_parts, n)?;
-                kn.draft_sample(
-                    st, logits, vocab, spec_rows, i as i32, rows_d, spec, state, n,
-                )?;
+                kn.draft_sample(st, logits, vocab, spec_rows, i, rows_d, spec, state, n)?;
             }
         }
         Ok(())
+    }
+}
+
+impl NgramProposer {
+    fn hist(&self) -> NgramHist {
+        NgramHist {
+            hist: self.hist.ptr,
+            stride: self.stride as i32,
+            start: self.start.ptr,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SpecGraphs;
+
+    #[test]
+    fn spec_graphs_parse_every_choice_and_refuse_others() {
+        let g = |v| SpecGraphs::parse(v).map(|g| (g.rounds, g.decode));
+        assert_eq!(g("").unwrap(), (false, false));
+        assert_eq!(g("0").unwrap(), (false, false));
+        assert_eq!(g("1").unwrap(), (true, true));
+        assert_eq!(g("all").unwrap(), (true, true));
+        assert_eq!(g("rounds").unwrap(), (true, false));
+        assert_eq!(g("decode").unwrap(), (false, true));
+        let e = g("yes").unwrap_err().to_string();
+        assert!(
+            e.contains("HARRIER_SPEC_GRAPHS") && e.contains("rounds"),
+            "{e}"
+        );
     }
 }

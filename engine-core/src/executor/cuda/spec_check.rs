@@ -72,6 +72,20 @@ pub fn load_prompts(
     Ok(out)
 }
 
+/// Each prompt `n` times over (a workload that repeats its context: n-gram lookup's case).
+pub fn repeated(prompts: Vec<Vec<TokenId>>, n: usize) -> Vec<Vec<TokenId>> {
+    match n {
+        0 | 1 => prompts,
+        n => prompts.into_iter().map(|p| p.repeat(n)).collect(),
+    }
+}
+
+fn median(v: &[f32]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f32::total_cmp);
+    v.get(v.len() / 2).map_or(f64::NAN, |&x| x as f64)
+}
+
 fn at_once(
     prompts: &[Vec<TokenId>],
     n: usize,
@@ -138,22 +152,101 @@ fn seeded(i: usize, max_tokens: u32) -> SamplingParams {
     s
 }
 
-fn args_for(draft: Option<&std::path::Path>, k: u32, max_seqs: u32) -> EngineCoreArgs {
+/// What proposes in the speculative engine under test.
+#[derive(Debug, Clone)]
+pub enum Proposal {
+    /// A draft model's directory.
+    Draft(std::path::PathBuf),
+    /// N-gram lookup (`--speculative-method ngram`).
+    Ngram { min: usize, max: usize },
+}
+
+impl Proposal {
+    /// `--draft DIR` or `--ngram MIN-MAX`.
+    pub fn from_args(draft: Option<&str>, ngram: Option<&str>) -> anyhow::Result<Proposal> {
+        match (draft, ngram) {
+            (Some(d), None) => Ok(Proposal::Draft(d.into())),
+            (None, Some(n)) => {
+                let (a, b) = n.split_once('-').context("--ngram MIN-MAX")?;
+                Ok(Proposal::Ngram {
+                    min: a.parse().context("--ngram MIN-MAX")?,
+                    max: b.parse().context("--ngram MIN-MAX")?,
+                })
+            }
+            _ => anyhow::bail!("give one of --draft DIR and --ngram MIN-MAX"),
+        }
+    }
+}
+
+fn args_for(proposal: Option<&Proposal>, k: u32, max_seqs: u32) -> EngineCoreArgs {
     let mut args = EngineCoreArgs::defaults();
     if std::env::var("HARRIER_SPEC_CHECK_F32").is_ok_and(|v| v == "1") {
         args.dtype = crate::cli::ModelDtype::Float32;
     }
     args.max_num_seqs = max_seqs;
     args.max_num_batched_tokens = 4096;
-    args.max_model_len = Some(1024);
-    args.num_kv_blocks = Some(4096);
-    args.no_prefix_caching = true;
-    args.speculative_model = draft.map(|d| d.to_path_buf());
+    args.max_model_len = Some(2048);
+    args.num_kv_blocks = Some(8192);
+    args.no_prefix_caching =
+        std::env::var("HARRIER_SPEC_CHECK_PREFIX_CACHE").map_or(true, |v| v != "1");
+    match proposal {
+        Some(Proposal::Draft(d)) => args.speculative_model = Some(d.clone()),
+        Some(&Proposal::Ngram { min, max }) => {
+            args.speculative_method = Some(crate::spec::SpecMethod::Ngram);
+            args.ngram_min = min;
+            args.ngram_max = max;
+        }
+        None => {}
+    }
     args.num_speculative_tokens = k;
     args
 }
 
-fn acceptance(engine: &EngineCore<CudaExecutor>) -> String {
+/// The device's n-gram lookups against the CPU backend's (`crate::spec::ngram_propose`):
+/// greedy runs of the `all` scenario on both backends; where they emit the same tokens, the
+/// lookups saw the same contexts, so proposals and acceptances must agree round for round
+/// (gated in f32, where the CPU and the device agree on the tokens; reported in bf16).
+fn ngram_matches_cpu(
+    target: &std::path::Path,
+    proposal: &Proposal,
+    prompts: &[Vec<TokenId>],
+    k: u32,
+    strict: bool,
+) -> anyhow::Result<bool> {
+    let mut cuda = build_cuda_engine(&args_for(Some(proposal), k, 64), target)?.engine;
+    let mut cpu_args = args_for(Some(proposal), k, 64);
+    cpu_args.num_kv_blocks = None;
+    cpu_args.kv_cache_mib = 256;
+    let mut cpu = crate::cli::build_cpu_engine(&cpu_args, target)?.engine;
+    let reqs = at_once(prompts, prompts.len(), |_| greedy(48));
+    let a = run(&mut cuda, &reqs, "ngram-cuda")?;
+    let b = run(&mut cpu, &reqs, "ngram-cpu")?;
+    let (sa, sb) = (cuda.stats(), cpu.stats());
+    let same_text = a == b;
+    let key = |s: &harrier_shared::protocol::EngineStats| {
+        (
+            s.spec_drafts_total,
+            s.spec_draft_tokens_total,
+            s.spec_accepted_tokens_total,
+        )
+    };
+    let same_lookups = key(&sa) == key(&sb);
+    println!(
+        "    ngram: device vs CPU backend: text {}, (rounds, proposed, accepted) {:?} vs {:?} -> {}",
+        if same_text { "identical" } else { "differs" },
+        key(&sa),
+        key(&sb),
+        match (same_text, same_lookups) {
+            (true, true) => "ok",
+            (true, false) => "FAIL",
+            (false, _) if strict => "FAIL",
+            (false, _) => "not compared (the texts differ: bf16)",
+        }
+    );
+    Ok(if same_text { same_lookups } else { !strict })
+}
+
+fn acceptance<E: Executor>(engine: &EngineCore<E>) -> String {
     let s = engine.stats();
     let rounds = s.spec_drafts_total.max(1) as f64;
     let per_pos: Vec<String> = s
@@ -183,15 +276,15 @@ fn verdict(ok: bool, identical: bool) -> &'static str {
 /// The check (see the module doc); prints one line per scenario, fails on any mismatch.
 pub fn check_spec(
     target: &std::path::Path,
-    draft: &std::path::Path,
-    prompts: Option<&std::path::Path>,
+    proposal: &Proposal,
+    (prompts, repeat): (Option<&std::path::Path>, usize),
     k: u32,
 ) -> anyhow::Result<()> {
     let mut plain = build_cuda_engine(&args_for(None, 0, 64), target)?.engine;
-    let built = build_cuda_engine(&args_for(Some(draft), k, 64), target)?;
+    let built = build_cuda_engine(&args_for(Some(proposal), k, 64), target)?;
     let vocab = built.info.vocab_size;
     let mut spec = built.engine;
-    let prompts = load_prompts(prompts, vocab)?;
+    let prompts = repeated(load_prompts(prompts, vocab)?, repeat);
     let mut failures = 0;
     // Greedy text is compared token for token; in bf16 a mismatch fails only the f32 run:
     // a round's verify step runs other GEMM shapes (1 + k rows per sequence) than a plain
@@ -246,9 +339,9 @@ pub fn check_spec(
     // Round graphs against the same rounds run eagerly (eager steps run their bucket's GEMM
     // rows): gated in f32; in bf16 a draft computed in other shapes accepts differently, so
     // a position may be verified at another row of another round, and near-ties move.
-    let graphs_on = std::env::var("HARRIER_SPEC_GRAPHS").is_ok_and(|v| v == "1");
+    let graphs_on = super::spec::SpecGraphs::from_env()?.any();
     if !graphs_on {
-        println!("   graphs: off with speculation (HARRIER_SPEC_GRAPHS=1 turns them on)");
+        println!("   graphs: off with speculation (HARRIER_SPEC_GRAPHS=0)");
     }
     for (name, reqs) in greedy_scenarios(&prompts).into_iter().filter(|_| graphs_on) {
         let before = spec.executor_mut().counters();
@@ -296,6 +389,9 @@ pub fn check_spec(
         println!("   seeded ({name}): {same}/{n} give the same text alone as in the batch");
     }
     println!("acceptance (all): {}", acceptance(&spec));
+    if let Proposal::Ngram { .. } = proposal {
+        failures += !ngram_matches_cpu(target, proposal, &prompts, k, strict)? as usize;
+    }
     ensure!(failures == 0, "{failures} scenario(s) failed");
     println!("check-spec: all scenarios pass");
     Ok(())
@@ -319,29 +415,32 @@ fn throughput(
     Ok((tokens as f64 / secs, engine.stats().steps_total - steps0))
 }
 
-/// bench-spec (see the module doc): one line per batch size.
+/// bench-spec (see the module doc): one line per batch size. Besides tokens/s: the GPU time
+/// of a speculative step (median, as the engine runs it: graphs or eager) and the idle gap
+/// between steps, then from a shorter eager run the proposer's share of a step (draft ms)
+/// and the rest (placement, the target's verify forward; verify ms).
 pub fn bench_spec(
     target: &std::path::Path,
-    draft: &std::path::Path,
-    prompts: Option<&std::path::Path>,
+    proposal: &Proposal,
+    (prompts, repeat): (Option<&std::path::Path>, usize),
     (k, batches, max_tokens): (u32, &[usize], u32),
     disable_above: Option<u32>,
 ) -> anyhow::Result<()> {
     let max_seqs = batches.iter().copied().max().unwrap_or(1).max(1) as u32;
     let mut plain = build_cuda_engine(&args_for(None, 0, max_seqs), target)?.engine;
-    let built = build_cuda_engine(&args_for(Some(draft), k, max_seqs), target)?;
+    let built = build_cuda_engine(&args_for(Some(proposal), k, max_seqs), target)?;
     let vocab = built.info.vocab_size;
     let mut spec = built.engine;
     // With `--speculative-disable-by-batch-size`: speculation off above that many decodes.
     let mut gated = match disable_above {
         None => None,
         Some(n) => {
-            let mut a = args_for(Some(draft), k, max_seqs);
+            let mut a = args_for(Some(proposal), k, max_seqs);
             a.speculative_disable_by_batch_size = Some(n);
             Some(build_cuda_engine(&a, target)?.engine)
         }
     };
-    let prompts = load_prompts(prompts, vocab)?;
+    let prompts = repeated(load_prompts(prompts, vocab)?, repeat);
     // Warm-up (kernels, cuBLAS heuristics).
     throughput(&mut plain, &prompts, 2, 16, "warm-p")?;
     throughput(&mut spec, &prompts, 2, 16, "warm-s")?;
@@ -349,15 +448,36 @@ pub fn bench_spec(
         throughput(g, &prompts, 2, 16, "warm-g")?;
     }
     println!(
-        "| batch | plain tok/s | speculative tok/s | ratio | tokens/round | acceptance | round ms | break-even tokens/round | off above {} tok/s | ratio |",
+        "| batch | plain tok/s | speculative tok/s | ratio | tokens/round | acceptance | round ms | break-even tokens/round | step GPU ms | gap ms | eager draft ms | eager verify ms | off above {} tok/s | ratio |",
         disable_above.map_or("-".into(), |n| n.to_string())
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &b in batches {
         let (p, _) = throughput(&mut plain, &prompts, b, max_tokens, &format!("b{b}-p"))?;
         let before = spec.stats();
+        let exec = spec.executor_mut();
+        exec.record_gaps = true;
+        exec.gaps = Default::default();
         let (s, _) = throughput(&mut spec, &prompts, b, max_tokens, &format!("b{b}-s"))?;
         let after = spec.stats();
+        let exec = spec.executor_mut();
+        let (step_ms, gap_ms) = (median(&exec.gaps.step_ms), median(&exec.gaps.gaps_ms));
+        // The split, eagerly (a graph replay is one unit).
+        let graphs = exec.use_graphs;
+        exec.use_graphs = false;
+        exec.gaps = Default::default();
+        throughput(
+            &mut spec,
+            &prompts,
+            b,
+            max_tokens.min(64),
+            &format!("b{b}-split"),
+        )?;
+        let exec = spec.executor_mut();
+        exec.use_graphs = graphs;
+        exec.record_gaps = false;
+        let draft_ms = median(&exec.gaps.draft_ms);
+        let verify_ms = median(&exec.gaps.step_ms) - draft_ms;
         let rounds = (after.spec_drafts_total - before.spec_drafts_total).max(1) as f64;
         let acc = (after.spec_accepted_tokens_total - before.spec_accepted_tokens_total) as f64;
         let drafted =
@@ -374,7 +494,7 @@ pub fn bench_spec(
         let tpr = 1.0 + acc / rounds;
         let round_s = b as f64 * tpr / s;
         println!(
-            "| {b} | {p:.0} | {s:.0} | {:.2}x | {tpr:.2} | {:.3} | {:.3} | {:.2} | {g} |",
+            "| {b} | {p:.0} | {s:.0} | {:.2}x | {tpr:.2} | {:.3} | {:.3} | {:.2} | {step_ms:.3} | {gap_ms:.3} | {draft_ms:.3} | {verify_ms:.3} | {g} |",
             s / p,
             acc / drafted,
             round_s * 1e3,

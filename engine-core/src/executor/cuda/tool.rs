@@ -40,9 +40,10 @@
 //! - `check-graphs --model DIR [--fused-max-rows N]`: greedy tokens with CUDA graphs against eager through the
 //!   real engine (see `executor::cuda::graph_check`).
 //!
-//! - `check-spec --model DIR --draft DIR [--prompts FILE] [--k 4]` and `bench-spec ...
-//!   [--batches 1,4,16,64] [--max-tokens 256]`: speculative decoding through the real engine
-//!   against the plain engine (see `executor::cuda::spec_check`).
+//! - `check-spec --model DIR (--draft DIR | --ngram MIN-MAX) [--prompts FILE] [--repeat N]
+//!   [--k 4]` and `bench-spec ... [--batches 1,4,16,64] [--max-tokens 256] [--disable-above
+//!   N]`: speculative decoding through the real engine against the plain engine (see
+//!   `executor::cuda::spec_check`; `--repeat N`: every prompt N times over).
 //!
 //! `--enforce-eager 1` turns graph capture off for `parity` and `bench`.
 
@@ -570,19 +571,25 @@ fn main() -> anyhow::Result<()> {
             let path = |k: &str| -> anyhow::Result<std::path::PathBuf> {
                 Ok(a.get(k).with_context(|| format!("--{k}"))?.into())
             };
-            let (target, draft) = (path("model")?, path("draft")?);
+            let target = path("model")?;
+            let proposal = spec_check::Proposal::from_args(
+                a.get("draft").map(String::as_str),
+                a.get("ngram").map(String::as_str),
+            )?;
             let prompts = a.get("prompts").map(std::path::PathBuf::from);
+            let repeat = a.get("repeat").map(|v| v.parse()).transpose()?.unwrap_or(1);
+            let prompts = (prompts.as_deref(), repeat);
             let k = a.get("k").map(|v| v.parse()).transpose()?.unwrap_or(4);
             if cmd == "check-spec" {
-                spec_check::check_spec(&target, &draft, prompts.as_deref(), k)
+                spec_check::check_spec(&target, &proposal, prompts, k)
             } else {
                 let batches: Vec<usize> = list_arg(&a, "batches", "1,4,16,64")?;
                 let max_tokens = a.get("max-tokens").map(|v| v.parse()).transpose()?.unwrap_or(256);
                 let disable = a.get("disable-above").map(|v| v.parse()).transpose()?;
                 spec_check::bench_spec(
                     &target,
-                    &draft,
-                    prompts.as_deref(),
+                    &proposal,
+                    prompts,
                     (k, &batches, max_tokens),
                     disable,
                 )
