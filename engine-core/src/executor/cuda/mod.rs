@@ -319,8 +319,12 @@ pub struct CudaExecutor {
     host_logits: Vec<f32>,
     next_step: u64,
     failed: Option<String>,
-    /// Step-timing events of the last completed step, for gap measurement.
-    last_done: Option<sys::CUevent>,
+    /// Gap measurement: every step's events are read against `gap_ref` (recorded before the
+    /// first timed step), since a slot's events are re-recorded by a later step that may be
+    /// launched before the step in between is waited for. The last completed step's end, in
+    /// ms after the reference.
+    gap_ref: Option<sys::CUevent>,
+    last_done_ms: Option<f32>,
     pub record_gaps: bool,
     pub gaps: GapStats,
     /// Replay captured graphs for decode steps (on when graphs were captured). Tools turn it
@@ -666,7 +670,8 @@ impl CudaExecutor {
             host_logits: Vec::new(),
             next_step: 0,
             failed: None,
-            last_done: None,
+            gap_ref: None,
+            last_done_ms: None,
             record_gaps: false,
             gaps: GapStats::default(),
             use_graphs: true,
@@ -957,6 +962,23 @@ impl CudaExecutor {
         (n > 1 && self.split_decode_attention).then_some(n)
     }
 
+    /// Starts (`on`) or stops timing steps into [`CudaExecutor::gaps`], cleared; call between
+    /// steps. The first gap is measured from the next step on.
+    pub fn time_steps(&mut self, on: bool) -> anyhow::Result<()> {
+        self.record_gaps = on;
+        self.gaps = GapStats::default();
+        self.last_done_ms = None;
+        if let Some(ev) = self.gap_ref.take() {
+            // SAFETY: nothing in flight waits on the reference (steps are read once waited).
+            ck(unsafe { dr::event::synchronize(ev) }, "event sync")?;
+            // SAFETY: created by `new_event`, no longer referenced.
+            unsafe {
+                let _ = dr::event::destroy(ev);
+            }
+        }
+        Ok(())
+    }
+
     /// How steps ran so far (graph replays, eager fallbacks).
     pub fn exec_counters(&self) -> ExecCounters {
         self.counters
@@ -1134,6 +1156,11 @@ impl CudaExecutor {
         // committed (I6).
         unsafe {
             if self.record_gaps {
+                if self.gap_ref.is_none() {
+                    let ev = new_event(true)?;
+                    ck(dr::event::record(ev, st), "event record")?;
+                    self.gap_ref = Some(ev);
+                }
                 ck(dr::event::record(s.step_start, st), "event record")?;
             }
             self.upload_head(slot)?;
@@ -1418,16 +1445,20 @@ impl CudaExecutor {
                 )?;
             }
         }
-        if self.record_gaps {
-            // SAFETY: both events were recorded on the compute stream and have completed.
+        if let (true, Some(r)) = (self.record_gaps, self.gap_ref) {
+            // SAFETY: the reference and this step's events were recorded on the compute
+            // stream before this step's copy, which has completed; this slot's events are not
+            // re-recorded before the step is waited for.
             unsafe {
-                if let Some(prev) = self.last_done {
-                    if let Ok(g) = dr::event::elapsed(prev, s.step_start) {
-                        self.gaps.gaps_ms.push(g);
+                if let (Ok(a), Ok(b)) = (
+                    dr::event::elapsed(r, s.step_start),
+                    dr::event::elapsed(r, s.step_done),
+                ) {
+                    if let Some(prev) = self.last_done_ms {
+                        self.gaps.gaps_ms.push(a - prev);
                     }
-                }
-                if let Ok(d) = dr::event::elapsed(s.step_start, s.step_done) {
-                    self.gaps.step_ms.push(d);
+                    self.gaps.step_ms.push(b - a);
+                    self.last_done_ms = Some(b);
                 }
                 if s.drafted {
                     if let Ok(d) = dr::event::elapsed(s.step_start, s.draft_done) {
@@ -1435,7 +1466,6 @@ impl CudaExecutor {
                     }
                 }
             }
-            self.last_done = Some(s.step_done);
         }
         Ok(())
     }
@@ -1568,6 +1598,9 @@ impl Drop for CudaExecutor {
                     let _ = dr::event::destroy(s.step_done);
                     let _ = dr::event::destroy(s.draft_done);
                     let _ = dr::event::destroy(s.copy_done);
+                }
+                if let Some(ev) = self.gap_ref.take() {
+                    let _ = dr::event::destroy(ev);
                 }
             }
         }

@@ -455,9 +455,7 @@ pub fn bench_spec(
     for &b in batches {
         let (p, _) = throughput(&mut plain, &prompts, b, max_tokens, &format!("b{b}-p"))?;
         let before = spec.stats();
-        let exec = spec.executor_mut();
-        exec.record_gaps = true;
-        exec.gaps = Default::default();
+        spec.executor_mut().time_steps(true)?;
         let (s, _) = throughput(&mut spec, &prompts, b, max_tokens, &format!("b{b}-s"))?;
         let after = spec.stats();
         let exec = spec.executor_mut();
@@ -465,7 +463,7 @@ pub fn bench_spec(
         // The split, eagerly (a graph replay is one unit).
         let graphs = exec.use_graphs;
         exec.use_graphs = false;
-        exec.gaps = Default::default();
+        exec.time_steps(true)?;
         throughput(
             &mut spec,
             &prompts,

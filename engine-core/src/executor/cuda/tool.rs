@@ -469,10 +469,9 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
             d.exec.set_custom_gemv(gemv);
             d.exec.split_decode_attention = split;
             d.exec.grouped_attention = grouped;
-            d.exec.record_gaps = true;
-            d.exec.gaps = Default::default();
+            d.exec.time_steps(true)?;
             d.decode_steps(4, pipelined)?; // warm-up
-            d.exec.gaps = Default::default();
+            d.exec.time_steps(true)?;
             let secs = d.decode_steps(steps, pipelined)?;
             d.exec.record_gaps = false;
             let ms = secs * 1e3 / steps as f64;
