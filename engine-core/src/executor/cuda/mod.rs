@@ -514,9 +514,8 @@ impl CudaExecutor {
             "synchronising after the upload",
         )?;
         let bpb = layout::kv_bytes_per_block(&mc, caps.block_size, elem);
-        // With speculation, graphs only on request (`HARRIER_SPEC_GRAPHS=1`): the round and
-        // placed-decode graphs failed their device check (see [`spec`]); speculative steps run
-        // eagerly as checked.
+        // With speculation: graphs of steps of rounds and of placed decode steps (see
+        // [`spec`]); `HARRIER_SPEC_GRAPHS` picks them for debugging.
         let spec_graphs = spec::SpecGraphs::from_env()?;
         let graph_sizes: &[usize] = match (&spec, spec_graphs.decode) {
             (Some(_), false) => &[],

@@ -23,21 +23,31 @@
 //! too) where its row really is. The draft's KV sits in its own cache indexed by the same block
 //! ids: one block table serves both.
 //!
-//! CUDA graphs (off unless `HARRIER_SPEC_GRAPHS=1`: they failed their device check, below):
-//! a step whose sequences are all rounds of `k` (up to [`ROUND_GRAPH_MAX_SEQS`] sequences)
-//! replays a graph of everything above but the verification (which runs after it with the
-//! real rows), padded to its bucket; a step of plain decodes replays a graph of the placement
-//! and the target's forward. Padding rows belong to the padding row, whose `kv_len` is -1: the
-//! placement leaves their metadata as the host wrote it (position -1, KV into the scratch
-//! block). Other steps (prefill chunks, mixed steps) run eagerly.
+//! With n-gram lookup (`--speculative-method ngram`) there is no draft model: the step
+//! records its host tokens (prefill chunks) in per-row token histories on the device
+//! (`ngram_record`), `ngram_propose` looks up each round's proposals there (one block per
+//! row; the reference is `crate::spec::ngram_propose`, and check-spec compares the device's
+//! lookups with the CPU backend's), and `spec_verify` appends the tokens each round kept.
+//! Proposals are point masses (`q` null); a row that finds fewer than booked verifies fewer
+//! (its count per row), and the output word carries the count verified. A row init stages its
+//! cached prefix (`meta::stage_ngram_inits`); one that does not fit the step's staging starts
+//! its history at its first chunk (fewer matches, same output).
 //!
-//! What the device showed with the graphs on (H100, session 9, docs/benchmarks.md): on a fresh
-//! engine the first scenarios matched the plain engine, but later ones did not, in f32 too
-//! (the committed pair: `churn` 31/32 with the first token of a request different; `one`
-//! differing between graph and eager runs), and the trained pair's acceptance moved far
-//! from its eager value (batch 1: 0.91 vs 0.76; batch 4: 0.27 vs 0.67). Eager steps are
-//! what every check and benchmark of this module rests on.
+//! CUDA graphs (`HARRIER_SPEC_GRAPHS`: on unless 0): a step whose sequences are all rounds of
+//! `k` (up to [`ROUND_GRAPH_MAX_SEQS`] sequences) replays a graph of everything above but the
+//! verification (which runs after it with the real rows), padded to its bucket; a step of
+//! plain decodes without proposer work replays a graph of the placement and the target's
+//! forward (a decode step with proposer work, a one-token prefill after a prefix-cache hit,
+//! runs eagerly). Padding rows belong to the padding row, whose `kv_len` is -1: the placement
+//! leaves their metadata as the host wrote it (position -1, KV into the scratch block), and
+//! placement entries past the step's own are no-ops. Other steps (prefill chunks, mixed
+//! steps) run eagerly.
 //!
+//! Session 9's graphs diverged on the device because a decode graph placed its whole
+//! bucket's entries while a one-token prefill had left fewer entries than tokens: the
+//! entries past the step's own were what an earlier step of rounds had left there, and moved
+//! other rows' tokens (`meta::fill_padding` now makes them no-ops; tested).
+
 //! Host-sampled rows (logprobs) draft like the others, so that a step of rounds keeps its
 //! shapes, but verify none of their proposals: their round emits one token. A step without
 //! rounds (speculation turned off by batch size) skips the draft, whose KV then misses those
@@ -59,9 +69,9 @@ use crate::model::ModelDir;
 /// rarely worth speculating: `--speculative-disable-by-batch-size`).
 pub(crate) const ROUND_GRAPH_MAX_SEQS: usize = 64;
 
-/// Which CUDA graphs a speculative engine captures (`HARRIER_SPEC_GRAPHS`): `1` or `all`
-/// both kinds, `rounds` only steps of rounds, `decode` only placed plain decode steps, `0` or
-/// unset none.
+/// Which CUDA graphs a speculative engine captures (`HARRIER_SPEC_GRAPHS`, for debugging and
+/// measurement): unset, `1` or `all` both kinds, `rounds` only steps of rounds, `decode` only
+/// placed plain decode steps, `0` none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SpecGraphs {
     pub rounds: bool,
@@ -76,8 +86,8 @@ impl SpecGraphs {
 
     fn parse(v: &str) -> anyhow::Result<SpecGraphs> {
         let (rounds, decode) = match v {
-            "" | "0" => (false, false),
-            "1" | "all" => (true, true),
+            "0" => (false, false),
+            "" | "1" | "all" => (true, true),
             "rounds" => (true, false),
             "decode" => (false, true),
             other => anyhow::bail!(
@@ -474,7 +484,7 @@ mod tests {
     #[test]
     fn spec_graphs_parse_every_choice_and_refuse_others() {
         let g = |v| SpecGraphs::parse(v).map(|g| (g.rounds, g.decode));
-        assert_eq!(g("").unwrap(), (false, false));
+        assert_eq!(g("").unwrap(), (true, true));
         assert_eq!(g("0").unwrap(), (false, false));
         assert_eq!(g("1").unwrap(), (true, true));
         assert_eq!(g("all").unwrap(), (true, true));

@@ -185,8 +185,16 @@ fn args_for(proposal: Option<&Proposal>, k: u32, max_seqs: u32) -> EngineCoreArg
     }
     args.max_num_seqs = max_seqs;
     args.max_num_batched_tokens = 4096;
-    args.max_model_len = Some(2048);
-    args.num_kv_blocks = Some(8192);
+    // `HARRIER_SPEC_CHECK_SIZES=LEN,BLOCKS`: another model length and KV pool.
+    let (len, blocks) = std::env::var("HARRIER_SPEC_CHECK_SIZES")
+        .ok()
+        .and_then(|v| {
+            let (a, b) = v.split_once(',')?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        })
+        .unwrap_or((2048, 8192));
+    args.max_model_len = Some(len);
+    args.num_kv_blocks = Some(blocks);
     args.no_prefix_caching =
         std::env::var("HARRIER_SPEC_CHECK_PREFIX_CACHE").map_or(true, |v| v != "1");
     match proposal {
