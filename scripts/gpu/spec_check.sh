@@ -9,8 +9,8 @@
 #             the full-acceptance paths), in bf16 and in f32 (HARRIER_SPEC_CHECK_F32=1: bf16
 #             near-ties on random weights flip greedy tokens between kernel shapes), then
 #             bench-spec (the ceiling of a round: K target-sized draft steps + one verify);
-#   serve:    `harrier serve --device cuda` with the committed pair and --speculative-model,
-#             against a plain CUDA server: greedy completions (streamed and not) equal, SSE
+#   serve:    `harrier serve --device cuda` with the committed pair (--speculative-model) and
+#             with n-gram lookup (--speculative-method ngram), each against a plain CUDA server: greedy completions (streamed and not) equal, SSE
 #             chunks carrying several tokens, usage.speculative_decoding, the vLLM-named
 #             metrics;
 #   shapes:   bench-spec at batch 1 on random checkpoints (acceptance is meaningless there; the
@@ -22,7 +22,9 @@
 #   trained:  trains trained-llama-1b and trained-draft-2l-distilled (scripts/train, ~6 min on
 #             an H100), then check-spec and bench-spec on them (needs .gpu/llama3/tokenizer.json);
 #             TRAINED_NGRAM=1 also benches n-gram lookup on the 1B (prompts x NGRAM_REPEAT).
-# HARRIER_SPEC_GRAPHS (0, 1, rounds, decode) and HARRIER_SPEC_CHECK_PREFIX_CACHE=1 pass through.
+# SHAPES_FUSED (e.g. "0 default": bench the shapes with the fused decode path off and at its
+# default), SHAPES_BATCHES. HARRIER_SPEC_GRAPHS (0, 1, rounds, decode),
+# HARRIER_SPEC_CHECK_PREFIX_CACHE=1 and HARRIER_SPEC_CHECK_SIZES=LEN,BLOCKS pass through.
 # Build and carry .gpu/ as for cuda_check.sh. STAGES (default "sampler cpu-pair random"),
 # BATCHES (default 1,4,16,64), MAX_TOKENS (default 256), CPU_PAIR_KS (default "1 4 7"),
 # CPU_PAIR_F32=1 (check the pair in f32, where greedy equality is gated), CPU_PAIR_BENCH=0,
@@ -103,9 +105,10 @@ for st in $STAGES; do
         ;;
     serve)
         prompts=("def fibonacci(n):" "import os" "class Stack:" "The quick brown fox" "for i in range(10):")
-        for mode in plain spec; do
+        for mode in plain spec ngram; do
             extra=()
             [[ $mode == spec ]] && extra=(--speculative-model $models/harrier-cpu-draft --num-speculative-tokens 4)
+            [[ $mode == ngram ]] && extra=(--speculative-method ngram --num-speculative-tokens 4)
             .gpu/harrier serve --device cuda --model $models/harrier-cpu "${extra[@]}" --port 8125 \
                 >"$OUT/serve-$mode.out" 2>"$OUT/serve-$mode.err" &
             PID=$!
@@ -117,13 +120,14 @@ for st in $STAGES; do
             done
             body=$(python3 -c 'import json; print(json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}))')
             curl -sN http://127.0.0.1:8125/v1/completions -H 'Content-Type: application/json' -d "$body" > "$W/$mode-stream.sse"
-            [[ $mode == spec ]] && curl -s http://127.0.0.1:8125/metrics | grep -E "^vllm:spec_decode" | head -8 | tee -a "$OUT/serve.txt"
+            [[ $mode != plain ]] && curl -s http://127.0.0.1:8125/metrics | grep -E "^vllm:spec_decode" | head -8 | sed "s/^/$mode /" | tee -a "$OUT/serve.txt"
             kill -TERM "$PID"; wait "$PID"; echo "serve ($mode) exit status: $?" | tee -a "$OUT/serve.txt"
         done
+        for mode in spec ngram; do
         same=0
-        for i in "${!prompts[@]}"; do cmp -s "$W/plain-$i.txt" "$W/spec-$i.txt" && same=$((same + 1)); done
-        echo "greedy completions identical with and without speculation: $same/${#prompts[@]}" | tee -a "$OUT/serve.txt"
-        python3 - "$W/plain-stream.sse" "$W/spec-stream.sse" <<'PY' | tee -a "$OUT/serve.txt"
+        for i in "${!prompts[@]}"; do cmp -s "$W/plain-$i.txt" "$W/$mode-$i.txt" && same=$((same + 1)); done
+        echo "$mode: greedy completions identical with and without speculation: $same/${#prompts[@]}" | tee -a "$OUT/serve.txt"
+        python3 - "$W/plain-stream.sse" "$W/$mode-stream.sse" <<'PY' | tee -a "$OUT/serve.txt"
 import json, sys
 def read(path):
     text, chunks, usage = "", 0, None
@@ -141,13 +145,18 @@ def read(path):
 print(f"streamed: plain {pc} chunks, speculative {sc} chunks for {su['completion_tokens'] if su else '?'} tokens; text identical: {pt == st}")
 print(f"speculative usage: {json.dumps(su)}")
 PY
+        done
         ;;
     shapes)
         gen llama-3.2-1b
         for t in llama-3.2-3b llama-3.1-8b; do
             gen $t
-            echo "## target $t, draft llama-3.2-1b (random weights)" | tee -a "$OUT/shapes.txt"
-            timeout 200 "$T" bench-spec --model "$W/$t" --draft "$W/llama-3.2-1b" --batches 1 --max-tokens "${SHAPES_TOKENS:-128}" 2>&1 | grep -v INFO | tee -a "$OUT/shapes.txt" || status=1
+            for fused in ${SHAPES_FUSED:-default}; do
+                echo "## target $t, draft llama-3.2-1b (random weights), fused decode rows: $fused" | tee -a "$OUT/shapes.txt"
+                [[ $fused == default ]] && unset HARRIER_SPEC_CHECK_FUSED || export HARRIER_SPEC_CHECK_FUSED=$fused
+                timeout 200 "$T" bench-spec --model "$W/$t" --draft "$W/llama-3.2-1b" --batches "${SHAPES_BATCHES:-1}" --max-tokens "${SHAPES_TOKENS:-128}" 2>&1 | grep -v INFO | tee -a "$OUT/shapes.txt" || status=1
+            done
+            unset HARRIER_SPEC_CHECK_FUSED
         done
         ;;
     *)

@@ -195,6 +195,13 @@ fn args_for(proposal: Option<&Proposal>, k: u32, max_seqs: u32) -> EngineCoreArg
         .unwrap_or((2048, 8192));
     args.max_model_len = Some(len);
     args.num_kv_blocks = Some(blocks);
+    // `HARRIER_SPEC_CHECK_FUSED=N`: the fused small-batch decode path up to N rows (0: off).
+    if let Some(n) = std::env::var("HARRIER_SPEC_CHECK_FUSED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        args.fused_decode_max_rows = n;
+    }
     args.no_prefix_caching =
         std::env::var("HARRIER_SPEC_CHECK_PREFIX_CACHE").map_or(true, |v| v != "1");
     match proposal {
