@@ -1313,11 +1313,13 @@ extern "C" __global__ void spec_place(int* tok_src, int* positions, int* slots, 
 // Draft side, proposal i of each speculating row (block b: row spec_rows[b], logits row b):
 // the row's processing at draw generated + i, then the greedy token, or a draw with
 // philox(seed ^ DRAFT_KEY, generated + i) whose normalised distribution is kept in q.
+// Penalised rows see the round's earlier proposals as output tokens (as the target will when
+// it verifies them): their counts are bumped for the processing and restored after (one
+// block per row: nothing else touches the row's counts meanwhile).
 // Host-sampled rows propose nothing (spec_verify ignores their proposals).
 extern "C" __global__ void draft_sample(float* logits, int vocab, const int* spec_rows, int i, RowParams* rows,
-                                        int* proposals, float* q, int K, const unsigned short* counts,
-                                        const u32* seen, const int* bias_ids, const float* bias_vals,
-                                        const ArgPart* parts) {
+                                        int* proposals, float* q, int K, unsigned short* counts, const u32* seen,
+                                        const int* bias_ids, const float* bias_vals, const ArgPart* parts) {
     PDL_ENTER();
     __shared__ SampleShared sh;
     int b = blockIdx.x;
@@ -1327,6 +1329,17 @@ extern "C" __global__ void draft_sample(float* logits, int vocab, const int* spe
     float* lg = logits + (size_t)b * vocab;
     u32 gen = rp->generated + i;
     const ArgPart* pp = parts ? parts + (size_t)b * ARGMAX_PARTS : nullptr;
+    const int* prop = proposals + row * K;
+    unsigned short* c = counts + (size_t)row * vocab;
+    bool bump = rp->penalties && i > 0;
+    u32 bumped = 0;  // thread 0: which earlier proposals it counted (a count at 65535 stays)
+    if (bump && threadIdx.x == 0)
+        for (int j = 0; j < i; j++)
+            if (c[prop[j]] < 65535) {
+                c[prop[j]] = c[prop[j]] + 1;
+                bumped |= 1u << j;
+            }
+    if (bump) __syncthreads();
     int token = process_logits(lg, vocab, rp, row, gen, counts, seen, bias_ids, bias_vals, pp, sh);
     if (token < 0) {
         double inv = 1.0 / block_total(lg, vocab, sh);
@@ -1335,7 +1348,12 @@ extern "C" __global__ void draft_sample(float* logits, int vocab, const int* spe
         token = block_draw(lg, vocab, philox_uniform(rp->seed_lo ^ DRAFT_KEY_LO, rp->seed_hi ^ DRAFT_KEY_HI, (u64)gen),
                            sh);
     }
-    if (threadIdx.x == 0) proposals[row * K + i] = token;
+    if (bump) __syncthreads();  // every thread is done reading the counts
+    if (threadIdx.x == 0) {
+        for (int j = i - 1; j >= 0; j--)
+            if (bumped >> j & 1u) c[prop[j]] = c[prop[j]] - 1;
+        proposals[row * K + i] = token;
+    }
 }
 
 // Verification (block k: the k-th sampled sequence, row sample_rows[k], its samp_draft[k]

@@ -351,6 +351,29 @@ pub fn check_spec(
         all.len()
     );
     println!("acceptance (greedy scenarios): {}", acceptance(&spec));
+    // Greedy with penalties: the draft's draws see the round's earlier proposals in the
+    // counts (as the target's verification does); equality gated as above, acceptance shown.
+    let penalised = at_once(&prompts, prompts.len(), |_| SamplingParams {
+        repetition_penalty: 1.3,
+        presence_penalty: 0.5,
+        frequency_penalty: 0.2,
+        ..greedy(48)
+    });
+    let want = run(&mut plain, &penalised, "penalised-p")?;
+    let before = spec.stats();
+    let got = run(&mut spec, &penalised, "penalised-s")?;
+    let after = spec.stats();
+    let same = want.iter().zip(&got).filter(|(a, b)| a == b).count();
+    let ok = same == penalised.len() || !strict;
+    let rounds = (after.spec_drafts_total - before.spec_drafts_total).max(1) as f64;
+    let acc = (after.spec_accepted_tokens_total - before.spec_accepted_tokens_total) as f64;
+    println!(
+        "penalised: {same}/{} greedy requests with penalties identical to the plain engine, {:.2} tokens/round -> {}",
+        penalised.len(),
+        1.0 + acc / rounds,
+        verdict(ok, same == penalised.len())
+    );
+    failures += !ok as usize;
     // Round graphs against the same rounds run eagerly (eager steps run their bucket's GEMM
     // rows): gated in f32; in bf16 a draft computed in other shapes accepts differently, so
     // a position may be verified at another row of another round, and near-ties move.
