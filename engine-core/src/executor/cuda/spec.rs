@@ -43,10 +43,12 @@
 //! placement entries past the step's own are no-ops. Other steps (prefill chunks, mixed
 //! steps) run eagerly.
 //!
-//! Session 9's graphs diverged on the device because a decode graph placed its whole
-//! bucket's entries while a one-token prefill had left fewer entries than tokens: the
-//! entries past the step's own were what an earlier step of rounds had left there, and moved
-//! other rows' tokens (`meta::fill_padding` now makes them no-ops; tested).
+//! Session 9's graphs diverged on the device. The one bug found since: a decode graph placed
+//! its whole bucket's entries while a one-token prefill had left fewer entries than tokens,
+//! so the entries past the step's own were what an earlier step of rounds had left there,
+//! and moved other rows' tokens (`meta::fill_padding` now makes them no-ops; tested). Every
+//! device check passes with graphs since (docs/speculative.md), though the failing runs had
+//! prefix caching off, so that bug may not have been all of it.
 
 //! Host-sampled rows (logprobs) draft like the others, so that a step of rounds keeps its
 //! shapes, but verify none of their proposals: their round emits one token. A step without
