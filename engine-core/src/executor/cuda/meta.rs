@@ -286,9 +286,24 @@ impl DraftCounts {
         drafting: 0,
     };
 
-    /// Whether the draft has work: prefill tokens to take in, or proposals to make.
+    /// The counts [`fill_draft_step`] gives a step of `n` rounds (a round graph's bucket).
+    pub fn rounds(n: usize) -> DraftCounts {
+        DraftCounts {
+            tokens: 2 * n,
+            entries: n,
+            drafting: n,
+        }
+    }
+
+    /// Whether the step has prefill tokens (beyond the decode entries' two each) for the
+    /// proposer to take in.
+    pub fn prefill(&self) -> bool {
+        self.tokens > 2 * self.entries
+    }
+
+    /// Whether the proposer has work: prefill tokens to take in, or proposals to make.
     pub fn any(&self) -> bool {
-        self.drafting > 0 || self.tokens > 2 * self.entries
+        self.drafting > 0 || self.prefill()
     }
 }
 
@@ -1334,6 +1349,8 @@ mod tests {
             (n.tokens, n.logits, n.pf_tiles, d.tokens, d.drafting),
             (8, 8, 0, 4, 2)
         );
+        assert_eq!(d, DraftCounts::rounds(2));
+        assert!(!d.prefill());
         fill_round_padding(&mut meta, &l, 2..4, 3, (9, 4), 4);
         let sec = |off: usize, len: usize| meta[off..off + len].to_vec();
         // Every section continues the real entries' pattern over the bucket.

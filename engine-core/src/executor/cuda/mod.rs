@@ -820,15 +820,9 @@ impl CudaExecutor {
                 for &size in &sizes {
                     let t = if rounds { (1 + k) * size } else { size };
                     let m = self.step_meta(slot, t, t, self.attention_plan(t, !rounds), (0, 0));
-                    let draft = meta::DraftCounts {
-                        tokens: 2 * size,
-                        entries: size,
-                        drafting: size,
-                    };
-                    let draft = if rounds {
-                        draft
-                    } else {
-                        meta::DraftCounts::NONE
+                    let draft = match rounds {
+                        true => meta::DraftCounts::rounds(size),
+                        false => meta::DraftCounts::NONE,
                     };
                     let addrs = self.graph_addrs(slot);
                     let (model, kernels) = (&mut self.model, &self.kernels);

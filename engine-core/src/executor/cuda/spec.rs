@@ -283,21 +283,13 @@ impl SpecDecoder {
         }
     }
 
-    /// Whether the draft's attention over `tokens` single-split rows takes the grouped kernel.
-    fn grouped(draft: &GpuModel, tokens: usize) -> bool {
-        let c = &draft.config;
-        draft.dtype == Dtype::Bf16
-            && harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
-            && layout::use_grouped_attention(tokens, c.num_kv_heads)
-    }
-
     /// Enqueues a speculative step's forward work, eagerly or under graph capture (the same
     /// launches either way): proposing when `draft` has work, the `placed` decode entries put
     /// at their rows' true lengths, then the target's forward over `m`. `mark` (eager timing
     /// only) is recorded between the proposer's work and the target's.
     ///
     /// # Safety
-    /// As [`SpecDecoder::propose`]; `m` is the target's view of the slot's metadata.
+    /// As [`DraftProposer::propose`]; `m` is the target's view of the slot's metadata.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn enqueue_step(
         &mut self,
@@ -325,9 +317,12 @@ impl SpecDecoder {
                         d.propose(kn, st, (meta, l), draft, m, (rows_d, state), (spec, bt))?
                     }
                     Proposer::Ngram(ng) => {
-                        // The step's host tokens before placement (decode entries still
-                        // read `pending`), then the lookups.
-                        kn.ngram_record(st, ng.hist(), target_meta, m.n_tokens as u32)?;
+                        // The step's host tokens (prefill chunks) before placement (decode
+                        // entries still read `pending`), then the lookups. Steps of rounds
+                        // (graphs included) have none to record.
+                        if draft.prefill() {
+                            kn.ngram_record(st, ng.hist(), target_meta, m.n_tokens as u32)?;
+                        }
                         if draft.drafting > 0 {
                             kn.ngram_propose(
                                 st,
@@ -362,6 +357,14 @@ impl SpecDecoder {
 }
 
 impl DraftProposer {
+    /// Whether the draft's attention over `tokens` single-split rows takes the grouped kernel.
+    fn grouped(&self, tokens: usize) -> bool {
+        let c = &self.model.config;
+        self.model.dtype == Dtype::Bf16
+            && harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
+            && layout::use_grouped_attention(tokens, c.num_kv_heads)
+    }
+
     /// Enqueues the draft's work of a step: its first forward (prefill chunks and the decode
     /// entries' last two tokens) and the `k` proposals of every drafting row.
     ///
@@ -412,7 +415,7 @@ impl DraftProposer {
                 slot_mapping: at(l.d_slot_mapping),
                 tok_row: at(l.d_tok_row),
                 logit_rows: at(l.d_logit_rows),
-                grouped_attention: SpecDecoder::grouped(&self.model, c.tokens),
+                grouped_attention: self.grouped(c.tokens),
                 decode_splits: None,
                 n_pf_tiles: 0,
                 n_att_listed: 0,
@@ -437,7 +440,7 @@ impl DraftProposer {
                 slot_mapping: at(l.b_slot_mapping),
                 tok_row: spec_rows,
                 logit_rows: at(l.b_logit_rows),
-                grouped_attention: splits == 1 && SpecDecoder::grouped(&self.model, c.drafting),
+                grouped_attention: splits == 1 && self.grouped(c.drafting),
                 decode_splits: (splits > 1).then_some(splits),
                 ..first
             };
