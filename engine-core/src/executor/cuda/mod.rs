@@ -277,6 +277,15 @@ pub struct GapStats {
     pub draft_ms: Vec<f32>,
 }
 
+impl GapStats {
+    /// The median of `v` (NaN when empty).
+    pub fn median(v: &[f32]) -> f32 {
+        let mut v = v.to_vec();
+        v.sort_by(f32::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f32::NAN)
+    }
+}
+
 pub struct CudaExecutor {
     compute: sys::CUstream,
     copy: sys::CUstream,

@@ -28,7 +28,7 @@ use anyhow::{ensure, Context};
 use harrier_shared::protocol::{SamplingParams, TokenId};
 
 use super::scenario::{greedy, run, Arrival};
-use super::CudaExecutor;
+use super::{CudaExecutor, GapStats};
 use crate::cli::{build_cuda_engine, EngineCoreArgs};
 use crate::engine::EngineCore;
 use crate::executor::Executor;
@@ -80,10 +80,43 @@ pub fn repeated(prompts: Vec<Vec<TokenId>>, n: usize) -> Vec<Vec<TokenId>> {
     }
 }
 
+/// Speculation counters of an engine (or their growth between two snapshots).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SpecCounts {
+    rounds: u64,
+    proposed: u64,
+    accepted: u64,
+}
+
+impl SpecCounts {
+    fn of<E: Executor>(engine: &EngineCore<E>) -> SpecCounts {
+        let s = engine.stats();
+        SpecCounts {
+            rounds: s.spec_drafts_total,
+            proposed: s.spec_draft_tokens_total,
+            accepted: s.spec_accepted_tokens_total,
+        }
+    }
+
+    fn since(self, before: SpecCounts) -> SpecCounts {
+        SpecCounts {
+            rounds: self.rounds - before.rounds,
+            proposed: self.proposed - before.proposed,
+            accepted: self.accepted - before.accepted,
+        }
+    }
+
+    fn tokens_per_round(&self) -> f64 {
+        1.0 + self.accepted as f64 / self.rounds.max(1) as f64
+    }
+
+    fn acceptance(&self) -> f64 {
+        self.accepted as f64 / self.proposed.max(1) as f64
+    }
+}
+
 fn median(v: &[f32]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f32::total_cmp);
-    v.get(v.len() / 2).map_or(f64::NAN, |&x| x as f64)
+    GapStats::median(v) as f64
 }
 
 fn at_once(
@@ -236,21 +269,14 @@ fn ngram_matches_cpu(
     let reqs = at_once(prompts, prompts.len(), |_| greedy(48));
     let a = run(&mut cuda, &reqs, "ngram-cuda")?;
     let b = run(&mut cpu, &reqs, "ngram-cpu")?;
-    let (sa, sb) = (cuda.stats(), cpu.stats());
+    let (sa, sb) = (SpecCounts::of(&cuda), SpecCounts::of(&cpu));
     let same_text = a == b;
-    let key = |s: &harrier_shared::protocol::EngineStats| {
-        (
-            s.spec_drafts_total,
-            s.spec_draft_tokens_total,
-            s.spec_accepted_tokens_total,
-        )
-    };
-    let same_lookups = key(&sa) == key(&sb);
+    let same_lookups = sa == sb;
     println!(
         "    ngram: device vs CPU backend: text {}, (rounds, proposed, accepted) {:?} vs {:?} -> {}",
         if same_text { "identical" } else { "differs" },
-        key(&sa),
-        key(&sb),
+        (sa.rounds, sa.proposed, sa.accepted),
+        (sb.rounds, sb.proposed, sb.accepted),
         match (same_text, same_lookups) {
             (true, true) => "ok",
             (true, false) => "FAIL",
@@ -262,19 +288,19 @@ fn ngram_matches_cpu(
 }
 
 fn acceptance<E: Executor>(engine: &EngineCore<E>) -> String {
-    let s = engine.stats();
-    let rounds = s.spec_drafts_total.max(1) as f64;
-    let per_pos: Vec<String> = s
+    let c = SpecCounts::of(engine);
+    let per_pos: Vec<String> = engine
+        .stats()
         .spec_accepted_per_pos_total
         .iter()
         .take_while(|&&n| n > 0)
-        .map(|&n| format!("{:.2}", n as f64 / rounds))
+        .map(|&n| format!("{:.2}", n as f64 / c.rounds.max(1) as f64))
         .collect();
     format!(
         "{} rounds, {:.2} tokens/round, acceptance {:.3}, per position [{}]",
-        s.spec_drafts_total,
-        1.0 + s.spec_accepted_tokens_total as f64 / rounds,
-        s.spec_accepted_tokens_total as f64 / s.spec_draft_tokens_total.max(1) as f64,
+        c.rounds,
+        c.tokens_per_round(),
+        c.acceptance(),
         per_pos.join(", ")
     )
 }
@@ -360,17 +386,15 @@ pub fn check_spec(
         ..greedy(48)
     });
     let want = run(&mut plain, &penalised, "penalised-p")?;
-    let before = spec.stats();
+    let before = SpecCounts::of(&spec);
     let got = run(&mut spec, &penalised, "penalised-s")?;
-    let after = spec.stats();
+    let delta = SpecCounts::of(&spec).since(before);
     let same = want.iter().zip(&got).filter(|(a, b)| a == b).count();
     let ok = same == penalised.len() || !strict;
-    let rounds = (after.spec_drafts_total - before.spec_drafts_total).max(1) as f64;
-    let acc = (after.spec_accepted_tokens_total - before.spec_accepted_tokens_total) as f64;
     println!(
         "penalised: {same}/{} greedy requests with penalties identical to the plain engine, {:.2} tokens/round -> {}",
         penalised.len(),
-        1.0 + acc / rounds,
+        delta.tokens_per_round(),
         verdict(ok, same == penalised.len())
     );
     failures += !ok as usize;
@@ -492,10 +516,10 @@ pub fn bench_spec(
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &b in batches {
         let (p, _) = throughput(&mut plain, &prompts, b, max_tokens, &format!("b{b}-p"))?;
-        let before = spec.stats();
+        let before = SpecCounts::of(&spec);
         spec.executor_mut().time_steps(true)?;
         let (s, _) = throughput(&mut spec, &prompts, b, max_tokens, &format!("b{b}-s"))?;
-        let after = spec.stats();
+        let delta = SpecCounts::of(&spec).since(before);
         let exec = spec.executor_mut();
         let (step_ms, gap_ms) = (median(&exec.gaps.step_ms), median(&exec.gaps.gaps_ms));
         // The split, eagerly (a graph replay is one unit).
@@ -514,10 +538,6 @@ pub fn bench_spec(
         exec.record_gaps = false;
         let draft_ms = median(&exec.gaps.draft_ms);
         let verify_ms = median(&exec.gaps.step_ms) - draft_ms;
-        let rounds = (after.spec_drafts_total - before.spec_drafts_total).max(1) as f64;
-        let acc = (after.spec_accepted_tokens_total - before.spec_accepted_tokens_total) as f64;
-        let drafted =
-            (after.spec_draft_tokens_total - before.spec_draft_tokens_total).max(1) as f64;
         let g = match &mut gated {
             Some(g) => {
                 let (t, _) = throughput(g, &prompts, b, max_tokens, &format!("b{b}-g"))?;
@@ -527,15 +547,48 @@ pub fn bench_spec(
         };
         // A round yields `tpr` tokens per sequence: it takes b * tpr / s seconds, and pays
         // off once it yields what plain decoding makes in that time.
-        let tpr = 1.0 + acc / rounds;
+        let tpr = delta.tokens_per_round();
         let round_s = b as f64 * tpr / s;
         println!(
             "| {b} | {p:.0} | {s:.0} | {:.2}x | {tpr:.2} | {:.3} | {:.3} | {:.2} | {step_ms:.3} | {gap_ms:.3} | {draft_ms:.3} | {verify_ms:.3} | {g} |",
             s / p,
-            acc / drafted,
+            delta.acceptance(),
             round_s * 1e3,
             round_s * p / b as f64
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{median, SpecCounts};
+
+    #[test]
+    fn spec_counts_grow_and_give_rates() {
+        let before = SpecCounts {
+            rounds: 10,
+            proposed: 40,
+            accepted: 20,
+        };
+        let after = SpecCounts {
+            rounds: 14,
+            proposed: 56,
+            accepted: 32,
+        };
+        let d = after.since(before);
+        assert_eq!((d.rounds, d.proposed, d.accepted), (4, 16, 12));
+        assert_eq!(d.tokens_per_round(), 4.0);
+        assert_eq!(d.acceptance(), 0.75);
+        // No rounds: one token per round, no acceptance (not NaN).
+        let none = before.since(before);
+        assert_eq!((none.tokens_per_round(), none.acceptance()), (1.0, 0.0));
+    }
+
+    #[test]
+    fn median_takes_the_upper_middle_and_is_nan_when_empty() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 3.0);
+        assert!(median(&[]).is_nan());
+    }
 }

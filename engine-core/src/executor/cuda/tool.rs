@@ -54,7 +54,7 @@ use anyhow::{bail, Context};
 use harrier_engine::batch::{ExecBatch, RowId, RowInit, SeqInput, StepOutput};
 use harrier_engine::executor::cuda::blas::Blas;
 use harrier_engine::executor::cuda::{
-    graph_check, layout, spec_check, CudaExecutor, CudaExecutorConfig,
+    graph_check, layout, spec_check, CudaExecutor, CudaExecutorConfig, GapStats,
 };
 use harrier_engine::executor::Executor;
 use harrier_engine::model::ModelDir;
@@ -343,14 +343,6 @@ fn ceilings() -> anyhow::Result<(f64, f64)> {
     }
 }
 
-fn median(v: &mut [f32]) -> f32 {
-    if v.is_empty() {
-        return f32::NAN;
-    }
-    v.sort_by(f32::total_cmp);
-    v[v.len() / 2]
-}
-
 fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
     let batches: Vec<u32> = list_arg(a, "batches", "1,8,32,128")?;
@@ -475,8 +467,8 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
             let secs = d.decode_steps(steps, pipelined)?;
             d.exec.record_gaps = false;
             let ms = secs * 1e3 / steps as f64;
-            let gap = median(&mut d.exec.gaps.gaps_ms.clone());
-            let gpu = median(&mut d.exec.gaps.step_ms.clone());
+            let gap = GapStats::median(&d.exec.gaps.gaps_ms);
+            let gpu = GapStats::median(&d.exec.gaps.step_ms);
             let avg_ctx = d.lens.iter().map(|&l| l as f64).sum::<f64>() / d.lens.len() as f64;
             let floor_ms = (wbytes + bsz as f64 * avg_ctx * kv_tok) / bw * 1e3;
             eprintln!(
