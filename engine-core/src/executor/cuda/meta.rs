@@ -725,6 +725,26 @@ mod tests {
         }
     }
 
+    /// A speculative round: `1 + draft` tokens of `row` from `pos`, all from the device.
+    fn round(row: u32, pos: u32, draft: u32) -> SeqInput {
+        SeqInput {
+            draft,
+            ..seq(row, pos, 1 + draft, (0, 0), (0, 0))
+        }
+    }
+
+    /// Four initialised rows, each with block table `blocks` and a pending token.
+    fn decoding_rows(blocks: &[u32]) -> Vec<Option<HostRow>> {
+        (0..4)
+            .map(|_| {
+                let mut r = HostRow::new(None);
+                r.block_table = blocks.to_vec();
+                r.has_pending = true;
+                Some(r)
+            })
+            .collect()
+    }
+
     fn setup() -> (Capacities, MetaLayout, Vec<i32>) {
         // 4-token blocks, 16 blocks per sequence, 4 rows.
         let caps = Capacities::new(64, 4, 64, 4);
@@ -1167,11 +1187,6 @@ mod tests {
             vec![1],
             vec![],
         )));
-        let round = |row: u32, pos: u32, draft: u32| {
-            let mut s = seq(row, pos, 1 + draft, (0, 0), (0, 0));
-            s.draft = draft;
-            s
-        };
         let batch = ExecBatch {
             seqs: vec![
                 seq(0, 0, 3, (0, 3), (0, 1)),
@@ -1294,16 +1309,8 @@ mod tests {
             kv_blocks: 10,
             local_kv_blocks: 0,
         };
-        let mut rows: Vec<Option<HostRow>> = (0..4).map(|_| Some(HostRow::new(None))).collect();
-        for r in rows.iter_mut().flatten() {
-            r.block_table = vec![1, 2, 3];
-            r.has_pending = true;
-        }
-        let round = |row: u32, draft: u32| {
-            let mut s = seq(row, 2, 1 + draft, (0, 0), (0, 0));
-            s.draft = draft;
-            s
-        };
+        let rows = decoding_rows(&[1, 2, 3]);
+        let round = |row: u32, draft: u32| round(row, 2, draft);
         let b = ExecBatch {
             seqs: vec![round(0, 3)],
             ..Default::default()
@@ -1326,16 +1333,8 @@ mod tests {
         let caps = Capacities::new(64, 4, 64, 4).with_spec(3, 64);
         let l = MetaLayout::new(&caps);
         let mut meta = vec![i32::MIN; l.len];
-        let mut rows: Vec<Option<HostRow>> = (0..4).map(|_| Some(HostRow::new(None))).collect();
-        for r in rows.iter_mut().flatten() {
-            r.block_table = vec![1, 2];
-            r.has_pending = true;
-        }
-        let round = |row: u32| {
-            let mut s = seq(row, 4, 4, (0, 0), (0, 0));
-            s.draft = 3;
-            s
-        };
+        let mut rows = decoding_rows(&[1, 2]);
+        let round = |row: u32| round(row, 4, 3);
         // Two real rounds padded to a bucket of 4.
         let batch = ExecBatch {
             seqs: vec![round(2), round(0)],
@@ -1400,15 +1399,8 @@ mod tests {
         let caps = Capacities::new(64, 4, 64, 4).with_spec(3, 64);
         let l = MetaLayout::new(&caps);
         let mut meta = vec![i32::MIN; l.len];
-        let mut rows: Vec<Option<HostRow>> = (0..4).map(|_| Some(HostRow::new(None))).collect();
-        for r in rows.iter_mut().flatten() {
-            r.block_table = vec![1, 2, 3];
-            r.has_pending = true;
-        }
-        let round = |row: u32| SeqInput {
-            draft: 3,
-            ..seq(row, 4, 4, (0, 0), (0, 0))
-        };
+        let mut rows = decoding_rows(&[1, 2, 3]);
+        let round = |row: u32| round(row, 4, 3);
         let rounds = ExecBatch {
             seqs: vec![round(0), round(1), round(2)],
             ..Default::default()
