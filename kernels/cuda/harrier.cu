@@ -1459,7 +1459,7 @@ extern "C" __global__ void spec_verify(float* logits, int vocab, const int* samp
     }
 }
 
-// N-gram prompt lookup on the device (RowSampler-free proposals, engine-core/src/spec.rs
+// N-gram prompt lookup on the device (no draft model; engine-core/src/spec.rs
 // `ngram_propose` is the reference): per row a token history `hist[row][0 .. kv_len)` (the
 // tokens with target KV; positions below hist_start[row] unknown, see ngram_init) followed by
 // the pending token is the context.
