@@ -173,18 +173,40 @@ extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const ele
 }
 
 // ---------------------------------------------------------------------------------------------
+// RoPE pairs in the "paired" q/k row order. Rotate-half RoPE mixes dims i and i + hd / 2 of a
+// head. With paired = 1 the q and k rows of the fused q|k|v weights are stored (at load) so
+// that each 16-row tile of a head holds dims 8a .. 8a + 7 in its rows 0-7 and their partners
+// hd / 2 + 8a .. in rows 8-15: storage row 16a + e is dim 8a + e (e < 8) or hd / 2 + 8a + e - 8.
+// A skinny GEMM lane then holds both halves of its pairs (mma rows g and g + 8) and can rotate
+// them in its epilogue (SK_ROPE). The K cache keeps the same order; attention only takes q . k
+// over a head, which is the same in any order both share, so nothing else notices. V rows are
+// never permuted.
+__device__ __forceinline__ int rope_row(int i, int paired) { return paired ? ((i >> 3) << 4) + (i & 7) : i; }
+
+// The rotated pair of values a (dim i) and b (dim i + hd / 2) at position pos with frequency f,
+// rounded as HF's bf16 RoPE (cos / sin in the storage type, each product rounded).
+__device__ __forceinline__ void rope_pair(float a, float b, float pos, float f, float* o1, float* o2) {
+    float ang = pos * f;
+    float c = rnd(cosf(ang)), s = rnd(sinf(ang));
+    *o1 = rnd(rnd(a * c) + rnd(-b * s));
+    *o2 = rnd(rnd(b * c) + rnd(a * s));
+}
+
 // Per token: (Qwen3, Gemma 3) per-head RMSNorm of q and k (Gemma's 1 + w with w_off = 1), RoPE (rotate-half, bf16 cos/sin as HF), q
 // rotated in place, k and v stored in the paged cache at slot_mapping[t]
-// (cache layout [num_blocks * block_size, nkv, hd]). One warp per head, the heads of a token
+// (cache layout [num_blocks * block_size, nkv, hd]), q and k rows in the paired order when
+// `paired` (see rope_row). One warp per head, the heads of a token
 // spread over gridDim.y blocks (at batch 1 one block looping over 48 heads took 7.5 us a layer);
 // hd <= 256, hd % 64 == 0.
 extern "C" __global__ void rope_kv_write(elem* qkv, int qkv_stride, int nh, int nkv, int hd, const int* positions,
                                          const float* inv_freq, const elem* q_norm, const elem* k_norm, float eps,
-                                         float w_off, const int* slot_mapping, elem* k_cache, elem* v_cache) {
+                                         float w_off, const int* slot_mapping, elem* k_cache, elem* v_cache,
+                                         int paired) {
     PDL_ENTER();
     int t = blockIdx.x;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     int half = hd >> 1;
+    int partner = paired ? 8 : half;  // storage distance of a pair
     float pos = (float)positions[t];
     long long slot = slot_mapping[t];
     elem* row = qkv + (size_t)t * qkv_stride;
@@ -210,17 +232,16 @@ extern "C" __global__ void rope_kv_write(elem* qkv, int qkv_stride, int nh, int 
         }
         elem* dst = is_q ? x : k_cache + (size_t)(slot * nkv + (h - nh)) * hd;
         for (int i = lane; i < half; i += 32) {
-            float a = e2f(x[i]), b = e2f(x[i + half]);
+            int r = rope_row(i, paired);
+            float a = e2f(x[r]), b = e2f(x[r + partner]);
             if (nw_) {
                 a = rnd(norm_scale(a * inv, nw_, i, w_off));
                 b = rnd(norm_scale(b * inv, nw_, i + half, w_off));
             }
-            float ang = pos * inv_freq[i];
-            float c = rnd(cosf(ang)), s = rnd(sinf(ang));
-            float o1 = rnd(rnd(a * c) + rnd(-b * s));
-            float o2 = rnd(rnd(b * c) + rnd(a * s));
-            dst[i] = f2e(o1);
-            dst[i + half] = f2e(o2);
+            float o1, o2;
+            rope_pair(a, b, pos, inv_freq[i], &o1, &o2);
+            dst[r] = f2e(o1);
+            dst[r + partner] = f2e(o2);
         }
     }
 }
@@ -1672,6 +1693,19 @@ extern "C" __global__ void gemv_bf16(const bf16* x, const bf16* w, void* y, int 
 #define SK_RESID 2
 #define SK_SILU 3
 #define SK_GELU 4
+#define SK_ROPE 5
+
+// SK_ROPE: the q|k|v projection of a decode step with RoPE and the KV write in its epilogue
+// (rope_kv_write's work for models without q/k norms; the q and k rows in the paired order).
+struct SkinnyRope {
+    const int* positions;
+    const float* inv_freq;
+    const int* slot_mapping;
+    bf16* k_cache;
+    bf16* v_cache;
+    int nh, nkv, hd;
+    int rows;  // the step's tokens (rows past them, a bucket's stale padding, write nothing)
+};
 
 struct SkinnyIn {
     const bf16* x;
@@ -1681,6 +1715,7 @@ struct SkinnyIn {
     const float* scale;  // _f8 instances: one scale per weight row (gated: [gate; up] rows)
     float eps, w_off;
     int M, N, K, epi;
+    SkinnyRope rope;
 };
 
 // Eight e4m3 bytes (k, k + 1, ... in v.x then v.y) as eight bf16 of the same values (exact:
@@ -1729,7 +1764,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     __shared__ float ss_sh[SK_WARPS][8];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const bool gated = p.epi >= SK_SILU;
+    const bool gated = p.epi == SK_SILU || p.epi == SK_GELU;
     // Tile i, plain: rows n0 + 16 i + g and + 8. Gated: gate row n0 + 8 i + g, up row N + that.
     const int n0 = blockIdx.x * (gated ? 8 * R : 16 * R);
     const uint4* wa[R];
@@ -1873,6 +1908,43 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     }
     if (warp != 0) return;
     // Value r of lane (g, t) in tile i, n-tile j: row (r < 2 ? g : g + 8), input row 8 j + 2 t + r % 2.
+    if (p.epi == SK_ROPE) {
+        // Rows n and n + 8 of a tile are a RoPE pair of q or k (paired order), or two rows of
+        // v: as rope_kv_write with the product rounded to bf16 first (what it would read).
+        const SkinnyRope& ro = p.rope;
+        bf16* y = (bf16*)p.y;
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            const int n = n0 + 16 * i + g;
+            if (n >= p.N) continue;
+            const int h = n / ro.hd, s = n - h * ro.hd;
+            const float s0 = F8 ? __ldg(p.scale + n) : 1.0f, s1 = F8 ? __ldg(p.scale + n + 8) : 1.0f;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const int m = 8 * j + 2 * t + r;
+                    if (m >= ro.rows) continue;
+                    const float a = rbf(acc[i][j][r] * s0), b = rbf(acc[i][j][r + 2] * s1);
+                    const long long slot = ro.slot_mapping[m];
+                    if (h >= ro.nh + ro.nkv) {
+                        bf16* dst = ro.v_cache + (size_t)(slot * ro.nkv + (h - ro.nh - ro.nkv)) * ro.hd + s;
+                        dst[0] = f2bf(a);
+                        dst[8] = f2bf(b);
+                        continue;
+                    }
+                    const int d = ((s >> 4) << 3) + (s & 7);  // the pair's first dim
+                    float o1, o2;
+                    rope_pair(a, b, (float)ro.positions[m], __ldg(ro.inv_freq + d), &o1, &o2);
+                    bf16* dst = h < ro.nh ? y + (size_t)m * p.N + n
+                                          : ro.k_cache + (size_t)(slot * ro.nkv + (h - ro.nh)) * ro.hd + s;
+                    dst[0] = f2bf(o1);
+                    dst[8] = f2bf(o2);
+                }
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < R; i++) {
 #pragma unroll

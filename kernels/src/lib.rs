@@ -183,6 +183,27 @@ pub enum SkinnyEpilogue {
     SiluMul = 3,
     /// As `SiluMul` with GELU (tanh approximation).
     GeluTanhMul = 4,
+    /// The q|k|v projection with RoPE and the KV write (see [`SkinnyRope`]): q rotated into
+    /// `y`, k rotated and v into the cache; `y`'s k and v columns are not written.
+    Rope = 5,
+}
+
+/// The RoPE epilogue of a q|k|v skinny GEMM (mirrors `struct SkinnyRope`): what
+/// [`Kernels::rope_kv_write`] does for a model without q/k norms, for the first `rows` rows,
+/// with the q and k weight rows in the paired order (`rope_row` in the source; needs
+/// `head_dim % 16 == 0`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SkinnyRope {
+    pub positions: u64,
+    pub inv_freq: u64,
+    pub slot_mapping: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub nh: i32,
+    pub nkv: i32,
+    pub hd: i32,
+    pub rows: i32,
 }
 
 /// One `skinny_gemm_*` launch (mirrors `struct SkinnyIn`): `y[m, n] = epilogue(x'[m, :] ·
@@ -203,6 +224,8 @@ pub struct SkinnyInputs {
     pub n: i32,
     pub k: i32,
     pub epi: i32,
+    /// Read with [`SkinnyEpilogue::Rope`] only.
+    pub rope: SkinnyRope,
 }
 
 impl SkinnyInputs {
@@ -226,6 +249,16 @@ impl SkinnyInputs {
             n: n as i32,
             k: k as i32,
             epi: epi as i32,
+            rope: SkinnyRope::default(),
+        }
+    }
+
+    /// The q|k|v epilogue with RoPE and the KV write ([`SkinnyEpilogue::Rope`]).
+    pub fn roped(self, rope: SkinnyRope) -> SkinnyInputs {
+        SkinnyInputs {
+            epi: SkinnyEpilogue::Rope as i32,
+            rope,
+            ..self
         }
     }
 
@@ -806,7 +839,8 @@ impl Kernels {
         unsafe { self.launch("add_rmsnorm", (n, 1, 1), NORM_THREADS, s, &mut p) }
     }
 
-    /// Q/K norm (when the norm weights are not 0), RoPE and the KV cache write for `n` tokens.
+    /// Q/K norm (when the norm weights are not 0), RoPE and the KV cache write for `n` tokens;
+    /// `paired`: the q and k rows are in the paired order (see [`SkinnyRope`]).
     ///
     /// # Safety
     /// Device addresses must be valid; slot_mapping entries must lie inside the cache.
@@ -827,8 +861,10 @@ impl Kernels {
         slot_mapping: u64,
         k_cache: u64,
         v_cache: u64,
+        paired: bool,
         n: u32,
     ) -> anyhow::Result<()> {
+        let paired = paired as i32;
         let mut p = params![
             qkv,
             qkv_stride,
@@ -843,7 +879,8 @@ impl Kernels {
             w_off,
             slot_mapping,
             k_cache,
-            v_cache
+            v_cache,
+            paired
         ];
         // SAFETY: argument types match the kernel's.
         let heads = (nh + 2 * nkv).max(1) as u32;
@@ -1463,7 +1500,19 @@ impl Kernels {
                 p.n
             );
         }
-        let gated = p.epi >= SkinnyEpilogue::SiluMul as i32;
+        let gated = [SkinnyEpilogue::SiluMul, SkinnyEpilogue::GeluTanhMul]
+            .iter()
+            .any(|&e| p.epi == e as i32);
+        if p.epi == SkinnyEpilogue::Rope as i32 {
+            let r = &p.rope;
+            if r.hd <= 0 || r.hd % 16 != 0 || p.n != (r.nh + 2 * r.nkv) * r.hd || r.rows > p.m_rows
+            {
+                bail!(
+                    "skinny_gemm: a RoPE epilogue needs n = (heads + 2 kv heads) x head_dim with                      head_dim % 16 == 0 and at most m rows: n {}, {r:?}",
+                    p.n
+                );
+            }
+        }
         let tiles = (p.n as usize * if gated { 2 } else { 1 }).div_ceil(SKINNY_ROWS as usize);
         let r4 = tiles >= SKINNY_R4_FROM_TILES && m <= 16;
         let name = match (m.div_ceil(8), r4, f8) {
@@ -1648,9 +1697,15 @@ mod tests {
             (GEMV_WARPS, GEMV_ROWS)
         );
         assert_eq!(std::mem::size_of::<RowParams>(), 60 + 4 * MASK_CAP);
-        // SkinnyIn: five pointers, two floats, four ints; the epilogue codes and block shape.
-        assert!(SOURCE.contains("struct SkinnyIn {"));
-        assert_eq!(std::mem::size_of::<SkinnyInputs>(), 5 * 8 + 6 * 4);
+        // SkinnyIn: five pointers, two floats, four ints, then SkinnyRope (five pointers, four
+        // ints) at offset 64; the epilogue codes and block shape.
+        assert!(SOURCE.contains("struct SkinnyIn {") && SOURCE.contains("struct SkinnyRope {"));
+        assert_eq!(std::mem::size_of::<SkinnyRope>(), 5 * 8 + 4 * 4);
+        assert_eq!(std::mem::offset_of!(SkinnyInputs, rope), 5 * 8 + 6 * 4);
+        assert_eq!(
+            std::mem::size_of::<SkinnyInputs>(),
+            5 * 8 + 6 * 4 + 5 * 8 + 4 * 4
+        );
         assert_eq!(
             (define("SK_WARPS"), define("SK_ROWS")),
             (SKINNY_WARPS, SKINNY_ROWS)
@@ -1661,6 +1716,7 @@ mod tests {
             (SkinnyEpilogue::Residual, "SK_RESID"),
             (SkinnyEpilogue::SiluMul, "SK_SILU"),
             (SkinnyEpilogue::GeluTanhMul, "SK_GELU"),
+            (SkinnyEpilogue::Rope, "SK_ROPE"),
         ] {
             assert_eq!(define(name), e as u32, "{name}");
         }

@@ -8,6 +8,7 @@ use half::bf16;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
     skinny_supports, AttentionInputs, Dtype, Kernels, SkinnyEpilogue as Epi, SkinnyInputs,
+    SkinnyRope,
 };
 
 use super::blas::Blas;
@@ -146,6 +147,12 @@ pub struct GpuModel {
     /// Steps of up to this many GEMM rows take the fused small-batch path (0: never; f32
     /// models never do, see [`ProjPlan::new`]). Set by the executor after loading.
     pub fused_max_rows: usize,
+    /// q and k rows (weights and K cache) are in the paired RoPE order ([`pair_rope_rows`]).
+    rope_paired: bool,
+    /// Skinny q|k|v GEMMs of models without q/k norms rotate q and k and write the KV cache in
+    /// their epilogue instead of a `rope_kv_write` launch (`HARRIER_ROPE_EPILOGUE=0`: off, to
+    /// compare).
+    pub rope_epilogue: bool,
 }
 
 /// FP8 models: steps of up to this many GEMM rows run every projection through the FP8 skinny
@@ -282,6 +289,46 @@ impl Staging {
             Staging::F32(v) => upload(v, stream),
         }
     }
+
+    /// See [`pair_rope_rows`].
+    fn pair_rope_rows(&mut self, row_len: usize, heads: usize, hd: usize) {
+        match self {
+            Staging::Bf16(v) => pair_rope_rows(v, row_len, heads, hd),
+            Staging::F32(v) => pair_rope_rows(v, row_len, heads, hd),
+        }
+    }
+}
+
+/// Whether q and k rows are stored in the paired RoPE order for a head width of `hd`.
+fn rope_pairs(hd: usize) -> bool {
+    hd > 0 && hd.is_multiple_of(16)
+}
+
+/// Reorders the first `heads * hd` rows of `rows` (rows of `row_len` values: weights, or one
+/// scale per row) into the paired RoPE order of the CUDA kernels (`rope_row` in harrier.cu):
+/// within each head, storage row `16a + e` holds dim `8a + e` for `e < 8` and its rotation
+/// partner `hd / 2 + 8a + e - 8` otherwise, so that a skinny GEMM lane, which holds rows `g`
+/// and `g + 8` of a 16-row tile, holds both halves of its RoPE pairs. Applied to the q and k
+/// rows of q|k|v (the K cache then keeps that order; attention's q · k is the same in it).
+fn pair_rope_rows<T: Copy>(rows: &mut [T], row_len: usize, heads: usize, hd: usize) {
+    let half = hd / 2;
+    let stride = hd * row_len;
+    let mut head = Vec::with_capacity(stride);
+    for h in 0..heads {
+        let block = &mut rows[h * stride..(h + 1) * stride];
+        head.clear();
+        head.extend_from_slice(block);
+        for s in 0..hd {
+            let (a, e) = (s / 16, s % 16);
+            let dim = if e < 8 {
+                8 * a + e
+            } else {
+                half + 8 * a + e - 8
+            };
+            block[s * row_len..(s + 1) * row_len]
+                .copy_from_slice(&head[dim * row_len..(dim + 1) * row_len]);
+        }
+    }
 }
 
 /// Whether an FP8 output head over `vocab` rows can take the FP8 GEMMs: cuBLASLt wants the
@@ -319,6 +366,7 @@ fn load_fp8(
     ckpt: &Checkpoint,
     c: &ModelConfig,
     parts: &[(String, Vec<usize>)],
+    rope_heads: usize,
     stream: sys::CUstream,
 ) -> anyhow::Result<(Proj, usize, usize)> {
     let (mut q, mut scales, mut requantized) = (Vec::new(), Vec::new(), 0);
@@ -353,6 +401,11 @@ fn load_fp8(
             }
         }
     }
+    if rope_heads > 0 {
+        let k = parts.first().map_or(0, |(_, shape)| shape[1]);
+        pair_rope_rows(&mut q, k, rope_heads, c.head_dim);
+        pair_rope_rows(&mut scales, 1, rope_heads, c.head_dim);
+    }
     let bytes = q.len() + 4 * scales.len();
     let p = Proj {
         w: upload(&q, stream)?,
@@ -383,29 +436,45 @@ impl GpuModel {
         let buf = std::cell::RefCell::new(Staging::new(dtype));
         let total = std::cell::Cell::new(0usize);
         let requantized = std::cell::Cell::new(0usize);
-        let one = |names: &[(String, Vec<usize>)]| -> anyhow::Result<DevBuf> {
-            let mut buf = buf.borrow_mut();
-            buf.clear();
-            for (n, s) in names {
-                buf.push(&ckpt, n, s)
-                    .with_context(|| format!("tensor {n}"))?;
-            }
-            total.set(total.get() + buf.bytes());
-            buf.upload(stream)
-        };
-        let proj_as = |names: &[(String, Vec<usize>)], fp8: bool| -> anyhow::Result<Proj> {
+        // `rope_heads`: the first that many heads of rows take the paired RoPE order.
+        let one_paired =
+            |names: &[(String, Vec<usize>)], rope_heads: usize| -> anyhow::Result<DevBuf> {
+                let mut buf = buf.borrow_mut();
+                buf.clear();
+                for (n, s) in names {
+                    buf.push(&ckpt, n, s)
+                        .with_context(|| format!("tensor {n}"))?;
+                }
+                if rope_heads > 0 {
+                    let k = names.first().map_or(0, |(_, shape)| shape[1]);
+                    buf.pair_rope_rows(k, rope_heads, c.head_dim);
+                }
+                total.set(total.get() + buf.bytes());
+                buf.upload(stream)
+            };
+        let one = |names: &[(String, Vec<usize>)]| one_paired(names, 0);
+        let proj_as = |names: &[(String, Vec<usize>)],
+                       fp8: bool,
+                       rope_heads: usize|
+         -> anyhow::Result<Proj> {
             if !fp8 {
                 return Ok(Proj {
-                    w: one(names)?,
+                    w: one_paired(names, rope_heads)?,
                     scale: None,
                 });
             }
-            let (p, bytes, requant) = load_fp8(&ckpt, &c, names, stream)?;
+            let (p, bytes, requant) = load_fp8(&ckpt, &c, names, rope_heads, stream)?;
             total.set(total.get() + bytes);
             requantized.set(requantized.get() + requant);
             Ok(p)
         };
-        let proj = |names: &[(String, Vec<usize>)]| proj_as(names, fp8);
+        let proj = |names: &[(String, Vec<usize>)]| proj_as(names, fp8, 0);
+        // q and k rows in the paired RoPE order (see `pair_rope_rows`).
+        let rope_paired = rope_pairs(c.head_dim);
+        let rope_heads = match rope_paired {
+            true => c.num_heads + c.num_kv_heads,
+            false => 0,
+        };
         let lt = |t: LayerTensor, l: usize| (t.name(l), t.shape(&c));
         let mut layers = Vec::with_capacity(c.num_layers);
         let mut progress = crate::progress::StartupProgress::new(
@@ -429,11 +498,15 @@ impl GpuModel {
                 )),
                 false => None,
             };
-            let qkv = proj(&[
-                lt(LayerTensor::QProj, l),
-                lt(LayerTensor::KProj, l),
-                lt(LayerTensor::VProj, l),
-            ])?;
+            let qkv = proj_as(
+                &[
+                    lt(LayerTensor::QProj, l),
+                    lt(LayerTensor::KProj, l),
+                    lt(LayerTensor::VProj, l),
+                ],
+                fp8,
+                rope_heads,
+            )?;
             let o = proj(&[lt(LayerTensor::OProj, l)])?;
             let gate_up = proj(&[lt(LayerTensor::GateProj, l), lt(LayerTensor::UpProj, l)])?;
             let down = proj(&[lt(LayerTensor::DownProj, l)])?;
@@ -469,8 +542,8 @@ impl GpuModel {
                 ));
         let lm_head = match (c.tie_word_embeddings, head_fp8) {
             (true, false) => None,
-            (true, true) => Some(proj_as(&[(EMBED.to_string(), vec![v, h])], true)?),
-            (false, _) => Some(proj_as(&[head], head_fp8)?),
+            (true, true) => Some(proj_as(&[(EMBED.to_string(), vec![v, h])], true, 0)?),
+            (false, _) => Some(proj_as(&[head], head_fp8, 0)?),
         };
         let final_norm = one(&[(FINAL_NORM.to_string(), vec![h])])?;
         if requantized.get() > 0 {
@@ -537,6 +610,8 @@ impl GpuModel {
             blas,
             fp8_gemm: None,
             fused_max_rows: 0,
+            rope_paired,
+            rope_epilogue: std::env::var("HARRIER_ROPE_EPILOGUE").map_or(true, |v| v != "0"),
         })
     }
 
@@ -739,15 +814,43 @@ impl GpuModel {
             // norm it takes before its add.
             let mut pending: (u64, u64) = (0, 0);
             for (li, w) in self.layers.iter().enumerate() {
+                let (k_off, v_off, local) = self.kv_layers[li];
+                let (kc, vc) = (kv.at(k_off), kv.at(v_off));
+                let (slots, tables) = match local {
+                    true => (m.slot_mapping_local, m.row_block_tables_local),
+                    false => (m.slot_mapping, m.row_block_tables),
+                };
+                let inv_freq = match (&self.inv_freq_local, w.local_rope) {
+                    (Some(f), true) => f.ptr,
+                    _ => self.inv_freq.ptr,
+                };
+                // Skinny q|k|v GEMMs rotate q and k and write the cache in their epilogue
+                // (models without q/k norms, whose norm needs the whole head).
+                let rope_epi =
+                    skinny && w.qk_norm.is_none() && self.rope_paired && self.rope_epilogue;
+                let qkv_launch = |x: u64| {
+                    let p = w
+                        .qkv
+                        .skinny((x, s.qkv.ptr), gemm_rows, qkv_dim, hid, Epi::Store);
+                    match rope_epi {
+                        true => p.roped(SkinnyRope {
+                            positions: m.positions,
+                            inv_freq,
+                            slot_mapping: slots,
+                            k_cache: kc,
+                            v_cache: vc,
+                            nh: nh as i32,
+                            nkv: nkv as i32,
+                            hd: hd as i32,
+                            rows: t as i32,
+                        }),
+                        false => p,
+                    }
+                };
                 // Llama-style blocks on the fused path keep the residual in x and never have a
                 // pending delta: the input norm runs inside the q|k|v GEMM or on x alone.
                 if plan.norm {
-                    k.skinny_gemm(
-                        stream,
-                        &w.qkv
-                            .skinny((s.x.ptr, s.qkv.ptr), gemm_rows, qkv_dim, hid, Epi::Store)
-                            .normed(w.input_norm.ptr, eps),
-                    )?;
+                    k.skinny_gemm(stream, &qkv_launch(s.x.ptr).normed(w.input_norm.ptr, eps))?;
                 } else {
                     k.add_rmsnorm(
                         stream,
@@ -760,39 +863,36 @@ impl GpuModel {
                         hid as i32,
                         eps,
                     )?;
-                    proj((s.h.ptr, &w.qkv, s.qkv.ptr), qkv_dim, hid)?;
+                    match rope_epi {
+                        true => k.skinny_gemm(stream, &qkv_launch(s.h.ptr))?,
+                        false => proj((s.h.ptr, &w.qkv, s.qkv.ptr), qkv_dim, hid)?,
+                    }
                 }
-                let (k_off, v_off, local) = self.kv_layers[li];
-                let (kc, vc) = (kv.at(k_off), kv.at(v_off));
-                let (slots, tables) = match local {
-                    true => (m.slot_mapping_local, m.row_block_tables_local),
-                    false => (m.slot_mapping, m.row_block_tables),
-                };
-                let (qn, kn) = w
-                    .qk_norm
-                    .as_ref()
-                    .map(|(a, b)| (a.ptr, b.ptr))
-                    .unwrap_or((0, 0));
-                k.rope_kv_write(
-                    stream,
-                    s.qkv.ptr,
-                    qkv_dim as i32,
-                    nh as i32,
-                    nkv as i32,
-                    hd as i32,
-                    m.positions,
-                    match (&self.inv_freq_local, w.local_rope) {
-                        (Some(f), true) => f.ptr,
-                        _ => self.inv_freq.ptr,
-                    },
-                    qn,
-                    kn,
-                    eps,
-                    slots,
-                    kc,
-                    vc,
-                    t as u32,
-                )?;
+                if !rope_epi {
+                    let (qn, kn) = w
+                        .qk_norm
+                        .as_ref()
+                        .map(|(a, b)| (a.ptr, b.ptr))
+                        .unwrap_or((0, 0));
+                    k.rope_kv_write(
+                        stream,
+                        s.qkv.ptr,
+                        qkv_dim as i32,
+                        nh as i32,
+                        nkv as i32,
+                        hd as i32,
+                        m.positions,
+                        inv_freq,
+                        qn,
+                        kn,
+                        eps,
+                        slots,
+                        kc,
+                        vc,
+                        self.rope_paired,
+                        t as u32,
+                    )?;
+                }
                 let att = AttentionInputs {
                     out: s.attn.ptr,
                     q: s.qkv.ptr,
@@ -1032,6 +1132,45 @@ mod tests {
         assert_eq!(plan(&llama, fp8_gemm, 0, 8), (true, false, false));
         assert_eq!(plan(&llama, fp8_gemm, 0, 9), (false, false, false));
         assert_eq!(plan(&llama, fp8, 8, 16), (true, false, false));
+    }
+
+    /// The paired RoPE order puts each dim and its rotation partner 8 rows apart in a 16-row
+    /// tile, moves whole rows, leaves rows past the paired heads alone, and is a permutation.
+    #[test]
+    fn rope_pairs_sit_eight_rows_apart_in_each_tile() {
+        for hd in [16usize, 64, 128, 256] {
+            let (heads, row_len, extra) = (3usize, 2usize, 5usize);
+            // Row r of head h holds (h * hd + r) in every column.
+            let rows = heads * hd + extra;
+            let mut w: Vec<u32> = (0..rows)
+                .flat_map(|r| std::iter::repeat_n(r as u32, row_len))
+                .collect();
+            pair_rope_rows(&mut w, row_len, heads, hd);
+            let row = |r: usize| {
+                assert!(w[r * row_len..(r + 1) * row_len]
+                    .iter()
+                    .all(|&v| v == w[r * row_len]));
+                w[r * row_len] as usize
+            };
+            let half = hd / 2;
+            for h in 0..heads {
+                for tile in 0..hd / 16 {
+                    for e in 0..8 {
+                        let s = h * hd + tile * 16 + e;
+                        let dim = row(s) - h * hd;
+                        assert_eq!(dim, 8 * tile + e, "hd {hd}");
+                        assert_eq!(row(s + 8) - h * hd, dim + half, "hd {hd}");
+                    }
+                }
+            }
+            for r in heads * hd..rows {
+                assert_eq!(row(r), r);
+            }
+            let mut seen: Vec<usize> = (0..rows).map(row).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..rows).collect::<Vec<_>>());
+        }
+        assert!(rope_pairs(64) && rope_pairs(256) && !rope_pairs(40) && !rope_pairs(0));
     }
 
     #[test]
