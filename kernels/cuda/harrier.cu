@@ -1687,6 +1687,13 @@ extern "C" __global__ void gemv_bf16(const bf16* x, const bf16* w, void* y, int 
 #ifndef SK_LOADS
 #define SK_LOADS 8
 #endif
+// The _f8 instances' launch shape (the same unless overridden).
+#ifndef SK_F8_WARPS
+#define SK_F8_WARPS SK_WARPS
+#endif
+#ifndef SK_F8_LOADS
+#define SK_F8_LOADS SK_LOADS
+#endif
 #define SK_ROWS 16
 #define SK_STORE 0
 #define SK_STORE_F32 1
@@ -1758,10 +1765,11 @@ __device__ __forceinline__ uint4 rms_norm8(uint4 xv, uint4 wv, float inv, float 
 
 template <int NT, int R, bool F8>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
-    constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
-    __shared__ float red[SK_WARPS / 2][R][NT][32][4];
+    constexpr int W = F8 ? SK_F8_WARPS : SK_WARPS, LD = F8 ? SK_F8_LOADS : SK_LOADS;
+    constexpr int U = LD / (2 * R) > 0 ? LD / (2 * R) : 1;
+    __shared__ float red[W / 2][R][NT][32][4];
     __shared__ float inv_sh[8];
-    __shared__ float ss_sh[SK_WARPS][8];
+    __shared__ float ss_sh[W][8];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const bool gated = p.epi == SK_SILU || p.epi == SK_GELU;
@@ -1787,7 +1795,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     auto load = [&](int base) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            int c = base + u * SK_WARPS;
+            int c = base + u * W;
 #pragma unroll
             for (int i = 0; i < R; i++) {
                 a[i][u] = c < nchunks ? ld_stream(wa[i] + 4 * c) : zero;
@@ -1827,7 +1835,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         __syncthreads();
         if (threadIdx.x < 8) {
             float v = 0.0f;
-            for (int w = 0; w < SK_WARPS; w++) v += ss_sh[w][threadIdx.x];
+            for (int w = 0; w < W; w++) v += ss_sh[w][threadIdx.x];
             inv_sh[threadIdx.x] = rsqrtf(v / (float)p.K + p.eps);
         }
         __syncthreads();
@@ -1845,7 +1853,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     while (true) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            int c = c0 + u * SK_WARPS;
+            int c = c0 + u * W;
             if (c >= nchunks) break;
             // FP8: the 16 loaded bytes are two 8-k halves, each converted and fed like a bf16
             // chunk (k order t * 16 + 8 h + e; x is read at the same k).
@@ -1880,13 +1888,13 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
                 }
             }
         }
-        c0 += SK_WARPS * U;
+        c0 += W * U;
         if (c0 >= nchunks) break;
         load(c0);
     }
-    // Pairwise tree over the warps: warp w += warp w + h for h = SK_WARPS / 2, ..., 1.
+    // Pairwise tree over the warps: warp w += warp w + h for h = W / 2, ..., 1.
 #pragma unroll
-    for (int h = SK_WARPS / 2; h > 0; h >>= 1) {
+    for (int h = W / 2; h > 0; h >>= 1) {
         if (warp >= h && warp < 2 * h) {
 #pragma unroll
             for (int i = 0; i < R; i++)
@@ -1982,12 +1990,12 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_64(Skinn
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_r4(SkinnyIn p) { skinny_gemm<1, 4, false>(p); }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_16_r4(SkinnyIn p) { skinny_gemm<2, 4, false>(p); }
 // FP8 weights (e4m3, per-row scales in the epilogue; K % 64 == 0): the same shapes.
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8(SkinnyIn p) { skinny_gemm<1, 1, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_16(SkinnyIn p) { skinny_gemm<2, 1, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_32(SkinnyIn p) { skinny_gemm<4, 1, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_64(SkinnyIn p) { skinny_gemm<8, 1, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8_r4(SkinnyIn p) { skinny_gemm<1, 4, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_16_r4(SkinnyIn p) { skinny_gemm<2, 4, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_8(SkinnyIn p) { skinny_gemm<1, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_16(SkinnyIn p) { skinny_gemm<2, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_32(SkinnyIn p) { skinny_gemm<4, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_64(SkinnyIn p) { skinny_gemm<8, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_8_r4(SkinnyIn p) { skinny_gemm<1, 4, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_16_r4(SkinnyIn p) { skinny_gemm<2, 4, true>(p); }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the
 // copy): w[n, k] = bf16(e4m3(q[n, k]) * scale[n]); 8 weights a thread, k % 8 == 0.

@@ -164,6 +164,8 @@ pub const SKINNY_MAX_M: usize = 64;
 /// `skinny_gemm_*` blocks: `SK_WARPS` warps (the source's default; [`Kernels::load_with`] may
 /// override it) over tiles of `SK_ROWS` weight rows.
 const SKINNY_WARPS: u32 = 16;
+/// The `_f8` instances' block (`SK_F8_WARPS`).
+const SKINNY_F8_WARPS: u32 = SKINNY_WARPS;
 const SKINNY_ROWS: u32 = 16;
 
 /// Products with at least this many row tiles (of 16) use the 4-tile instances (fewer blocks
@@ -585,8 +587,10 @@ pub struct Kernels {
     pub dtype: Dtype,
     /// Whether the PTX came from the disk cache.
     pub from_cache: bool,
-    /// Warps of a `skinny_gemm_*` block (`SK_WARPS` as compiled).
+    /// Warps of a `skinny_gemm_*` block (`SK_WARPS` as compiled) and of an `_f8` one
+    /// (`SK_F8_WARPS`).
     skinny_warps: u32,
+    skinny_f8_warps: u32,
     /// Dynamic shared memory the skinny kernels were allowed at load.
     skinny_smem: usize,
     /// Launches carry the programmatic-stream-serialization attribute (programmatic dependent
@@ -638,11 +642,13 @@ impl Kernels {
     /// the current context.
     pub fn load(arch: &'static str, dtype: Dtype) -> anyhow::Result<Kernels> {
         let (ptx, from_cache) = ptx_for(arch, dtype)?;
-        Self::load_ptx(ptx, dtype, from_cache, SKINNY_WARPS, pdl_default(arch))
+        let warps = (SKINNY_WARPS, SKINNY_F8_WARPS);
+        Self::load_ptx(ptx, dtype, from_cache, warps, pdl_default(arch))
     }
 
     /// A build with the skinny GEMM's launch shape overridden (`SK_WARPS` warps per block,
-    /// `SK_LOADS` weight loads in flight per warp; tools compare them), compiled afresh.
+    /// `SK_LOADS` weight loads in flight per warp, the `_f8` instances' alike; tools compare
+    /// them), compiled afresh.
     pub fn load_with(
         arch: &'static str,
         dtype: Dtype,
@@ -658,16 +664,19 @@ impl Kernels {
             &[
                 format!("-DSK_WARPS={skinny_warps}"),
                 format!("-DSK_LOADS={skinny_loads}"),
+                format!("-DSK_F8_WARPS={skinny_warps}"),
+                format!("-DSK_F8_LOADS={skinny_loads}"),
             ],
         )?;
-        Self::load_ptx(ptx, dtype, false, skinny_warps, pdl_default(arch))
+        let warps = (skinny_warps, skinny_warps);
+        Self::load_ptx(ptx, dtype, false, warps, pdl_default(arch))
     }
 
     fn load_ptx(
         ptx: String,
         dtype: Dtype,
         from_cache: bool,
-        skinny_warps: u32,
+        (skinny_warps, skinny_f8_warps): (u32, u32),
         pdl: bool,
     ) -> anyhow::Result<Kernels> {
         let c = std::ffi::CString::new(ptx).context("PTX contains a NUL byte")?;
@@ -682,6 +691,7 @@ impl Kernels {
             dtype,
             from_cache,
             skinny_warps,
+            skinny_f8_warps,
             skinny_smem: SKINNY_SMEM_MAX,
             pdl,
         };
@@ -1542,7 +1552,12 @@ impl Kernels {
         let grid = ((p.n as u32).div_ceil(rows), 1, 1);
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
         // dynamic shared memory is within what `load_ptx` allowed.
-        unsafe { self.launch_smem(name, grid, self.skinny_warps * 32, smem, s, &mut a) }
+        let warps = if f8 {
+            self.skinny_f8_warps
+        } else {
+            self.skinny_warps
+        };
+        unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a) }
     }
 }
 
@@ -1710,6 +1725,11 @@ mod tests {
             (define("SK_WARPS"), define("SK_ROWS")),
             (SKINNY_WARPS, SKINNY_ROWS)
         );
+        let f8_warps = match SOURCE.contains("#define SK_F8_WARPS SK_WARPS\n") {
+            true => SKINNY_WARPS,
+            false => define("SK_F8_WARPS"),
+        };
+        assert_eq!(f8_warps, SKINNY_F8_WARPS);
         for (e, name) in [
             (SkinnyEpilogue::Store, "SK_STORE"),
             (SkinnyEpilogue::StoreF32, "SK_STORE_F32"),

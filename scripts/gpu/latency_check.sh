@@ -22,7 +22,12 @@
 #   pdl:     programmatic dependent launch on and off (HARRIER_PDL=1/0) side by side: bench
 #            graph-async and graph-async-unfused (--fused-max-rows FUSED_ROWS) on BENCH_MODELS
 #            at BATCHES, then FP8 at FP8_BATCHES (default 1,16,32,64);
-#   profile: per-kernel GPU time (ncu) of batch-1 decode steps, fused and unfused;
+#   profile: per-kernel GPU time (ncu) of batch-1 decode steps, fused and unfused
+#            (NCU_CACHE=none keeps the caches warm between kernels, as in a real step;
+#            default all: every kernel starts cold);
+#   rope:    RoPE + KV write in the q|k|v epilogue off / on (HARRIER_ROPE_EPILOGUE=0/1) side by
+#            side: bench graph-async on BENCH_MODELS at BATCHES, bf16 then FP8 (BENCH_FP8=0
+#            skips FP8), ROPE_REPEAT times alternating (default 2);
 #   bench:   harrier-cuda-tool bench, graph-async with and without the fused path side by side,
 #            on BENCH_MODELS at BATCHES, context 512; then the same with FP8 weights
 #            (BENCH_FP8=0 skips them).
@@ -147,10 +152,27 @@ for st in $STAGES; do
         gen llama-3.2-1b
         for b in ${PROFILE_BATCHES:-1}; do
             for mode in graph-async graph-async-unfused; do
-                timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+                timeout 200 ncu --clock-control none --cache-control "${NCU_CACHE:-all}" --metrics gpu__time_duration.sum --csv \
                     "$T" bench --model "$W/llama-3.2-1b" --batches $b --context 512 --steps 4 --modes $mode \
                     --fused-max-rows "${FUSED_ROWS:-8}" --prefill-seqs 1 --prefill-len 16 >"$OUT/ncu_${b}_$mode.csv" 2>/dev/null
                 python3 scripts/gpu/ncu_summary.py "$OUT/ncu_${b}_$mode.csv" 8 "batch $b $mode" | tee -a "$OUT/profile.txt"
+            done
+        done
+        ;;
+    rope)
+        for m in ${BENCH_MODELS:-llama-3.2-1b}; do
+            gen "$m"
+            for q in bf16 fp8; do
+                [[ $q == fp8 && "${BENCH_FP8:-1}" != 1 ]] && continue
+                qa=()
+                [[ $q == fp8 ]] && qa=(--quantization fp8)
+                for rep in $(seq 1 "${ROPE_REPEAT:-2}"); do
+                    for e in 0 1; do
+                        echo "-- $m $q HARRIER_ROPE_EPILOGUE=$e (round $rep)" | tee -a "$OUT/rope.log"
+                        HARRIER_ROPE_EPILOGUE=$e decode_bench "$OUT/rope.log" "$m" "$BATCHES" --modes graph-async \
+                            --prefill-seqs 1 --prefill-len 16 "${qa[@]}"
+                    done
+                done
             done
         done
         ;;

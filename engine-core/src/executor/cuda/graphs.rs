@@ -30,6 +30,8 @@ pub(crate) struct DecodeGraph {
     exec: sys::CUgraphExec,
     pub size: usize,
     pub addrs: GraphAddrs,
+    /// Nodes of the captured graph: its kernel launches (our graphs hold nothing else).
+    pub nodes: usize,
 }
 
 impl DecodeGraph {
@@ -65,12 +67,19 @@ impl DecodeGraph {
                     anyhow::bail!("CUDA error in cuGraphInstantiate: {e:?}");
                 }
             };
+            let mut nodes = 0usize;
+            let counted = ck(
+                sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes).result(),
+                "cuGraphGetNodes",
+            );
             let g = DecodeGraph {
                 graph,
                 exec,
                 size,
                 addrs,
+                nodes,
             };
+            counted?;
             ck(dr::graph::upload(exec, stream), "cuGraphUpload")?;
             Ok(g)
         }

@@ -981,6 +981,16 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// Kernel launches in the decode graph that a step of `n` sequences replays (`None`:
+    /// no such graph captured).
+    pub fn graph_kernels(&self, n: usize) -> Option<usize> {
+        let (_, size) = self.buckets.bucket_for(n)?;
+        self.graphs[0]
+            .iter()
+            .find(|g| g.size == size)
+            .map(|g| g.nodes)
+    }
+
     /// How steps ran so far (graph replays, eager fallbacks).
     pub fn exec_counters(&self) -> ExecCounters {
         self.counters

@@ -471,12 +471,17 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
             let gpu = GapStats::median(&d.exec.gaps.step_ms);
             let avg_ctx = d.lens.iter().map(|&l| l as f64).sum::<f64>() / d.lens.len() as f64;
             let floor_ms = (wbytes + bsz as f64 * avg_ctx * kv_tok) / bw * 1e3;
+            // Kernels per step: the graph's launches (sampling runs after it, outside).
+            let kernels = graphs
+                .then(|| d.exec.graph_kernels(bsz as usize))
+                .flatten()
+                .map_or("-".to_string(), |n| n.to_string());
             eprintln!(
-                "decode batch {bsz:>4} {tag:>24}: {ms:7.3} ms/step wall, GPU {gpu:7.3} ms, idle gap {gap:6.3} ms, {:9.1} tok/s, floor {floor_ms:6.3} ms ({:.0}% of floor speed)",
+                "decode batch {bsz:>4} {tag:>24}: {ms:7.3} ms/step wall, GPU {gpu:7.3} ms, idle gap {gap:6.3} ms, {:9.1} tok/s, floor {floor_ms:6.3} ms ({:.0}% of floor speed), graph kernels {kernels}",
                 bsz as f64 / (ms / 1e3),
                 100.0 * floor_ms / ms
             );
-            res.insert(tag, serde_json::json!({"ms_per_step": ms, "gpu_ms_per_step": gpu, "idle_gap_ms": gap, "tok_per_s": bsz as f64 / (ms / 1e3), "floor_ms": floor_ms, "pct_of_floor": 100.0 * floor_ms / ms}));
+            res.insert(tag, serde_json::json!({"ms_per_step": ms, "gpu_ms_per_step": gpu, "idle_gap_ms": gap, "tok_per_s": bsz as f64 / (ms / 1e3), "floor_ms": floor_ms, "pct_of_floor": 100.0 * floor_ms / ms, "graph_kernels": kernels}));
         }
         rows.push(serde_json::json!({"batch": bsz, "context": context, "results": res}));
     }
@@ -1306,6 +1311,25 @@ fn check_gemm_rows(a: &HashMap<String, String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The skinny GEMM builds that `--variants WARPSxLOADS,..` names (each compiled afresh with
+/// `SK_WARPS` / `SK_LOADS`, the FP8 instances' alike), labelled as given.
+fn skinny_variants(
+    a: &HashMap<String, String>,
+    arch: &'static str,
+) -> anyhow::Result<Vec<(String, harrier_kernels::Kernels)>> {
+    let Some(v) = a.get("variants") else {
+        return Ok(Vec::new());
+    };
+    v.split(',')
+        .map(|x| {
+            let (w, l) = x.split_once('x').context("--variants WARPSxLOADS,..")?;
+            let kv =
+                harrier_kernels::Kernels::load_with(arch, Dtype::Bf16, w.parse()?, l.parse()?)?;
+            Ok((x.to_string(), kv))
+        })
+        .collect()
+}
+
 /// `gemv_bf16` and `skinny_gemm` vs cuBLAS on the model's GEMM shapes: agreement and speed, one
 /// shape at a time; and the time of the fused launch the engine makes for the shape (norm
 /// prologue, residual or gated epilogue), whose results `check-fused` checks.
@@ -1325,24 +1349,7 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .compute_capability()
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let arch = harrier_kernels::arch_name(major, minor)?;
-    let variants = a
-        .get("variants")
-        .map(|v| {
-            v.split(',')
-                .map(|x| {
-                    let (w, l) = x.split_once('x').context("--variants WARPSxLOADS,..")?;
-                    let kv = harrier_kernels::Kernels::load_with(
-                        arch,
-                        Dtype::Bf16,
-                        w.parse()?,
-                        l.parse()?,
-                    )?;
-                    Ok((x.to_string(), kv))
-                })
-                .collect::<anyhow::Result<Vec<_>>>()
-        })
-        .transpose()?
-        .unwrap_or_default();
+    let variants = skinny_variants(a, arch)?;
     let mut variant_rows = Vec::new();
     let shapes = gemm_shapes(&c);
     let mut rng = SplitMix64(0x6e3f);
@@ -1755,8 +1762,14 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let mut rng = SplitMix64(0xf8f8);
     let mut worst = 0.0f64;
     let mut report = Vec::new();
+    let mut variant_rows = Vec::new();
     {
         let (_ctx, k) = kernels_on_device0()?;
+        let (major, minor) = _ctx
+            .compute_capability()
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let arch = harrier_kernels::arch_name(major, minor)?;
+        let variants = skinny_variants(a, arch)?;
         println!("| shape | n x k | rows | cuBLAS bf16 us | skinny bf16 us | skinny fp8 us | fp8 GB/s | fp8 vs dequant rel. diff |");
         println!("|---|---|---|---|---|---|---|---|");
         // SAFETY: buffers allocated with the sizes used; the stream is synchronised before reads.
@@ -1825,20 +1838,43 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
                         "cublas_bf16_us": t_blas, "skinny_bf16_us": t_b16, "skinny_fp8_us": t_f8,
                         "rel_diff": rel}),
                     );
+                    // Other launch shapes (`--variants`) on the same buffers, checked too.
+                    for (label, kv) in &variants {
+                        let t_v = time(&|| kv.skinny_gemm(st, &f8))?;
+                        let t_vb = time(&|| kv.skinny_gemm(st, &b16))?;
+                        dr::stream::synchronize(st)?;
+                        blas.cublas(dx, dwq, dy1, m, n, kk, false)?;
+                        kv.skinny_gemm(st, &f8)?;
+                        dr::stream::synchronize(st)?;
+                        let (r, g) = (read_f64(dy1, m * n, false)?, read_f64(dy2, m * n, false)?);
+                        let rel = rel_l2(r.iter().copied(), g.iter().copied());
+                        worst = worst.max(rel);
+                        variant_rows.push(format!(
+                            "| {label} | {name} | {m} | {t_vb:.1} | {t_v:.1} | {:.0} |",
+                            (n * kk + 4 * n) as f64 / (t_v * 1e-6) / 1e9
+                        ));
+                        report.push(serde_json::json!({"variant": label, "shape": name,
+                            "rows": m, "skinny_bf16_us": t_vb, "skinny_fp8_us": t_v}));
+                    }
                 }
                 for d in [dw, dq, ds, dwq, dx, dy1, dy2] {
                     dr::free_sync(d)?;
                 }
             }
         }
+        if !variant_rows.is_empty() {
+            println!(
+                "\n| skinny variant (warps x loads) | shape | rows | bf16 us | fp8 us | fp8 GB/s |"
+            );
+            println!("|---|---|---|---|---|---|");
+            for r in &variant_rows {
+                println!("{r}");
+            }
+        }
         println!("dequant_fp8_rows: bit-exact on every shape; worst skinny fp8 vs cuBLAS-over-dequantized relative difference: {worst:.1e}");
         if worst > 1e-2 {
             bail!("skinny_gemm_f8 disagrees with cuBLAS over the dequantized weights: {worst:.1e}");
         }
-        let (major, minor) = _ctx
-            .compute_capability()
-            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        let arch = harrier_kernels::arch_name(major, minor)?;
         let lt_rows: Vec<usize> = list_arg(a, "lt-rows", "32,64,256,2048")?;
         check_fp8_gemm(&k, arch, &c, &lt_rows, &mut rng, &mut report)?;
     }
