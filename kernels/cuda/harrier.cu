@@ -387,27 +387,61 @@ struct AttnIn {
 // 1, 1.679 vs 1.509 at batch 8 (the merge then waits on the slowest split in every block's
 // tail); not kept.
 #define ATT_WARPS 16
-extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, const int* tok_list) {
-    PDL_ENTER();
+
+// Split s of n_splits of a token at position pos: its first key position (start) and its tile
+// range [tile0, tile1) of 32-key tiles (empty past the context or for padding).
+__device__ __forceinline__ void split_tiles(int pos, int window, int n_splits, int s, int* start, int* tile0,
+                                            int* tile1) {
+    *start = window > 0 ? max(0, pos - window + 1) : 0;
+    int n_tiles = pos >= 0 ? (pos - *start + 32) >> 5 : 0;
+    int splits = min(n_splits, (n_tiles + 3) >> 2);
+    int per = splits > 0 ? (n_tiles + splits - 1) / splits : 0;
+    *tile0 = s * per;
+    *tile1 = s < splits ? min(n_tiles, *tile0 + per) : *tile0;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, const int* tok_list, int prefetch) {
     ATTN_UNPACK(a)
     __shared__ float sq[256];
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
     __shared__ float sm_acc[ATT_WARPS][256];
-    int t = tok_list ? tok_list[blockIdx.x] : blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    int h = blockIdx.y, s = blockIdx.z;
     int kh = h / (nh / nkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int nv = hd >> 5;
+    int start, tile0, tile1;
+    if (prefetch && n_splits > 1) {
+        // Split decode steps (small batches, latency-bound): before waiting on the previous
+        // kernel (q|k|v, which writes the new keys), pull the block's K and V rows into L2,
+        // where the loads below find them. A hint only: L2 is
+        // coherent and nothing lands in registers or L1. The metadata read here is written
+        // before the step's graph starts or by kernels at least two launches back, which have
+        // completed once this kernel runs (see PDL_ENTER).
+        int pos = positions[blockIdx.x];
+        const int* bt = block_tables + (size_t)tok_row[blockIdx.x] * bt_stride;
+        split_tiles(pos, window, n_splits, s, &start, &tile0, &tile1);
+        for (int tile = tile0 + warp; tile < tile1; tile += ATT_WARPS) {
+            int p = start + tile * 32 + lane;
+            if (p <= pos) {
+                size_t at = ((size_t)(bt[p / block_size] * block_size + p % block_size) * nkv + kh) * hd;
+                for (int b = 0; b < hd * (int)sizeof(elem); b += 128) {
+                    prefetch_l2((const char*)(k_cache + at) + b);
+                    prefetch_l2((const char*)(v_cache + at) + b);
+                }
+            }
+        }
+    }
+    PDL_ENTER();
+    int t = tok_list ? tok_list[blockIdx.x] : blockIdx.x;
     // The position, the row and q are loaded up front, together: everything after depends on
     // them, so their latencies overlap instead of adding up.
     int pos = positions[t];
     int row = tok_row[t];
     const elem* qp = q + (size_t)t * q_stride + (size_t)h * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) sq[d] = e2f(qp[d]) * scale;
-    int start = window > 0 ? max(0, pos - window + 1) : 0;
-    int n_tiles = pos >= 0 ? (pos - start + 32) >> 5 : 0;
-    int splits = min(n_splits, (n_tiles + 3) >> 2);
-    int per = splits > 0 ? (n_tiles + splits - 1) / splits : 0;
-    int tile0 = s * per, tile1 = s < splits ? min(n_tiles, tile0 + per) : tile0;
+    split_tiles(pos, window, n_splits, s, &start, &tile0, &tile1);
     float* pp = part + (((size_t)t * nh + h) * n_splits + s) * (hd + 2);
     elem* o = out + ((size_t)t * nh + h) * hd;
     if (tile0 >= tile1) { // no keys here (a split past the context, or padding)
@@ -1763,9 +1797,9 @@ __device__ __forceinline__ uint4 rms_norm8(uint4 xv, uint4 wv, float inv, float 
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-template <int NT, int R, bool F8>
+template <int NT, int R, bool F8, int W = (F8 ? SK_F8_WARPS : SK_WARPS)>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
-    constexpr int W = F8 ? SK_F8_WARPS : SK_WARPS, LD = F8 ? SK_F8_LOADS : SK_LOADS;
+    constexpr int LD = F8 ? SK_F8_LOADS : SK_LOADS;
     constexpr int U = LD / (2 * R) > 0 ? LD / (2 * R) : 1;
     __shared__ float red[W / 2][R][NT][32][4];
     __shared__ float inv_sh[8];
@@ -1996,6 +2030,13 @@ extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_32
 extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_64(SkinnyIn p) { skinny_gemm<8, 1, true>(p); }
 extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_8_r4(SkinnyIn p) { skinny_gemm<1, 4, true>(p); }
 extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_16_r4(SkinnyIn p) { skinny_gemm<2, 4, true>(p); }
+// 8-warp blocks for launches of many blocks over short rows (the host picks them: see
+// skinny_block_warps in kernels/src/lib.rs): each warp then takes twice the chunks, so fewer
+// warps wait on the tree reduction and the block's fixed costs are paid by more bytes.
+extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_w8(SkinnyIn p) { skinny_gemm<1, 1, false, 8>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, false, 8>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_w8(SkinnyIn p) { skinny_gemm<1, 1, true, 8>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, true, 8>(p); }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the
 // copy): w[n, k] = bf16(e4m3(q[n, k]) * scale[n]); 8 weights a thread, k % 8 == 0.

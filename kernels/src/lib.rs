@@ -58,6 +58,10 @@ pub const KERNELS: &[&str] = &[
     "skinny_gemm_f8_64",
     "skinny_gemm_f8_8_r4",
     "skinny_gemm_f8_16_r4",
+    "skinny_gemm_8_w8",
+    "skinny_gemm_8_r4_w8",
+    "skinny_gemm_f8_8_w8",
+    "skinny_gemm_f8_8_r4_w8",
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
@@ -290,6 +294,22 @@ const SKINNY_SMEM_FALLBACK: usize = 16 << 10;
 /// Whether `skinny_gemm_*` takes an `m`-row product over `k`.
 pub fn skinny_supports(m: usize, k: usize) -> bool {
     (1..=SKINNY_MAX_M).contains(&m) && k.is_multiple_of(32) && k > 0
+}
+
+/// Launches of at least this many blocks take the 8-warp skinny instances (see
+/// [`skinny_w8_fits`]).
+const SKINNY_W8_MIN_BLOCKS: u32 = 160;
+
+/// Whether an `m`-row skinny launch of `blocks` blocks over `k` takes an 8-warp instance
+/// (`skinny_gemm_*_w8`) rather than `SK_WARPS` warps: up to 8 rows, more blocks than an H100
+/// has SMs, and reductions shorter than 4,096. Measured on the H100 (1B shapes, 1 row, us,
+/// 16 vs 8 warps; `check-gemv` / `check-fp8 --variants`): q|k|v (192 blocks, k 2,048) 6.4 vs
+/// 5.0 bf16, 6.7 vs 5.4 FP8; gate|up (256) 27.3 vs 26.0 bf16, 17.3 vs 17.5 FP8; lm_head (2,004)
+/// 183.4 vs 180.8 bf16, 137.8 vs 106.7 FP8; but o (128 blocks) 3.8 vs 4.4 and down (k 8,192)
+/// 10.1 vs 13.2 bf16, 8.7 vs 13.9 FP8 keep 16. Wider models' shapes (k >= 4,096) were not
+/// measured with 8 warps and keep 16.
+pub fn skinny_w8_fits(m: usize, blocks: u32, k: usize) -> bool {
+    m <= 8 && blocks >= SKINNY_W8_MIN_BLOCKS && k < 4096
 }
 
 /// The reduction widths the FP8 instances (`skinny_gemm_f8_*`, 64-wide chunks) and
@@ -591,6 +611,12 @@ pub struct Kernels {
     /// (`SK_F8_WARPS`).
     skinny_warps: u32,
     skinny_f8_warps: u32,
+    /// `paged_attention` pulls its K/V rows into L2 before waiting on the previous kernel
+    /// (`HARRIER_ATTN_PREFETCH=0`: off, to compare).
+    attn_prefetch: bool,
+    /// Launches that [`skinny_w8_fits`] take the 8-warp instances (off in `load_with`'s
+    /// builds, whose launch shape is under test, and with `HARRIER_SKINNY_W8=0`).
+    skinny_w8: bool,
     /// Dynamic shared memory the skinny kernels were allowed at load.
     skinny_smem: usize,
     /// Launches carry the programmatic-stream-serialization attribute (programmatic dependent
@@ -643,7 +669,8 @@ impl Kernels {
     pub fn load(arch: &'static str, dtype: Dtype) -> anyhow::Result<Kernels> {
         let (ptx, from_cache) = ptx_for(arch, dtype)?;
         let warps = (SKINNY_WARPS, SKINNY_F8_WARPS);
-        Self::load_ptx(ptx, dtype, from_cache, warps, pdl_default(arch))
+        let w8 = std::env::var("HARRIER_SKINNY_W8").map_or(true, |v| v != "0");
+        Self::load_ptx(ptx, dtype, from_cache, warps, w8, pdl_default(arch))
     }
 
     /// A build with the skinny GEMM's launch shape overridden (`SK_WARPS` warps per block,
@@ -669,7 +696,7 @@ impl Kernels {
             ],
         )?;
         let warps = (skinny_warps, skinny_warps);
-        Self::load_ptx(ptx, dtype, false, warps, pdl_default(arch))
+        Self::load_ptx(ptx, dtype, false, warps, false, pdl_default(arch))
     }
 
     fn load_ptx(
@@ -677,6 +704,7 @@ impl Kernels {
         dtype: Dtype,
         from_cache: bool,
         (skinny_warps, skinny_f8_warps): (u32, u32),
+        skinny_w8: bool,
         pdl: bool,
     ) -> anyhow::Result<Kernels> {
         let c = std::ffi::CString::new(ptx).context("PTX contains a NUL byte")?;
@@ -692,6 +720,8 @@ impl Kernels {
             from_cache,
             skinny_warps,
             skinny_f8_warps,
+            skinny_w8,
+            attn_prefetch: std::env::var("HARRIER_ATTN_PREFETCH").map_or(true, |v| v != "0"),
             skinny_smem: SKINNY_SMEM_MAX,
             pdl,
         };
@@ -956,7 +986,8 @@ impl Kernels {
             bail!("paged_attention: {nh} heads over {nkv} KV heads, {n_splits} splits, list {tok_list:#x}");
         }
         let ns = n_splits as i32;
-        let mut p = params![*a, part, ns, tok_list];
+        let prefetch = self.attn_prefetch as i32;
+        let mut p = params![*a, part, ns, tok_list, prefetch];
         // SAFETY: argument types match the kernels'.
         unsafe {
             self.launch(
@@ -1518,7 +1549,8 @@ impl Kernels {
             if r.hd <= 0 || r.hd % 16 != 0 || p.n != (r.nh + 2 * r.nkv) * r.hd || r.rows > p.m_rows
             {
                 bail!(
-                    "skinny_gemm: a RoPE epilogue needs n = (heads + 2 kv heads) x head_dim with                      head_dim % 16 == 0 and at most m rows: n {}, {r:?}",
+                    "skinny_gemm: a RoPE epilogue needs n = (heads + 2 kv heads) x head_dim with \
+                     head_dim % 16 == 0 and at most m rows: n {}, {r:?}",
                     p.n
                 );
             }
@@ -1540,6 +1572,15 @@ impl Kernels {
             (_, _, true) => "skinny_gemm_f8_64",
         };
         let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
+        let blocks = (p.n as u32).div_ceil(rows);
+        let w8 = self.skinny_w8 && skinny_w8_fits(m, blocks, k);
+        let name = match (w8, name) {
+            (true, "skinny_gemm_8") => "skinny_gemm_8_w8",
+            (true, "skinny_gemm_8_r4") => "skinny_gemm_8_r4_w8",
+            (true, "skinny_gemm_f8_8") => "skinny_gemm_f8_8_w8",
+            (true, "skinny_gemm_f8_8_r4") => "skinny_gemm_f8_8_r4_w8",
+            (_, name) => name,
+        };
         let smem = if p.norm_w != 0 {
             if !self.skinny_norm_supports(m, k) {
                 bail!("skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory");
@@ -1549,14 +1590,14 @@ impl Kernels {
             0
         };
         let mut a = params![*p];
-        let grid = ((p.n as u32).div_ceil(rows), 1, 1);
+        let grid = (blocks, 1, 1);
+        let warps = match (w8, f8) {
+            (true, _) => 8,
+            (false, true) => self.skinny_f8_warps,
+            (false, false) => self.skinny_warps,
+        };
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
         // dynamic shared memory is within what `load_ptx` allowed.
-        let warps = if f8 {
-            self.skinny_f8_warps
-        } else {
-            self.skinny_warps
-        };
         unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a) }
     }
 }
@@ -1681,6 +1722,22 @@ mod tests {
             ATT_THREADS,
             "launch block must be ATT_WARPS warps"
         );
+    }
+
+    /// The 8-warp instances: short reductions over many blocks, up to 8 rows (the 1B's
+    /// q|k|v, gate|up and head take them; its o and down, and wide models, do not).
+    #[test]
+    fn skinny_w8_takes_short_reductions_over_many_blocks() {
+        assert!(skinny_w8_fits(1, 192, 2048) && skinny_w8_fits(8, 2004, 2048));
+        assert!(!skinny_w8_fits(1, 128, 2048), "o of the 1B");
+        assert!(!skinny_w8_fits(1, 128, 8192), "down of the 1B");
+        assert!(!skinny_w8_fits(1, 448, 4096), "wide models keep 16 warps");
+        assert!(
+            !skinny_w8_fits(9, 192, 2048),
+            "the 8-warp instances hold 8 rows"
+        );
+        let w8 = KERNELS.iter().filter(|k| k.ends_with("_w8")).count();
+        assert_eq!(w8, 4);
     }
 
     #[test]

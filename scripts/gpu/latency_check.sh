@@ -28,6 +28,10 @@
 #   rope:    RoPE + KV write in the q|k|v epilogue off / on (HARRIER_ROPE_EPILOGUE=0/1) side by
 #            side: bench graph-async on BENCH_MODELS at BATCHES, bf16 then FP8 (BENCH_FP8=0
 #            skips FP8), ROPE_REPEAT times alternating (default 2);
+#   ab:      side by side, alternating: bench graph-async on BENCH_MODELS at BATCHES under each of
+#            AB_SETS (space-separated LABEL:VAR=V,VAR=V entries; default: "old" with this
+#            session's kernel switches off, "new" with the defaults), AB_ROUNDS times (default
+#            2), bf16 then FP8 (BENCH_FP8=0 skips FP8);
 #   bench:   harrier-cuda-tool bench, graph-async with and without the fused path side by side,
 #            on BENCH_MODELS at BATCHES, context 512; then the same with FP8 weights
 #            (BENCH_FP8=0 skips them).
@@ -156,6 +160,29 @@ for st in $STAGES; do
                     "$T" bench --model "$W/llama-3.2-1b" --batches $b --context 512 --steps 4 --modes $mode \
                     --fused-max-rows "${FUSED_ROWS:-8}" --prefill-seqs 1 --prefill-len 16 >"$OUT/ncu_${b}_$mode.csv" 2>/dev/null
                 python3 scripts/gpu/ncu_summary.py "$OUT/ncu_${b}_$mode.csv" 8 "batch $b $mode" | tee -a "$OUT/profile.txt"
+            done
+        done
+        ;;
+    ab)
+        sets="${AB_SETS:-old:HARRIER_ROPE_EPILOGUE=0,HARRIER_SKINNY_W8=0,HARRIER_ATTN_PREFETCH=0 new:}"
+        for m in ${BENCH_MODELS:-llama-3.2-1b}; do
+            gen "$m"
+            for q in bf16 fp8; do
+                [[ $q == fp8 && "${BENCH_FP8:-1}" != 1 ]] && continue
+                qa=()
+                [[ $q == fp8 ]] && qa=(--quantization fp8)
+                for rep in $(seq 1 "${AB_ROUNDS:-2}"); do
+                    for set in $sets; do
+                        label=${set%%:*}
+                        vars=${set#*:}
+                        echo "-- $m $q $label (${vars:-defaults}, round $rep)" | tee -a "$OUT/ab.log"
+                        (
+                            for v in ${vars//,/ }; do export "$v"; done
+                            decode_bench "$OUT/ab.log" "$m" "$BATCHES" --modes graph-async --prefill-seqs 1 \
+                                --prefill-len 16 "${qa[@]}"
+                        )
+                    done
+                done
             done
         done
         ;;
