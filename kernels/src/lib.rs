@@ -300,16 +300,19 @@ pub fn skinny_supports(m: usize, k: usize) -> bool {
 /// [`skinny_w8_fits`]).
 const SKINNY_W8_MIN_BLOCKS: u32 = 160;
 
-/// Whether an `m`-row skinny launch of `blocks` blocks over `k` takes an 8-warp instance
-/// (`skinny_gemm_*_w8`) rather than `SK_WARPS` warps: up to 8 rows, more blocks than an H100
-/// has SMs, and reductions shorter than 4,096. Measured on the H100 (1B shapes, 1 row, us,
-/// 16 vs 8 warps; `check-gemv` / `check-fp8 --variants`): q|k|v (192 blocks, k 2,048) 6.4 vs
-/// 5.0 bf16, 6.7 vs 5.4 FP8; gate|up (256) 27.3 vs 26.0 bf16, 17.3 vs 17.5 FP8; lm_head (2,004)
-/// 183.4 vs 180.8 bf16, 137.8 vs 106.7 FP8; but o (128 blocks) 3.8 vs 4.4 and down (k 8,192)
-/// 10.1 vs 13.2 bf16, 8.7 vs 13.9 FP8 keep 16. Wider models' shapes (k >= 4,096) were not
-/// measured with 8 warps and keep 16.
-pub fn skinny_w8_fits(m: usize, blocks: u32, k: usize) -> bool {
-    m <= 8 && blocks >= SKINNY_W8_MIN_BLOCKS && k < 4096
+/// Whether an `m`-row skinny launch of `blocks` blocks over `k` (`f8`: FP8 weights) takes an
+/// 8-warp instance (`skinny_gemm_*_w8`) rather than `SK_WARPS` warps: up to 8 rows, more
+/// blocks than an H100 has SMs, and for bf16 weights reductions of at most 4,096. Measured on
+/// the H100 (1 row, us, 16 vs 8 warps; `check-gemv` / `check-fp8 --variants`, 2026-11-25):
+/// 1B q|k|v (192 blocks, k 2,048) 6.4 vs 5.0 bf16, 6.7 vs 5.4 FP8; gate|up (256) 27.3 vs 26.0
+/// bf16, 17.3 vs 17.5 FP8; lm_head (2,004) 183.4 vs 180.8 bf16, 137.8 vs 106.7 FP8; 8B q|k|v
+/// (384, k 4,096) 22.6 vs 20.3 bf16, 19.0 vs 14.5 FP8; gate|up (448) 87.3 vs 84.3 bf16, 60.4
+/// vs 52.1 FP8; lm_head 362 vs 366 bf16 (the one loss kept: the layers win more), 222 vs 199
+/// FP8; FP8 down (256 blocks, k 14,336) 33.2 vs 31.6 and o (256) 13.2 vs 12.2; but 128-block
+/// launches keep 16 (1B o 3.8 vs 4.4, down 10.1 vs 13.2 bf16 and 8.7 vs 13.9 FP8), and so do
+/// long bf16 reductions (8B down 46.3 vs 52.0).
+pub fn skinny_w8_fits(m: usize, blocks: u32, k: usize, f8: bool) -> bool {
+    m <= 8 && blocks >= SKINNY_W8_MIN_BLOCKS && (f8 || k <= 4096)
 }
 
 /// The reduction widths the FP8 instances (`skinny_gemm_f8_*`, 64-wide chunks) and
@@ -1573,7 +1576,7 @@ impl Kernels {
         };
         let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
         let blocks = (p.n as u32).div_ceil(rows);
-        let w8 = self.skinny_w8 && skinny_w8_fits(m, blocks, k);
+        let w8 = self.skinny_w8 && skinny_w8_fits(m, blocks, k, f8);
         let name = match (w8, name) {
             (true, "skinny_gemm_8") => "skinny_gemm_8_w8",
             (true, "skinny_gemm_8_r4") => "skinny_gemm_8_r4_w8",
@@ -1724,18 +1727,18 @@ mod tests {
         );
     }
 
-    /// The 8-warp instances: short reductions over many blocks, up to 8 rows (the 1B's
-    /// q|k|v, gate|up and head take them; its o and down, and wide models, do not).
+    /// The 8-warp instances: many blocks, up to 8 rows, bf16 reductions up to 4,096 (the
+    /// 1B's q|k|v, gate|up and head take them; its o and down do not).
     #[test]
     fn skinny_w8_takes_short_reductions_over_many_blocks() {
-        assert!(skinny_w8_fits(1, 192, 2048) && skinny_w8_fits(8, 2004, 2048));
-        assert!(!skinny_w8_fits(1, 128, 2048), "o of the 1B");
-        assert!(!skinny_w8_fits(1, 128, 8192), "down of the 1B");
-        assert!(!skinny_w8_fits(1, 448, 4096), "wide models keep 16 warps");
-        assert!(
-            !skinny_w8_fits(9, 192, 2048),
-            "the 8-warp instances hold 8 rows"
-        );
+        let fits = |m, blocks, k| skinny_w8_fits(m, blocks, k, false);
+        assert!(fits(1, 192, 2048) && fits(8, 2004, 2048) && fits(1, 384, 4096));
+        assert!(!fits(1, 128, 2048), "o of the 1B");
+        assert!(!fits(1, 128, 8192), "down of the 1B");
+        assert!(!fits(1, 256, 14336), "bf16 down of the 8B");
+        assert!(skinny_w8_fits(1, 256, 14336, true), "FP8 down of the 8B");
+        assert!(!skinny_w8_fits(1, 128, 8192, true), "FP8 down of the 1B");
+        assert!(!fits(9, 192, 2048), "the 8-warp instances hold 8 rows");
         let w8 = KERNELS.iter().filter(|k| k.ends_with("_w8")).count();
         assert_eq!(w8, 4);
     }
