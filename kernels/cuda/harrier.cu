@@ -362,8 +362,9 @@ struct AttnIn {
 // window, else 0). The new chunk's K/V must already be in the cache (rope_kv_write); q is
 // read from the qkv rows (stride q_stride).
 //
-// The key range (n_tiles tiles of 32 keys) is cut into min(n_splits, ceil(n_tiles / 4))
-// splits of equal tile counts; block (t, h, s) computes split s for query head h. Its
+// The key range (n_tiles tiles of 32 keys) is cut into min(n_splits, ceil(n_tiles / min_tiles))
+// splits of equal tile counts (a token that needs only one writes its output directly and
+// marks its partial so that attention_combine skips it); block (t, h, s) computes split s for query head h. Its
 // ATT_WARPS warps take the split's tiles round-robin: each lane computes one key's dot product
 // with q (q scaled, in shared memory; K rows read with 16-byte loads), the warp does one max
 // and one sum per tile (online softmax), then accumulates V with the lanes splitting head_dim
@@ -388,21 +389,24 @@ struct AttnIn {
 // tail); not kept.
 #define ATT_WARPS 16
 
-// Split s of n_splits of a token at position pos: its first key position (start) and its tile
-// range [tile0, tile1) of 32-key tiles (empty past the context or for padding).
-__device__ __forceinline__ void split_tiles(int pos, int window, int n_splits, int s, int* start, int* tile0,
-                                            int* tile1) {
+// Split s of n_splits of a token at position pos, each split taking at least min_tiles tiles:
+// its first key position (start), its tile range [tile0, tile1) of 32-key tiles (empty past
+// the context or for padding); returns how many splits the token uses.
+__device__ __forceinline__ int split_tiles(int pos, int window, int n_splits, int min_tiles, int s, int* start,
+                                           int* tile0, int* tile1) {
     *start = window > 0 ? max(0, pos - window + 1) : 0;
     int n_tiles = pos >= 0 ? (pos - *start + 32) >> 5 : 0;
-    int splits = min(n_splits, (n_tiles + 3) >> 2);
+    int splits = min(n_splits, (n_tiles + min_tiles - 1) / min_tiles);
     int per = splits > 0 ? (n_tiles + splits - 1) / splits : 0;
     *tile0 = s * per;
     *tile1 = s < splits ? min(n_tiles, *tile0 + per) : *tile0;
+    return splits;
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, const int* tok_list, int prefetch) {
+extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, const int* tok_list, int prefetch,
+                                           int min_tiles) {
     ATTN_UNPACK(a)
     __shared__ float sq[256];
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
@@ -421,7 +425,7 @@ extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, 
         // completed once this kernel runs (see PDL_ENTER).
         int pos = positions[blockIdx.x];
         const int* bt = block_tables + (size_t)tok_row[blockIdx.x] * bt_stride;
-        split_tiles(pos, window, n_splits, s, &start, &tile0, &tile1);
+        split_tiles(pos, window, n_splits, min_tiles, s, &start, &tile0, &tile1);
         for (int tile = tile0 + warp; tile < tile1; tile += ATT_WARPS) {
             int p = start + tile * 32 + lane;
             if (p <= pos) {
@@ -441,7 +445,7 @@ extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, 
     int row = tok_row[t];
     const elem* qp = q + (size_t)t * q_stride + (size_t)h * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) sq[d] = e2f(qp[d]) * scale;
-    split_tiles(pos, window, n_splits, s, &start, &tile0, &tile1);
+    const int splits = split_tiles(pos, window, n_splits, min_tiles, s, &start, &tile0, &tile1);
     float* pp = part + (((size_t)t * nh + h) * n_splits + s) * (hd + 2);
     elem* o = out + ((size_t)t * nh + h) * hd;
     if (tile0 >= tile1) { // no keys here (a split past the context, or padding)
@@ -523,8 +527,11 @@ extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, 
         float v = 0.0f;
         for (int w = 0; w < ATT_WARPS; w++)
             if (sm_l[w] > 0.0f) v += sm_acc[w][d] * __expf(sm_m[w] - M);
-        if (n_splits == 1) {
+        if (splits == 1) {
+            // One split (always the case with n_splits == 1): the output directly; a split
+            // launch marks the token done (sum -1) for attention_combine.
             o[d] = f2e(L > 0.0f ? v / L : 0.0f);
+            if (n_splits > 1 && d == 0) pp[1] = -1.0f;
         } else {
             if (d == 0) {
                 pp[0] = M;
@@ -692,6 +699,7 @@ extern "C" __global__ void attention_combine(elem* out, const float* part, int n
     PDL_ENTER();
     int t = blockIdx.x, h = blockIdx.y;
     const float* p = part + ((size_t)t * nh + h) * n_splits * (hd + 2);
+    if (p[1] < 0.0f) return;  // one split: paged_attention wrote the output
     float M = NEG_INF;
     for (int s = 0; s < n_splits; s++)
         if (p[s * (hd + 2) + 1] > 0.0f) M = fmaxf(M, p[s * (hd + 2)]);
