@@ -362,9 +362,10 @@ struct AttnIn {
 // window, else 0). The new chunk's K/V must already be in the cache (rope_kv_write); q is
 // read from the qkv rows (stride q_stride).
 //
-// The key range (n_tiles tiles of 32 keys) is cut into min(n_splits, ceil(n_tiles / min_tiles))
-// splits of equal tile counts (a token that needs only one writes its output directly and
-// marks its partial so that attention_combine skips it); block (t, h, s) computes split s for query head h. Its
+// The key range (n_tiles tiles of 32 keys) is cut into min(n_splits, ceil(n_tiles / 4))
+// splits of equal tile counts, or kept whole when it has at most one_split tiles (a token
+// with one split writes its output directly and marks its partial so that attention_combine
+// skips it); block (t, h, s) computes split s for query head h. Its
 // ATT_WARPS warps take the split's tiles round-robin: each lane computes one key's dot product
 // with q (q scaled, in shared memory; K rows read with 16-byte loads), the warp does one max
 // and one sum per tile (online softmax), then accumulates V with the lanes splitting head_dim
@@ -389,14 +390,15 @@ struct AttnIn {
 // tail); not kept.
 #define ATT_WARPS 16
 
-// Split s of n_splits of a token at position pos, each split taking at least min_tiles tiles:
-// its first key position (start), its tile range [tile0, tile1) of 32-key tiles (empty past
-// the context or for padding); returns how many splits the token uses.
-__device__ __forceinline__ int split_tiles(int pos, int window, int n_splits, int min_tiles, int s, int* start,
+// Split s of n_splits of a token at position pos: its first key position (start), its tile
+// range [tile0, tile1) of 32-key tiles (empty past the context or for padding); returns how
+// many splits the token uses: one for a context of at most one_split tiles, else up to
+// n_splits of at least 4 tiles each.
+__device__ __forceinline__ int split_tiles(int pos, int window, int n_splits, int one_split, int s, int* start,
                                            int* tile0, int* tile1) {
     *start = window > 0 ? max(0, pos - window + 1) : 0;
     int n_tiles = pos >= 0 ? (pos - *start + 32) >> 5 : 0;
-    int splits = min(n_splits, (n_tiles + min_tiles - 1) / min_tiles);
+    int splits = n_tiles <= one_split ? min(n_tiles, 1) : min(n_splits, (n_tiles + 3) >> 2);
     int per = splits > 0 ? (n_tiles + splits - 1) / splits : 0;
     *tile0 = s * per;
     *tile1 = s < splits ? min(n_tiles, *tile0 + per) : *tile0;
@@ -406,7 +408,7 @@ __device__ __forceinline__ int split_tiles(int pos, int window, int n_splits, in
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, const int* tok_list, int prefetch,
-                                           int min_tiles) {
+                                           int one_split) {
     ATTN_UNPACK(a)
     __shared__ float sq[256];
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
@@ -425,7 +427,7 @@ extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, 
         // completed once this kernel runs (see PDL_ENTER).
         int pos = positions[blockIdx.x];
         const int* bt = block_tables + (size_t)tok_row[blockIdx.x] * bt_stride;
-        split_tiles(pos, window, n_splits, min_tiles, s, &start, &tile0, &tile1);
+        split_tiles(pos, window, n_splits, one_split, s, &start, &tile0, &tile1);
         for (int tile = tile0 + warp; tile < tile1; tile += ATT_WARPS) {
             int p = start + tile * 32 + lane;
             if (p <= pos) {
@@ -445,7 +447,7 @@ extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, 
     int row = tok_row[t];
     const elem* qp = q + (size_t)t * q_stride + (size_t)h * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) sq[d] = e2f(qp[d]) * scale;
-    const int splits = split_tiles(pos, window, n_splits, min_tiles, s, &start, &tile0, &tile1);
+    const int splits = split_tiles(pos, window, n_splits, one_split, s, &start, &tile0, &tile1);
     float* pp = part + (((size_t)t * nh + h) * n_splits + s) * (hd + 2);
     elem* o = out + ((size_t)t * nh + h) * hd;
     if (tile0 >= tile1) { // no keys here (a split past the context, or padding)

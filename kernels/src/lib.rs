@@ -334,11 +334,12 @@ pub const LOGIT_BIAS_CAP: usize = 1024;
 /// Largest head dimension `paged_attention` supports.
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// Fewest 32-key tiles per split of a split decode attention launch: a token's context is cut
-/// into at most `n_splits` splits of at least this many tiles (one per warp of the block), so
-/// contexts up to 512 keys run in one block per head and skip the combine. (4 before
-/// 2026-11-25: a 512-key context then ran as 4 splits with 4 of each block's 16 warps busy.)
-pub const ATTN_SPLIT_TILES: i32 = 16;
+/// Split decode attention keeps a context of at most this many 32-key tiles in one block per
+/// head (its 16 warps take a tile each) and skips the combine; longer ones split as before
+/// (at most `n_splits`, at least 4 tiles each). Measured on the H100 (1B, batch 1, graphs,
+/// ms per step, side by side): 512 keys 1.324 one split vs 1.407 four; at 2,048 keys four
+/// splits of 16 tiles lost to eight of 8 (1.491 vs 1.469), so only short contexts stay whole.
+pub const ATTN_ONE_SPLIT_TILES: i32 = 16;
 
 /// Threads of a `paged_attention` block: `ATT_WARPS` (harrier.cu) warps of 32.
 const ATT_THREADS: u32 = 16 * 32;
@@ -623,9 +624,9 @@ pub struct Kernels {
     /// `paged_attention` pulls its K/V rows into L2 before waiting on the previous kernel
     /// (`HARRIER_ATTN_PREFETCH=0`: off, to compare).
     attn_prefetch: bool,
-    /// Fewest 32-key tiles a split of `paged_attention` takes ([`ATTN_SPLIT_TILES`];
-    /// `HARRIER_ATTN_SPLIT_TILES` overrides it, to compare).
-    attn_split_tiles: i32,
+    /// Contexts of up to this many tiles run unsplit in split launches
+    /// ([`ATTN_ONE_SPLIT_TILES`]; `HARRIER_ATTN_ONE_SPLIT_TILES` overrides it, 0: never).
+    attn_one_split: i32,
     /// Launches that [`skinny_w8_fits`] take the 8-warp instances (off in `load_with`'s
     /// builds, whose launch shape is under test, and with `HARRIER_SKINNY_W8=0`).
     skinny_w8: bool,
@@ -734,11 +735,11 @@ impl Kernels {
             skinny_f8_warps,
             skinny_w8,
             attn_prefetch: std::env::var("HARRIER_ATTN_PREFETCH").map_or(true, |v| v != "0"),
-            attn_split_tiles: std::env::var("HARRIER_ATTN_SPLIT_TILES")
+            attn_one_split: std::env::var("HARRIER_ATTN_ONE_SPLIT_TILES")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .filter(|n| (1..=64).contains(n))
-                .unwrap_or(ATTN_SPLIT_TILES),
+                .filter(|n| (0..=1024).contains(n))
+                .unwrap_or(ATTN_ONE_SPLIT_TILES),
             skinny_smem: SKINNY_SMEM_MAX,
             pdl,
         };
@@ -1004,8 +1005,8 @@ impl Kernels {
         }
         let ns = n_splits as i32;
         let prefetch = self.attn_prefetch as i32;
-        let min_tiles = self.attn_split_tiles;
-        let mut p = params![*a, part, ns, tok_list, prefetch, min_tiles];
+        let one_split = self.attn_one_split;
+        let mut p = params![*a, part, ns, tok_list, prefetch, one_split];
         // SAFETY: argument types match the kernels'.
         unsafe {
             self.launch(
