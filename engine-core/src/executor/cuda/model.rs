@@ -184,7 +184,9 @@ const NORM_PROLOGUE_MAX_ROWS: usize = 2;
 /// ```
 /// (`sk`: `skinny_gemm`; `+add`: the residual add in the epilogue; `+act`: the gated
 /// activation in gate|up's epilogue.) Gemma's sandwich norms need norm(delta) before the add,
-/// so its blocks stop at `skinny`.
+/// so its blocks stop at `skinny`. Every skinny q|k|v launch of a model without q/k norms also
+/// rotates q and k and writes the KV cache in its epilogue (one `rope_kv_write` less a layer;
+/// see [`pair_rope_rows`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct ProjPlan {
     /// Skinny tensor-core GEMMs instead of cuBLAS / `gemv_bf16` and a separate activation.
