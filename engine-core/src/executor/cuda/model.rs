@@ -230,6 +230,14 @@ impl ProjPlan {
     }
 }
 
+/// Whether a layer's q|k|v launch rotates q and k and writes the KV cache in its epilogue
+/// (`SkinnyEpilogue::Rope`) instead of a `rope_kv_write` launch: skinny steps of layers
+/// without q/k norms (their norm needs the whole head, which no lane holds), with the q/k rows
+/// in the paired order and the epilogue not switched off (`(paired, enabled)`).
+fn rope_in_epilogue(plan: ProjPlan, qk_norm: bool, (paired, enabled): (bool, bool)) -> bool {
+    plan.skinny && !qk_norm && paired && enabled
+}
+
 fn upload<T: Copy>(host: &[T], stream: sys::CUstream) -> anyhow::Result<DevBuf> {
     let b = DevBuf::new(std::mem::size_of_val(host))?;
     // SAFETY: `b` holds exactly `host`; the copy is synchronised before `host` goes away by the
@@ -826,10 +834,11 @@ impl GpuModel {
                     (Some(f), true) => f.ptr,
                     _ => self.inv_freq.ptr,
                 };
-                // Skinny q|k|v GEMMs rotate q and k and write the cache in their epilogue
-                // (models without q/k norms, whose norm needs the whole head).
-                let rope_epi =
-                    skinny && w.qk_norm.is_none() && self.rope_paired && self.rope_epilogue;
+                let rope_epi = rope_in_epilogue(
+                    plan,
+                    w.qk_norm.is_some(),
+                    (self.rope_paired, self.rope_epilogue),
+                );
                 let qkv_launch = |x: u64| {
                     let p = w
                         .qkv
@@ -1134,6 +1143,30 @@ mod tests {
         assert_eq!(plan(&llama, fp8_gemm, 0, 8), (true, false, false));
         assert_eq!(plan(&llama, fp8_gemm, 0, 9), (false, false, false));
         assert_eq!(plan(&llama, fp8, 8, 16), (true, false, false));
+    }
+
+    /// RoPE runs in the q|k|v epilogue on skinny steps of layers without q/k norms only.
+    #[test]
+    fn rope_runs_in_the_epilogue_of_skinny_steps_without_qk_norms() {
+        let llama = Preset::from_name("llama-3.2-1b").unwrap().config();
+        let fits = |_: usize, _: usize| true;
+        let bf16 = (Dtype::Bf16, None);
+        let fp8 = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS_WITH_GEMM));
+        let on = (true, true);
+        let p = |st, rows| ProjPlan::new(&llama, st, 1, rows, fits);
+        assert!(rope_in_epilogue(p(bf16, 1), false, on));
+        assert!(!rope_in_epilogue(p(bf16, 2), false, on), "cuBLAS step");
+        assert!(rope_in_epilogue(p(fp8, 8), false, on), "FP8 skinny step");
+        assert!(!rope_in_epilogue(p(fp8, 9), false, on), "FP8 GEMM step");
+        assert!(!rope_in_epilogue(p(bf16, 1), true, on), "q/k norms");
+        assert!(
+            !rope_in_epilogue(p(bf16, 1), false, (false, true)),
+            "unpaired"
+        );
+        assert!(
+            !rope_in_epilogue(p(bf16, 1), false, (true, false)),
+            "switched off"
+        );
     }
 
     /// The paired RoPE order puts each dim and its rotation partner 8 rows apart in a 16-row
