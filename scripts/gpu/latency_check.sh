@@ -25,13 +25,11 @@
 #   profile: per-kernel GPU time (ncu) of batch-1 decode steps, fused and unfused
 #            (NCU_CACHE=none keeps the caches warm between kernels, as in a real step;
 #            default all: every kernel starts cold);
-#   rope:    RoPE + KV write in the q|k|v epilogue off / on (HARRIER_ROPE_EPILOGUE=0/1) side by
-#            side: bench graph-async on BENCH_MODELS at BATCHES, bf16 then FP8 (BENCH_FP8=0
-#            skips FP8), ROPE_REPEAT times alternating (default 2);
 #   ab:      side by side, alternating: bench graph-async on BENCH_MODELS at BATCHES under each of
 #            AB_SETS (space-separated LABEL:VAR=V,VAR=V entries; default: "old" with this
-#            session's kernel switches off, "new" with the defaults), AB_ROUNDS times (default
-#            2), bf16 then FP8 (BENCH_FP8=0 skips FP8);
+#            session's kernel switches off, "new" with the defaults; one switch alone, e.g.
+#            "off:HARRIER_ROPE_EPILOGUE=0 on:"), AB_ROUNDS times (default 2), bf16 then FP8
+#            (BENCH_FP8=0 skips FP8);
 #   bench:   harrier-cuda-tool bench, graph-async with and without the fused path side by side,
 #            on BENCH_MODELS at BATCHES, context 512; then the same with FP8 weights
 #            (BENCH_FP8=0 skips them).
@@ -164,7 +162,7 @@ for st in $STAGES; do
         done
         ;;
     ab)
-        sets="${AB_SETS:-old:HARRIER_ROPE_EPILOGUE=0,HARRIER_SKINNY_W8=0,HARRIER_ATTN_PREFETCH=0 new:}"
+        sets="${AB_SETS:-old:HARRIER_ROPE_EPILOGUE=0,HARRIER_SKINNY_W8=0,HARRIER_ATTN_PREFETCH=0,HARRIER_ATTN_ONE_SPLIT_TILES=0 new:}"
         for m in ${BENCH_MODELS:-llama-3.2-1b}; do
             gen "$m"
             for q in bf16 fp8; do
@@ -181,23 +179,6 @@ for st in $STAGES; do
                             decode_bench "$OUT/ab.log" "$m" "$BATCHES" --modes graph-async --prefill-seqs 1 \
                                 --prefill-len 16 "${qa[@]}"
                         )
-                    done
-                done
-            done
-        done
-        ;;
-    rope)
-        for m in ${BENCH_MODELS:-llama-3.2-1b}; do
-            gen "$m"
-            for q in bf16 fp8; do
-                [[ $q == fp8 && "${BENCH_FP8:-1}" != 1 ]] && continue
-                qa=()
-                [[ $q == fp8 ]] && qa=(--quantization fp8)
-                for rep in $(seq 1 "${ROPE_REPEAT:-2}"); do
-                    for e in 0 1; do
-                        echo "-- $m $q HARRIER_ROPE_EPILOGUE=$e (round $rep)" | tee -a "$OUT/rope.log"
-                        HARRIER_ROPE_EPILOGUE=$e decode_bench "$OUT/rope.log" "$m" "$BATCHES" --modes graph-async \
-                            --prefill-seqs 1 --prefill-len 16 "${qa[@]}"
                     done
                 done
             done
