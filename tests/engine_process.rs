@@ -248,7 +248,10 @@ fn a_departed_front_end_has_its_requests_aborted() {
 
 #[test]
 fn shutdown_aborts_in_flight_requests_and_exits_cleanly() {
-    let mut server = null_server(PipelineDepth::Async);
+    // 1 ms steps: 400 tokens take at least 0.4 s, so none can finish before the shutdown
+    // 200 ms in (an instant executor finished them first on an idle machine).
+    let exec = NullExecutor::new(VOCAB, 16).with_step_time(Duration::from_millis(1));
+    let mut server = TestServer::start(engine_with(exec, PipelineDepth::Async), info(VOCAB, 512));
     rt().block_on(async {
         let mut c = Client::connect(&server.endpoint).await;
         let ids: Vec<String> = (0..6).map(|i| format!("s{i}")).collect();

@@ -38,6 +38,9 @@ use std::sync::Arc;
 #[error("engine-fatal backend error: {0}")]
 pub struct EngineFatal(pub String);
 
+/// The message of the `abort` that ends every request at a graceful shutdown.
+pub const SHUTDOWN_MESSAGE: &str = "the engine is shutting down";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Progress {
     Worked,
@@ -522,7 +525,7 @@ impl<E: Executor> EngineCore<E> {
             let finish = Finish {
                 reason: FinishReason::Abort,
                 stop_token: None,
-                message: Some("the engine is shutting down".into()),
+                message: Some(SHUTDOWN_MESSAGE.into()),
                 timing: None,
                 spec: None,
             };

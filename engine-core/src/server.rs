@@ -14,7 +14,8 @@
 //! - The engine thread drains its input channel without blocking between steps and blocks on
 //!   it only when idle. Outputs leave once per step, one message per front end.
 //! - SIGTERM/SIGINT: in-flight steps are committed, every request ends with `abort`, the
-//!   process exits 0. An engine-fatal error ends every request with `error` and the process
+//!   process exits 0. Requests that reach the bridge once the shutdown has begun are answered
+//!   with `abort` by the bridge itself (the engine thread may already have finished). An engine-fatal error ends every request with `error` and the process
 //!   exits non-zero so its supervisor restarts it.
 
 use std::collections::HashMap;
@@ -25,13 +26,14 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use harrier_shared::endpoint::Endpoint;
 use harrier_shared::protocol::{
-    EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineMessage, EngineStats, FrontendMessage,
-    Rejected, RequestOutput, UtilityCall, UtilityReply, UtilityResult, PROTOCOL_VERSION,
+    EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineMessage, EngineStats, Finish,
+    FinishReason, FrontendMessage, Rejected, RequestOutput, UtilityCall, UtilityReply,
+    UtilityResult, PROTOCOL_VERSION,
 };
 use harrier_shared::transport::{EngineTransport, Inbound, Outbound, PeerId};
 use tokio::sync::{mpsc, watch};
 
-use crate::engine::{EngineCore, EngineFatal, Progress};
+use crate::engine::{EngineCore, EngineFatal, Progress, SHUTDOWN_MESSAGE};
 use crate::executor::Executor;
 use crate::request::Origin;
 
@@ -112,6 +114,7 @@ where
         input: input_tx,
         outbound: transport.outbound.clone(),
         stats: stats_rx,
+        shutting_down: false,
     };
     let mut heartbeat = tokio::time::interval(opts.heartbeat);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -123,7 +126,7 @@ where
                 Some(inbound) => bridge.on_inbound(inbound),
                 None => {
                     tracing::error!("the engine socket task ended");
-                    bridge.send_input(EngineInput::Shutdown);
+                    bridge.begin_shutdown();
                     shutting_down = true;
                 }
             },
@@ -136,7 +139,7 @@ where
             _ = &mut shutdown, if !shutting_down => {
                 tracing::info!("shutting down: finishing in-flight steps, aborting requests");
                 shutting_down = true;
-                bridge.send_input(EngineInput::Shutdown);
+                bridge.begin_shutdown();
             }
         }
     }
@@ -166,6 +169,8 @@ struct Bridge {
     input: std_mpsc::Sender<EngineInput>,
     outbound: mpsc::UnboundedSender<Outbound>,
     stats: watch::Receiver<EngineStats>,
+    /// The engine thread was told to shut down: new requests are refused here.
+    shutting_down: bool,
 }
 
 impl Bridge {
@@ -180,6 +185,38 @@ impl Bridge {
         {
             tracing::error!("the engine socket task is gone; dropping a message");
         }
+    }
+
+    fn begin_shutdown(&mut self) {
+        self.shutting_down = true;
+        self.send_input(EngineInput::Shutdown);
+    }
+
+    /// Ends a request that arrived after the shutdown began with `abort`, as the engine's own
+    /// shutdown ends the ones it holds: past its `Shutdown` input the engine thread may have
+    /// finished, and a request forwarded to it then would never be answered.
+    fn refuse_during_shutdown(&self, peer: &PeerId, request_id: String) {
+        let output = RequestOutput {
+            request_id,
+            new_token_ids: Vec::new(),
+            logprobs: None,
+            finish: Some(Finish {
+                reason: FinishReason::Abort,
+                stop_token: None,
+                message: Some(SHUTDOWN_MESSAGE.into()),
+                timing: None,
+                spec: None,
+            }),
+            num_cached_tokens: None,
+        };
+        self.send(
+            peer,
+            EngineMessage::Outputs(EngineCoreOutputs {
+                step: 0,
+                outputs: vec![output],
+                stats: *self.stats.borrow(),
+            }),
+        );
     }
 
     fn send_input(&self, input: EngineInput) {
@@ -237,6 +274,9 @@ impl Bridge {
         let origin = state.origin;
         match msg {
             FrontendMessage::Hello(_) => unreachable!("handled above"),
+            FrontendMessage::Request(r) if self.shutting_down => {
+                self.refuse_during_shutdown(&peer, r.request_id)
+            }
             FrontendMessage::Request(r) => self.send_input(EngineInput::Request(origin, r)),
             FrontendMessage::Abort(a) => self.send_input(EngineInput::Abort(origin, a.request_ids)),
             FrontendMessage::Utility(u) => {
@@ -432,4 +472,97 @@ fn flush<E: Executor>(
         ));
     }
     stats
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use harrier_shared::protocol::{EngineLimits, Hello, SamplingParams};
+
+    fn bridge() -> (
+        Bridge,
+        std_mpsc::Receiver<EngineInput>,
+        mpsc::UnboundedReceiver<Outbound>,
+    ) {
+        let (input, input_rx) = std_mpsc::channel();
+        let (outbound, outbound_rx) = mpsc::unbounded_channel();
+        let (_, stats) = watch::channel(EngineStats::default());
+        let info = EngineInfo {
+            protocol_version: PROTOCOL_VERSION,
+            engine_version: "test".into(),
+            model_name: "test".into(),
+            max_model_len: 64,
+            vocab_size: 32,
+            eos_token_ids: vec![],
+            limits: EngineLimits {
+                max_num_seqs: 4,
+                max_num_batched_tokens: 64,
+                max_logprobs: 0,
+                block_size: 16,
+                num_kv_blocks: 8,
+                num_speculative_tokens: 0,
+            },
+        };
+        let b = Bridge {
+            info,
+            peers: HashMap::new(),
+            origins: HashMap::new(),
+            next_origin: 0,
+            input,
+            outbound,
+            stats,
+            shutting_down: false,
+        };
+        (b, input_rx, outbound_rx)
+    }
+
+    fn request(id: &str) -> FrontendMessage {
+        FrontendMessage::Request(EngineCoreRequest {
+            request_id: id.into(),
+            prompt_token_ids: vec![1, 2],
+            sampling: SamplingParams::default(),
+            arrival_time: 0.0,
+            cache_salt: None,
+        })
+    }
+
+    /// Before the shutdown a request goes to the engine thread; after it the bridge ends it
+    /// with `abort` itself and the engine thread sees nothing.
+    #[test]
+    fn requests_after_the_shutdown_began_are_aborted_by_the_bridge() {
+        let (mut b, input_rx, mut out_rx) = bridge();
+        let peer = PeerId(Bytes::from_static(b"fe"));
+        let hello = Hello {
+            protocol_version: PROTOCOL_VERSION,
+            name: "fe".into(),
+        };
+        b.on_message(peer.clone(), FrontendMessage::Hello(hello));
+        assert!(matches!(
+            out_rx.try_recv().map(|o| o.msg),
+            Ok(EngineMessage::Welcome(_))
+        ));
+        b.on_message(peer.clone(), request("before"));
+        assert!(
+            matches!(input_rx.try_recv(), Ok(EngineInput::Request(_, r)) if r.request_id == "before")
+        );
+        b.begin_shutdown();
+        assert!(matches!(input_rx.try_recv(), Ok(EngineInput::Shutdown)));
+        b.on_message(peer.clone(), request("late"));
+        assert!(
+            input_rx.try_recv().is_err(),
+            "nothing reaches the engine thread"
+        );
+        let sent = out_rx.try_recv().expect("an answer");
+        assert_eq!(sent.peer, peer);
+        let EngineMessage::Outputs(o) = sent.msg else {
+            panic!("want outputs, got {:?}", sent.msg);
+        };
+        assert_eq!(o.outputs.len(), 1);
+        assert_eq!(o.outputs[0].request_id, "late");
+        assert!(o.outputs[0].new_token_ids.is_empty());
+        let finish = o.outputs[0].finish.as_ref().expect("finished");
+        assert_eq!(finish.reason, FinishReason::Abort);
+        assert_eq!(finish.message.as_deref(), Some(SHUTDOWN_MESSAGE));
+    }
 }
