@@ -319,6 +319,8 @@ pub struct ParamError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EngineCoreOutputs {
     /// Engine step counter (monotonic); lets a front end see that outputs are batched per step.
+    /// 0 on the `abort` the engine core's socket side sends for a request that arrives during
+    /// its shutdown (no step produced it).
     pub step: u64,
     pub outputs: Vec<RequestOutput>,
     pub stats: EngineStats,
