@@ -152,7 +152,7 @@ pub struct GpuModel {
     /// Skinny q|k|v GEMMs of models without q/k norms rotate q and k and write the KV cache in
     /// their epilogue instead of a `rope_kv_write` launch (`HARRIER_ROPE_EPILOGUE=0`: off, to
     /// compare).
-    pub rope_epilogue: bool,
+    rope_epilogue: bool,
 }
 
 /// FP8 models: steps of up to this many GEMM rows run every projection through the FP8 skinny
