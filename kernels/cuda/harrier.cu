@@ -1731,13 +1731,6 @@ extern "C" __global__ void gemv_bf16(const bf16* x, const bf16* w, void* y, int 
 #ifndef SK_LOADS
 #define SK_LOADS 8
 #endif
-// The _f8 instances' launch shape (the same unless overridden).
-#ifndef SK_F8_WARPS
-#define SK_F8_WARPS SK_WARPS
-#endif
-#ifndef SK_F8_LOADS
-#define SK_F8_LOADS SK_LOADS
-#endif
 #define SK_ROWS 16
 #define SK_STORE 0
 #define SK_STORE_F32 1
@@ -1807,10 +1800,9 @@ __device__ __forceinline__ uint4 rms_norm8(uint4 xv, uint4 wv, float inv, float 
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-template <int NT, int R, bool F8, int W = (F8 ? SK_F8_WARPS : SK_WARPS)>
+template <int NT, int R, bool F8, int W = SK_WARPS>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
-    constexpr int LD = F8 ? SK_F8_LOADS : SK_LOADS;
-    constexpr int U = LD / (2 * R) > 0 ? LD / (2 * R) : 1;
+    constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
     __shared__ float red[W / 2][R][NT][32][4];
     __shared__ float inv_sh[8];
     __shared__ float ss_sh[W][8];
@@ -2034,14 +2026,14 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_64(Skinn
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_r4(SkinnyIn p) { skinny_gemm<1, 4, false>(p); }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_16_r4(SkinnyIn p) { skinny_gemm<2, 4, false>(p); }
 // FP8 weights (e4m3, per-row scales in the epilogue; K % 64 == 0): the same shapes.
-extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_8(SkinnyIn p) { skinny_gemm<1, 1, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_16(SkinnyIn p) { skinny_gemm<2, 1, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_32(SkinnyIn p) { skinny_gemm<4, 1, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_64(SkinnyIn p) { skinny_gemm<8, 1, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_8_r4(SkinnyIn p) { skinny_gemm<1, 4, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_F8_WARPS * 32) skinny_gemm_f8_16_r4(SkinnyIn p) { skinny_gemm<2, 4, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8(SkinnyIn p) { skinny_gemm<1, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_16(SkinnyIn p) { skinny_gemm<2, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_32(SkinnyIn p) { skinny_gemm<4, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_64(SkinnyIn p) { skinny_gemm<8, 1, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8_r4(SkinnyIn p) { skinny_gemm<1, 4, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_16_r4(SkinnyIn p) { skinny_gemm<2, 4, true>(p); }
 // 8-warp blocks for launches of many blocks over short rows (the host picks them: see
-// skinny_block_warps in kernels/src/lib.rs): each warp then takes twice the chunks, so fewer
+// skinny_w8_fits in kernels/src/lib.rs): each warp then takes twice the chunks, so fewer
 // warps wait on the tree reduction and the block's fixed costs are paid by more bytes.
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_w8(SkinnyIn p) { skinny_gemm<1, 1, false, 8>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, false, 8>(p); }

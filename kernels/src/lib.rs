@@ -168,8 +168,6 @@ pub const SKINNY_MAX_M: usize = 64;
 /// `skinny_gemm_*` blocks: `SK_WARPS` warps (the source's default; [`Kernels::load_with`] may
 /// override it) over tiles of `SK_ROWS` weight rows.
 const SKINNY_WARPS: u32 = 16;
-/// The `_f8` instances' block (`SK_F8_WARPS`).
-const SKINNY_F8_WARPS: u32 = SKINNY_WARPS;
 const SKINNY_ROWS: u32 = 16;
 
 /// Products with at least this many row tiles (of 16) use the 4-tile instances (fewer blocks
@@ -617,10 +615,8 @@ pub struct Kernels {
     pub dtype: Dtype,
     /// Whether the PTX came from the disk cache.
     pub from_cache: bool,
-    /// Warps of a `skinny_gemm_*` block (`SK_WARPS` as compiled) and of an `_f8` one
-    /// (`SK_F8_WARPS`).
+    /// Warps of a `skinny_gemm_*` block (`SK_WARPS` as compiled; `_w8` instances: 8).
     skinny_warps: u32,
-    skinny_f8_warps: u32,
     /// `paged_attention` pulls its K/V rows into L2 before waiting on the previous kernel
     /// (`HARRIER_ATTN_PREFETCH=0`: off, to compare).
     attn_prefetch: bool,
@@ -643,8 +639,13 @@ pub struct Kernels {
 /// of the launch gap between the ~100 small kernels of a decode step; in a CUDA graph the
 /// captured edges become programmatic. `HARRIER_PDL=0` is for side-by-side measurement.
 pub fn pdl_default(arch: &str) -> bool {
-    sm_version(arch).is_some_and(|v| v >= 90)
-        && std::env::var("HARRIER_PDL").map_or(true, |v| v != "0")
+    sm_version(arch).is_some_and(|v| v >= 90) && switch_on("HARRIER_PDL")
+}
+
+/// A comparison switch: on unless the environment sets `name` to `0` (the kernels' and the
+/// model's `HARRIER_*` switches, which restore earlier code paths for side-by-side runs).
+pub fn switch_on(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| v != "0")
 }
 
 /// The compute capability `arch` (an [`arch_name`]) names as one number: `"sm_89"` -> 89.
@@ -681,14 +682,13 @@ impl Kernels {
     /// the current context.
     pub fn load(arch: &'static str, dtype: Dtype) -> anyhow::Result<Kernels> {
         let (ptx, from_cache) = ptx_for(arch, dtype)?;
-        let warps = (SKINNY_WARPS, SKINNY_F8_WARPS);
-        let w8 = std::env::var("HARRIER_SKINNY_W8").map_or(true, |v| v != "0");
-        Self::load_ptx(ptx, dtype, from_cache, warps, w8, pdl_default(arch))
+        let w8 = switch_on("HARRIER_SKINNY_W8");
+        Self::load_ptx(ptx, dtype, from_cache, SKINNY_WARPS, w8, pdl_default(arch))
     }
 
     /// A build with the skinny GEMM's launch shape overridden (`SK_WARPS` warps per block,
     /// `SK_LOADS` weight loads in flight per warp, the `_f8` instances' alike; tools compare
-    /// them), compiled afresh.
+    /// them), compiled afresh, without the `_w8` choice (every launch takes that shape).
     pub fn load_with(
         arch: &'static str,
         dtype: Dtype,
@@ -704,19 +704,16 @@ impl Kernels {
             &[
                 format!("-DSK_WARPS={skinny_warps}"),
                 format!("-DSK_LOADS={skinny_loads}"),
-                format!("-DSK_F8_WARPS={skinny_warps}"),
-                format!("-DSK_F8_LOADS={skinny_loads}"),
             ],
         )?;
-        let warps = (skinny_warps, skinny_warps);
-        Self::load_ptx(ptx, dtype, false, warps, false, pdl_default(arch))
+        Self::load_ptx(ptx, dtype, false, skinny_warps, false, pdl_default(arch))
     }
 
     fn load_ptx(
         ptx: String,
         dtype: Dtype,
         from_cache: bool,
-        (skinny_warps, skinny_f8_warps): (u32, u32),
+        skinny_warps: u32,
         skinny_w8: bool,
         pdl: bool,
     ) -> anyhow::Result<Kernels> {
@@ -732,9 +729,8 @@ impl Kernels {
             dtype,
             from_cache,
             skinny_warps,
-            skinny_f8_warps,
             skinny_w8,
-            attn_prefetch: std::env::var("HARRIER_ATTN_PREFETCH").map_or(true, |v| v != "0"),
+            attn_prefetch: switch_on("HARRIER_ATTN_PREFETCH"),
             attn_one_split: std::env::var("HARRIER_ATTN_ONE_SPLIT_TILES")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -1576,29 +1572,27 @@ impl Kernels {
         }
         let tiles = (p.n as usize * if gated { 2 } else { 1 }).div_ceil(SKINNY_ROWS as usize);
         let r4 = tiles >= SKINNY_R4_FROM_TILES && m <= 16;
-        let name = match (m.div_ceil(8), r4, f8) {
-            (1, true, false) => "skinny_gemm_8_r4",
-            (2, true, false) => "skinny_gemm_16_r4",
-            (1, _, false) => "skinny_gemm_8",
-            (2, _, false) => "skinny_gemm_16",
-            (3 | 4, _, false) => "skinny_gemm_32",
-            (_, _, false) => "skinny_gemm_64",
-            (1, true, true) => "skinny_gemm_f8_8_r4",
-            (2, true, true) => "skinny_gemm_f8_16_r4",
-            (1, _, true) => "skinny_gemm_f8_8",
-            (2, _, true) => "skinny_gemm_f8_16",
-            (3 | 4, _, true) => "skinny_gemm_f8_32",
-            (_, _, true) => "skinny_gemm_f8_64",
-        };
         let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
         let blocks = (p.n as u32).div_ceil(rows);
+        // (skinny_w8_fits holds only up to 8 rows: the `_w8` instances are 8-row ones.)
         let w8 = self.skinny_w8 && skinny_w8_fits(m, blocks, k, f8);
-        let name = match (w8, name) {
-            (true, "skinny_gemm_8") => "skinny_gemm_8_w8",
-            (true, "skinny_gemm_8_r4") => "skinny_gemm_8_r4_w8",
-            (true, "skinny_gemm_f8_8") => "skinny_gemm_f8_8_w8",
-            (true, "skinny_gemm_f8_8_r4") => "skinny_gemm_f8_8_r4_w8",
-            (_, name) => name,
+        let name = match (m.div_ceil(8), r4, f8, w8) {
+            (_, true, false, true) => "skinny_gemm_8_r4_w8",
+            (_, false, false, true) => "skinny_gemm_8_w8",
+            (_, true, true, true) => "skinny_gemm_f8_8_r4_w8",
+            (_, false, true, true) => "skinny_gemm_f8_8_w8",
+            (1, true, false, _) => "skinny_gemm_8_r4",
+            (2, true, false, _) => "skinny_gemm_16_r4",
+            (1, _, false, _) => "skinny_gemm_8",
+            (2, _, false, _) => "skinny_gemm_16",
+            (3 | 4, _, false, _) => "skinny_gemm_32",
+            (_, _, false, _) => "skinny_gemm_64",
+            (1, true, true, _) => "skinny_gemm_f8_8_r4",
+            (2, true, true, _) => "skinny_gemm_f8_16_r4",
+            (1, _, true, _) => "skinny_gemm_f8_8",
+            (2, _, true, _) => "skinny_gemm_f8_16",
+            (3 | 4, _, true, _) => "skinny_gemm_f8_32",
+            (_, _, true, _) => "skinny_gemm_f8_64",
         };
         let smem = if p.norm_w != 0 {
             if !self.skinny_norm_supports(m, k) {
@@ -1610,11 +1604,7 @@ impl Kernels {
         };
         let mut a = params![*p];
         let grid = (blocks, 1, 1);
-        let warps = match (w8, f8) {
-            (true, _) => 8,
-            (false, true) => self.skinny_f8_warps,
-            (false, false) => self.skinny_warps,
-        };
+        let warps = if w8 { 8 } else { self.skinny_warps };
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
         // dynamic shared memory is within what `load_ptx` allowed.
         unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a) }
@@ -1801,11 +1791,22 @@ mod tests {
             (define("SK_WARPS"), define("SK_ROWS")),
             (SKINNY_WARPS, SKINNY_ROWS)
         );
-        let f8_warps = match SOURCE.contains("#define SK_F8_WARPS SK_WARPS\n") {
-            true => SKINNY_WARPS,
-            false => define("SK_F8_WARPS"),
+        // Every instance but the `_w8` ones launches with SK_WARPS warps, as the host does.
+        let bounds = |k: &str| {
+            SOURCE.lines().find_map(|l| {
+                l.strip_prefix("extern \"C\" __global__ void __launch_bounds__(")
+                    .and_then(|r| r.split_once(&format!(" {k}(")))
+                    .map(|(b, _)| b.trim_end_matches(')').to_string())
+            })
         };
-        assert_eq!(f8_warps, SKINNY_F8_WARPS);
+        for k in KERNELS.iter().filter(|k| k.starts_with("skinny_gemm_")) {
+            let want = if k.ends_with("_w8") {
+                "8 * 32"
+            } else {
+                "SK_WARPS * 32"
+            };
+            assert_eq!(bounds(k).as_deref(), Some(want), "{k}");
+        }
         for (e, name) in [
             (SkinnyEpilogue::Store, "SK_STORE"),
             (SkinnyEpilogue::StoreF32, "SK_STORE_F32"),

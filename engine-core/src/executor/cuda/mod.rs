@@ -436,7 +436,7 @@ impl CudaExecutor {
         let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
         let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype, cfg.fp8)?;
         model.fused_max_rows = cfg.fused_max_rows;
-        if model.fp8 && std::env::var("HARRIER_FP8_GEMM").map_or(true, |v| v != "0") {
+        if model.fp8 && harrier_kernels::switch_on("HARRIER_FP8_GEMM") {
             match model.enable_fp8_gemm(arch, caps.max_tokens.max(caps.max_seqs)) {
                 Ok(()) => tracing::info!("FP8 steps past the skinny kernels run FP8 tensor-core GEMMs (cuBLASLt, per-token activation scales)"),
                 Err(e) => tracing::warn!("FP8 steps past the skinny kernels dequantize to bf16: {e:#}"),

@@ -621,7 +621,7 @@ impl GpuModel {
             fp8_gemm: None,
             fused_max_rows: 0,
             rope_paired,
-            rope_epilogue: std::env::var("HARRIER_ROPE_EPILOGUE").map_or(true, |v| v != "0"),
+            rope_epilogue: harrier_kernels::switch_on("HARRIER_ROPE_EPILOGUE"),
         })
     }
 
