@@ -119,7 +119,6 @@ where
     let mut heartbeat = tokio::time::interval(opts.heartbeat);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
-    let mut shutting_down = false;
     loop {
         tokio::select! {
             inbound = transport.inbound.recv() => match inbound {
@@ -127,7 +126,6 @@ where
                 None => {
                     tracing::error!("the engine socket task ended");
                     bridge.begin_shutdown();
-                    shutting_down = true;
                 }
             },
             event = event_rx.recv() => match event {
@@ -136,9 +134,8 @@ where
                 None => break, // the engine thread ended
             },
             _ = heartbeat.tick() => bridge.on_heartbeat(opts.frontend_timeout),
-            _ = &mut shutdown, if !shutting_down => {
+            _ = &mut shutdown, if !bridge.shutting_down => {
                 tracing::info!("shutting down: finishing in-flight steps, aborting requests");
-                shutting_down = true;
                 bridge.begin_shutdown();
             }
         }
