@@ -1311,6 +1311,19 @@ fn check_gemm_rows(a: &HashMap<String, String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A Markdown table after a blank line: `header`, its separator, then `rows` (nothing when
+/// there are no rows).
+fn print_table(header: &str, rows: &[String]) {
+    if rows.is_empty() {
+        return;
+    }
+    let columns = header.matches('|').count().saturating_sub(1);
+    println!("\n{header}\n|{}", "---|".repeat(columns));
+    for r in rows {
+        println!("{r}");
+    }
+}
+
 /// The skinny GEMM builds that `--variants WARPSxLOADS,..` names (each compiled afresh with
 /// `SK_WARPS` / `SK_LOADS`, the FP8 instances' alike), labelled as given.
 fn skinny_variants(
@@ -1464,15 +1477,10 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
     if let Some(p) = a.get("json") {
         std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
     }
-    if !variant_rows.is_empty() {
-        println!(
-            "\n| skinny variant (warps x loads) | shape | rows | skinny us | fused launch us |"
-        );
-        println!("|---|---|---|---|---|");
-        for r in &variant_rows {
-            println!("{r}");
-        }
-    }
+    print_table(
+        "| skinny variant (warps x loads) | shape | rows | skinny us | fused launch us |",
+        &variant_rows,
+    );
     println!("worst relative difference: {worst:.1e} (bf16 output rounding ~4e-3)");
     if worst > 1e-2 {
         bail!("gemv_bf16 or skinny_gemm disagrees with cuBLAS: {worst:.1e}");
@@ -1862,15 +1870,10 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 }
             }
         }
-        if !variant_rows.is_empty() {
-            println!(
-                "\n| skinny variant (warps x loads) | shape | rows | bf16 us | fp8 us | fp8 GB/s |"
-            );
-            println!("|---|---|---|---|---|---|");
-            for r in &variant_rows {
-                println!("{r}");
-            }
-        }
+        print_table(
+            "| skinny variant (warps x loads) | shape | rows | bf16 us | fp8 us | fp8 GB/s |",
+            &variant_rows,
+        );
         println!("dequant_fp8_rows: bit-exact on every shape; worst skinny fp8 vs cuBLAS-over-dequantized relative difference: {worst:.1e}");
         if worst > 1e-2 {
             bail!("skinny_gemm_f8 disagrees with cuBLAS over the dequantized weights: {worst:.1e}");
