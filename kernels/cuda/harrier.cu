@@ -367,10 +367,10 @@ struct AttnIn {
 // with one split writes its output directly and marks its partial so that attention_combine
 // skips it); block (t, h, s) computes split s for query head h. Its
 // ATT_WARPS warps take the split's tiles round-robin: each lane computes one key's dot product
-// with q (q scaled, in shared memory; K rows read with 16-byte loads), the warp does one max
-// and one sum per tile (online softmax), then accumulates V with the lanes splitting head_dim
-// (V rows of the 32 keys unrolled by 8 so their loads are in flight together). Warps merge
-// their (max, sum, acc) at the end. With n_splits == 1 the block writes the output;
+// with q (K and q rows read with 16-byte loads, together), the warp does one max and one sum
+// per tile (online softmax), then accumulates V, by rows (see vrows below) or with the lanes
+// splitting head_dim (V rows of the 32 keys unrolled by 8). Warps merge their (max, sum, acc)
+// at the end. With n_splits == 1 the block writes the output;
 // otherwise its partial goes to part[t][h][s] ((max, sum, acc[hd]) floats) and
 // attention_combine merges the splits in order. Splits are for small decode batches, where one
 // block per (token, head) leaves most SMs idle; the host picks n_splits from the padded batch
@@ -388,6 +388,13 @@ struct AttnIn {
 // attention_combine launch) was correct but slower: 1.517 vs 1.456 ms per graph step at batch
 // 1, 1.679 vs 1.509 at batch 8 (the merge then waits on the slowest split in every block's
 // tail); not kept.
+// Session 12 (H200, ms per graph step, old vs new side by side): at most 64 registers, so two
+// 16-warp blocks fit an SM (71 had allowed one: an attention block could not start beside
+// the q|k|v GEMM's blocks to prefetch, and batch 5-8 launches ran two waves): 1B 1.131 ->
+// 1.046 at batch 1, 1.432 -> 1.210 at 8, 2.071 -> 1.626 at 16; 8B 5.26 -> 4.97 / 6.19 -> 5.44.
+// Reading the metadata and the first tile's slots before the wait (3B: 2.708 -> 2.615 at
+// batch 1, 3.555 -> 3.348 at 8) and V by rows (3B 2.637 -> 2.615, 3.425 -> 3.348; 1B 1.368 ->
+// 1.344 on an H100) were measured before the bound, with it only as part of the whole.
 #define ATT_WARPS 16
 
 // Split s of n_splits of a token at position pos: its first key position (start), its tile
@@ -407,31 +414,45 @@ __device__ __forceinline__ int split_tiles(int pos, int window, int n_splits, in
 
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, const int* tok_list, int prefetch,
-                                           int one_split) {
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) paged_attention(AttnIn a, float* part, int n_splits,
+                                                                               const int* tok_list, int prefetch,
+                                                                               int one_split, int vrows) {
     ATTN_UNPACK(a)
-    __shared__ float sq[256];
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
     __shared__ float sm_acc[ATT_WARPS][256];
     int h = blockIdx.y, s = blockIdx.z;
     int kh = h / (nh / nkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int nv = hd >> 5;
-    int start, tile0, tile1;
-    if (prefetch && n_splits > 1) {
-        // Split decode steps (small batches, latency-bound): before waiting on the previous
-        // kernel (q|k|v, which writes the new keys), pull the block's K and V rows into L2,
-        // where the loads below find them. A hint only: L2 is
-        // coherent and nothing lands in registers or L1. The metadata read here is written
-        // before the step's graph starts or by kernels at least two launches back, which have
-        // completed once this kernel runs (see PDL_ENTER).
-        int pos = positions[blockIdx.x];
-        const int* bt = block_tables + (size_t)tok_row[blockIdx.x] * bt_stride;
-        split_tiles(pos, window, n_splits, one_split, s, &start, &tile0, &tile1);
+    // V by rows (vrows, head dims 64 / 128 / 256): lpk = hd / 8 lanes read a key's V row, 8
+    // dims a lane in one 16-byte load, 32 / lpk keys a load round, so a tile's V loads are
+    // independent (all in flight at once for hd 64) instead of 32 dependent 4-byte rounds;
+    // each lane sums its keys' share and the lane groups are added at the end.
+    const int lpk = hd >> 3;
+    vrows = vrows && hd >= 64 && hd <= 256 && (32 % lpk) == 0;
+    // Split decode launches (small batches, latency-bound; never a token list) read their
+    // metadata before waiting on the previous kernel (q|k|v, which writes q and the new
+    // keys): it is written before the step's graph starts or by kernels at least two launches
+    // back, which have completed once this kernel runs (see PDL_ENTER). Each lane keeps its
+    // first tile's cache slot, and the block's K and V rows are pulled into L2 (a hint only:
+    // L2 is coherent and nothing lands in registers or L1), where the loads below find them.
+    const bool early = prefetch && n_splits > 1;
+    int t, pos, row, start, tile0, tile1, splits, first_slot = 0;
+    auto read_meta = [&]() {
+        pos = positions[t];
+        row = tok_row[t];
+        splits = split_tiles(pos, window, n_splits, one_split, s, &start, &tile0, &tile1);
+    };
+    if (early) {
+        t = blockIdx.x;
+        read_meta();
+        const int* bt = block_tables + (size_t)row * bt_stride;
         for (int tile = tile0 + warp; tile < tile1; tile += ATT_WARPS) {
             int p = start + tile * 32 + lane;
             if (p <= pos) {
-                size_t at = ((size_t)(bt[p / block_size] * block_size + p % block_size) * nkv + kh) * hd;
+                int slot = bt[p / block_size] * block_size + p % block_size;
+                if (tile == tile0 + warp) first_slot = slot;
+                size_t at = ((size_t)slot * nkv + kh) * hd;
                 for (int b = 0; b < hd * (int)sizeof(elem); b += 128) {
                     prefetch_l2((const char*)(k_cache + at) + b);
                     prefetch_l2((const char*)(v_cache + at) + b);
@@ -440,14 +461,15 @@ extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, 
         }
     }
     PDL_ENTER();
-    int t = tok_list ? tok_list[blockIdx.x] : blockIdx.x;
-    // The position, the row and q are loaded up front, together: everything after depends on
-    // them, so their latencies overlap instead of adding up.
-    int pos = positions[t];
-    int row = tok_row[t];
+    if (!early) {
+        t = tok_list ? tok_list[blockIdx.x] : blockIdx.x;
+        read_meta();
+    }
+    // q is read from global memory beside each K row (the same addresses across the warp: one
+    // broadcast load, then L1), so the K and q loads are in flight together and no barrier
+    // waits for q in shared memory (measured the same as staging it: 1B 1.111 vs 1.115 ms, 3B
+    // 2.615 vs 2.619 at batch 1 on the H200, session 12).
     const elem* qp = q + (size_t)t * q_stride + (size_t)h * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) sq[d] = e2f(qp[d]) * scale;
-    const int splits = split_tiles(pos, window, n_splits, one_split, s, &start, &tile0, &tile1);
     float* pp = part + (((size_t)t * nh + h) * n_splits + s) * (hd + 2);
     elem* o = out + ((size_t)t * nh + h) * hd;
     if (tile0 >= tile1) { // no keys here (a split past the context, or padding)
@@ -460,7 +482,6 @@ extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, 
         return;
     }
     const int* bt = block_tables + (size_t)row * bt_stride;
-    __syncthreads();
     float acc[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) acc[j] = 0.0f;
@@ -472,20 +493,20 @@ extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, 
         int slot = 0;
         float sc = NEG_INF;
         if (valid) {
-            slot = bt[p / block_size] * block_size + p % block_size;
+            slot = early && tile == tile0 + warp ? first_slot : bt[p / block_size] * block_size + p % block_size;
             const elem* kp = k_cache + ((size_t)slot * nkv + kh) * hd;
             float dot = 0.0f;
 #pragma unroll 8
             for (int c = 0; c < (hd >> 3); c++) {
-                float kv[8];
+                float kv[8], qc[8];
                 load_elems(kp + c * 8, 8, kv);
-                const float* qc = sq + c * 8;
+                load_elems(qp + c * 8, 8, qc);
                 dot += qc[0] * kv[0] + qc[1] * kv[1];
                 dot += qc[2] * kv[2] + qc[3] * kv[3];
                 dot += qc[4] * kv[4] + qc[5] * kv[5];
                 dot += qc[6] * kv[6] + qc[7] * kv[7];
             }
-            sc = dot;
+            sc = dot * scale;
         }
         // Lane 0's key (p = base) is always valid: every tile max is finite.
         float mn = fmaxf(m, warp_max(sc));
@@ -500,6 +521,20 @@ extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, 
         // The V product takes the probabilities rounded to the storage type, as FlashAttention
         // and PyTorch's bf16 attention do (P is a bf16 GEMM operand); the sum l stays fp32.
         float pv = rnd(pe);
+        if (vrows) {
+            const int kpr = 32 / lpk, grp = lane / lpk, sub = lane - grp * lpk;
+#pragma unroll 8
+            for (int r = 0; r < lpk; r++) {
+                const int key = r * kpr + grp;
+                float w = __shfl_sync(0xffffffffu, pv, key);
+                int si = __shfl_sync(0xffffffffu, vslot, key);
+                float v[8];
+                load_elems(v_cache + ((size_t)si * nkv + kh) * hd + sub * 8, 8, v);
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[j] += w * v[j];
+            }
+            continue;
+        }
 #pragma unroll 8
         for (int i = 0; i < 32; i++) {
             float w = __shfl_sync(0xffffffffu, pv, i);
@@ -515,9 +550,19 @@ extern "C" __global__ void paged_attention(AttnIn a, float* part, int n_splits, 
         sm_m[warp] = m;
         sm_l[warp] = l;
     }
+    if (vrows) {
+        // Add the lane groups' sums: lanes 0 .. lpk - 1 then hold dims 8 lane .. 8 lane + 7.
+        for (int o = lpk; o < 32; o <<= 1)
 #pragma unroll
-    for (int j = 0; j < 8; j++)
-        if (j < nv) sm_acc[warp][lane * nv + j] = acc[j];
+            for (int j = 0; j < 8; j++) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+        if (lane < lpk)
+#pragma unroll
+            for (int j = 0; j < 8; j++) sm_acc[warp][lane * 8 + j] = acc[j];
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (j < nv) sm_acc[warp][lane * nv + j] = acc[j];
+    }
     __syncthreads();
     float M = NEG_INF;
     for (int w = 0; w < ATT_WARPS; w++)
@@ -1800,6 +1845,16 @@ __device__ __forceinline__ uint4 rms_norm8(uint4 xv, uint4 wv, float inv, float 
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+// 4 bytes global -> shared without registers (cp.async, sm_80+), zero-filled when !valid
+// (`base`, any valid address, is then the source); cp_async_wait_all before reading them.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, const void* base, bool valid) {
+    u32 d;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(valid ? src : base), "r"(valid ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 template <int NT, int R, bool F8, int W = SK_WARPS>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
@@ -1840,6 +1895,41 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         }
     };
     load(c0);
+    // Epilogue operands no launch of the last one writes, copied into shared memory before
+    // waiting (cp.async: no registers held across the main loop, which would cost the 8-warp
+    // instances a block per SM) so that their latency hides under the weight stream instead of
+    // adding to the block's tail: the FP8 row scales (weights), SK_RESID's residual (the host
+    // never has the launch just before this one write y; see SkinnyEpilogue::Residual) and
+    // SK_ROPE's positions, slots and frequencies (step metadata, as paged_attention reads
+    // early). Warp 0 copies and runs the epilogue. Up to 16 input rows (NT <= 2); more read
+    // the residual at the end.
+    constexpr bool PRE = NT <= 2;
+    __shared__ float pre_sc[16 * R];                 // scales of the block's rows (gated: gate, up)
+    __shared__ u32 pre_res[PRE ? 8 * NT : 1][8 * R];  // residual rows n0 .. n0 + 16 R - 1, bf16 pairs
+    __shared__ int pre_pos[8 * NT], pre_slot[8 * NT];
+    __shared__ float pre_freq[128];  // RoPE frequencies (hd <= 256)
+    if (warp == 0) {
+        const bf16* y = (const bf16*)p.y;
+        if (F8) {
+            for (int e = lane; e < 16 * R; e += 32) {
+                const int n = gated ? (e < 8 * R ? n0 + e : p.N + n0 + e - 8 * R) : n0 + e;
+                cp_async4(pre_sc + e, p.scale + n, p.scale, (gated ? n0 + e % (8 * R) : n) < p.N);
+            }
+        }
+        if (PRE && p.epi == SK_RESID) {
+            for (int e = lane; e < 8 * NT * 8 * R; e += 32) {
+                const int m = e / (8 * R), n = n0 + 2 * (e - m * 8 * R);
+                cp_async4(&pre_res[PRE ? m : 0][e - m * 8 * R], y + (size_t)m * p.N + n, y, m < p.M && n < p.N);
+            }
+        }
+        if (p.epi == SK_ROPE) {
+            for (int e = lane; e < 8 * NT; e += 32) {
+                cp_async4(pre_pos + e, p.rope.positions + e, p.rope.positions, e < p.rope.rows);
+                cp_async4(pre_slot + e, p.rope.slot_mapping + e, p.rope.slot_mapping, e < p.rope.rows);
+            }
+            for (int e = lane; e < (p.rope.hd >> 1); e += 32) cp_async4(pre_freq + e, p.rope.inv_freq + e, p.rope.inv_freq, true);
+        }
+    }
     PDL_WAIT();
     PDL_TRIGGER();
     // The normed input, staged once per block in dynamic shared memory ([M][K] bf16 after the
@@ -1951,6 +2041,8 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         __syncthreads();
     }
     if (warp != 0) return;
+    cp_async_wait_all();
+    __syncwarp();
     // Value r of lane (g, t) in tile i, n-tile j: row (r < 2 ? g : g + 8), input row 8 j + 2 t + r % 2.
     if (p.epi == SK_ROPE) {
         // Rows n and n + 8 of a tile are a RoPE pair of q or k (paired order), or two rows of
@@ -1962,24 +2054,23 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
             const int n = n0 + 16 * i + g;
             if (n >= p.N) continue;
             const int h = n / ro.hd, s = n - h * ro.hd;
-            const float s0 = F8 ? __ldg(p.scale + n) : 1.0f, s1 = F8 ? __ldg(p.scale + n + 8) : 1.0f;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     const int m = 8 * j + 2 * t + r;
                     if (m >= ro.rows) continue;
-                    const float a = rbf(acc[i][j][r] * s0), b = rbf(acc[i][j][r + 2] * s1);
-                    const long long slot = ro.slot_mapping[m];
+                    const float a = rbf(acc[i][j][r] * (F8 ? pre_sc[16 * i + g] : 1.0f));
+                    const float b = rbf(acc[i][j][r + 2] * (F8 ? pre_sc[16 * i + g + 8] : 1.0f));
+                    const long long slot = pre_slot[m];
                     if (h >= ro.nh + ro.nkv) {
                         bf16* dst = ro.v_cache + (size_t)(slot * ro.nkv + (h - ro.nh - ro.nkv)) * ro.hd + s;
                         dst[0] = f2bf(a);
                         dst[8] = f2bf(b);
                         continue;
                     }
-                    const int d = ((s >> 4) << 3) + (s & 7);  // the pair's first dim
                     float o1, o2;
-                    rope_pair(a, b, (float)ro.positions[m], __ldg(ro.inv_freq + d), &o1, &o2);
+                    rope_pair(a, b, (float)pre_pos[m], pre_freq[((s >> 4) << 3) + (s & 7)], &o1, &o2);
                     bf16* dst = h < ro.nh ? y + (size_t)m * p.N + n
                                           : ro.k_cache + (size_t)(slot * ro.nkv + (h - ro.nh)) * ro.hd + s;
                     dst[0] = f2bf(o1);
@@ -1999,16 +2090,20 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
                 if (m >= p.M || (gated && r >= 2)) continue;
                 const int n = n0 + (gated ? 8 * i : 16 * i) + g + (!gated && r >= 2 ? 8 : 0);
                 if (n >= p.N) continue;
-                const float v = F8 ? acc[i][j][r] * __ldg(p.scale + n) : acc[i][j][r];
+                // The row's place in the block: plain 16 i + g (+ 8); gated gate 8 i + g, up + 8 R.
+                const int e = n - n0;
+                const float v = acc[i][j][r] * (F8 ? pre_sc[e] : 1.0f);
                 const size_t o = (size_t)m * p.N + n;
                 if (gated) {
-                    const float up = F8 ? acc[i][j][r + 2] * __ldg(p.scale + p.N + n) : acc[i][j][r + 2];
+                    const float up = acc[i][j][r + 2] * (F8 ? pre_sc[e + 8 * R] : 1.0f);
                     ((bf16*)p.y)[o] = f2bf(act_mul(rbf(v), rbf(up), p.epi == SK_GELU));
                 } else if (p.epi == SK_STORE_F32) {
                     ((float*)p.y)[o] = v;
                 } else if (p.epi == SK_RESID) {
                     bf16* y = (bf16*)p.y;
-                    y[o] = f2bf(bf2f(y[o]) + rbf(v));
+                    const u32 pr = pre_res[PRE ? m : 0][e >> 1];
+                    const float res = PRE ? bf2f((bf16)(e & 1 ? pr >> 16 : pr & 0xffffu)) : bf2f(y[o]);
+                    y[o] = f2bf(res + rbf(v));
                 } else {
                     ((bf16*)p.y)[o] = f2bf(v);
                 }
@@ -2034,10 +2129,12 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8_r4(
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_16_r4(SkinnyIn p) { skinny_gemm<2, 4, true>(p); }
 // 8-warp blocks for launches of many blocks over short rows (the host picks them: see
 // skinny_w8_fits in kernels/src/lib.rs): each warp then takes twice the chunks, so fewer
-// warps wait on the tree reduction and the block's fixed costs are paid by more bytes.
-extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_w8(SkinnyIn p) { skinny_gemm<1, 1, false, 8>(p); }
+// warps wait on the tree reduction and the block's fixed costs are paid by more bytes. The
+// one-tile instances keep three blocks an SM (at most 85 registers): the q|k|v launches of the
+// 3B and 8B shapes (320-384 blocks) then run in one wave on 132 SMs.
+extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8(SkinnyIn p) { skinny_gemm<1, 1, false, 8>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, false, 8>(p); }
-extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_w8(SkinnyIn p) { skinny_gemm<1, 1, true, 8>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_f8_8_w8(SkinnyIn p) { skinny_gemm<1, 1, true, 8>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, true, 8>(p); }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the

@@ -181,7 +181,9 @@ pub enum SkinnyEpilogue {
     Store = 0,
     /// `y = acc` in f32 (logits).
     StoreF32 = 1,
-    /// `y = bf16(y + bf16(acc))`: the residual add, in place.
+    /// `y = bf16(y + bf16(acc))`: the residual add, in place. The kernel reads y before it
+    /// waits on the launch before it (programmatic dependent launch), so that launch must not
+    /// write y; launches two or more back have completed by then.
     Residual = 2,
     /// w is `[gate; up]` over `2 n` rows: `y = bf16(bf16(silu(gate)) * up)`.
     SiluMul = 3,
@@ -620,6 +622,9 @@ pub struct Kernels {
     /// `paged_attention` pulls its K/V rows into L2 before waiting on the previous kernel
     /// (`HARRIER_ATTN_PREFETCH=0`: off, to compare).
     attn_prefetch: bool,
+    /// `paged_attention` reads V a row per lane group (16-byte loads, a tile's loads
+    /// independent) rather than a 4-byte slice a lane per key (`HARRIER_ATTN_VROWS=0`).
+    attn_vrows: bool,
     /// Contexts of up to this many tiles run unsplit in split launches
     /// ([`ATTN_ONE_SPLIT_TILES`]; `HARRIER_ATTN_ONE_SPLIT_TILES` overrides it, 0: never).
     attn_one_split: i32,
@@ -731,6 +736,7 @@ impl Kernels {
             skinny_warps,
             skinny_w8,
             attn_prefetch: switch_on("HARRIER_ATTN_PREFETCH"),
+            attn_vrows: switch_on("HARRIER_ATTN_VROWS"),
             attn_one_split: std::env::var("HARRIER_ATTN_ONE_SPLIT_TILES")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -1002,7 +1008,8 @@ impl Kernels {
         let ns = n_splits as i32;
         let prefetch = self.attn_prefetch as i32;
         let one_split = self.attn_one_split;
-        let mut p = params![*a, part, ns, tok_list, prefetch, one_split];
+        let vrows = self.attn_vrows as i32;
+        let mut p = params![*a, part, ns, tok_list, prefetch, one_split, vrows];
         // SAFETY: argument types match the kernels'.
         unsafe {
             self.launch(
@@ -1549,10 +1556,12 @@ impl Kernels {
     pub unsafe fn skinny_gemm(&self, s: sys::CUstream, p: &SkinnyInputs) -> anyhow::Result<()> {
         let (m, k) = (p.m_rows as usize, p.k as usize);
         let f8 = p.scale != 0;
-        if !skinny_supports(m, k) || p.n <= 0 || (f8 && !fp8_supports_k(k)) {
+        // The residual epilogue copies y in 4-byte pairs: even n.
+        let odd_resid = p.epi == SkinnyEpilogue::Residual as i32 && p.n % 2 != 0;
+        if !skinny_supports(m, k) || p.n <= 0 || (f8 && !fp8_supports_k(k)) || odd_resid {
             bail!(
                 "skinny_gemm: {m} rows (1 to {SKINNY_MAX_M}), k {k} (a multiple of 32; of 64 \
-                 with FP8 weights), n {}",
+                 with FP8 weights), n {} (even with a residual epilogue)",
                 p.n
             );
         }
@@ -1561,11 +1570,14 @@ impl Kernels {
             .any(|&e| p.epi == e as i32);
         if p.epi == SkinnyEpilogue::Rope as i32 {
             let r = &p.rope;
-            if r.hd <= 0 || r.hd % 16 != 0 || p.n != (r.nh + 2 * r.nkv) * r.hd || r.rows > p.m_rows
+            if !(16..=256).contains(&r.hd)
+                || r.hd % 16 != 0
+                || p.n != (r.nh + 2 * r.nkv) * r.hd
+                || r.rows > p.m_rows
             {
                 bail!(
                     "skinny_gemm: a RoPE epilogue needs n = (heads + 2 kv heads) x head_dim with \
-                     head_dim % 16 == 0 and at most m rows: n {}, {r:?}",
+                     head_dim % 16 == 0, at most 256, and at most m rows: n {}, {r:?}",
                     p.n
                 );
             }
@@ -1799,13 +1811,24 @@ mod tests {
                     .map(|(b, _)| b.trim_end_matches(')').to_string())
             })
         };
+        // (The thread count; a `_w8` instance may add a minimum of blocks per SM.)
+        let threads = |k: &str| bounds(k).map(|b| b.split(',').next().unwrap_or("").to_string());
         for k in KERNELS.iter().filter(|k| k.starts_with("skinny_gemm_")) {
             let want = if k.ends_with("_w8") {
                 "8 * 32"
             } else {
                 "SK_WARPS * 32"
             };
-            assert_eq!(bounds(k).as_deref(), Some(want), "{k}");
+            assert_eq!(threads(k).as_deref(), Some(want), "{k}");
+        }
+        // Two attention blocks an SM (64 registers; docs/cuda.md: a block must fit beside the
+        // q|k|v GEMM's to overlap it), three one-tile 8-warp skinny blocks.
+        assert_eq!(
+            bounds("paged_attention").as_deref(),
+            Some("ATT_WARPS * 32, 2")
+        );
+        for k in ["skinny_gemm_8_w8", "skinny_gemm_f8_8_w8"] {
+            assert_eq!(bounds(k).as_deref(), Some("8 * 32, 3"), "{k}");
         }
         for (e, name) in [
             (SkinnyEpilogue::Store, "SK_STORE"),
@@ -1882,8 +1905,16 @@ mod tests {
                     "{k} in the {arch} {dtype:?} PTX"
                 );
             }
+            // HARRIER_PTX_DUMP=DIR keeps the PTX (`ptxas -v` then gives register counts).
+            if let Some(dir) = std::env::var_os("HARRIER_PTX_DUMP") {
+                let path = std::path::Path::new(&dir).join(format!("{arch}_{}.ptx", dtype.name()));
+                std::fs::write(&path, &ptx).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            }
             let target = format!(".target {arch}");
             assert!(ptx.contains(&target), "PTX for {arch} lacks {target}");
+            if dtype == Dtype::Bf16 {
+                skinny_in_registers(&ptx, arch);
+            }
             // Launched with programmatic dependent launch on sm_90, every kernel must wait for
             // the previous one itself (PDL_ENTER): a kernel without the wait could read what
             // its predecessor has not written yet.
@@ -1896,6 +1927,37 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The skinny GEMMs keep their weight loads in registers: a larger local array in
+    /// their PTX would mean an index the compiler could not resolve (the stream through local
+    /// memory would cost more than it hides). The one local array allowed is the 28 bytes of
+    /// sincosf's range reduction for huge angles (the RoPE epilogue), under 32.
+    fn skinny_in_registers(ptx: &str, what: &str) {
+        let mut n = 0;
+        for entry in ptx.split(".entry ").skip(1) {
+            let name = entry.split('(').next().unwrap_or_default();
+            if name.starts_with("skinny_gemm") {
+                n += 1;
+                let local: usize = entry
+                    .lines()
+                    .filter(|l| l.contains(".local .align"))
+                    .filter_map(|l| {
+                        l.split('[')
+                            .nth(1)?
+                            .split(']')
+                            .next()?
+                            .parse::<usize>()
+                            .ok()
+                    })
+                    .sum();
+                assert!(
+                    local < 32,
+                    "{name} ({what}) has {local} bytes of local memory"
+                );
+            }
+        }
+        assert!(n > 0, "no skinny_gemm entries ({what})");
     }
 
     #[test]
