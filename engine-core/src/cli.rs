@@ -87,8 +87,8 @@ pub struct EngineCoreArgs {
     /// CUDA backend (bf16): decode steps of up to this many tokens run the fused small-batch
     /// path (skinny tensor-core GEMMs with RMSNorm, residual adds and the gated activation
     /// folded in; docs/cuda.md); 0 runs every step through cuBLAS and separate kernels. The
-    /// default, 1, is where it was measured to win (docs/benchmarks.md, session 8); FP8
-    /// weights never take the fusions.
+    /// default, 8, is where it was measured to win (docs/benchmarks.md, session 12); models
+    /// wider than 3,072 take it at one row only, and FP8 weights never take the fusions.
     #[arg(long, default_value_t = crate::config::FUSED_DECODE_MAX_ROWS)]
     pub fused_decode_max_rows: usize,
     /// Weight quantization at load. `fp8`: the layers' projections and the output head as

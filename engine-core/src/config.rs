@@ -137,15 +137,16 @@ impl EngineConfig {
     }
 }
 
-/// CUDA (bf16): decode steps of up to this many tokens take the fused small-batch path
-/// (`--fused-decode-max-rows`; docs/cuda.md, "Fused small-batch decode"). Measured on the H100
-/// (session 8, docs/benchmarks.md, programmatic dependent launch on): at 1 row the 1B shape
-/// decodes 7% faster fused (1.473 vs 1.586 ms per step), the 3B and 8B 0.4-0.6%; at 2 rows the
-/// 1B still wins 4% but the 3B and 8B lose 3-4% (every block re-normalises the wider input);
-/// at 4-8 rows the paths tie on the 1B, and from 16 rows on the fused path loses badly (2.33 vs
-/// 2.09 ms at 16, 5.18 vs 2.19 at 64): the skinny kernels re-read the input rows from L2 in
-/// every block.
-pub const FUSED_DECODE_MAX_ROWS: usize = 1;
+/// CUDA: decode steps of up to this many tokens take the fused small-batch path
+/// (`--fused-decode-max-rows`; docs/cuda.md, "Fused small-batch decode"). Measured on the H200
+/// (session 12, docs/benchmarks.md, ms per step, fused vs unfused): 1B 1.177 vs 1.316 at 1
+/// row, 1.230 vs 1.251 at 2, 1.279 vs 1.351 at 4, 1.459 vs 1.522 at 8; 3B 2.615 vs 2.832,
+/// 2.906 vs 2.891, 3.206 vs 3.221, 3.348 vs 3.374; models wider than the 3B's 3,072 stay at
+/// one row (the 8B loses 2-3% at 2-8 rows: `FUSED_MULTI_ROW_MAX_HIDDEN` in the CUDA model).
+/// From 16 rows on the fused path loses badly (H100, session 8:
+/// 2.33 vs 2.09 ms at 16, 5.18 vs 2.19 at 64): the skinny kernels re-read the input rows from
+/// L2 in every block.
+pub const FUSED_DECODE_MAX_ROWS: usize = 8;
 
 /// The fused path's row limit that `harrier-cuda-tool bench` and `check-fused` use when not
 /// told: 8 rows, where the skinny GEMMs are expected to stop beating cuBLAS's tiled ones.

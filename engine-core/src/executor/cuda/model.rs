@@ -167,6 +167,14 @@ pub struct GpuModel {
 const FP8_SKINNY_MAX_ROWS: usize = 16;
 const FP8_SKINNY_MAX_ROWS_WITH_GEMM: usize = 8;
 
+/// Models wider than this take the fused path at one row only (whatever
+/// `--fused-decode-max-rows` allows): measured on the H200 (session 12, ms per step, fused vs
+/// unfused) the 8B shape (4,096 wide) loses at 2 and 8 rows (5.569 vs 5.404, 6.555 vs 6.402)
+/// where the 1B (2,048) wins at 2-8 rows (1.230 vs 1.251 .. 1.459 vs 1.522) and the 3B (3,072)
+/// ties at 2 and wins at 4 and 8 (3.206 vs 3.221, 3.348 vs 3.374): every block reads all input
+/// rows of its reduction.
+const FUSED_MULTI_ROW_MAX_HIDDEN: usize = 3072;
+
 /// Steps of at most this many rows norm inside the q|k|v and gate|up GEMMs. Every block of
 /// the launch normalises the whole input again: at 1 row that costs 2.5 us over the plain
 /// skinny GEMM on the 1B's q|k|v, less than a separate `add_rmsnorm` launch; at 8 rows 7.7 us,
@@ -213,10 +221,13 @@ impl ProjPlan {
     ) -> ProjPlan {
         // FP8 weights keep the skinny kernels without the fusions: measured at 1 row (H100,
         // session 8) the norm prologue and residual epilogues cost the FP8 3B and 8B 2-2.5%
-        // (3.070 vs 3.016, 5.283 vs 5.153 ms per step) where they win bf16 0.3-7.7%.
+        // (3.070 vs 3.016, 5.283 vs 5.153 ms per step) where they win bf16 0.3-7.7%; with the
+        // epilogue operands read early (H200, session 12) they were mixed: 1B 0.920 vs 0.913
+        // at batch 1 and 1.194 vs 1.207 at 8, 3B 1.980 vs 2.039, 8B 3.942 vs 3.878.
         let fused = dtype == Dtype::Bf16
             && fp8.is_none()
             && rows <= fused_max_rows
+            && (rows == 1 || c.hidden_size <= FUSED_MULTI_ROW_MAX_HIDDEN)
             && c.layer_gemm_shapes()
                 .iter()
                 .all(|&(_, _, k)| skinny_supports(rows, k));
@@ -1124,10 +1135,16 @@ mod tests {
         assert_eq!(plan(&gemma, bf16, 8, 1), (true, false, false));
         // A norm that does not fit shared memory stays separate.
         assert!(!ProjPlan::new(&llama, bf16, 8, 1, |_, _| false).norm);
-        // The default limit fuses single rows only.
+        // The default limit: up to 8 rows, models wider than 3,072 at 1 row only.
         let default = crate::config::FUSED_DECODE_MAX_ROWS;
         assert_eq!(plan(&llama, bf16, default, 1), (true, true, true));
-        assert_eq!(plan(&llama, bf16, default, 2), (false, false, false));
+        assert_eq!(plan(&llama, bf16, default, 8), (true, true, false));
+        assert_eq!(plan(&llama, bf16, default, 9), (false, false, false));
+        let wide = Preset::from_name("llama-3.1-8b").unwrap().config();
+        assert_eq!(plan(&wide, bf16, default, 1), (true, true, true));
+        assert_eq!(plan(&wide, bf16, default, 2), (false, false, false));
+        let mid = Preset::from_name("llama-3.2-3b").unwrap().config();
+        assert_eq!(plan(&mid, bf16, default, 8), (true, true, false));
         // FP8: skinny up to 16 rows whatever the fused limit, never with the fusions.
         assert_eq!(plan(&llama, fp8, 0, 1), (true, false, false));
         assert_eq!(
