@@ -23,8 +23,8 @@
 #            graph-async and graph-async-unfused (--fused-max-rows FUSED_ROWS) on BENCH_MODELS
 #            at BATCHES, then FP8 at FP8_BATCHES (default 1,16,32,64);
 #   profile: per-kernel GPU time (ncu) of batch-1 decode steps, fused and unfused
-#            (NCU_CACHE=none keeps the caches warm between kernels, as in a real step;
-#            default all: every kernel starts cold);
+#            (PROFILE_MODES, default both; NCU_CACHE=none keeps the caches warm between
+#            kernels, as in a real step; default all: every kernel starts cold);
 #   ab:      side by side, alternating: bench graph-async on BENCH_MODELS at BATCHES under each of
 #            AB_SETS (space-separated LABEL:VAR=V,VAR=V entries; default: "old" with this
 #            session's kernel switches off, "new" with the defaults; one switch alone, e.g.
@@ -153,7 +153,7 @@ for st in $STAGES; do
         # and GEMM probes and its prefills appear under their own kernel names.
         gen llama-3.2-1b
         for b in ${PROFILE_BATCHES:-1}; do
-            for mode in graph-async graph-async-unfused; do
+            for mode in ${PROFILE_MODES:-graph-async graph-async-unfused}; do
                 timeout 200 ncu --clock-control none --cache-control "${NCU_CACHE:-all}" --metrics gpu__time_duration.sum --csv \
                     "$T" bench --model "$W/llama-3.2-1b" --batches $b --context 512 --steps 4 --modes $mode \
                     --fused-max-rows "${FUSED_ROWS:-8}" --prefill-seqs 1 --prefill-len 16 >"$OUT/ncu_${b}_$mode.csv" 2>/dev/null

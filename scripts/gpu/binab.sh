@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Two builds side by side (old and new kernels in one device call; a structural kernel change
+# has no switch): source it from a device command, then call B per measurement.
+#   carry .gpu-z/{harrier,harrier-cuda-tool,harrier-cuda-tool-old}.xz (xz -6 of the stripped
+#   binaries: three fit the 64 MiB carry beside the tree, gzip does not), the old tool built
+#   at the baseline commit;
+#   B LABEL TOOL MODEL BATCHES MODES [ARGS]: harrier-cuda-tool bench (context 512, 64 steps,
+#   fused path up to 8 rows) of generated MODEL, one compact line per batch and mode (also
+#   appended to $OUT/ab2.log); TOOL is $OLD or $NEW; el NAME prints the seconds so far.
+# Example (session 12):
+#   . scripts/gpu/binab.sh; gen llama-3.2-1b
+#   for r in 1 2; do B old $OLD llama-3.2-1b 1,8 graph-async; B new $NEW llama-3.2-1b 1,8 graph-async; done
+mkdir -p .gpu && for f in harrier harrier-cuda-tool harrier-cuda-tool-old; do
+    xz -dc ".gpu-z/$f.xz" >".gpu/$f" && chmod +x ".gpu/$f"
+done
+OUT="${OUT:-/tmp/harrier-binab-out}"
+W=/tmp/harrier-latency-work
+export OUT
+. scripts/gpu/common.sh
+NEW=.gpu/harrier-cuda-tool
+OLD=.gpu/harrier-cuda-tool-old
+S=$(date +%s)
+B() {
+    local l=$1 t=$2 m=$3 b=$4 md=$5
+    shift 5
+    timeout 300 "$t" bench --model "$W/$m" --batches "$b" --context 512 --steps 64 --modes "$md" --prefill-seqs 1 \
+        --prefill-len 16 --fused-max-rows 8 "$@" 2>&1 | grep -E "^decode|Error" \
+        | sed -E "s/^decode batch +/$l b/; s/ms\/step wall, GPU.*tok\/s, floor +/floor /; s/graph kernels/k/" \
+        | tee -a "$OUT/ab2.log"
+}
+el() { echo "-- $1 $(($(date +%s) - S))s"; }
