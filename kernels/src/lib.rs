@@ -312,7 +312,39 @@ const SKINNY_W8_MIN_BLOCKS: u32 = 160;
 /// launches keep 16 (1B o 3.8 vs 4.4, down 10.1 vs 13.2 bf16 and 8.7 vs 13.9 FP8), and so do
 /// long bf16 reductions (8B down 46.3 vs 52.0).
 pub fn skinny_w8_fits(m: usize, blocks: u32, k: usize, f8: bool) -> bool {
-    m <= 8 && blocks >= SKINNY_W8_MIN_BLOCKS && (f8 || k <= 4096)
+    W8Rule::default().fits(m, blocks, k, f8)
+}
+
+/// [`skinny_w8_fits`]'s thresholds: the fewest blocks, the longest bf16 reduction
+/// (`HARRIER_SKINNY_W8_MIN_BLOCKS` / `HARRIER_SKINNY_W8_MAX_K` override them, to measure).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct W8Rule {
+    min_blocks: u32,
+    max_k: usize,
+}
+
+impl Default for W8Rule {
+    fn default() -> W8Rule {
+        W8Rule {
+            min_blocks: SKINNY_W8_MIN_BLOCKS,
+            max_k: 4096,
+        }
+    }
+}
+
+impl W8Rule {
+    fn from_env() -> W8Rule {
+        let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse().ok());
+        let d = W8Rule::default();
+        W8Rule {
+            min_blocks: var("HARRIER_SKINNY_W8_MIN_BLOCKS").unwrap_or(d.min_blocks),
+            max_k: var("HARRIER_SKINNY_W8_MAX_K").map_or(d.max_k, |k: u32| k as usize),
+        }
+    }
+
+    fn fits(self, m: usize, blocks: u32, k: usize, f8: bool) -> bool {
+        m <= 8 && blocks >= self.min_blocks && (f8 || k <= self.max_k)
+    }
 }
 
 /// The reduction widths the FP8 instances (`skinny_gemm_f8_*`, 64-wide chunks) and
@@ -631,6 +663,8 @@ pub struct Kernels {
     /// Launches that [`skinny_w8_fits`] take the 8-warp instances (off in `load_with`'s
     /// builds, whose launch shape is under test, and with `HARRIER_SKINNY_W8=0`).
     skinny_w8: bool,
+    /// The 8-warp choice's thresholds (from the environment at load).
+    w8_rule: W8Rule,
     /// Dynamic shared memory the skinny kernels were allowed at load.
     skinny_smem: usize,
     /// Launches carry the programmatic-stream-serialization attribute (programmatic dependent
@@ -743,6 +777,7 @@ impl Kernels {
                 .filter(|n| (0..=1024).contains(n))
                 .unwrap_or(ATTN_ONE_SPLIT_TILES),
             skinny_smem: SKINNY_SMEM_MAX,
+            w8_rule: W8Rule::from_env(),
             pdl,
         };
         for name in KERNELS {
@@ -1587,7 +1622,7 @@ impl Kernels {
         let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
         let blocks = (p.n as u32).div_ceil(rows);
         // (skinny_w8_fits holds only up to 8 rows: the `_w8` instances are 8-row ones.)
-        let w8 = self.skinny_w8 && skinny_w8_fits(m, blocks, k, f8);
+        let w8 = self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
         let name = match (m.div_ceil(8), r4, f8, w8) {
             (_, true, false, true) => "skinny_gemm_8_r4_w8",
             (_, false, false, true) => "skinny_gemm_8_w8",
@@ -1756,6 +1791,14 @@ mod tests {
         assert!(!fits(1, 256, 14336), "bf16 down of the 8B");
         assert!(skinny_w8_fits(1, 256, 14336, true), "FP8 down of the 8B");
         assert!(!skinny_w8_fits(1, 128, 8192, true), "FP8 down of the 1B");
+        // The thresholds the environment may override (measurement only).
+        let wide = W8Rule {
+            min_blocks: 96,
+            max_k: 16384,
+        };
+        assert!(wide.fits(1, 128, 8192, false), "1B down, 8 warps");
+        assert!(!wide.fits(9, 128, 8192, false), "never past 8 rows");
+        assert!(!W8Rule::default().fits(1, 128, 8192, false));
         assert!(!fits(9, 192, 2048), "the 8-warp instances hold 8 rows");
         let w8 = KERNELS.iter().filter(|k| k.ends_with("_w8")).count();
         assert_eq!(w8, 4);

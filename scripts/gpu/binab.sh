@@ -11,6 +11,7 @@
 #   . scripts/gpu/binab.sh; gen llama-3.2-1b
 #   for r in 1 2; do B old $OLD llama-3.2-1b 1,8 graph-async; B new $NEW llama-3.2-1b 1,8 graph-async; done
 mkdir -p .gpu && for f in harrier harrier-cuda-tool harrier-cuda-tool-old; do
+    [ -f ".gpu-z/$f.xz" ] || continue # (the old build is optional: switches need one)
     xz -dc ".gpu-z/$f.xz" >".gpu/$f" && chmod +x ".gpu/$f"
 done
 OUT="${OUT:-/tmp/harrier-binab-out}"
