@@ -296,9 +296,51 @@ pub fn skinny_supports(m: usize, k: usize) -> bool {
     (1..=SKINNY_MAX_M).contains(&m) && k.is_multiple_of(32) && k > 0
 }
 
-/// Launches of at least this many blocks take the 8-warp skinny instances (see
-/// [`skinny_w8_fits`]).
+/// The skinny GEMM instances, bf16 weights then FP8, by shape: 8, 16, 32 and 64 input rows;
+/// 8 and 16 rows over 4 row tiles a block; 8 rows in 8-warp blocks over 1 and 4 row tiles.
+const SKINNY_INSTANCES: [[&str; 8]; 2] = [
+    [
+        "skinny_gemm_8",
+        "skinny_gemm_16",
+        "skinny_gemm_32",
+        "skinny_gemm_64",
+        "skinny_gemm_8_r4",
+        "skinny_gemm_16_r4",
+        "skinny_gemm_8_w8",
+        "skinny_gemm_8_r4_w8",
+    ],
+    [
+        "skinny_gemm_f8_8",
+        "skinny_gemm_f8_16",
+        "skinny_gemm_f8_32",
+        "skinny_gemm_f8_64",
+        "skinny_gemm_f8_8_r4",
+        "skinny_gemm_f8_16_r4",
+        "skinny_gemm_f8_8_w8",
+        "skinny_gemm_f8_8_r4_w8",
+    ],
+];
+
+/// The instance of an `m`-row launch (`r4`: 4 row tiles a block, m <= 16; `w8`: 8-warp blocks,
+/// m <= 8; `f8`: FP8 weights).
+fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
+    let shape = match (m.div_ceil(8), r4, w8) {
+        (_, false, true) => 6,
+        (_, true, true) => 7,
+        (1, true, _) => 4,
+        (2, true, _) => 5,
+        (1, ..) => 0,
+        (2, ..) => 1,
+        (3 | 4, ..) => 2,
+        _ => 3,
+    };
+    SKINNY_INSTANCES[usize::from(f8)][shape]
+}
+
+/// Launches of at least this many blocks, with bf16 weights over reductions of at most
+/// `SKINNY_W8_MAX_K`, take the 8-warp skinny instances (see [`skinny_w8_fits`]).
 const SKINNY_W8_MIN_BLOCKS: u32 = 160;
+const SKINNY_W8_MAX_K: usize = 4096;
 
 /// Whether an `m`-row skinny launch of `blocks` blocks over `k` (`f8`: FP8 weights) takes an
 /// 8-warp instance (`skinny_gemm_*_w8`) rather than `SK_WARPS` warps: up to 8 rows, more
@@ -327,18 +369,17 @@ impl Default for W8Rule {
     fn default() -> W8Rule {
         W8Rule {
             min_blocks: SKINNY_W8_MIN_BLOCKS,
-            max_k: 4096,
+            max_k: SKINNY_W8_MAX_K,
         }
     }
 }
 
 impl W8Rule {
     fn from_env() -> W8Rule {
-        let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse().ok());
         let d = W8Rule::default();
         W8Rule {
-            min_blocks: var("HARRIER_SKINNY_W8_MIN_BLOCKS").unwrap_or(d.min_blocks),
-            max_k: var("HARRIER_SKINNY_W8_MAX_K").map_or(d.max_k, |k: u32| k as usize),
+            min_blocks: env_number("HARRIER_SKINNY_W8_MIN_BLOCKS").unwrap_or(d.min_blocks),
+            max_k: env_number("HARRIER_SKINNY_W8_MAX_K").unwrap_or(d.max_k),
         }
     }
 
@@ -687,6 +728,11 @@ pub fn switch_on(name: &str) -> bool {
     std::env::var(name).map_or(true, |v| v != "0")
 }
 
+/// A number the environment sets to override a tuned default (`None`: unset or unparsable).
+fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok()?.parse().ok()
+}
+
 /// The compute capability `arch` (an [`arch_name`]) names as one number: `"sm_89"` -> 89.
 pub fn sm_version(arch: &str) -> Option<u32> {
     arch.strip_prefix("sm_")?.parse().ok()
@@ -771,9 +817,7 @@ impl Kernels {
             skinny_w8,
             attn_prefetch: switch_on("HARRIER_ATTN_PREFETCH"),
             attn_vrows: switch_on("HARRIER_ATTN_VROWS"),
-            attn_one_split: std::env::var("HARRIER_ATTN_ONE_SPLIT_TILES")
-                .ok()
-                .and_then(|v| v.parse().ok())
+            attn_one_split: env_number("HARRIER_ATTN_ONE_SPLIT_TILES")
                 .filter(|n| (0..=1024).contains(n))
                 .unwrap_or(ATTN_ONE_SPLIT_TILES),
             skinny_smem: SKINNY_SMEM_MAX,
@@ -1623,24 +1667,7 @@ impl Kernels {
         let blocks = (p.n as u32).div_ceil(rows);
         // (skinny_w8_fits holds only up to 8 rows: the `_w8` instances are 8-row ones.)
         let w8 = self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
-        let name = match (m.div_ceil(8), r4, f8, w8) {
-            (_, true, false, true) => "skinny_gemm_8_r4_w8",
-            (_, false, false, true) => "skinny_gemm_8_w8",
-            (_, true, true, true) => "skinny_gemm_f8_8_r4_w8",
-            (_, false, true, true) => "skinny_gemm_f8_8_w8",
-            (1, true, false, _) => "skinny_gemm_8_r4",
-            (2, true, false, _) => "skinny_gemm_16_r4",
-            (1, _, false, _) => "skinny_gemm_8",
-            (2, _, false, _) => "skinny_gemm_16",
-            (3 | 4, _, false, _) => "skinny_gemm_32",
-            (_, _, false, _) => "skinny_gemm_64",
-            (1, true, true, _) => "skinny_gemm_f8_8_r4",
-            (2, true, true, _) => "skinny_gemm_f8_16_r4",
-            (1, _, true, _) => "skinny_gemm_f8_8",
-            (2, _, true, _) => "skinny_gemm_f8_16",
-            (3 | 4, _, true, _) => "skinny_gemm_f8_32",
-            (_, _, true, _) => "skinny_gemm_f8_64",
-        };
+        let name = skinny_instance(m, r4, f8, w8);
         let smem = if p.norm_w != 0 {
             if !self.skinny_norm_supports(m, k) {
                 bail!("skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory");
@@ -1802,6 +1829,39 @@ mod tests {
         assert!(!fits(9, 192, 2048), "the 8-warp instances hold 8 rows");
         let w8 = KERNELS.iter().filter(|k| k.ends_with("_w8")).count();
         assert_eq!(w8, 4);
+        // The instance table names every skinny kernel once, FP8 ones in the FP8 row.
+        let table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
+        let listed: Vec<&str> = KERNELS
+            .iter()
+            .copied()
+            .filter(|k| k.starts_with("skinny_gemm_"))
+            .collect();
+        assert_eq!(table.len(), listed.len());
+        assert!(listed.iter().all(|k| table.contains(k)));
+        assert!(SKINNY_INSTANCES[1].iter().all(|k| k.contains("_f8_")));
+        assert!(SKINNY_INSTANCES[0].iter().all(|k| !k.contains("_f8_")));
+        assert!(SKINNY_INSTANCES
+            .iter()
+            .all(|r| r[6..].iter().all(|k| k.ends_with("_w8"))));
+        // Rows, 4-tile blocks and 8-warp blocks pick the instance by name.
+        for (m, r4, f8, w8, want) in [
+            (1, false, false, false, "skinny_gemm_8"),
+            (8, false, false, false, "skinny_gemm_8"),
+            (9, false, false, false, "skinny_gemm_16"),
+            (17, false, false, false, "skinny_gemm_32"),
+            (32, false, false, false, "skinny_gemm_32"),
+            (33, false, false, false, "skinny_gemm_64"),
+            (64, false, true, false, "skinny_gemm_f8_64"),
+            (8, true, false, false, "skinny_gemm_8_r4"),
+            (16, true, true, false, "skinny_gemm_f8_16_r4"),
+            (1, false, false, true, "skinny_gemm_8_w8"),
+            (8, true, false, true, "skinny_gemm_8_r4_w8"),
+            (1, false, true, true, "skinny_gemm_f8_8_w8"),
+            (4, true, true, true, "skinny_gemm_f8_8_r4_w8"),
+            (12, false, true, false, "skinny_gemm_f8_16"),
+        ] {
+            assert_eq!(skinny_instance(m, r4, f8, w8), want, "{m} {r4} {f8} {w8}");
+        }
     }
 
     #[test]

@@ -169,10 +169,9 @@ const FP8_SKINNY_MAX_ROWS_WITH_GEMM: usize = 8;
 
 /// Models wider than this take the fused path at one row only (whatever
 /// `--fused-decode-max-rows` allows): measured on the H200 (session 12, ms per step, fused vs
-/// unfused) the 8B shape (4,096 wide) loses at 2 and 8 rows (5.569 vs 5.404, 6.555 vs 6.402)
-/// where the 1B (2,048) wins at 2-8 rows (1.230 vs 1.251 .. 1.459 vs 1.522) and the 3B (3,072)
-/// ties at 2 and wins at 4 and 8 (3.206 vs 3.221, 3.348 vs 3.374): every block reads all input
-/// rows of its reduction.
+/// unfused) the 8B shape (4,096 wide) loses at 2 and 8 rows (5.569 vs 5.404, 6.555 vs 6.402),
+/// where the 1B and 3B win or tie (`config::FUSED_DECODE_MAX_ROWS` has their numbers): every
+/// block reads all input rows of its reduction.
 const FUSED_MULTI_ROW_MAX_HIDDEN: usize = 3072;
 
 /// Steps of at most this many rows norm inside the q|k|v and gate|up GEMMs. Every block of
