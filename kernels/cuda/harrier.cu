@@ -1855,56 +1855,6 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, const void
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// The W warps' barrier: the block's, or (NAMED) named barrier 1 over warps 0 .. W - 1 (the
-// streaming kernels' multiplying warps, while their copy warp runs on).
-template <int W, bool NAMED> __device__ __forceinline__ void warps_sync() {
-    if (NAMED)
-        asm volatile("bar.sync 1, %0;" ::"r"(W * 32) : "memory");
-    else
-        __syncthreads();
-}
-
-// The normed input of a skinny GEMM ([M][K] bf16 after the norm weights [K], at `base` in
-// dynamic shared memory), staged once per block by warps 0 .. W - 1: one round of loads, the
-// sums of squares, then the rows normalised in place; ends with a barrier.
-template <int W, bool NAMED = false>
-__device__ __forceinline__ void stage_normed(const SkinnyIn& p, uint4* base, float (*ss_sh)[8], float* inv_sh) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int kc = p.K >> 3;
-    uint4* xs = base + kc;
-    float ss[8];
-#pragma unroll
-    for (int q = 0; q < 8; q++) ss[q] = 0.0f;
-    for (int c = threadIdx.x; c < kc; c += W * 32) {
-        base[c] = __ldg((const uint4*)p.norm_w + c);
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            if (q < p.M) {
-                uint4 v = __ldcg((const uint4*)(p.x + (size_t)q * p.K) + c);  // L2: see skinny_chain
-                xs[q * kc + c] = v;
-                ss[q] += sumsq8(v);
-            }
-        }
-    }
-#pragma unroll
-    for (int q = 0; q < 8; q++) {
-        float v = warp_sum(ss[q]);
-        if (lane == 0) ss_sh[warp][q] = v;
-    }
-    warps_sync<W, NAMED>();
-    if (threadIdx.x < 8) {
-        float v = 0.0f;
-        for (int w = 0; w < W; w++) v += ss_sh[w][threadIdx.x];
-        inv_sh[threadIdx.x] = rsqrtf(v / (float)p.K + p.eps);
-    }
-    warps_sync<W, NAMED>();
-    for (int i = threadIdx.x; i < p.M * kc; i += W * 32) {
-        int q = i / kc;
-        xs[i] = rms_norm8(xs[i], base[i - q * kc], inv_sh[q], p.w_off);
-    }
-    warps_sync<W, NAMED>();
-}
-
 template <int NT, int R, bool F8, int W = SK_WARPS>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
@@ -1982,10 +1932,45 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     }
     PDL_WAIT();
     PDL_TRIGGER();
-    // The normed input, staged once per block in dynamic shared memory (stage_normed).
+    // The normed input, staged once per block in dynamic shared memory ([M][K] bf16 after the
+    // norm weights [K]): one round of loads (issued behind the first weight loads), the sums of
+    // squares, then the rows normalised in place. The main loop then reads x from shared memory.
     extern __shared__ uint4 xs_dyn[];
     uint4* xs = xs_dyn + (p.K >> 3);
-    if (norm) stage_normed<W>(p, xs_dyn, ss_sh, inv_sh);
+    if (norm) {
+        const int kc = p.K >> 3;
+        float ss[8];
+#pragma unroll
+        for (int q = 0; q < 8; q++) ss[q] = 0.0f;
+        for (int c = threadIdx.x; c < kc; c += blockDim.x) {
+            xs_dyn[c] = __ldg((const uint4*)p.norm_w + c);
+#pragma unroll
+            for (int q = 0; q < 8; q++) {
+                if (q < p.M) {
+                    uint4 v = __ldg((const uint4*)(p.x + (size_t)q * p.K) + c);
+                    xs[q * kc + c] = v;
+                    ss[q] += sumsq8(v);
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            float v = warp_sum(ss[q]);
+            if (lane == 0) ss_sh[warp][q] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < 8) {
+            float v = 0.0f;
+            for (int w = 0; w < W; w++) v += ss_sh[w][threadIdx.x];
+            inv_sh[threadIdx.x] = rsqrtf(v / (float)p.K + p.eps);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < p.M * kc; i += blockDim.x) {
+            int q = i / kc;
+            xs[i] = rms_norm8(xs[i], xs_dyn[i - q * kc], inv_sh[q], p.w_off);
+        }
+        __syncthreads();
+    }
     float acc[R][NT][4];
 #pragma unroll
     for (int i = 0; i < R; i++)
@@ -2151,343 +2136,6 @@ extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8(SkinnyI
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, false, 8>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_f8_8_w8(SkinnyIn p) { skinny_gemm<1, 1, true, 8>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, true, 8>(p); }
-
-// ---------------------------------------------------------------------------------------------
-// skinny_chain: the skinny GEMM of up to 8 input rows (SkinnyIn, the same epilogues and
-// rounding) with the weights streamed through shared memory by the copy engine (sm_90 bulk
-// copies, cp.async.bulk), for decode steps on Hopper. skinny_gemm keeps each warp's next
-// weights in registers: at most SK_LOADS 16-byte loads a lane in flight, then the warp waits
-// a whole memory latency before it multiplies and issues the next, so on the H200 its large
-// launches reach ~60% of the bandwidth (ncu, 1B gate|up 2.8 TB/s). Here one warp a block
-// issues copies of whole stage rows (SS_STAGE_BYTES of 16 weight rows) into SS_STAGES
-// buffers, each completing on its mbarrier, and SS_WARPS warps multiply out of shared memory
-// and hand each buffer back (a second mbarrier); no register holds a weight in flight, so a
-// block keeps up to SS_STAGES * 16 * SS_STAGE_BYTES bytes in flight whatever the registers.
-// Blocks are persistent (the host launches about one an SM): block b takes 16-row tiles b, b
-// + grid, ..., and the copy warp streams straight across tiles, so a block's pipeline never
-// drains between them. Each tile's warp partials meet in shared memory (a named barrier over
-// the SS_WARPS consumers) and one warp (tile by tile in turn) writes its epilogue. The first SS_STAGES copies (read-only
-// weights) are issued before waiting on the previous kernel, which also brings them in while
-// that kernel finishes. A tile of 16 rows is 16 output rows, or (gated epilogues) 8 gate rows
-// and their 8 up rows; a stage row covers SS_STAGE_BYTES of a weight row (1,024 bf16 or 2,048
-// e4m3), the last stage of a row what is left (K % 32 == 0: whole 64-byte chunks). Stage rows
-// sit SS_ROW bytes apart (64 bytes of padding), so a quarter-warp's 16-byte reads of rows g and
-// g + 1 fall in different banks.
-#define SS_WARPS 8
-#define SS_STAGES 3
-#define SS_STAGE_BYTES 2048
-#define SS_ROW (SS_STAGE_BYTES + 64)
-#define SS_X_STAGE 32768
-
-__device__ __forceinline__ u32 ld_acquire(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void mbar_init(u64* b, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "r"(count) : "memory");
-}
-// One arrival that also expects `bytes` of copies to complete on the barrier.
-__device__ __forceinline__ void mbar_arrive_expect(u64* b, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory");
-}
-// Waits until the barrier's phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(smem_addr(b)),
-        "r"(parity)
-        : "memory");
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared by the copy
-// engine, completing on barrier `b`.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(b))
-                 : "memory");
-}
-#endif
-
-// The epilogue of one 16-row tile by one warp (n0: its first output row; gated: its first gate row):
-// as skinny_gemm's, reading scales, residuals and RoPE metadata directly (after the wait).
-template <bool F8>
-__device__ __forceinline__ void stream_epilogue(const SkinnyIn& p, const float* acc, int n0, bool gated, int g,
-                                                int t) {
-    if (p.epi == SK_ROPE) {
-        const SkinnyRope& ro = p.rope;
-        bf16* y = (bf16*)p.y;
-        const int n = n0 + g;
-        if (n >= p.N) return;
-        const int h = n / ro.hd, s = n - h * ro.hd;
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int m = 2 * t + r;
-            if (m >= ro.rows) continue;
-            const float a = rbf(acc[r] * (F8 ? p.scale[n] : 1.0f));
-            const float b = rbf(acc[r + 2] * (F8 ? p.scale[n + 8] : 1.0f));
-            const long long slot = ro.slot_mapping[m];
-            if (h >= ro.nh + ro.nkv) {
-                bf16* dst = ro.v_cache + (size_t)(slot * ro.nkv + (h - ro.nh - ro.nkv)) * ro.hd + s;
-                dst[0] = f2bf(a);
-                dst[8] = f2bf(b);
-                continue;
-            }
-            float o1, o2;
-            rope_pair(a, b, (float)ro.positions[m], ro.inv_freq[((s >> 4) << 3) + (s & 7)], &o1, &o2);
-            bf16* dst = h < ro.nh ? y + (size_t)m * p.N + n
-                                  : ro.k_cache + (size_t)(slot * ro.nkv + (h - ro.nh)) * ro.hd + s;
-            dst[0] = f2bf(o1);
-            dst[8] = f2bf(o2);
-        }
-        return;
-    }
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const int m = 2 * t + (r & 1);
-        if (m >= p.M || (gated && r >= 2)) continue;
-        const int n = n0 + g + (!gated && r >= 2 ? 8 : 0);
-        if (n >= p.N) continue;
-        const float v = acc[r] * (F8 ? p.scale[n] : 1.0f);
-        const size_t o = (size_t)m * p.N + n;
-        if (gated) {
-            const float up = acc[r + 2] * (F8 ? p.scale[p.N + n] : 1.0f);
-            ((bf16*)p.y)[o] = f2bf(act_mul(rbf(v), rbf(up), p.epi == SK_GELU));
-        } else if (p.epi == SK_STORE_F32) {
-            ((float*)p.y)[o] = v;
-        } else if (p.epi == SK_RESID) {
-            bf16* y = (bf16*)p.y;
-            y[o] = f2bf(bf2f(y[o]) + rbf(v));
-        } else {
-            ((bf16*)p.y)[o] = f2bf(v);
-        }
-    }
-}
-
-
-// A chain of up to SS_OPS skinny GEMMs in one launch (skinny_chain): op i + 1 reads what op i
-// writes (o projection -> gate|up -> down -> the next layer's q|k|v of a decode step), so a
-// block waits, before op i + 1, until every tile of op i is written: each block, after its
-// tiles of op i, fences and adds their count to sync[i] (global memory), and the block's first
-// multiplying thread polls that count. The copy warp does not wait: it streams straight on
-// into op i + 1's weights (read-only), so SS_STAGES stages of them are in shared memory when
-// the dependency clears, the way a persistent "megakernel" hides a GEMM's start. This needs
-// every block resident at once: the host launches at most one an SM (the blocks' shared
-// memory allows no second one of the same launch) and the launch before, whose blocks may
-// still run, never waits on this one. Reads of data the chain writes go through L2
-// (ld.global.cg, no stale L1 line). The last block to finish zeroes sync for the next launch,
-// which starts its dependent part only after this one completes (stream order, PDL_WAIT).
-#define SS_OPS 4
-struct ChainIn {
-    SkinnyIn op[SS_OPS];
-    int n_ops;
-    u32* sync;  // SS_OPS + 1 counters, zero between launches (0 with one op: unused)
-};
-
-template <bool F8>
-__device__ __forceinline__ void skinny_chain(const ChainIn& c) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    __shared__ __align__(8) u64 full[SS_STAGES], empty[SS_STAGES];
-    __shared__ float red[2][SS_WARPS][32][4];
-    __shared__ float inv_sh[8];
-    __shared__ float ss_sh[SS_WARPS][8];
-    extern __shared__ uint4 xs_dyn[];
-    unsigned char* stages = (unsigned char*)xs_dyn;         // [SS_STAGES][16][SS_ROW]
-    uint4* xn = (uint4*)(stages + SS_STAGES * 16 * SS_ROW);  // stage_normed's (norm weights, then rows)
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-    // An op's geometry: tiles of 16 rows (gated: 8 gate + 8 up rows), stages a tile.
-    auto gated_of = [&](const SkinnyIn& p) { return p.epi == SK_SILU || p.epi == SK_GELU; };
-    auto tiles_of = [&](const SkinnyIn& p) {
-        const int tr = gated_of(p) ? 8 : 16;
-        return (p.N + tr - 1) / tr;
-    };
-    auto row_bytes_of = [&](const SkinnyIn& p) { return (u32)p.K * (F8 ? 1 : 2); };
-    auto kst_of = [&](const SkinnyIn& p) { return (int)((row_bytes_of(p) + SS_STAGE_BYTES - 1) / SS_STAGE_BYTES); };
-    auto mine_of = [&](const SkinnyIn& p) {
-        const int tl = tiles_of(p);
-        return (int)blockIdx.x < tl ? (tl - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
-    };
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < SS_STAGES; s++) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], SS_WARPS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    if (warp == SS_WARPS) {
-        // The copy warp: every stage of every op in order; the first SS_STAGES before waiting
-        // on the previous kernel (weights only).
-        int it = 0;
-        for (int o = 0; o < c.n_ops; o++) {
-            const SkinnyIn& p = c.op[o];
-            const bool gated = gated_of(p);
-            const int tr = gated ? 8 : 16, kst = kst_of(p), mine = mine_of(p);
-            const u32 row_bytes = row_bytes_of(p);
-            for (int j = 0; j < mine; j++) {
-                const int tile = (int)blockIdx.x + j * (int)gridDim.x;
-                for (int ks = 0; ks < kst; ks++, it++) {
-                    if (it == SS_STAGES) {
-                        PDL_WAIT();
-                        PDL_TRIGGER();
-                    }
-                    const int s = it % SS_STAGES;
-                    if (it >= SS_STAGES) mbar_wait(&empty[s], ((it / SS_STAGES) + 1) & 1);
-                    const u32 off = (u32)ks * SS_STAGE_BYTES, bytes = min((u32)SS_STAGE_BYTES, row_bytes - off);
-                    if (lane == 0) mbar_arrive_expect(&full[s], 16 * bytes);
-                    __syncwarp();
-                    if (lane < 16) {
-                        // Rows past N copy row 0 (their results are not written).
-                        const int n = tile * tr + (gated ? (lane & 7) : lane);
-                        const size_t r = (size_t)(n < p.N ? n : 0) + (gated && lane >= 8 ? p.N : 0);
-                        bulk_copy(stages + (s * 16 + lane) * SS_ROW, (const char*)p.w + r * row_bytes + off, bytes,
-                                  &full[s]);
-                    }
-                }
-            }
-        }
-        if (it < SS_STAGES) {
-            PDL_WAIT();
-            PDL_TRIGGER();
-        }
-        return;
-    }
-    PDL_WAIT();
-    PDL_TRIGGER();
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    constexpr int UC = SS_STAGE_BYTES / 64 / SS_WARPS;  // 64-byte chunks a warp takes of a full stage
-    constexpr int HN = F8 ? 2 : 1;
-    int it = 0;
-    for (int o = 0; o < c.n_ops; o++) {
-        const SkinnyIn& p = c.op[o];
-        if (o > 0) {
-            // Every tile of the op before written (the blocks' fenced counts).
-            if (threadIdx.x == 0) {
-                const int want = tiles_of(c.op[o - 1]);
-                while ((int)ld_acquire(c.sync + o - 1) < want) {
-                }
-            }
-            warps_sync<SS_WARPS, true>();
-        }
-        const bool gated = gated_of(p);
-        const int tr = gated ? 8 : 16, kst = kst_of(p), mine = mine_of(p);
-        const u32 row_bytes = row_bytes_of(p);
-        // The input rows in shared memory: normed (stage_normed), or copied when they fit in
-        // SS_X_STAGE bytes; else read beside the weights (through L2).
-        const bool norm = p.norm_w != 0;
-        const bool xstage = !norm && p.M * p.K * 2 <= SS_X_STAGE;
-        if (mine > 0 && norm) stage_normed<SS_WARPS, true>(p, xn, ss_sh, inv_sh);
-        if (mine > 0 && xstage) {
-            uint4* xs = xn + (p.K >> 3);
-            for (int i = threadIdx.x; i < (p.M * p.K) >> 3; i += SS_WARPS * 32) xs[i] = __ldcg((const uint4*)p.x + i);
-            warps_sync<SS_WARPS, true>();
-        }
-        const bool xsm = norm || xstage;
-        const uint4* xr = xn + (p.K >> 3);
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int j = 0; j < mine; j++) {
-            for (int ks = 0; ks < kst; ks++, it++) {
-                const int s = it % SS_STAGES;
-                const u32 off = (u32)ks * SS_STAGE_BYTES, bytes = min((u32)SS_STAGE_BYTES, row_bytes - off);
-                const u32 nck = bytes / 64;
-                // The stage's x first (independent of the copy), then its weights: all of the
-                // warp's UC chunks' loads in flight together, then the products.
-                uint4 xv[UC][HN], wa[UC], wb[UC];
-#pragma unroll
-                for (int u = 0; u < UC; u++) {
-                    const u32 ch = warp + u * SS_WARPS;
-#pragma unroll
-                    for (int h = 0; h < HN; h++) {
-                        // A lane's 16 bytes: 8 bf16 at k = off / 2 + 32 ch + 8 t, or 16 e4m3 at
-                        // off + 64 ch + 16 t as two 8-k halves (x read at the same k, as
-                        // skinny_gemm).
-                        const int k0 = F8 ? (int)(off + ch * 64 + t * 16) + 8 * h : (int)(off / 2 + ch * 32 + t * 8);
-                        xv[u][h] = zero;
-                        if (ch < nck && g < p.M)
-                            xv[u][h] = xsm ? xr[(g * p.K + k0) >> 3]
-                                           : __ldcg((const uint4*)(p.x + (size_t)g * p.K + k0));
-                    }
-                }
-                mbar_wait(&full[s], (it / SS_STAGES) & 1);
-                const unsigned char* st = stages + s * 16 * SS_ROW;
-#pragma unroll
-                for (int u = 0; u < UC; u++) {
-                    const u32 ch = warp + u * SS_WARPS;
-                    wa[u] = ch < nck ? *(const uint4*)(st + g * SS_ROW + ch * 64 + t * 16) : zero;
-                    wb[u] = ch < nck ? *(const uint4*)(st + (g + 8) * SS_ROW + ch * 64 + t * 16) : zero;
-                }
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&empty[s]);
-#pragma unroll
-                for (int u = 0; u < UC; u++) {
-#pragma unroll
-                    for (int h = 0; h < HN; h++) {
-                        const uint4 a = F8 ? (h ? e4m3x8_bf16(wa[u].z, wa[u].w) : e4m3x8_bf16(wa[u].x, wa[u].y)) : wa[u];
-                        const uint4 b = F8 ? (h ? e4m3x8_bf16(wb[u].z, wb[u].w) : e4m3x8_bf16(wb[u].x, wb[u].y)) : wb[u];
-                        u32 a1[4] = {a.x, b.x, a.y, b.y};
-                        u32 a2[4] = {a.z, b.z, a.w, b.w};
-                        mma_bf16(acc, a1, xv[u][h].x, xv[u][h].y);
-                        mma_bf16(acc, a2, xv[u][h].z, xv[u][h].w);
-                    }
-                }
-            }
-            // The tile's partials meet in red[par] (double-buffered: the tile's epilogue warp,
-            // in turn, reads one while the others fill the other; the next tile's barrier
-            // waits for it).
-            const int par = j & 1;
-#pragma unroll
-            for (int r = 0; r < 4; r++) red[par][warp][lane][r] = acc[r];
-            warps_sync<SS_WARPS, true>();
-            if (warp == j % SS_WARPS) {
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    float v = 0.0f;
-#pragma unroll
-                    for (int w = 0; w < SS_WARPS; w++) v += red[par][w][lane][r];
-                    acc[r] = v;
-                }
-                stream_epilogue<F8>(p, acc, ((int)blockIdx.x + j * (int)gridDim.x) * tr, gated, g, t);
-            }
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[r] = 0.0f;
-        }
-        // Every warp past this op's reads (the next op's staging overwrites xn) and epilogues;
-        // then the block's tiles are counted, once, behind a fence (the barrier makes the
-        // other warps' writes the fence's to order).
-        warps_sync<SS_WARPS, true>();
-        if (c.n_ops > 1 && threadIdx.x == 0 && mine > 0) {
-            __threadfence();
-            atomicAdd(c.sync + o, (u32)mine);
-        }
-    }
-    if (c.n_ops > 1 && threadIdx.x == 0) {
-        // The last block out zeroes the counts for the next launch.
-        __threadfence();
-        if (atomicAdd(c.sync + SS_OPS, 1u) == gridDim.x - 1) {
-            for (int o = 0; o <= SS_OPS; o++) atomicExch(c.sync + o, 0u);
-        }
-    }
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__((SS_WARPS + 1) * 32) skinny_chain_8(ChainIn c) { skinny_chain<false>(c); }
-extern "C" __global__ void __launch_bounds__((SS_WARPS + 1) * 32) skinny_chain_f8_8(ChainIn c) { skinny_chain<true>(c); }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the
 // copy): w[n, k] = bf16(e4m3(q[n, k]) * scale[n]); 8 weights a thread, k % 8 == 0.

@@ -62,8 +62,6 @@ pub const KERNELS: &[&str] = &[
     "skinny_gemm_8_r4_w8",
     "skinny_gemm_f8_8_w8",
     "skinny_gemm_f8_8_r4_w8",
-    "skinny_chain_8",
-    "skinny_chain_f8_8",
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
@@ -78,7 +76,7 @@ const BF16_ONLY: &[&str] = &[
     "quantize_fp8_rows",
     "fp8_rescale",
 ];
-const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_", "skinny_chain_"];
+const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_"];
 
 /// Query tokens per `prefill_attention` tile (`PF_QT` in the source).
 pub const PREFILL_TILE: usize = 64;
@@ -713,55 +711,6 @@ pub struct Kernels {
     /// Launches carry the programmatic-stream-serialization attribute (programmatic dependent
     /// launch: see [`pdl_default`]).
     pdl: bool,
-    /// Blocks a `skinny_chain_*` launch may have (the SMs; 0: the streaming skinny GEMM is
-    /// off: before sm_90, in `load_with`'s builds, with `HARRIER_SKINNY_STREAM=0`, or when its
-    /// shared memory could not be had).
-    stream_blocks: u32,
-}
-
-/// Warps of a `skinny_chain_*` block: `SS_WARPS` multiplying, one issuing the copies.
-const STREAM_THREADS: u32 = (8 + 1) * 32;
-/// Shared memory of `skinny_chain_*`'s weight stages (`SS_STAGES * 16 * SS_ROW`), before the
-/// normed input.
-const STREAM_STAGE_SMEM: usize = 3 * 16 * (2048 + 64);
-/// `skinny_chain_*` copies an input of at most this many bytes into shared memory.
-const STREAM_X_STAGE: usize = 32 << 10;
-/// Skinny GEMMs one `skinny_chain_*` launch runs (`SS_OPS`).
-pub const CHAIN_OPS: usize = 4;
-/// Bytes of the counters a chain of more than one GEMM needs (zeroed before the first launch;
-/// each launch leaves them zero).
-pub const CHAIN_SYNC_BYTES: usize = (CHAIN_OPS + 1) * 4;
-
-/// One `skinny_chain_*` launch (mirrors `struct ChainIn`): `n_ops` skinny GEMMs in order, each
-/// reading what the one before writes.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct ChainInputs {
-    op: [SkinnyInputs; CHAIN_OPS],
-    n_ops: i32,
-    sync: u64,
-}
-
-/// Blocks of a `skinny_chain_*` launch at most: one a multiprocessor of the current device
-/// (a chain's blocks must all be resident at once).
-fn stream_blocks() -> anyhow::Result<u32> {
-    let mut dev = 0;
-    let mut sms = 0;
-    // SAFETY: plain queries of the current context's device (a context is current: load's
-    // contract).
-    unsafe {
-        sys::cuCtxGetDevice(&mut dev)
-            .result()
-            .context("cuCtxGetDevice")?;
-        sys::cuDeviceGetAttribute(
-            &mut sms,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            dev,
-        )
-        .result()
-        .context("cuDeviceGetAttribute")?;
-    }
-    Ok(sms.max(1) as u32)
 }
 
 /// Whether kernels launch with programmatic dependent launch on `arch`: sm_90 and newer, unless
@@ -819,18 +768,7 @@ impl Kernels {
     pub fn load(arch: &'static str, dtype: Dtype) -> anyhow::Result<Kernels> {
         let (ptx, from_cache) = ptx_for(arch, dtype)?;
         let w8 = switch_on("HARRIER_SKINNY_W8");
-        // Off by default: measured slower than skinny_gemm (docs/benchmarks.md, session 13).
-        let stream = sm_version(arch).is_some_and(|v| v >= 90)
-            && std::env::var("HARRIER_SKINNY_STREAM").is_ok_and(|v| v == "1");
-        Self::load_ptx(
-            ptx,
-            dtype,
-            from_cache,
-            SKINNY_WARPS,
-            w8,
-            pdl_default(arch),
-            stream,
-        )
+        Self::load_ptx(ptx, dtype, from_cache, SKINNY_WARPS, w8, pdl_default(arch))
     }
 
     /// A build with the skinny GEMM's launch shape overridden (`SK_WARPS` warps per block,
@@ -853,15 +791,7 @@ impl Kernels {
                 format!("-DSK_LOADS={skinny_loads}"),
             ],
         )?;
-        Self::load_ptx(
-            ptx,
-            dtype,
-            false,
-            skinny_warps,
-            false,
-            pdl_default(arch),
-            false,
-        )
+        Self::load_ptx(ptx, dtype, false, skinny_warps, false, pdl_default(arch))
     }
 
     fn load_ptx(
@@ -871,7 +801,6 @@ impl Kernels {
         skinny_warps: u32,
         skinny_w8: bool,
         pdl: bool,
-        stream: bool,
     ) -> anyhow::Result<Kernels> {
         let c = std::ffi::CString::new(ptx).context("PTX contains a NUL byte")?;
         // SAFETY: `c` is a NUL-terminated PTX image; a context is current (caller's contract).
@@ -894,10 +823,6 @@ impl Kernels {
             skinny_smem: SKINNY_SMEM_MAX,
             w8_rule: W8Rule::from_env(),
             pdl,
-            stream_blocks: match stream {
-                true => stream_blocks()?,
-                false => 0,
-            },
         };
         for name in KERNELS {
             if !dtype.has_kernel(name) {
@@ -907,19 +832,6 @@ impl Kernels {
             let n = std::ffi::CString::new(*name).expect("kernel names have no NUL");
             // SAFETY: `module` is loaded; `n` is NUL-terminated.
             let f = ck(unsafe { dr::module::get_function(module, n) }, name)?;
-            if name.starts_with("skinny_chain") && k.stream_blocks > 0 {
-                // SAFETY: as below.
-                let raised = unsafe {
-                    dr::function::set_function_attribute(
-                        f,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        (STREAM_STAGE_SMEM + SKINNY_SMEM_MAX) as i32,
-                    )
-                };
-                if raised.is_err() {
-                    k.stream_blocks = 0;
-                }
-            }
             if name.starts_with("skinny_gemm") && k.skinny_smem > SKINNY_SMEM_FALLBACK {
                 // SAFETY: `f` is a loaded function; the attribute only raises its own limit.
                 let raised = unsafe {
@@ -1722,101 +1634,6 @@ impl Kernels {
     /// the gated epilogues), `m_rows * n` outputs and `k` norm weights, 16-byte aligned.
     pub unsafe fn skinny_gemm(&self, s: sys::CUstream, p: &SkinnyInputs) -> anyhow::Result<()> {
         let (m, k) = (p.m_rows as usize, p.k as usize);
-        let (tiles, f8) = Self::skinny_check(p)?;
-        if self.stream_blocks > 0 && m <= 8 {
-            // SAFETY: the caller's contract covers the one op.
-            return unsafe { self.skinny_chain(s, std::slice::from_ref(p), 0) };
-        }
-        let gated = [SkinnyEpilogue::SiluMul, SkinnyEpilogue::GeluTanhMul]
-            .iter()
-            .any(|&e| p.epi == e as i32);
-        let r4 = tiles >= SKINNY_R4_FROM_TILES && m <= 16;
-        let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
-        let blocks = (p.n as u32).div_ceil(rows);
-        // (skinny_w8_fits holds only up to 8 rows: the `_w8` instances are 8-row ones.)
-        let w8 = self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
-        let name = skinny_instance(m, r4, f8, w8);
-        let smem = if p.norm_w != 0 {
-            if !self.skinny_norm_supports(m, k) {
-                bail!("skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory");
-            }
-            ((m + 1) * k * 2) as u32
-        } else {
-            0
-        };
-        let mut a = params![*p];
-        let grid = (blocks, 1, 1);
-        let warps = if w8 { 8 } else { self.skinny_warps };
-        // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
-        // dynamic shared memory is within what `load_ptx` allowed.
-        unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a) }
-    }
-
-    /// Whether `skinny_chain` runs: sm_90 with `HARRIER_SKINNY_STREAM=1`.
-    pub fn chain_enabled(&self) -> bool {
-        self.stream_blocks > 0
-    }
-
-    /// Skinny GEMMs of up to 8 rows in one `skinny_chain_*` launch (at most [`CHAIN_OPS`],
-    /// all bf16 or all FP8; see [`Kernels::chain_enabled`]): op i + 1 may read what op i
-    /// writes. `sync` ([`CHAIN_SYNC_BYTES`], zero before the first launch; unused with one op)
-    /// must not be used by a launch that may overlap this one.
-    ///
-    /// # Safety
-    /// As [`Kernels::skinny_gemm`] for every op.
-    pub unsafe fn skinny_chain(
-        &self,
-        s: sys::CUstream,
-        ops: &[SkinnyInputs],
-        sync: u64,
-    ) -> anyhow::Result<()> {
-        if self.stream_blocks == 0 || ops.is_empty() || ops.len() > CHAIN_OPS {
-            bail!("skinny_chain: {} ops (1 to {CHAIN_OPS}, sm_90)", ops.len());
-        }
-        if ops.len() > 1 && sync == 0 {
-            bail!("skinny_chain: a chain needs its counters");
-        }
-        let mut c = ChainInputs {
-            op: [ops[0]; CHAIN_OPS],
-            n_ops: ops.len() as i32,
-            sync,
-        };
-        let mut xs_max = 0;
-        let mut blocks = 0;
-        let f8 = ops[0].scale != 0;
-        for (i, p) in ops.iter().enumerate() {
-            let (tiles, pf8) = Self::skinny_check(p)?;
-            let (m, k) = (p.m_rows as usize, p.k as usize);
-            if m > 8 || pf8 != f8 {
-                bail!("skinny_chain: op {i}: {m} rows (at most 8), FP8 {pf8} among FP8 {f8}");
-            }
-            // The input in shared memory (after a gap of k for the norm weights): normed, or
-            // plain when it fits in `SS_X_STAGE` bytes.
-            if p.norm_w != 0 || m * k * 2 <= STREAM_X_STAGE {
-                if (m + 1) * k * 2 > SKINNY_SMEM_MAX {
-                    bail!("skinny_chain: an input of {m} rows x {k} exceeds the shared memory");
-                }
-                xs_max = xs_max.max((m + 1) * k * 2);
-            }
-            blocks = blocks.max(tiles as u32);
-            c.op[i] = *p;
-        }
-        let name = match f8 {
-            true => "skinny_chain_f8_8",
-            false => "skinny_chain_8",
-        };
-        let mut a = params![c];
-        let smem = (STREAM_STAGE_SMEM + xs_max) as u32;
-        let grid = (blocks.min(self.stream_blocks), 1, 1);
-        // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
-        // dynamic shared memory is within what `load_ptx` allowed.
-        unsafe { self.launch_smem(name, grid, STREAM_THREADS, smem, s, &mut a) }
-    }
-
-    /// A skinny GEMM's shape checks: its 16-row tiles (gated: 8 gate + 8 up rows) and whether
-    /// its weights are FP8.
-    fn skinny_check(p: &SkinnyInputs) -> anyhow::Result<(usize, bool)> {
-        let (m, k) = (p.m_rows as usize, p.k as usize);
         let f8 = p.scale != 0;
         // The residual epilogue copies y in 4-byte pairs: even n.
         let odd_resid = p.epi == SkinnyEpilogue::Residual as i32 && p.n % 2 != 0;
@@ -1845,7 +1662,26 @@ impl Kernels {
             }
         }
         let tiles = (p.n as usize * if gated { 2 } else { 1 }).div_ceil(SKINNY_ROWS as usize);
-        Ok((tiles, f8))
+        let r4 = tiles >= SKINNY_R4_FROM_TILES && m <= 16;
+        let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
+        let blocks = (p.n as u32).div_ceil(rows);
+        // (skinny_w8_fits holds only up to 8 rows: the `_w8` instances are 8-row ones.)
+        let w8 = self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
+        let name = skinny_instance(m, r4, f8, w8);
+        let smem = if p.norm_w != 0 {
+            if !self.skinny_norm_supports(m, k) {
+                bail!("skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory");
+            }
+            ((m + 1) * k * 2) as u32
+        } else {
+            0
+        };
+        let mut a = params![*p];
+        let grid = (blocks, 1, 1);
+        let warps = if w8 { 8 } else { self.skinny_warps };
+        // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
+        // dynamic shared memory is within what `load_ptx` allowed.
+        unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a) }
     }
 }
 
@@ -2052,17 +1888,6 @@ mod tests {
                 .and_then(|n| n.parse().ok())
                 .unwrap_or_else(|| panic!("{name} defined in harrier.cu"))
         };
-        assert_eq!((define("SS_WARPS") + 1) * 32, STREAM_THREADS);
-        assert_eq!(
-            (define("SS_STAGES") * 16 * (define("SS_STAGE_BYTES") + 64)) as usize,
-            STREAM_STAGE_SMEM
-        );
-        assert!(SOURCE.contains("#define SS_ROW (SS_STAGE_BYTES + 64)"));
-        assert_eq!(define("SS_X_STAGE") as usize, STREAM_X_STAGE);
-        assert_eq!(define("SS_OPS") as usize, CHAIN_OPS);
-        let op = std::mem::size_of::<SkinnyInputs>();
-        assert_eq!(std::mem::offset_of!(ChainInputs, n_ops), CHAIN_OPS * op);
-        assert_eq!(std::mem::size_of::<ChainInputs>(), CHAIN_OPS * op + 16);
         assert_eq!(
             (define("GEMV_WARPS"), define("GEMV_ROWS")),
             (GEMV_WARPS, GEMV_ROWS)

@@ -75,8 +75,6 @@ struct Scratch {
     logits: DevBuf,
     final_h: DevBuf,
     attn_part: DevBuf,
-    /// The counters of `skinny_chain` launches (see [`Kernels::skinny_chain`]).
-    chain_sync: DevBuf,
     /// FP8 models: a bf16 copy of one projection (or a slice of the output head) for the
     /// steps the skinny kernels do not take.
     wdq: Option<DevBuf>,
@@ -155,11 +153,6 @@ pub struct GpuModel {
     /// their epilogue instead of a `rope_kv_write` launch (`HARRIER_ROPE_EPILOGUE=0`: off, to
     /// compare).
     rope_epilogue: bool,
-    /// Fused decode steps run each layer's o, gate|up and down projections and the next
-    /// layer's q|k|v in one `skinny_chain` launch where the kernels have it (sm_90 with
-    /// `HARRIER_SKINNY_STREAM=1`; measured slower, docs/benchmarks.md, session 13;
-    /// `HARRIER_SKINNY_CHAIN=0`: one launch a projection).
-    chain: bool,
 }
 
 /// FP8 models: steps of up to this many GEMM rows run every projection through the FP8 skinny
@@ -604,7 +597,6 @@ impl GpuModel {
             logits: DevBuf::new(sizes.logits)?,
             final_h: DevBuf::new(sizes.final_h)?,
             attn_part: DevBuf::new(sizes.attn_part)?,
-            chain_sync: upload(&[0u32; harrier_kernels::CHAIN_SYNC_BYTES / 4], stream)?,
             // The largest layer projection; the output head goes through it in slices.
             wdq: match fp8 {
                 true => {
@@ -640,7 +632,6 @@ impl GpuModel {
             fused_max_rows: 0,
             rope_paired,
             rope_epilogue: harrier_kernels::switch_on("HARRIER_ROPE_EPILOGUE"),
-            chain: harrier_kernels::switch_on("HARRIER_SKINNY_CHAIN"),
         })
     }
 
@@ -842,47 +833,6 @@ impl GpuModel {
             // The pending residual delta (the previous layer's MLP output) and, for Gemma, the
             // norm it takes before its add.
             let mut pending: (u64, u64) = (0, 0);
-            // Layer li's q|k|v launch over x, and whether RoPE and the KV write run in its
-            // epilogue.
-            let qkv_op = |li: usize, x: u64| -> (SkinnyInputs, bool) {
-                let w = &self.layers[li];
-                let (k_off, v_off, local) = self.kv_layers[li];
-                let slots = match local {
-                    true => m.slot_mapping_local,
-                    false => m.slot_mapping,
-                };
-                let inv_freq = match (&self.inv_freq_local, w.local_rope) {
-                    (Some(f), true) => f.ptr,
-                    _ => self.inv_freq.ptr,
-                };
-                let rope_epi = rope_in_epilogue(
-                    plan,
-                    w.qk_norm.is_some(),
-                    (self.rope_paired, self.rope_epilogue),
-                );
-                let p = w
-                    .qkv
-                    .skinny((x, s.qkv.ptr), gemm_rows, qkv_dim, hid, Epi::Store);
-                let p = match rope_epi {
-                    true => p.roped(SkinnyRope {
-                        positions: m.positions,
-                        inv_freq,
-                        slot_mapping: slots,
-                        k_cache: kv.at(k_off),
-                        v_cache: kv.at(v_off),
-                        nh: nh as i32,
-                        nkv: nkv as i32,
-                        hd: hd as i32,
-                        rows: t as i32,
-                    }),
-                    false => p,
-                };
-                (p, rope_epi)
-            };
-            // Llama-style fused steps may chain each layer's projections after attention (see
-            // `chain`); `qkv_done`: the last chain ran this layer's q|k|v.
-            let chain = self.chain && k.chain_enabled() && plan.residual && plan.norm;
-            let mut qkv_done = false;
             for (li, w) in self.layers.iter().enumerate() {
                 let (k_off, v_off, local) = self.kv_layers[li];
                 let (kc, vc) = (kv.at(k_off), kv.at(v_off));
@@ -894,14 +844,34 @@ impl GpuModel {
                     (Some(f), true) => f.ptr,
                     _ => self.inv_freq.ptr,
                 };
-                let qkv_launch = |x: u64| qkv_op(li, x).0;
-                let rope_epi = qkv_op(li, 0).1;
+                let rope_epi = rope_in_epilogue(
+                    plan,
+                    w.qk_norm.is_some(),
+                    (self.rope_paired, self.rope_epilogue),
+                );
+                let qkv_launch = |x: u64| {
+                    let p = w
+                        .qkv
+                        .skinny((x, s.qkv.ptr), gemm_rows, qkv_dim, hid, Epi::Store);
+                    match rope_epi {
+                        true => p.roped(SkinnyRope {
+                            positions: m.positions,
+                            inv_freq,
+                            slot_mapping: slots,
+                            k_cache: kc,
+                            v_cache: vc,
+                            nh: nh as i32,
+                            nkv: nkv as i32,
+                            hd: hd as i32,
+                            rows: t as i32,
+                        }),
+                        false => p,
+                    }
+                };
                 // Llama-style blocks on the fused path keep the residual in x and never have a
                 // pending delta: the input norm runs inside the q|k|v GEMM or on x alone.
                 if plan.norm {
-                    if !std::mem::take(&mut qkv_done) {
-                        k.skinny_gemm(stream, &qkv_launch(s.x.ptr).normed(w.input_norm.ptr, eps))?;
-                    }
+                    k.skinny_gemm(stream, &qkv_launch(s.x.ptr).normed(w.input_norm.ptr, eps))?;
                 } else {
                     k.add_rmsnorm(
                         stream,
@@ -980,38 +950,6 @@ impl GpuModel {
                         list,
                         n_att,
                     )?,
-                }
-                if chain {
-                    // x += o(attn); act = act(gate) * up of norm(x); x += down(act); and the
-                    // next layer's q|k|v of norm(x) when its RoPE runs in the epilogue.
-                    let down =
-                        w.down
-                            .skinny((s.act.ptr, s.x.ptr), gemm_rows, hid, inter, Epi::Residual);
-                    let mut ops = [
-                        w.o.skinny(
-                            (s.attn.ptr, s.x.ptr),
-                            gemm_rows,
-                            hid,
-                            nh * hd,
-                            Epi::Residual,
-                        ),
-                        w.gate_up
-                            .skinny((s.x.ptr, s.act.ptr), gemm_rows, inter, hid, gated)
-                            .normed(w.post_norm.ptr, eps),
-                        down,
-                        down,
-                    ];
-                    let mut n_ops = 3;
-                    if let Some(next) = self.layers.get(li + 1) {
-                        let (p, rope_epi) = qkv_op(li + 1, s.x.ptr);
-                        if rope_epi {
-                            ops[3] = p.normed(next.input_norm.ptr, eps);
-                            n_ops = 4;
-                            qkv_done = true;
-                        }
-                    }
-                    k.skinny_chain(stream, &ops[..n_ops], s.chain_sync.ptr)?;
-                    continue;
                 }
                 if plan.residual {
                     // x += o(attn); act = act(gate) * up of norm(x).
