@@ -62,6 +62,7 @@ pub const KERNELS: &[&str] = &[
     "skinny_gemm_8_r4_w8",
     "skinny_gemm_f8_8_w8",
     "skinny_gemm_f8_8_r4_w8",
+    "skinny_gemm_8_b2",
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
@@ -337,6 +338,12 @@ fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
     SKINNY_INSTANCES[usize::from(f8)][shape]
 }
 
+/// The instance of bf16 launches of up to 8 rows that the 8-warp rule turns away for their
+/// long reductions only (at least [`SKINNY_W8_MIN_BLOCKS`] blocks, k past
+/// [`SKINNY_W8_MAX_K`]: the 3B and 8B down projections): 16 warps bound to two blocks an SM.
+/// `HARRIER_SKINNY_B2=0`: `skinny_gemm_8` instead, to compare.
+const SKINNY_B2: &str = "skinny_gemm_8_b2";
+
 /// Launches of at least this many blocks, with bf16 weights over reductions of at most
 /// `SKINNY_W8_MAX_K`, take the 8-warp skinny instances (see [`skinny_w8_fits`]).
 const SKINNY_W8_MIN_BLOCKS: u32 = 160;
@@ -385,6 +392,12 @@ impl W8Rule {
 
     fn fits(self, m: usize, blocks: u32, k: usize, f8: bool) -> bool {
         m <= 8 && blocks >= self.min_blocks && (f8 || k <= self.max_k)
+    }
+
+    /// Whether a launch takes [`SKINNY_B2`]: one this rule turns away for its bf16 reduction
+    /// length only (one-tile blocks).
+    fn two_blocks(self, m: usize, blocks: u32, k: usize, f8: bool, r4: bool) -> bool {
+        !f8 && !r4 && m <= 8 && blocks >= self.min_blocks && k > self.max_k
     }
 }
 
@@ -706,6 +719,9 @@ pub struct Kernels {
     skinny_w8: bool,
     /// The 8-warp choice's thresholds (from the environment at load).
     w8_rule: W8Rule,
+    /// Launches that the 8-warp rule turns away for their reduction length take
+    /// [`SKINNY_B2`] (off in `load_with`'s builds and with `HARRIER_SKINNY_B2=0`).
+    skinny_b2: bool,
     /// Dynamic shared memory the skinny kernels were allowed at load.
     skinny_smem: usize,
     /// Launches carry the programmatic-stream-serialization attribute (programmatic dependent
@@ -822,6 +838,7 @@ impl Kernels {
                 .unwrap_or(ATTN_ONE_SPLIT_TILES),
             skinny_smem: SKINNY_SMEM_MAX,
             w8_rule: W8Rule::from_env(),
+            skinny_b2: skinny_w8 && switch_on("HARRIER_SKINNY_B2"),
             pdl,
         };
         for name in KERNELS {
@@ -1667,7 +1684,11 @@ impl Kernels {
         let blocks = (p.n as u32).div_ceil(rows);
         // (skinny_w8_fits holds only up to 8 rows: the `_w8` instances are 8-row ones.)
         let w8 = self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
-        let name = skinny_instance(m, r4, f8, w8);
+        let b2 = self.skinny_b2 && self.w8_rule.two_blocks(m, blocks, k, f8, r4);
+        let name = match b2 {
+            true => SKINNY_B2,
+            false => skinny_instance(m, r4, f8, w8),
+        };
         let smem = if p.norm_w != 0 {
             if !self.skinny_norm_supports(m, k) {
                 bail!("skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory");
@@ -1830,7 +1851,8 @@ mod tests {
         let w8 = KERNELS.iter().filter(|k| k.ends_with("_w8")).count();
         assert_eq!(w8, 4);
         // The instance table names every skinny kernel once, FP8 ones in the FP8 row.
-        let table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
+        let mut table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
+        table.push(SKINNY_B2);
         let listed: Vec<&str> = KERNELS
             .iter()
             .copied()
@@ -1932,6 +1954,30 @@ mod tests {
         );
         for k in ["skinny_gemm_8_w8", "skinny_gemm_f8_8_w8"] {
             assert_eq!(bounds(k).as_deref(), Some("8 * 32, 3"), "{k}");
+        }
+        assert_eq!(bounds(SKINNY_B2).as_deref(), Some("SK_WARPS * 32, 2"));
+        // Two blocks an SM for exactly the launches the 8-warp rule turns away for k: the 3B
+        // and 8B down projections, not the 1B's (128 blocks), q|k|v or o (k <= 4,096), FP8,
+        // 4-tile blocks or more than 8 rows.
+        let rule = W8Rule::default();
+        for (m, blocks, k, f8, r4, want) in [
+            (1, 192, 8192, false, false, true),
+            (8, 256, 14336, false, false, true),
+            (1, 128, 8192, false, false, false),
+            (1, 192, 3072, false, false, false),
+            (1, 256, 14336, true, false, false),
+            (1, 512, 8192, false, true, false),
+            (16, 192, 8192, false, false, false),
+        ] {
+            assert_eq!(
+                rule.two_blocks(m, blocks, k, f8, r4),
+                want,
+                "{m} {blocks} {k}"
+            );
+            assert!(
+                !(want && rule.fits(m, blocks, k, f8)),
+                "b2 and w8 exclusive"
+            );
         }
         for (e, name) in [
             (SkinnyEpilogue::Store, "SK_STORE"),
