@@ -172,7 +172,9 @@ const SKINNY_WARPS: u32 = 16;
 const SKINNY_ROWS: u32 = 16;
 
 /// Products with at least this many row tiles (of 16) use the 4-tile instances (fewer blocks
-/// re-read and re-normalise x): gate|up and lm_head of the Llama shapes.
+/// re-read and re-normalise x): gate|up and lm_head of the Llama shapes. Re-measured on the
+/// H200 (session 13, ms per step): one-tile gate|up blocks lost on the 3B (2.58 vs 2.51) and
+/// the 8B (4.97 vs 4.88) and tied on the 1B.
 const SKINNY_R4_FROM_TILES: usize = 1024;
 
 /// What a `skinny_gemm_*` launch does with its sums (`SK_*` in the source).
@@ -719,6 +721,8 @@ pub struct Kernels {
     skinny_w8: bool,
     /// The 8-warp choice's thresholds (from the environment at load).
     w8_rule: W8Rule,
+    /// [`SKINNY_R4_FROM_TILES`] (`HARRIER_SKINNY_R4_FROM_TILES` overrides it, to measure).
+    r4_from: usize,
     /// Launches that the 8-warp rule turns away for their reduction length take
     /// [`SKINNY_B2`] (off in `load_with`'s builds and with `HARRIER_SKINNY_B2=0`).
     skinny_b2: bool,
@@ -839,6 +843,7 @@ impl Kernels {
             skinny_smem: SKINNY_SMEM_MAX,
             w8_rule: W8Rule::from_env(),
             skinny_b2: skinny_w8 && switch_on("HARRIER_SKINNY_B2"),
+            r4_from: env_number("HARRIER_SKINNY_R4_FROM_TILES").unwrap_or(SKINNY_R4_FROM_TILES),
             pdl,
         };
         for name in KERNELS {
@@ -1679,7 +1684,7 @@ impl Kernels {
             }
         }
         let tiles = (p.n as usize * if gated { 2 } else { 1 }).div_ceil(SKINNY_ROWS as usize);
-        let r4 = tiles >= SKINNY_R4_FROM_TILES && m <= 16;
+        let r4 = tiles >= self.r4_from && m <= 16;
         let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
         let blocks = (p.n as u32).div_ceil(rows);
         // (skinny_w8_fits holds only up to 8 rows: the `_w8` instances are 8-row ones.)
