@@ -2132,14 +2132,14 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_16_r4
 // warps wait on the tree reduction and the block's fixed costs are paid by more bytes. The
 // one-tile instances keep three blocks an SM (at most 85 registers): the q|k|v launches of the
 // 3B and 8B shapes (320-384 blocks) then run in one wave on 132 SMs.
-// Launches of many blocks over long bf16 reductions (the 3B and 8B down projections; the host's
-// SKINNY_B2): 16 warps held to two blocks an SM (64 registers), so a launch of 192-256 blocks
-// runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8(SkinnyIn p) { skinny_gemm<1, 1, false, 8>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, false, 8>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_f8_8_w8(SkinnyIn p) { skinny_gemm<1, 1, true, 8>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, true, 8>(p); }
+// Launches of many blocks over long bf16 reductions (the 3B and 8B down projections; the host's
+// SKINNY_B2): 16 warps held to two blocks an SM (at most 64 registers; 62, no spills, where the unbound one takes 90), so a launch of 192-256 blocks
+// runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the
 // copy): w[n, k] = bf16(e4m3(q[n, k]) * scale[n]); 8 weights a thread, k % 8 == 0.

@@ -724,7 +724,8 @@ pub struct Kernels {
     /// [`SKINNY_R4_FROM_TILES`] (`HARRIER_SKINNY_R4_FROM_TILES` overrides it, to measure).
     r4_from: usize,
     /// Launches that the 8-warp rule turns away for their reduction length take
-    /// [`SKINNY_B2`] (off in `load_with`'s builds and with `HARRIER_SKINNY_B2=0`).
+    /// [`SKINNY_B2`] (off in `load_with`'s builds, with `HARRIER_SKINNY_B2=0` and with the
+    /// 8-warp choice off).
     skinny_b2: bool,
     /// Dynamic shared memory the skinny kernels were allowed at load.
     skinny_smem: usize,

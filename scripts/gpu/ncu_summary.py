@@ -16,12 +16,14 @@ byte_scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "M
 for row in csv.DictReader(lines[start:]):
     name = row["Kernel Name"].split("(")[0][:40]
     key = f'{name} {row.get("Grid Size", "")}x{row.get("Block Size", "")}'
+    metric, unit = row.get("Metric Name"), row.get("Metric Unit", "")
+    if metric not in ("gpu__time_duration.sum", "dram__bytes_read.sum"):
+        continue
     v = float(row["Metric Value"].replace(",", ""))
-    unit = row.get("Metric Unit", "")
-    if row.get("Metric Name") == "gpu__time_duration.sum":
+    if metric == "gpu__time_duration.sum":
         tot[key] += v * scale.get(unit, 1)
         calls[key] += 1
-    elif row.get("Metric Name") == "dram__bytes_read.sum":
+    else:
         dram[key] += v * byte_scale.get(unit, 1)
 all_ns = sum(tot.values())
 print(f"{label}: {all_ns / steps / 1e3:.1f} us of kernel time per step ({steps} steps)")
