@@ -340,11 +340,19 @@ fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
     SKINNY_INSTANCES[usize::from(f8)][shape]
 }
 
-/// The instance of bf16 launches of up to 8 rows that the 8-warp rule turns away for their
-/// long reductions only (at least [`SKINNY_W8_MIN_BLOCKS`] blocks, k past
-/// [`SKINNY_W8_MAX_K`]: the 3B and 8B down projections): 16 warps bound to two blocks an SM.
-/// `HARRIER_SKINNY_B2=0`: `skinny_gemm_8` instead, to compare.
+/// The instance of one-tile bf16 launches of up to 8 rows with at least
+/// [`SKINNY_W8_MIN_BLOCKS`] blocks that either run one wave at two blocks an SM (at most
+/// [`SKINNY_B2_MAX_BLOCKS`]: the 1B q|k|v, the 3B o, the 8B o) or have reductions past
+/// [`SKINNY_W8_MAX_K`] (the 3B and 8B down projections): 16 warps bound to two blocks an SM.
+/// Measured on the H200 (session 13, ms per step, side by side): the long reductions 3B
+/// 2.615 -> 2.489 at batch 1, 3.26 -> 3.12 at 8, 8B 4.965 -> 4.914; the one-wave launches on
+/// top 1B 1.049 -> 1.034 (batch 1), 1.208 -> 1.198 (8), 3B 2.492 -> 2.463, 3.125 -> 3.105, 8B
+/// the same; up to 400 blocks (two waves) lost (3B 2.535, 8B 5.008). `HARRIER_SKINNY_B2=0`:
+/// the 8-warp and `skinny_gemm_8` instances instead, to compare.
 const SKINNY_B2: &str = "skinny_gemm_8_b2";
+/// Two blocks on each of an H100's or H200's 132 SMs (`HARRIER_SKINNY_B2_MAX_BLOCKS`
+/// overrides it, to measure).
+const SKINNY_B2_MAX_BLOCKS: u32 = 264;
 
 /// Launches of at least this many blocks, with bf16 weights over reductions of at most
 /// `SKINNY_W8_MAX_K`, take the 8-warp skinny instances (see [`skinny_w8_fits`]).
@@ -361,7 +369,9 @@ const SKINNY_W8_MAX_K: usize = 4096;
 /// vs 52.1 FP8; lm_head 362 vs 366 bf16 (the one loss kept: the layers win more), 222 vs 199
 /// FP8; FP8 down (256 blocks, k 14,336) 33.2 vs 31.6 and o (256) 13.2 vs 12.2; but 128-block
 /// launches keep 16 (1B o 3.8 vs 4.4, down 10.1 vs 13.2 bf16 and 8.7 vs 13.9 FP8), and so do
-/// long bf16 reductions (8B down 46.3 vs 52.0).
+/// long bf16 reductions (8B down 46.3 vs 52.0). (Those 16-warp timings were of the unbound
+/// instance, one block an SM; one-tile bf16 launches of up to [`SKINNY_B2_MAX_BLOCKS`] now
+/// take [`SKINNY_B2`] first, which beat the 8-warp blocks on the H200 in session 13.)
 pub fn skinny_w8_fits(m: usize, blocks: u32, k: usize, f8: bool) -> bool {
     W8Rule::default().fits(m, blocks, k, f8)
 }
@@ -372,6 +382,9 @@ pub fn skinny_w8_fits(m: usize, blocks: u32, k: usize, f8: bool) -> bool {
 struct W8Rule {
     min_blocks: u32,
     max_k: usize,
+    /// Launches of at most this many blocks take [`SKINNY_B2`] whatever their reduction
+    /// length ([`SKINNY_B2_MAX_BLOCKS`]; 0: only long reductions do).
+    b2_max_blocks: u32,
 }
 
 impl Default for W8Rule {
@@ -379,6 +392,7 @@ impl Default for W8Rule {
         W8Rule {
             min_blocks: SKINNY_W8_MIN_BLOCKS,
             max_k: SKINNY_W8_MAX_K,
+            b2_max_blocks: SKINNY_B2_MAX_BLOCKS,
         }
     }
 }
@@ -389,6 +403,7 @@ impl W8Rule {
         W8Rule {
             min_blocks: env_number("HARRIER_SKINNY_W8_MIN_BLOCKS").unwrap_or(d.min_blocks),
             max_k: env_number("HARRIER_SKINNY_W8_MAX_K").unwrap_or(d.max_k),
+            b2_max_blocks: env_number("HARRIER_SKINNY_B2_MAX_BLOCKS").unwrap_or(d.b2_max_blocks),
         }
     }
 
@@ -396,10 +411,14 @@ impl W8Rule {
         m <= 8 && blocks >= self.min_blocks && (f8 || k <= self.max_k)
     }
 
-    /// Whether a launch takes [`SKINNY_B2`]: one this rule turns away for its bf16 reduction
-    /// length only (one-tile blocks).
+    /// Whether a launch takes [`SKINNY_B2`] (before the 8-warp instances, which then do not
+    /// run it): one-tile bf16 launches of many blocks that fit one wave at two an SM or that
+    /// the 8-warp rule turns away for their reduction length.
     fn two_blocks(self, m: usize, blocks: u32, k: usize, f8: bool, r4: bool) -> bool {
-        !f8 && !r4 && m <= 8 && blocks >= self.min_blocks && k > self.max_k
+        !f8 && !r4
+            && m <= 8
+            && blocks >= self.min_blocks
+            && (k > self.max_k || blocks <= self.b2_max_blocks)
     }
 }
 
@@ -1689,8 +1708,9 @@ impl Kernels {
         let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
         let blocks = (p.n as u32).div_ceil(rows);
         // (skinny_w8_fits holds only up to 8 rows: the `_w8` instances are 8-row ones.)
-        let w8 = self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
+        // (b2 first: a launch both rules take runs 16 warps, as SKINNY_B2 is compiled for.)
         let b2 = self.skinny_b2 && self.w8_rule.two_blocks(m, blocks, k, f8, r4);
+        let w8 = !b2 && self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
         let name = match b2 {
             true => SKINNY_B2,
             false => skinny_instance(m, r4, f8, w8),
@@ -1849,8 +1869,13 @@ mod tests {
         let wide = W8Rule {
             min_blocks: 96,
             max_k: 16384,
+            b2_max_blocks: 0,
         };
         assert!(wide.fits(1, 128, 8192, false), "1B down, 8 warps");
+        assert!(
+            !wide.two_blocks(1, 128, 8192, false, false),
+            "no b2 with its limit 0"
+        );
         assert!(!wide.fits(9, 128, 8192, false), "never past 8 rows");
         assert!(!W8Rule::default().fits(1, 128, 8192, false));
         assert!(!fits(9, 192, 2048), "the 8-warp instances hold 8 rows");
@@ -1962,15 +1987,19 @@ mod tests {
             assert_eq!(bounds(k).as_deref(), Some("8 * 32, 3"), "{k}");
         }
         assert_eq!(bounds(SKINNY_B2).as_deref(), Some("SK_WARPS * 32, 2"));
-        // Two blocks an SM for exactly the launches the 8-warp rule turns away for k: the 3B
-        // and 8B down projections, not the 1B's (128 blocks), q|k|v or o (k <= 4,096), FP8,
-        // 4-tile blocks or more than 8 rows.
+        // Two blocks an SM for the one-wave launches (1B q|k|v, 3B and 8B o) and the long
+        // reductions (3B and 8B down), not for the 1B's 128-block o and down, the 3B and 8B
+        // q|k|v (320, 384 blocks), FP8, 4-tile blocks or more than 8 rows.
         let rule = W8Rule::default();
         for (m, blocks, k, f8, r4, want) in [
             (1, 192, 8192, false, false, true),
             (8, 256, 14336, false, false, true),
+            (1, 192, 2048, false, false, true),
+            (8, 256, 4096, false, false, true),
+            (1, 320, 8192, false, false, true),
             (1, 128, 8192, false, false, false),
-            (1, 192, 3072, false, false, false),
+            (1, 128, 2048, false, false, false),
+            (1, 320, 3072, false, false, false),
             (1, 256, 14336, true, false, false),
             (1, 512, 8192, false, true, false),
             (16, 192, 8192, false, false, false),
@@ -1979,10 +2008,6 @@ mod tests {
                 rule.two_blocks(m, blocks, k, f8, r4),
                 want,
                 "{m} {blocks} {k}"
-            );
-            assert!(
-                !(want && rule.fits(m, blocks, k, f8)),
-                "b2 and w8 exclusive"
             );
         }
         for (e, name) in [
