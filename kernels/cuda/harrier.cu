@@ -2136,9 +2136,10 @@ extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8(SkinnyI
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, false, 8>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_f8_8_w8(SkinnyIn p) { skinny_gemm<1, 1, true, 8>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(SkinnyIn p) { skinny_gemm<1, 4, true, 8>(p); }
-// Launches of many blocks over long bf16 reductions (the 3B and 8B down projections; the host's
-// SKINNY_B2): 16 warps held to two blocks an SM (at most 64 registers; 62, no spills, where the unbound one takes 90), so a launch of 192-256 blocks
-// runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
+// One-tile bf16 launches of many blocks that fit one wave at two an SM or reduce over long k
+// (the 1B q|k|v, the 3B and 8B o and down; the host's SKINNY_B2): 16 warps held to two blocks
+// an SM (at most 64 registers; 62, no spills, where the unbound one takes 90), so a launch of
+// 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the
