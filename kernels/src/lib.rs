@@ -21,8 +21,9 @@ use cudarc::driver::sys;
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("../cuda/harrier.cu");
 
-/// Every `extern "C"` kernel in [`SOURCE`].
-pub const KERNELS: &[&str] = &[
+/// The `extern "C"` kernels in [`SOURCE`] but the skinny GEMM instances, which
+/// [`SKINNY_INSTANCES`] and [`SKINNY_B2`] name; [`kernel_names`] lists them all.
+const KERNELS: &[&str] = &[
     "embed_tokens",
     "add_rmsnorm",
     "rope_kv_write",
@@ -46,23 +47,6 @@ pub const KERNELS: &[&str] = &[
     "init_row_state",
     "prefill_attention",
     "paged_attention_gqa",
-    "skinny_gemm_8",
-    "skinny_gemm_16",
-    "skinny_gemm_32",
-    "skinny_gemm_64",
-    "skinny_gemm_8_r4",
-    "skinny_gemm_16_r4",
-    "skinny_gemm_f8_8",
-    "skinny_gemm_f8_16",
-    "skinny_gemm_f8_32",
-    "skinny_gemm_f8_64",
-    "skinny_gemm_f8_8_r4",
-    "skinny_gemm_f8_16_r4",
-    "skinny_gemm_8_w8",
-    "skinny_gemm_8_r4_w8",
-    "skinny_gemm_f8_8_w8",
-    "skinny_gemm_f8_8_r4_w8",
-    "skinny_gemm_8_b2",
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
@@ -324,6 +308,15 @@ const SKINNY_INSTANCES: [[&str; 8]; 2] = [
     ],
 ];
 
+/// Every `extern "C"` kernel in [`SOURCE`], in the order [`Kernels`] keeps their functions.
+pub fn kernel_names() -> impl Iterator<Item = &'static str> {
+    KERNELS
+        .iter()
+        .chain(SKINNY_INSTANCES.iter().flatten())
+        .chain([&SKINNY_B2])
+        .copied()
+}
+
 /// The instance of an `m`-row launch (`r4`: 4 row tiles a block, m <= 16; `w8`: 8-warp blocks,
 /// m <= 8; `f8`: FP8 weights).
 fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
@@ -370,14 +363,16 @@ const SKINNY_W8_MAX_K: usize = 4096;
 /// FP8; FP8 down (256 blocks, k 14,336) 33.2 vs 31.6 and o (256) 13.2 vs 12.2; but 128-block
 /// launches keep 16 (1B o 3.8 vs 4.4, down 10.1 vs 13.2 bf16 and 8.7 vs 13.9 FP8), and so do
 /// long bf16 reductions (8B down 46.3 vs 52.0). (Those 16-warp timings were of the unbound
-/// instance, one block an SM; one-tile bf16 launches of up to [`SKINNY_B2_MAX_BLOCKS`] now
-/// take [`SKINNY_B2`] first, which beat the 8-warp blocks on the H200 in session 13.)
+/// instance, one block an SM; one-tile bf16 launches of up to 264 blocks now take
+/// `skinny_gemm_8_b2` first, which beat the 8-warp blocks on the H200 in session 13.)
 pub fn skinny_w8_fits(m: usize, blocks: u32, k: usize, f8: bool) -> bool {
     W8Rule::default().fits(m, blocks, k, f8)
 }
 
-/// [`skinny_w8_fits`]'s thresholds: the fewest blocks, the longest bf16 reduction
-/// (`HARRIER_SKINNY_W8_MIN_BLOCKS` / `HARRIER_SKINNY_W8_MAX_K` override them, to measure).
+/// The skinny instance rule's thresholds: [`skinny_w8_fits`]'s fewest blocks and longest bf16
+/// reduction, and the most blocks that take [`SKINNY_B2`] whatever their reduction
+/// (`HARRIER_SKINNY_W8_MIN_BLOCKS` / `HARRIER_SKINNY_W8_MAX_K` /
+/// `HARRIER_SKINNY_B2_MAX_BLOCKS` override them, to measure).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct W8Rule {
     min_blocks: u32,
@@ -719,7 +714,7 @@ fn ck<T>(r: Result<T, dr::DriverError>, what: &str) -> anyhow::Result<T> {
 /// The loaded module and its functions. Must be used with its context current.
 pub struct Kernels {
     module: sys::CUmodule,
-    /// In [`KERNELS`] order; null for kernels this dtype's build lacks.
+    /// In [`kernel_names`] order; null for kernels this dtype's build lacks.
     f: Vec<sys::CUfunction>,
     pub dtype: Dtype,
     /// Whether the PTX came from the disk cache.
@@ -742,9 +737,8 @@ pub struct Kernels {
     w8_rule: W8Rule,
     /// [`SKINNY_R4_FROM_TILES`] (`HARRIER_SKINNY_R4_FROM_TILES` overrides it, to measure).
     r4_from: usize,
-    /// Launches that the 8-warp rule turns away for their reduction length take
-    /// [`SKINNY_B2`] (off in `load_with`'s builds, with `HARRIER_SKINNY_B2=0` and with the
-    /// 8-warp choice off).
+    /// Launches that [`W8Rule::two_blocks`] picks take [`SKINNY_B2`] (off in `load_with`'s
+    /// builds, with `HARRIER_SKINNY_B2=0` and with the 8-warp choice off).
     skinny_b2: bool,
     /// Dynamic shared memory the skinny kernels were allowed at load.
     skinny_smem: usize,
@@ -866,12 +860,12 @@ impl Kernels {
             r4_from: env_number("HARRIER_SKINNY_R4_FROM_TILES").unwrap_or(SKINNY_R4_FROM_TILES),
             pdl,
         };
-        for name in KERNELS {
+        for name in kernel_names() {
             if !dtype.has_kernel(name) {
                 k.f.push(std::ptr::null_mut());
                 continue;
             }
-            let n = std::ffi::CString::new(*name).expect("kernel names have no NUL");
+            let n = std::ffi::CString::new(name).expect("kernel names have no NUL");
             // SAFETY: `module` is loaded; `n` is NUL-terminated.
             let f = ck(unsafe { dr::module::get_function(module, n) }, name)?;
             if name.starts_with("skinny_gemm") && k.skinny_smem > SKINNY_SMEM_FALLBACK {
@@ -893,9 +887,8 @@ impl Kernels {
     }
 
     fn func(&self, name: &str) -> sys::CUfunction {
-        self.f[KERNELS
-            .iter()
-            .position(|k| *k == name)
+        self.f[kernel_names()
+            .position(|k| k == name)
             .expect("known kernel")]
     }
 
@@ -1879,18 +1872,22 @@ mod tests {
         assert!(!wide.fits(9, 128, 8192, false), "never past 8 rows");
         assert!(!W8Rule::default().fits(1, 128, 8192, false));
         assert!(!fits(9, 192, 2048), "the 8-warp instances hold 8 rows");
-        let w8 = KERNELS.iter().filter(|k| k.ends_with("_w8")).count();
+        let w8 = kernel_names().filter(|k| k.ends_with("_w8")).count();
         assert_eq!(w8, 4);
         // The instance table names every skinny kernel once, FP8 ones in the FP8 row.
         let mut table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
         table.push(SKINNY_B2);
-        let listed: Vec<&str> = KERNELS
-            .iter()
-            .copied()
+        let listed: Vec<&str> = kernel_names()
             .filter(|k| k.starts_with("skinny_gemm_"))
             .collect();
         assert_eq!(table.len(), listed.len());
         assert!(listed.iter().all(|k| table.contains(k)));
+        // (The skinny names are listed once: the plain list holds none, and none twice.)
+        assert!(KERNELS.iter().all(|k| !k.starts_with("skinny_gemm_")));
+        let mut all: Vec<&str> = kernel_names().collect();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), kernel_names().count());
         assert!(SKINNY_INSTANCES[1].iter().all(|k| k.contains("_f8_")));
         assert!(SKINNY_INSTANCES[0].iter().all(|k| !k.contains("_f8_")));
         assert!(SKINNY_INSTANCES
@@ -1924,12 +1921,12 @@ mod tests {
                 l.starts_with("extern \"C\" __global__ void ") && l.contains(&format!(" {k}("))
             })
         };
-        for k in KERNELS {
+        for k in kernel_names() {
             assert!(declared(k), "{k} missing from harrier.cu");
         }
         assert_eq!(
             SOURCE.matches("extern \"C\" __global__").count(),
-            KERNELS.len()
+            kernel_names().count()
         );
         assert!(SOURCE.contains(&format!("#define MASK_CAP {MASK_CAP}")));
         assert!(SOURCE.contains(&format!("#define GEMV_MAX_M {GEMV_MAX_M}")));
@@ -1969,7 +1966,7 @@ mod tests {
         };
         // (The thread count; a `_w8` instance may add a minimum of blocks per SM.)
         let threads = |k: &str| bounds(k).map(|b| b.split(',').next().unwrap_or("").to_string());
-        for k in KERNELS.iter().filter(|k| k.starts_with("skinny_gemm_")) {
+        for k in kernel_names().filter(|k| k.starts_with("skinny_gemm_")) {
             let want = if k.ends_with("_w8") {
                 "8 * 32"
             } else {
@@ -2023,7 +2020,7 @@ mod tests {
         assert!(skinny_supports(1, 2048) && skinny_supports(64, 1152));
         assert!(!skinny_supports(65, 2048) && !skinny_supports(8, 1000) && !skinny_supports(0, 64));
         assert!(SOURCE.contains(&format!("#define BIAS_CAP {LOGIT_BIAS_CAP}")));
-        assert!(BF16_ONLY.iter().all(|k| KERNELS.contains(k)));
+        assert!(BF16_ONLY.iter().all(|k| kernel_names().any(|n| n == *k)));
         // AttnIn: seven pointers, then eight 4-byte fields, no padding.
         assert!(SOURCE.contains("struct AttnIn {"));
         assert_eq!(std::mem::size_of::<AttentionInputs>(), 7 * 8 + 8 * 4);
@@ -2078,7 +2075,7 @@ mod tests {
             ("sm_80", Dtype::F32),
         ] {
             let ptx = compile_ptx(arch, dtype).unwrap_or_else(|e| panic!("{e:#}"));
-            for k in KERNELS {
+            for k in kernel_names() {
                 assert_eq!(
                     ptx.contains(&format!(".entry {k}(")),
                     dtype.has_kernel(k),
