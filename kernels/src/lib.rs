@@ -714,8 +714,9 @@ fn ck<T>(r: Result<T, dr::DriverError>, what: &str) -> anyhow::Result<T> {
 /// The loaded module and its functions. Must be used with its context current.
 pub struct Kernels {
     module: sys::CUmodule,
-    /// In [`kernel_names`] order; null for kernels this dtype's build lacks.
-    f: Vec<sys::CUfunction>,
+    /// Every kernel by name ([`kernel_names`]); null for kernels this dtype's build lacks.
+    /// A map, not a list searched by name: every eager launch looks its kernel up.
+    f: std::collections::HashMap<&'static str, sys::CUfunction>,
     pub dtype: Dtype,
     /// Whether the PTX came from the disk cache.
     pub from_cache: bool,
@@ -844,7 +845,7 @@ impl Kernels {
         )?;
         let mut k = Kernels {
             module,
-            f: Vec::new(),
+            f: Default::default(),
             dtype,
             from_cache,
             skinny_warps,
@@ -862,7 +863,7 @@ impl Kernels {
         };
         for name in kernel_names() {
             if !dtype.has_kernel(name) {
-                k.f.push(std::ptr::null_mut());
+                k.f.insert(name, std::ptr::null_mut());
                 continue;
             }
             let n = std::ffi::CString::new(name).expect("kernel names have no NUL");
@@ -881,15 +882,13 @@ impl Kernels {
                     k.skinny_smem = SKINNY_SMEM_FALLBACK;
                 }
             }
-            k.f.push(f);
+            k.f.insert(name, f);
         }
         Ok(k)
     }
 
     fn func(&self, name: &str) -> sys::CUfunction {
-        self.f[kernel_names()
-            .position(|k| k == name)
-            .expect("known kernel")]
+        *self.f.get(name).expect("known kernel")
     }
 
     /// # Safety
