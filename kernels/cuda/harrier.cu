@@ -365,7 +365,9 @@ struct AttnIn {
 // The key range (n_tiles tiles of 32 keys) is cut into min(n_splits, ceil(n_tiles / 4))
 // splits of equal tile counts, or kept whole when it has at most one_split tiles (a token
 // with one split writes its output directly and marks its partial so that attention_combine
-// skips it); block (t, h, s) computes split s for query head h. Its
+// skips it; a step whose tokens all do needs no attention_combine: the executor's
+// short-context graphs leave it out, and their padding rows keep stale rows, which only
+// padding reads); block (t, h, s) computes split s for query head h. Its
 // ATT_WARPS warps take the split's tiles round-robin: each lane computes one key's dot product
 // with q (K and q rows read with 16-byte loads, together), the warp does one max and one sum
 // per tile (online softmax), then accumulates V, by rows (see vrows below) or with the lanes
@@ -387,7 +389,12 @@ struct AttnIn {
 // Merging the splits in the last block to finish (threadfence + arrival counter, no
 // attention_combine launch) was correct but slower: 1.517 vs 1.456 ms per graph step at batch
 // 1, 1.679 vs 1.509 at batch 8 (the merge then waits on the slowest split in every block's
-// tail); not kept.
+// tail); not kept. Session 14 (H100, 1B, graphs, ms per step) tried it again to drop the
+// combine launch, which keeps the o projection from loading its weights under attention:
+// with an arrival counter 1.219-1.224 at batch 1 (5 splits) vs 1.230-1.241 with the launch,
+// but 1.352 vs 1.333 at batch 4 and 3B 3.501 vs 3.428 there (an arrival by flags, without
+// atomics, the same). Kept instead: graphs without attention_combine for steps whose
+// contexts all fit one split (executor).
 // Session 12 (H200, ms per graph step, old vs new side by side): at most 64 registers, so two
 // 16-warp blocks fit an SM (71 had allowed one: an attention block could not start beside
 // the q|k|v GEMM's blocks to prefetch, and batch 5-8 launches ran two waves): 1B 1.131 ->
@@ -465,6 +472,9 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) paged_attention(
         t = tok_list ? tok_list[blockIdx.x] : blockIdx.x;
         read_meta();
     }
+#ifdef ATT_EXIT_AFTER_WAIT  // measurement only (HARRIER_KERNEL_DEFINES): the launch without its work
+    return;
+#endif
     // q is read from global memory beside each K row (the same addresses across the warp: one
     // broadcast load, then L1), so the K and q loads are in flight together and no barrier
     // waits for q in shared memory (measured the same as staging it: 1B 1.111 vs 1.115 ms, 3B

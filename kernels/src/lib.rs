@@ -690,7 +690,18 @@ pub fn cache_key(arch: &str, dtype: Dtype) -> String {
 
 /// PTX for `arch`, from the disk cache or compiled (and then cached; a cache write failure is
 /// only logged by the caller through the returned flag).
+///
+/// Measurement only: `HARRIER_KERNEL_DEFINES` (space-separated NVRTC options, e.g.
+/// `-DSOME_EXPERIMENT`) compiles the source afresh with them, bypassing the cache, so that an
+/// `#ifdef`-guarded variant of a kernel can be timed against the default in one device call.
 pub fn ptx_for(arch: &'static str, dtype: Dtype) -> anyhow::Result<(String, bool)> {
+    if let Some(defs) = std::env::var("HARRIER_KERNEL_DEFINES")
+        .ok()
+        .filter(|d| !d.trim().is_empty())
+    {
+        let extra: Vec<String> = defs.split_whitespace().map(str::to_string).collect();
+        return Ok((compile_ptx_with(arch, dtype, &extra)?, false));
+    }
     let path = cache_dir().join(cache_key(arch, dtype));
     if let Ok(s) = std::fs::read_to_string(&path) {
         if s.contains(".entry") {
@@ -1101,7 +1112,9 @@ impl Kernels {
     /// each token's context cut into up to `n_splits` splits (of at least 4 tiles of 32 keys),
     /// merged by `attention_combine` when `n_splits > 1` (partials in `part`:
     /// `n * nh * n_splits * (hd + 2)` floats; unused with one split; a token list needs one
-    /// split).
+    /// split). `combine: false` leaves that launch out: the caller knows that every token's
+    /// context fits one split ([`Kernels::attn_one_split_keys`]), so each writes its output
+    /// directly and the combine would be a no-op (see `DecodeGraph` short-context graphs).
     ///
     /// # Safety
     /// Device addresses must be valid; block tables must name blocks inside the cache.
@@ -1110,7 +1123,7 @@ impl Kernels {
         s: sys::CUstream,
         a: &AttentionInputs,
         part: u64,
-        n_splits: u32,
+        (n_splits, combine): (u32, bool),
         tok_list: u64,
         n: u32,
     ) -> anyhow::Result<()> {
@@ -1132,7 +1145,7 @@ impl Kernels {
                 s,
                 &mut p,
             )?;
-            if n_splits > 1 {
+            if n_splits > 1 && combine {
                 let mut p = params![a.out, part, ns, nh, hd];
                 self.launch(
                     "attention_combine",
@@ -1654,6 +1667,14 @@ impl Kernels {
 }
 
 impl Kernels {
+    /// The longest context (keys, including the token's own) that `paged_attention` keeps in
+    /// one split whatever `n_splits` is ([`ATTN_ONE_SPLIT_TILES`] tiles of 32 keys, or the
+    /// `HARRIER_ATTN_ONE_SPLIT_TILES` override): a step whose tokens all fit needs no
+    /// `attention_combine`.
+    pub fn attn_one_split_keys(&self) -> usize {
+        self.attn_one_split.max(0) as usize * 32
+    }
+
     /// Whether `skinny_gemm_*` can norm an `m`-row input over `k` (`(m + 1) * k` bf16 in shared
     /// memory, m <= 8).
     pub fn skinny_norm_supports(&self, m: usize, k: usize) -> bool {
@@ -2049,6 +2070,27 @@ mod tests {
         assert!("fp8".parse::<Dtype>().is_err());
         assert_eq!(arch_name(9, 0).unwrap(), "sm_90");
         assert!(arch_name(7, 5).is_err());
+    }
+
+    /// The source's measurement-only `#ifdef` variants ([`ptx_for`]'s
+    /// `HARRIER_KERNEL_DEFINES`) still compile, so a device call can time them.
+    #[test]
+    fn measurement_variants_compile() {
+        if preload_nvrtc_from_env().is_err() && std::env::var_os("CI").is_none() {
+            eprintln!("SKIPPED: NVRTC not available");
+            return;
+        }
+        const VARIANTS: &[&str] = &["-DATT_EXIT_AFTER_WAIT"];
+        for defs in VARIANTS {
+            let ptx = compile_ptx_with("sm_90", Dtype::Bf16, &[defs.to_string()])
+                .unwrap_or_else(|e| panic!("{defs}: {e:#}"));
+            assert!(ptx.contains(".entry paged_attention("), "{defs}");
+            if let Some(dir) = std::env::var_os("HARRIER_PTX_DUMP") {
+                let name = format!("sm_90_bfloat16{}.ptx", defs.trim_start_matches("-D"));
+                let path = std::path::Path::new(&dir).join(name);
+                std::fs::write(&path, &ptx).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            }
+        }
     }
 
     /// Every kernel compiles through NVRTC for sm_90 and sm_80 (CI has no GPU: NVRTC comes from

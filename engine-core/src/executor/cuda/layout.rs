@@ -251,11 +251,21 @@ pub fn prefill_tiles(first: usize, count: usize) -> Option<impl Iterator<Item = 
 /// (token, KV head) blocks from which single-split decode attention reads each KV head once for
 /// its whole query group (`paged_attention_gqa`) instead of once per query head: below this
 /// the per-head kernel's 4-8x more blocks hide latency better; above it, K/V traffic rules.
-pub const GQA_MIN_BLOCKS: usize = 256;
+/// Measured in graphs on the H100 (session 14, 1B, context 512, ms per step, grouped vs per
+/// head): batch 8 (64 blocks) 1.481 vs 1.402, batch 16 (128) 1.698 vs 1.809; docs/benchmarks.md
+/// has the 3B and 8B. (It was 256 before.)
+pub const GQA_MIN_BLOCKS: usize = 128;
 
 /// Whether `tokens` per-token attention rows (no splits) use the grouped kernel.
 pub fn use_grouped_attention(tokens: usize, num_kv_heads: usize) -> bool {
     tokens * num_kv_heads >= GQA_MIN_BLOCKS
+}
+
+/// Whether every token at `positions` attends to at most `keys` keys (its position + 1;
+/// padding rows, at -1, to none): a split attention launch over them writes every output
+/// directly and needs no `attention_combine` (short-context graphs).
+pub fn fits_one_split(positions: &[i32], keys: usize) -> bool {
+    positions.iter().all(|&p| i64::from(p) < keys as i64)
 }
 
 /// Most context splits of one decode attention launch (`paged_attention`).
@@ -544,9 +554,19 @@ mod tests {
     }
 
     #[test]
+    fn short_contexts_fit_one_split() {
+        // 512 keys: positions 0..=511 (the token's own key included).
+        assert!(fits_one_split(&[0, 511, -1], 512));
+        assert!(!fits_one_split(&[3, 512], 512));
+        assert!(fits_one_split(&[], 512));
+        assert!(!fits_one_split(&[0], 0));
+        assert!(fits_one_split(&[-1, -1], 0));
+    }
+
+    #[test]
     fn grouped_attention_from_enough_blocks() {
-        assert!(!use_grouped_attention(31, 8));
-        assert!(use_grouped_attention(32, 8));
+        assert!(!use_grouped_attention(15, 8));
+        assert!(use_grouped_attention(16, 8));
         assert!(use_grouped_attention(256, 1));
         assert!(!use_grouped_attention(0, 8));
     }

@@ -321,6 +321,17 @@ pub struct CudaExecutor {
     /// Speculation: buckets of steps of rounds and their graphs per slot (see [`spec`]).
     round_buckets: GraphBuckets,
     round_graphs: Vec<Vec<DecodeGraph>>,
+    /// Per slot, beside `graphs` (same index): the bucket's short-context graph, captured
+    /// without `attention_combine` launches, for buckets whose attention splits (small
+    /// batches) in engines without speculation. A decode step replays it when every token's
+    /// context fits one split ([`CudaExecutor::short_context`]): the combine launches are then
+    /// no-ops, and each costs more than a launch, since it sits between attention and the o
+    /// projection and keeps o from loading its weights while attention runs (H100, 1B, 256
+    /// keys: 1.174 ms per step without them at batch 1, 1.204 with; docs/benchmarks.md).
+    short_graphs: Vec<Vec<Option<DecodeGraph>>>,
+    /// Short-context steps leave `attention_combine` out (`HARRIER_SHORT_GRAPHS=0`: never, to
+    /// compare).
+    short_steps: bool,
     counters: ExecCounters,
     rows: Vec<Option<HostRow>>,
     scratch: SamplerScratch,
@@ -340,7 +351,7 @@ pub struct CudaExecutor {
     /// off to compare eager and graph runs on one executor.
     pub use_graphs: bool,
     /// Small decode batches split attention over the context (graphs are captured so); tools
-    /// turn it off to compare eager steps without splits.
+    /// turn it off to compare steps without splits (graphs: [`CudaExecutor::set_attention_modes`]).
     pub split_decode_attention: bool,
     /// Prefill runs of 8+ tokens use the tiled `prefill_attention` kernel (bf16 models with
     /// head dim 64 or 128); tools turn it off to compare with the per-token kernel.
@@ -541,7 +552,18 @@ impl CudaExecutor {
             ),
             _ => GraphBuckets::new(&[], 0),
         };
-        let num_graphs = (buckets.sizes().len() + round_buckets.sizes().len()) * NUM_SLOTS;
+        // Short-context twins of the decode buckets whose attention splits (see `short_graphs`).
+        let short_steps = harrier_kernels::switch_on("HARRIER_SHORT_GRAPHS");
+        let short_buckets = match (&spec, short_steps) {
+            (None, true) => buckets
+                .sizes()
+                .iter()
+                .filter(|&&b| layout::decode_attention_splits(b, mc.num_heads) > 1)
+                .count(),
+            _ => 0,
+        };
+        let num_graphs =
+            (buckets.sizes().len() + round_buckets.sizes().len() + short_buckets) * NUM_SLOTS;
         let dropped: Vec<usize> = graph_sizes
             .iter()
             .copied()
@@ -672,6 +694,8 @@ impl CudaExecutor {
             graphs: (0..NUM_SLOTS).map(|_| Vec::new()).collect(),
             round_buckets,
             round_graphs: (0..NUM_SLOTS).map(|_| Vec::new()).collect(),
+            short_graphs: (0..NUM_SLOTS).map(|_| Vec::new()).collect(),
+            short_steps,
             counters: ExecCounters::default(),
             rows: (0..max_rows).map(|_| None).collect(),
             scratch: SamplerScratch::default(),
@@ -745,6 +769,7 @@ impl CudaExecutor {
             grouped_attention,
             gemm_rows: None,
             decode_splits,
+            short_context: false,
             pf_tiles: d.at(l.pf_tiles * 4),
             n_pf_tiles,
             att_list: d.at(l.att_list * 4),
@@ -828,7 +853,8 @@ impl CudaExecutor {
                 }
                 for &size in &sizes {
                     let t = if rounds { (1 + k) * size } else { size };
-                    let m = self.step_meta(slot, t, t, self.attention_plan(t, !rounds), (0, 0));
+                    let plan = self.attention_plan(t, !rounds);
+                    let m = self.step_meta(slot, t, t, plan, (0, 0));
                     let draft = match rounds {
                         true => meta::DraftCounts::rounds(size),
                         false => meta::DraftCounts::NONE,
@@ -865,9 +891,26 @@ impl CudaExecutor {
                     };
                     if rounds {
                         self.round_graphs[slot].push(g);
-                    } else {
-                        self.graphs[slot].push(g);
+                        continue;
                     }
+                    self.graphs[slot].push(g);
+                    let short = match plan.0.is_some() && self.spec.is_none() && self.short_steps {
+                        true => {
+                            let m = model::StepMeta {
+                                short_context: true,
+                                ..m
+                            };
+                            let (model, kernels) = (&mut self.model, &self.kernels);
+                            // SAFETY: as above (no speculation: the plain forward pass).
+                            Some(unsafe {
+                                DecodeGraph::capture(st, size, addrs, || {
+                                    model.forward(kernels, st, &m)
+                                })?
+                            })
+                        }
+                        false => None,
+                    };
+                    self.short_graphs[slot].push(short);
                 }
             }
         }
@@ -883,6 +926,28 @@ impl CudaExecutor {
         if let Some(d) = self.spec.as_mut().and_then(|s| s.draft_mut()) {
             d.fused_max_rows = max_rows;
         }
+        self.recapture_graphs()
+    }
+
+    /// How decode steps run per-token attention: split over the context for small batches
+    /// (`split`; the default) and which unsplit kernel (`grouped`, see
+    /// [`CudaExecutor::grouped_attention`]). Captured graphs are recaptured when this changes
+    /// them, so tools can compare graph steps with and without splits; call between steps.
+    pub fn set_attention_modes(
+        &mut self,
+        split: bool,
+        grouped: Option<bool>,
+    ) -> anyhow::Result<()> {
+        if (split, grouped) == (self.split_decode_attention, self.grouped_attention) {
+            return Ok(());
+        }
+        self.split_decode_attention = split;
+        self.grouped_attention = grouped;
+        self.recapture_graphs()
+    }
+
+    /// Captures the graphs again if any are captured (after a change to what they hold).
+    fn recapture_graphs(&mut self) -> anyhow::Result<()> {
         if self
             .graphs
             .iter()
@@ -890,6 +955,9 @@ impl CudaExecutor {
             .any(|g| !g.is_empty())
         {
             for g in self.graphs.iter_mut().chain(&mut self.round_graphs) {
+                g.clear();
+            }
+            for g in &mut self.short_graphs {
                 g.clear();
             }
             self.capture_graphs()?;
@@ -956,6 +1024,18 @@ impl CudaExecutor {
             && self
                 .grouped_attention
                 .unwrap_or_else(|| layout::use_grouped_attention(tokens, c.num_kv_heads))
+    }
+
+    /// Whether every one of the `t` tokens staged in `slot` attends to at most
+    /// [`harrier_kernels::Kernels::attn_one_split_keys`] keys (its position + 1), so that split
+    /// attention needs no `attention_combine` (see `short_graphs`). Reads the staged positions
+    /// (a few rows: only steps whose bucket splits ask).
+    fn short_context(&self, slot: usize, t: usize) -> bool {
+        let l = &self.layout;
+        layout::fits_one_split(
+            &self.slots[slot].meta_h.as_slice()[l.positions..l.positions + t],
+            self.kernels.attn_one_split_keys(),
+        )
     }
 
     /// Split decode attention for a decode step of `batch` (padded) rows, if it splits.
@@ -1254,7 +1334,10 @@ impl CudaExecutor {
             if let Some((i, size)) = graph {
                 let g = match round_only {
                     true => &self.round_graphs[slot][i],
-                    false => &self.graphs[slot][i],
+                    false => match &self.short_graphs[slot].get(i) {
+                        Some(Some(g)) if self.short_context(slot, t) => g,
+                        _ => &self.graphs[slot][i],
+                    },
                 };
                 g.replay(st, size, self.graph_addrs(slot))?;
                 self.counters.graph_replays += 1;
@@ -1277,6 +1360,11 @@ impl CudaExecutor {
                 );
                 // GEMMs over the bucket's rows, as its graph computes them.
                 m.gemm_rows = bucket.map(|(_, b)| b * per_seq);
+                m.short_context = decode_only
+                    && m.decode_splits.is_some()
+                    && self.spec.is_none()
+                    && self.short_steps
+                    && self.short_context(slot, t);
                 let (bt, state) = (self.block_tables(), self.sampler_state());
                 let mark =
                     (self.record_gaps && draft_counts.any()).then_some(self.slots[slot].draft_done);

@@ -101,6 +101,10 @@ pub(crate) struct StepMeta {
     /// Attention splits of a decode step; `None`: one (steps with prefill work, or batches
     /// that fill the GPU without splits).
     pub decode_splits: Option<usize>,
+    /// Every token's context fits one attention split (at most
+    /// `Kernels::attn_one_split_keys` keys): a split launch needs no `attention_combine`.
+    /// Set for the decode steps that replay short-context graphs (and their eager twins).
+    pub short_context: bool,
     /// Prefill attention tiles (`[n][2]`) and the tokens they leave (per-token kernel); with
     /// no tiles the per-token kernel takes every token.
     pub pf_tiles: u64,
@@ -153,6 +157,71 @@ pub struct GpuModel {
     /// their epilogue instead of a `rope_kv_write` launch (`HARRIER_ROPE_EPILOGUE=0`: off, to
     /// compare).
     rope_epilogue: bool,
+    /// Measurement only: launches left out of every step ([`SkipStages`]).
+    skip: SkipStages,
+    /// FP8 skinny steps take the fused path's norm prologues and residual epilogues too
+    /// (`HARRIER_FP8_FUSED=1`, to compare; see [`ProjPlan::new`] for why they do not).
+    fp8_fused: bool,
+}
+
+/// A stage of a decode step's launches, for [`SkipStages`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// The q|k|v projection (with its fused norm and RoPE).
+    Qkv = 1,
+    /// Per-token attention (and `attention_combine`).
+    Attn = 2,
+    /// The o projection.
+    O = 4,
+    /// The gate|up projection (with its fused norm and activation).
+    GateUp = 8,
+    /// The down projection.
+    Down = 16,
+    /// Standalone `add_rmsnorm` / `rope_kv_write` launches inside the layers.
+    Norm = 32,
+    /// The final norm and the output head.
+    Head = 64,
+}
+
+/// Measurement only (`HARRIER_SKIP_STAGES=qkv,attn,o,gate_up,down,norm,head`): the named
+/// stages' launches are left out of every step (and of captured graphs), so a `bench` run
+/// without a stage against one with it gives that stage's share of a step on the critical
+/// path, PDL overlap included. The step's outputs are then wrong; a warning says so at load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct SkipStages(u8);
+
+impl SkipStages {
+    /// Parses a comma-separated list of stage names.
+    fn parse(list: &str) -> anyhow::Result<SkipStages> {
+        let mut mask = 0;
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            mask |= match name {
+                "qkv" => Stage::Qkv,
+                "attn" => Stage::Attn,
+                "o" => Stage::O,
+                "gate_up" => Stage::GateUp,
+                "down" => Stage::Down,
+                "norm" => Stage::Norm,
+                "head" => Stage::Head,
+                _ => bail!("unknown stage {name:?} (qkv, attn, o, gate_up, down, norm, head)"),
+            } as u8;
+        }
+        Ok(SkipStages(mask))
+    }
+
+    fn from_env() -> anyhow::Result<SkipStages> {
+        let v = std::env::var("HARRIER_SKIP_STAGES").unwrap_or_default();
+        let skip = SkipStages::parse(&v).context("HARRIER_SKIP_STAGES")?;
+        if skip.0 != 0 {
+            tracing::warn!("HARRIER_SKIP_STAGES={v}: steps leave launches out, outputs are wrong");
+        }
+        Ok(skip)
+    }
+
+    /// Whether `stage`'s launches run.
+    fn runs(self, stage: Stage) -> bool {
+        self.0 & stage as u8 == 0
+    }
 }
 
 /// FP8 models: steps of up to this many GEMM rows run every projection through the FP8 skinny
@@ -632,6 +701,8 @@ impl GpuModel {
             fused_max_rows: 0,
             rope_paired,
             rope_epilogue: harrier_kernels::switch_on("HARRIER_ROPE_EPILOGUE"),
+            skip: SkipStages::from_env()?,
+            fp8_fused: std::env::var("HARRIER_FP8_FUSED").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -724,9 +795,15 @@ impl GpuModel {
 
     /// How a step of `rows` GEMM rows runs its projections (see [`ProjPlan`]).
     fn proj_plan(&self, k: &Kernels, rows: usize) -> ProjPlan {
+        let fp8 = self.fp8.then(|| self.fp8_skinny_max_rows());
+        let fp8_fused = self.fp8_fused && fp8.is_some_and(|max| rows <= max);
         ProjPlan::new(
             &self.config,
-            (self.dtype, self.fp8.then(|| self.fp8_skinny_max_rows())),
+            if fp8_fused {
+                (Dtype::Bf16, None)
+            } else {
+                (self.dtype, fp8)
+            },
             self.fused_max_rows,
             rows,
             |m, kk| k.skinny_norm_supports(m, kk),
@@ -784,6 +861,7 @@ impl GpuModel {
         let blas = &self.blas;
         let wdq = s.wdq.as_ref().map(|b| b.ptr);
         let fp8_gemm = self.fp8_gemm.as_ref();
+        let skip = self.skip;
         // y = x · wᵀ over gemm_rows rows: the skinny kernels (bf16 or FP8), cuBLAS, or (FP8
         // past the skinny kernels) FP8 tensor-core GEMMs with per-token activation scales, or
         // without them cuBLAS over a bf16 copy of the weights.
@@ -871,8 +949,10 @@ impl GpuModel {
                 // Llama-style blocks on the fused path keep the residual in x and never have a
                 // pending delta: the input norm runs inside the q|k|v GEMM or on x alone.
                 if plan.norm {
-                    k.skinny_gemm(stream, &qkv_launch(s.x.ptr).normed(w.input_norm.ptr, eps))?;
-                } else {
+                    if skip.runs(Stage::Qkv) {
+                        k.skinny_gemm(stream, &qkv_launch(s.x.ptr).normed(w.input_norm.ptr, eps))?;
+                    }
+                } else if skip.runs(Stage::Norm) {
                     k.add_rmsnorm(
                         stream,
                         s.x.ptr,
@@ -884,12 +964,14 @@ impl GpuModel {
                         hid as i32,
                         eps,
                     )?;
+                }
+                if !plan.norm && skip.runs(Stage::Qkv) {
                     match rope_epi {
                         true => k.skinny_gemm(stream, &qkv_launch(s.h.ptr))?,
                         false => proj((s.h.ptr, &w.qkv, s.qkv.ptr), qkv_dim, hid)?,
                     }
                 }
-                if !rope_epi {
+                if !rope_epi && skip.runs(Stage::Norm) {
                     let (qn, kn) = w
                         .qk_norm
                         .as_ref()
@@ -939,6 +1021,7 @@ impl GpuModel {
                     (0, t as u32)
                 };
                 match m.decode_splits {
+                    _ if !skip.runs(Stage::Attn) => {}
                     None if m.grouped_attention => {
                         k.paged_attention_gqa(stream, &att, list, n_att)?
                     }
@@ -946,68 +1029,89 @@ impl GpuModel {
                         stream,
                         &att,
                         s.attn_part.ptr,
-                        splits.unwrap_or(1) as u32,
+                        (splits.unwrap_or(1) as u32, !m.short_context),
                         list,
                         n_att,
                     )?,
                 }
                 if plan.residual {
                     // x += o(attn); act = act(gate) * up of norm(x).
-                    k.skinny_gemm(
-                        stream,
-                        &w.o.skinny(
-                            (s.attn.ptr, s.x.ptr),
-                            gemm_rows,
-                            hid,
-                            nh * hd,
-                            Epi::Residual,
-                        ),
-                    )?;
+                    if skip.runs(Stage::O) {
+                        k.skinny_gemm(
+                            stream,
+                            &w.o.skinny(
+                                (s.attn.ptr, s.x.ptr),
+                                gemm_rows,
+                                hid,
+                                nh * hd,
+                                Epi::Residual,
+                            ),
+                        )?;
+                    }
                     let gate_up = |x| {
                         w.gate_up
                             .skinny((x, s.act.ptr), gemm_rows, inter, hid, gated)
                     };
                     if plan.norm {
-                        k.skinny_gemm(stream, &gate_up(s.x.ptr).normed(w.post_norm.ptr, eps))?;
+                        if skip.runs(Stage::GateUp) {
+                            k.skinny_gemm(stream, &gate_up(s.x.ptr).normed(w.post_norm.ptr, eps))?;
+                        }
                     } else {
-                        k.add_rmsnorm(
-                            stream,
-                            s.x.ptr,
-                            (0, 0),
-                            w.post_norm.ptr,
-                            s.h.ptr,
-                            0,
-                            t as u32,
-                            hid as i32,
-                            eps,
-                        )?;
-                        k.skinny_gemm(stream, &gate_up(s.h.ptr))?;
+                        if skip.runs(Stage::Norm) {
+                            k.add_rmsnorm(
+                                stream,
+                                s.x.ptr,
+                                (0, 0),
+                                w.post_norm.ptr,
+                                s.h.ptr,
+                                0,
+                                t as u32,
+                                hid as i32,
+                                eps,
+                            )?;
+                        }
+                        if skip.runs(Stage::GateUp) {
+                            k.skinny_gemm(stream, &gate_up(s.h.ptr))?;
+                        }
                     }
                     // x += down(act).
-                    k.skinny_gemm(
-                        stream,
-                        &w.down
-                            .skinny((s.act.ptr, s.x.ptr), gemm_rows, hid, inter, Epi::Residual),
-                    )?;
+                    if skip.runs(Stage::Down) {
+                        k.skinny_gemm(
+                            stream,
+                            &w.down.skinny(
+                                (s.act.ptr, s.x.ptr),
+                                gemm_rows,
+                                hid,
+                                inter,
+                                Epi::Residual,
+                            ),
+                        )?;
+                    }
                     continue;
                 }
-                proj((s.attn.ptr, &w.o, s.delta.ptr), hid, nh * hd)?;
+                if skip.runs(Stage::O) {
+                    proj((s.attn.ptr, &w.o, s.delta.ptr), hid, nh * hd)?;
+                }
                 // Llama: x += delta, h = norm(x) * post_norm. Gemma: x += norm(delta) *
                 // post_norm, h = norm(x) * pre_ff.
                 let (attn_delta, mlp_norm) = match &w.ff_norms {
                     None => ((s.delta.ptr, 0), w.post_norm.ptr),
                     Some((pre_ff, _)) => ((s.delta.ptr, w.post_norm.ptr), pre_ff.ptr),
                 };
-                k.add_rmsnorm(
-                    stream, s.x.ptr, attn_delta, mlp_norm, s.h.ptr, 0, t as u32, hid as i32, eps,
-                )?;
-                if skinny {
+                if skip.runs(Stage::Norm) {
+                    k.add_rmsnorm(
+                        stream, s.x.ptr, attn_delta, mlp_norm, s.h.ptr, 0, t as u32, hid as i32,
+                        eps,
+                    )?;
+                }
+                let gate_up_runs = skip.runs(Stage::GateUp);
+                if gate_up_runs && skinny {
                     k.skinny_gemm(
                         stream,
                         &w.gate_up
                             .skinny((s.h.ptr, s.act.ptr), gemm_rows, inter, hid, gated),
                     )?;
-                } else {
+                } else if gate_up_runs {
                     proj((s.h.ptr, &w.gate_up, s.gate_up.ptr), 2 * inter, hid)?;
                     k.gated_act(
                         stream,
@@ -1017,13 +1121,15 @@ impl GpuModel {
                         gelu,
                     )?;
                 }
-                proj((s.act.ptr, &w.down, s.delta.ptr), hid, inter)?;
+                if skip.runs(Stage::Down) {
+                    proj((s.act.ptr, &w.down, s.delta.ptr), hid, inter)?;
+                }
                 pending = (
                     s.delta.ptr,
                     w.ff_norms.as_ref().map_or(0, |(_, post)| post.ptr),
                 );
             }
-            if m.n_samples > 0 {
+            if m.n_samples > 0 && skip.runs(Stage::Head) {
                 k.add_rmsnorm(
                     stream,
                     s.x.ptr,
@@ -1106,6 +1212,20 @@ mod tests {
     use crate::gen_model::Preset;
 
     /// Which kernels a step's projections take, by step size, storage and model.
+    #[test]
+    fn skipped_stages_parse_by_name() {
+        let s = SkipStages::parse("qkv, gate_up,head").expect("parses");
+        assert!(!s.runs(Stage::Qkv) && !s.runs(Stage::GateUp) && !s.runs(Stage::Head));
+        assert!(
+            s.runs(Stage::Attn) && s.runs(Stage::O) && s.runs(Stage::Down) && s.runs(Stage::Norm)
+        );
+        assert_eq!(SkipStages::parse("").expect("empty"), SkipStages::default());
+        assert!(SkipStages::parse("").expect("empty").runs(Stage::Attn));
+        let all = SkipStages::parse("qkv,attn,o,gate_up,down,norm,head").expect("all");
+        assert_eq!(all.0, 127);
+        assert!(SkipStages::parse("qkv,mlp").is_err());
+    }
+
     #[test]
     fn projection_plans_follow_the_row_limits() {
         let llama = Preset::from_name("llama-3.2-1b").unwrap().config();

@@ -4,7 +4,8 @@
 //! - `parity --model DIR --prompts FILE --steps N --out DIR`: greedy decode of every prompt
 //!   (all prompts in one batch), writing `tokens.json` and `logits.bin` (f32 [prompt][step][vocab]).
 //! - `check-attention [--cases N]`: the paged attention kernel, with one split and with 1-32
-//!   splits, the tiled prefill kernel (with the per-head or the grouped kernel over the tokens
+//!   splits (and those again without `attention_combine`, which must leave every token whose
+//!   context fits one split bit-identical, as short-context graphs run them), the tiled prefill kernel (with the per-head or the grouped kernel over the tokens
 //!   its tiles leave, through a token list, as the executor runs them) and the grouped (per KV
 //!   head) kernel over every token, against an f64
 //!   reference on fresh random inputs (random lengths, chunk sizes, shuffled
@@ -416,7 +417,9 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let mut res = serde_json::Map::new();
         // (graphs, pipelined, our GEMV where blas.rs uses it, split decode attention, grouped
         // attention forced on/off): eager with cuBLAS only (batch 1; larger batches never use
-        // the GEMV), eager with the attention unsplit by the per-head and by the grouped kernel.
+        // the GEMV), eager with the attention unsplit by the per-head and by the grouped kernel,
+        // graphs with it unsplit per head (no `attention_combine` launches) and by the grouped
+        // kernel.
         // The last field: the fused small-batch path (graph-async-unfused: the path before
         // it, side by side; only where the batch would take the fused path).
         let modes = [
@@ -428,6 +431,8 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
             (false, true, false, true, None, false),
             (false, true, true, false, Some(false), true),
             (false, true, true, false, Some(true), true),
+            (true, true, true, false, Some(false), true),
+            (true, true, true, false, Some(true), true),
         ];
         let fused_rows: usize = a
             .get("fused-max-rows")
@@ -459,8 +464,7 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
             }
             d.exec.use_graphs = graphs;
             d.exec.set_custom_gemv(gemv);
-            d.exec.split_decode_attention = split;
-            d.exec.grouped_attention = grouped;
+            d.exec.set_attention_modes(split, grouped)?;
             d.exec.time_steps(true)?;
             d.decode_steps(4, pipelined)?; // warm-up
             d.exec.time_steps(true)?;
@@ -501,8 +505,7 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         &[("per-token attention", false)]
     };
     let mut prefill = serde_json::Map::new();
-    d.exec.split_decode_attention = true;
-    d.exec.grouped_attention = None;
+    d.exec.set_attention_modes(true, None)?;
     for &(mode, tiled) in modes {
         d.exec.tiled_prefill = tiled;
         let b = d.prefill(&prompts, &greedy);
@@ -629,6 +632,8 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let (_ctx, k) = kernels_on_device0()?;
     let mut rng = SplitMix64(0x5eed_a77e);
     let mut worst = 0.0f64;
+    // Tokens checked without attention_combine (contexts that fit one split).
+    let mut short_total = 0usize;
     println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten | grouped rel. error | unwritten |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in 0..cases {
@@ -707,6 +712,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let mut out_dec = vec![0u16; t * nh * hd];
         let mut out_tiled = vec![0u16; t * nh * hd];
         let mut out_grouped = vec![0u16; t * nh * hd];
+        let mut out_merge = vec![0u16; t * nh * hd];
         // The executor's cut: runs of 8+ tokens of a sequence in tiles, the rest listed.
         let (mut tiles, mut list) = (Vec::new(), Vec::new());
         let mut first = 0;
@@ -751,6 +757,9 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             dr::memset_d8_sync(d_out_tiled, 0xFF, out.len() * 2)?;
             let d_out_grouped = dr::malloc_sync(out.len() * 2)?;
             dr::memset_d8_sync(d_out_grouped, 0xFF, out.len() * 2)?;
+            let d_out_merge = dr::malloc_sync(out.len() * 2)?;
+            dr::memset_d8_sync(d_out_merge, 0xFF, out.len() * 2)?;
+
             let d_tiles = up(&ibytes(&tiles))?;
             let d_list = up(&ibytes(&list))?;
             let part_bytes = t * nh * n_splits * (hd + 2) * 4;
@@ -775,8 +784,14 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 scale,
                 window,
             };
-            for (d, splits) in [(d_out, 1), (d_out_dec, n_splits as u32)] {
-                k.paged_attention(stream, &att(d), d_part, splits, 0, t as u32)?;
+            // One split; n splits merged by attention_combine; n splits without it (right for
+            // the tokens whose context fits one split, as a short-context graph runs them).
+            for (d, splits, combine) in [
+                (d_out, 1, true),
+                (d_out_dec, n_splits as u32, true),
+                (d_out_merge, n_splits as u32, false),
+            ] {
+                k.paged_attention(stream, &att(d), d_part, (splits, combine), 0, t as u32)?;
             }
             let tiled = att(d_out_tiled);
             let (l_ptr, l_n) = if n_tiles > 0 {
@@ -788,7 +803,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             // The tokens the tiles leave: per-head kernel in even cases, grouped in odd ones
             // (the executor picks either for them by count).
             if case % 2 == 0 {
-                k.paged_attention(stream, &tiled, d_part, 1, l_ptr, l_n)?;
+                k.paged_attention(stream, &tiled, d_part, (1, true), l_ptr, l_n)?;
             } else {
                 k.paged_attention_gqa(stream, &tiled, l_ptr, l_n)?;
             }
@@ -798,7 +813,9 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             dr::memcpy_dtoh_sync(&mut out, d_out)?;
             dr::memcpy_dtoh_sync(&mut out_dec, d_out_dec)?;
             dr::memcpy_dtoh_sync(&mut out_tiled, d_out_tiled)?;
+            dr::memcpy_dtoh_sync(&mut out_merge, d_out_merge)?;
             for d in [
+                d_out_merge,
                 d_k,
                 d_v,
                 d_q,
@@ -817,6 +834,23 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             }
             dr::stream::destroy(stream)?;
         }
+        // Without attention_combine, every token whose context fits one split holds exactly
+        // what the launch with it wrote (padding rows are left as they were).
+        let one_split_keys = k.attn_one_split_keys() as i64;
+        let mut short_rows = 0;
+        for ti in (0..t).filter(|&ti| (0..one_split_keys).contains(&(positions[ti] as i64))) {
+            short_rows += 1;
+            let row = ti * nh * hd..(ti + 1) * nh * hd;
+            if let Some(i) = row.clone().find(|&i| out_merge[i] != out_dec[i]) {
+                bail!(
+                    "case {case}: token {ti} (position {}) without attention_combine: {:#06x} at {i}, with it {:#06x}",
+                    positions[ti],
+                    out_merge[i],
+                    out_dec[i]
+                );
+            }
+        }
+        short_total += short_rows;
         // f64 reference over the same bf16 inputs.
         let (mut num, mut den, mut unwritten) = (0.0f64, 0.0f64, 0usize);
         let (mut num_dec, mut unwritten_dec) = (0.0f64, 0usize);
@@ -905,8 +939,11 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         }
     }
     println!(
-        "worst relative error over {cases} cases: {worst:.2e} (bf16 output rounding is ~2e-3)"
+        "worst relative error over {cases} cases: {worst:.2e} (bf16 output rounding is ~2e-3); {short_total} short-context tokens identical without attention_combine"
     );
+    if short_total == 0 {
+        bail!("no case had a token whose context fits one split");
+    }
     if worst > 1e-2 {
         bail!("paged attention differs from the f64 reference: {worst:.2e}");
     }
