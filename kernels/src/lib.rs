@@ -2072,6 +2072,15 @@ mod tests {
         assert!(arch_name(7, 5).is_err());
     }
 
+    /// HARRIER_PTX_DUMP=DIR keeps a test's PTX as DIR/NAME.ptx (`ptxas -v` then gives register
+    /// counts, `cuobjdump -sass` the code).
+    fn dump_ptx(name: &str, ptx: &str) {
+        if let Some(dir) = std::env::var_os("HARRIER_PTX_DUMP") {
+            let path = std::path::Path::new(&dir).join(format!("{name}.ptx"));
+            std::fs::write(&path, ptx).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        }
+    }
+
     /// The source's measurement-only `#ifdef` variants ([`ptx_for`]'s
     /// `HARRIER_KERNEL_DEFINES`) still compile, so a device call can time them.
     #[test]
@@ -2085,11 +2094,10 @@ mod tests {
             let ptx = compile_ptx_with("sm_90", Dtype::Bf16, &[defs.to_string()])
                 .unwrap_or_else(|e| panic!("{defs}: {e:#}"));
             assert!(ptx.contains(".entry paged_attention("), "{defs}");
-            if let Some(dir) = std::env::var_os("HARRIER_PTX_DUMP") {
-                let name = format!("sm_90_bfloat16{}.ptx", defs.trim_start_matches("-D"));
-                let path = std::path::Path::new(&dir).join(name);
-                std::fs::write(&path, &ptx).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            }
+            dump_ptx(
+                &format!("sm_90_bfloat16{}", defs.trim_start_matches("-D")),
+                &ptx,
+            );
         }
     }
 
@@ -2123,11 +2131,7 @@ mod tests {
                     "{k} in the {arch} {dtype:?} PTX"
                 );
             }
-            // HARRIER_PTX_DUMP=DIR keeps the PTX (`ptxas -v` then gives register counts).
-            if let Some(dir) = std::env::var_os("HARRIER_PTX_DUMP") {
-                let path = std::path::Path::new(&dir).join(format!("{arch}_{}.ptx", dtype.name()));
-                std::fs::write(&path, &ptx).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            }
+            dump_ptx(&format!("{arch}_{}", dtype.name()), &ptx);
             let target = format!(".target {arch}");
             assert!(ptx.contains(&target), "PTX for {arch} lacks {target}");
             if dtype == Dtype::Bf16 {

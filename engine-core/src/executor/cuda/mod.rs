@@ -329,8 +329,8 @@ pub struct CudaExecutor {
     /// projection and keeps o from loading its weights while attention runs (H100, 1B, 256
     /// keys: 1.174 ms per step without them at batch 1, 1.204 with; docs/benchmarks.md).
     short_graphs: Vec<Vec<Option<DecodeGraph>>>,
-    /// Short-context steps leave `attention_combine` out (`HARRIER_SHORT_GRAPHS=0`: never, to
-    /// compare).
+    /// Short-context steps leave `attention_combine` out: engines without speculation, unless
+    /// `HARRIER_SHORT_GRAPHS=0` (to compare).
     short_steps: bool,
     counters: ExecCounters,
     rows: Vec<Option<HostRow>>,
@@ -553,14 +553,14 @@ impl CudaExecutor {
             _ => GraphBuckets::new(&[], 0),
         };
         // Short-context twins of the decode buckets whose attention splits (see `short_graphs`).
-        let short_steps = harrier_kernels::switch_on("HARRIER_SHORT_GRAPHS");
-        let short_buckets = match (&spec, short_steps) {
-            (None, true) => buckets
+        let short_steps = spec.is_none() && harrier_kernels::switch_on("HARRIER_SHORT_GRAPHS");
+        let short_buckets = match short_steps {
+            true => buckets
                 .sizes()
                 .iter()
                 .filter(|&&b| layout::decode_attention_splits(b, mc.num_heads) > 1)
                 .count(),
-            _ => 0,
+            false => 0,
         };
         let num_graphs =
             (buckets.sizes().len() + round_buckets.sizes().len() + short_buckets) * NUM_SLOTS;
@@ -894,7 +894,7 @@ impl CudaExecutor {
                         continue;
                     }
                     self.graphs[slot].push(g);
-                    let short = match plan.0.is_some() && self.spec.is_none() && self.short_steps {
+                    let short = match self.short_twin(plan.0) {
                         true => {
                             let m = model::StepMeta {
                                 short_context: true,
@@ -1024,6 +1024,12 @@ impl CudaExecutor {
             && self
                 .grouped_attention
                 .unwrap_or_else(|| layout::use_grouped_attention(tokens, c.num_kv_heads))
+    }
+
+    /// Whether decode steps with `splits` have a short-context variant (see `short_graphs`):
+    /// split steps of engines that make them. (Only decode-only steps split.)
+    fn short_twin(&self, splits: Option<usize>) -> bool {
+        self.short_steps && splits.is_some()
     }
 
     /// Whether every one of the `t` tokens staged in `slot` attends to at most
@@ -1334,7 +1340,7 @@ impl CudaExecutor {
             if let Some((i, size)) = graph {
                 let g = match round_only {
                     true => &self.round_graphs[slot][i],
-                    false => match &self.short_graphs[slot].get(i) {
+                    false => match self.short_graphs[slot].get(i) {
                         Some(Some(g)) if self.short_context(slot, t) => g,
                         _ => &self.graphs[slot][i],
                     },
@@ -1360,11 +1366,7 @@ impl CudaExecutor {
                 );
                 // GEMMs over the bucket's rows, as its graph computes them.
                 m.gemm_rows = bucket.map(|(_, b)| b * per_seq);
-                m.short_context = decode_only
-                    && m.decode_splits.is_some()
-                    && self.spec.is_none()
-                    && self.short_steps
-                    && self.short_context(slot, t);
+                m.short_context = self.short_twin(m.decode_splits) && self.short_context(slot, t);
                 let (bt, state) = (self.block_tables(), self.sampler_state());
                 let mark =
                     (self.record_gaps && draft_counts.any()).then_some(self.slots[slot].draft_done);

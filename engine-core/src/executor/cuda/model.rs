@@ -279,10 +279,12 @@ impl ProjPlan {
     /// (bf16 weights, up to `fused_max_rows` rows, every reduction width a multiple of 32)
     /// takes skinny kernels with the residual adds (blocks without sandwich norms) and, where
     /// `norm_fits(rows, hidden)` and the step is small enough, the norms fused; FP8 weights
-    /// take the skinny kernels up to their limit, without the fusions.
+    /// take the skinny kernels up to their limit, without the fusions unless `fuse_fp8`
+    /// (`HARRIER_FP8_FUSED=1`, to compare): then as bf16 within both limits.
     fn new(
         c: &ModelConfig,
         (dtype, fp8): (Dtype, Option<usize>),
+        fuse_fp8: bool,
         fused_max_rows: usize,
         rows: usize,
         norm_fits: impl Fn(usize, usize) -> bool,
@@ -293,7 +295,7 @@ impl ProjPlan {
         // epilogue operands read early (H200, session 12) they were mixed: 1B 0.920 vs 0.913
         // at batch 1 and 1.194 vs 1.207 at 8, 3B 1.980 vs 2.039, 8B 3.942 vs 3.878.
         let fused = dtype == Dtype::Bf16
-            && fp8.is_none()
+            && fp8.is_none_or(|max| fuse_fp8 && rows <= max)
             && rows <= fused_max_rows
             && (rows == 1 || c.hidden_size <= FUSED_MULTI_ROW_MAX_HIDDEN)
             && c.layer_gemm_shapes()
@@ -795,15 +797,10 @@ impl GpuModel {
 
     /// How a step of `rows` GEMM rows runs its projections (see [`ProjPlan`]).
     fn proj_plan(&self, k: &Kernels, rows: usize) -> ProjPlan {
-        let fp8 = self.fp8.then(|| self.fp8_skinny_max_rows());
-        let fp8_fused = self.fp8_fused && fp8.is_some_and(|max| rows <= max);
         ProjPlan::new(
             &self.config,
-            if fp8_fused {
-                (Dtype::Bf16, None)
-            } else {
-                (self.dtype, fp8)
-            },
+            (self.dtype, self.fp8.then(|| self.fp8_skinny_max_rows())),
+            self.fp8_fused,
             self.fused_max_rows,
             rows,
             |m, kk| k.skinny_norm_supports(m, kk),
@@ -1104,14 +1101,15 @@ impl GpuModel {
                         eps,
                     )?;
                 }
-                let gate_up_runs = skip.runs(Stage::GateUp);
-                if gate_up_runs && skinny {
+                if !skip.runs(Stage::GateUp) {
+                    // (measurement: no gate|up)
+                } else if skinny {
                     k.skinny_gemm(
                         stream,
                         &w.gate_up
                             .skinny((s.h.ptr, s.act.ptr), gemm_rows, inter, hid, gated),
                     )?;
-                } else if gate_up_runs {
+                } else {
                     proj((s.h.ptr, &w.gate_up, s.gate_up.ptr), 2 * inter, hid)?;
                     k.gated_act(
                         stream,
@@ -1232,7 +1230,7 @@ mod tests {
         let gemma = Preset::from_name("gemma-3-1b").unwrap().config();
         let fits = |_: usize, _: usize| true;
         let plan = |c: &ModelConfig, st: (Dtype, Option<usize>), max: usize, rows: usize| {
-            let p = ProjPlan::new(c, st, max, rows, fits);
+            let p = ProjPlan::new(c, st, false, max, rows, fits);
             (p.skinny, p.residual, p.norm)
         };
         let bf16 = (Dtype::Bf16, None);
@@ -1253,7 +1251,7 @@ mod tests {
         // Gemma's sandwich norms: skinny kernels without the residual fusions.
         assert_eq!(plan(&gemma, bf16, 8, 1), (true, false, false));
         // A norm that does not fit shared memory stays separate.
-        assert!(!ProjPlan::new(&llama, bf16, 8, 1, |_, _| false).norm);
+        assert!(!ProjPlan::new(&llama, bf16, false, 8, 1, |_, _| false).norm);
         // The default limit: up to 8 rows, models wider than 3,072 at 1 row only.
         let default = crate::config::FUSED_DECODE_MAX_ROWS;
         assert_eq!(plan(&llama, bf16, default, 1), (true, true, true));
@@ -1279,6 +1277,16 @@ mod tests {
         assert_eq!(plan(&llama, fp8_gemm, 0, 8), (true, false, false));
         assert_eq!(plan(&llama, fp8_gemm, 0, 9), (false, false, false));
         assert_eq!(plan(&llama, fp8, 8, 16), (true, false, false));
+        // HARRIER_FP8_FUSED: the fusions within both limits, the plain FP8 skinny path past
+        // the fused one.
+        let fused_fp8 = |max, rows| {
+            let p = ProjPlan::new(&llama, fp8, true, max, rows, fits);
+            (p.skinny, p.residual, p.norm)
+        };
+        assert_eq!(fused_fp8(8, 1), (true, true, true));
+        assert_eq!(fused_fp8(8, 8), (true, true, false));
+        assert_eq!(fused_fp8(8, 12), (true, false, false));
+        assert_eq!(fused_fp8(8, FP8_SKINNY_MAX_ROWS + 1), (false, false, false));
     }
 
     /// RoPE runs in the q|k|v epilogue on skinny steps of layers without q/k norms only.
@@ -1289,7 +1297,7 @@ mod tests {
         let bf16 = (Dtype::Bf16, None);
         let fp8 = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS_WITH_GEMM));
         let on = (true, true);
-        let p = |st, rows| ProjPlan::new(&llama, st, 1, rows, fits);
+        let p = |st, rows| ProjPlan::new(&llama, st, false, 1, rows, fits);
         assert!(rope_in_epilogue(p(bf16, 1), false, on));
         assert!(!rope_in_epilogue(p(bf16, 2), false, on), "cuBLAS step");
         assert!(rope_in_epilogue(p(fp8, 8), false, on), "FP8 skinny step");

@@ -712,7 +712,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let mut out_dec = vec![0u16; t * nh * hd];
         let mut out_tiled = vec![0u16; t * nh * hd];
         let mut out_grouped = vec![0u16; t * nh * hd];
-        let mut out_merge = vec![0u16; t * nh * hd];
+        let mut out_uncombined = vec![0u16; t * nh * hd];
         // The executor's cut: runs of 8+ tokens of a sequence in tiles, the rest listed.
         let (mut tiles, mut list) = (Vec::new(), Vec::new());
         let mut first = 0;
@@ -757,9 +757,8 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             dr::memset_d8_sync(d_out_tiled, 0xFF, out.len() * 2)?;
             let d_out_grouped = dr::malloc_sync(out.len() * 2)?;
             dr::memset_d8_sync(d_out_grouped, 0xFF, out.len() * 2)?;
-            let d_out_merge = dr::malloc_sync(out.len() * 2)?;
-            dr::memset_d8_sync(d_out_merge, 0xFF, out.len() * 2)?;
-
+            let d_out_uncombined = dr::malloc_sync(out.len() * 2)?;
+            dr::memset_d8_sync(d_out_uncombined, 0xFF, out.len() * 2)?;
             let d_tiles = up(&ibytes(&tiles))?;
             let d_list = up(&ibytes(&list))?;
             let part_bytes = t * nh * n_splits * (hd + 2) * 4;
@@ -789,7 +788,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             for (d, splits, combine) in [
                 (d_out, 1, true),
                 (d_out_dec, n_splits as u32, true),
-                (d_out_merge, n_splits as u32, false),
+                (d_out_uncombined, n_splits as u32, false),
             ] {
                 k.paged_attention(stream, &att(d), d_part, (splits, combine), 0, t as u32)?;
             }
@@ -813,9 +812,9 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             dr::memcpy_dtoh_sync(&mut out, d_out)?;
             dr::memcpy_dtoh_sync(&mut out_dec, d_out_dec)?;
             dr::memcpy_dtoh_sync(&mut out_tiled, d_out_tiled)?;
-            dr::memcpy_dtoh_sync(&mut out_merge, d_out_merge)?;
+            dr::memcpy_dtoh_sync(&mut out_uncombined, d_out_uncombined)?;
             for d in [
-                d_out_merge,
+                d_out_uncombined,
                 d_k,
                 d_v,
                 d_q,
@@ -836,21 +835,22 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         }
         // Without attention_combine, every token whose context fits one split holds exactly
         // what the launch with it wrote (padding rows are left as they were).
-        let one_split_keys = k.attn_one_split_keys() as i64;
-        let mut short_rows = 0;
-        for ti in (0..t).filter(|&ti| (0..one_split_keys).contains(&(positions[ti] as i64))) {
-            short_rows += 1;
+        let one_split_keys = k.attn_one_split_keys();
+        let short = |ti: &usize| {
+            positions[*ti] >= 0 && layout::fits_one_split(&positions[*ti..=*ti], one_split_keys)
+        };
+        for ti in (0..t).filter(short) {
+            short_total += 1;
             let row = ti * nh * hd..(ti + 1) * nh * hd;
-            if let Some(i) = row.clone().find(|&i| out_merge[i] != out_dec[i]) {
+            if let Some(i) = row.clone().find(|&i| out_uncombined[i] != out_dec[i]) {
                 bail!(
                     "case {case}: token {ti} (position {}) without attention_combine: {:#06x} at {i}, with it {:#06x}",
                     positions[ti],
-                    out_merge[i],
+                    out_uncombined[i],
                     out_dec[i]
                 );
             }
         }
-        short_total += short_rows;
         // f64 reference over the same bf16 inputs.
         let (mut num, mut den, mut unwritten) = (0.0f64, 0.0f64, 0usize);
         let (mut num_dec, mut unwritten_dec) = (0.0f64, 0usize);
