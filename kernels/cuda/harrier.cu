@@ -31,11 +31,56 @@ typedef unsigned long long u64;
 #define PDL_WAIT()
 #define PDL_TRIGGER()
 #endif
+#ifndef HARRIER_TRACE
 #define PDL_ENTER()    \
     do {               \
         PDL_WAIT();    \
         PDL_TRIGGER(); \
     } while (0)
+#else
+// Measurement only (HARRIER_KERNEL_DEFINES=-DHARRIER_TRACE; `harrier-cuda-tool bench
+// --trace FILE`): thread 0 of every block records its launch (%gridid), the global time
+// before and after its PDL wait and when it leaves the kernel (the destructor of a local that
+// PDL_ENTER declares in the kernel's scope), its SM and clock, into harrier_trace.
+#define TRACE_CAP 262144
+__device__ unsigned long long harrier_trace[TRACE_CAP][8];
+__device__ unsigned int harrier_trace_n;
+__device__ __forceinline__ unsigned long long gtimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+struct TraceScope {
+    unsigned int i;
+    __device__ TraceScope() : i(TRACE_CAP) {
+        // The slot is taken before the wait, so its atomic's latency hides under it.
+        const bool first = threadIdx.x + threadIdx.y + threadIdx.z == 0;
+        if (first) i = atomicAdd(&harrier_trace_n, 1u);
+        unsigned long long t0 = gtimer(), c0 = clock64();
+        PDL_WAIT();
+        unsigned long long t1 = gtimer();
+        PDL_TRIGGER();
+        if (i >= TRACE_CAP) return;
+        unsigned long long gid, smid;
+        asm volatile("mov.u64 %0, %%gridid;" : "=l"(gid));
+        unsigned int sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        smid = sm;
+        unsigned long long* r = harrier_trace[i];
+        r[0] = gid;
+        r[1] = t0;
+        r[2] = t1;
+        r[4] = c0;
+        r[6] = ((unsigned long long)gridDim.x * gridDim.y * gridDim.z << 32) | ((unsigned long long)blockDim.x << 16) | smid;
+    }
+    __device__ ~TraceScope() {
+        if (i >= TRACE_CAP) return;
+        harrier_trace[i][3] = gtimer();
+        harrier_trace[i][5] = clock64();
+    }
+};
+#define PDL_ENTER() TraceScope trace_scope_
+#endif
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
 
@@ -328,6 +373,43 @@ __device__ __forceinline__ void load_elems(const elem* p, int n, float* out) {
 #endif
 }
 
+// 8 consecutive elements (aligned to 8) as they are stored, loaded at once (16 bytes in bf16),
+// unpacked to floats when used; shfl_chunk hands a lane's chunk to the warp.
+#ifdef HARRIER_F32
+struct Chunk {
+    float4 a, b;
+};
+__device__ __forceinline__ Chunk ld_chunk(const elem* p) { return {*(const float4*)p, *(const float4*)(p + 4)}; }
+__device__ __forceinline__ void unpack_chunk(const Chunk& c, float* o) {
+    o[0] = c.a.x, o[1] = c.a.y, o[2] = c.a.z, o[3] = c.a.w, o[4] = c.b.x, o[5] = c.b.y, o[6] = c.b.z, o[7] = c.b.w;
+}
+__device__ __forceinline__ Chunk shfl_chunk(const Chunk& c, int src) {
+    Chunk r;
+    r.a.x = __shfl_sync(0xffffffffu, c.a.x, src), r.a.y = __shfl_sync(0xffffffffu, c.a.y, src);
+    r.a.z = __shfl_sync(0xffffffffu, c.a.z, src), r.a.w = __shfl_sync(0xffffffffu, c.a.w, src);
+    r.b.x = __shfl_sync(0xffffffffu, c.b.x, src), r.b.y = __shfl_sync(0xffffffffu, c.b.y, src);
+    r.b.z = __shfl_sync(0xffffffffu, c.b.z, src), r.b.w = __shfl_sync(0xffffffffu, c.b.w, src);
+    return r;
+}
+#else
+struct Chunk {
+    uint4 a;
+};
+__device__ __forceinline__ Chunk ld_chunk(const elem* p) { return {*(const uint4*)p}; }
+__device__ __forceinline__ void unpack_chunk(const Chunk& c, float* o) {
+    const u32 w[4] = {c.a.x, c.a.y, c.a.z, c.a.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        o[2 * i] = __uint_as_float(w[i] << 16);
+        o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ Chunk shfl_chunk(const Chunk& c, int src) {
+    return {make_uint4(__shfl_sync(0xffffffffu, c.a.x, src), __shfl_sync(0xffffffffu, c.a.y, src),
+                       __shfl_sync(0xffffffffu, c.a.z, src), __shfl_sync(0xffffffffu, c.a.w, src))};
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // What every attention kernel reads and writes, passed by value (mirrors
 // harrier_kernels::AttentionInputs, #[repr(C)]): the output and query rows (q inside the fused
@@ -368,8 +450,10 @@ struct AttnIn {
 // skips it; a step whose tokens all do needs no attention_combine: the executor's
 // short-context graphs leave it out, and their padding rows keep stale rows, which only
 // padding reads); block (t, h, s) computes split s for query head h. Its
-// ATT_WARPS warps take the split's tiles round-robin: each lane computes one key's dot product
-// with q (K and q rows read with 16-byte loads, together), the warp does one max and one sum
+// blockDim.x / 32 warps (4, 8 or 16: the host's choice, at most ATT_WARPS_MAX) take the
+// split's tiles round-robin: each lane computes one key's dot product with q (its K row's
+// 16-byte chunks loaded at once, q's chunks handed round the lanes by shuffles), the warp
+// does one max and one sum
 // per tile (online softmax), then accumulates V, by rows (see vrows below) or with the lanes
 // splitting head_dim (V rows of the 32 keys unrolled by 8). Warps merge their (max, sum, acc)
 // at the end. With n_splits == 1 the block writes the output;
@@ -402,7 +486,7 @@ struct AttnIn {
 // Reading the metadata and the first tile's slots before the wait (3B: 2.708 -> 2.615 at
 // batch 1, 3.555 -> 3.348 at 8) and V by rows (3B 2.637 -> 2.615, 3.425 -> 3.348; 1B 1.368 ->
 // 1.344 on an H100) were measured before the bound, with it only as part of the whole.
-#define ATT_WARPS 16
+#define ATT_WARPS_MAX 16
 
 // Split s of n_splits of a token at position pos: its first key position (start), its tile
 // range [tile0, tile1) of 32-key tiles (empty past the context or for padding); returns how
@@ -421,12 +505,21 @@ __device__ __forceinline__ int split_tiles(int pos, int window, int n_splits, in
 
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) paged_attention(AttnIn a, float* part, int n_splits,
-                                                                               const int* tok_list, int prefetch,
-                                                                               int one_split, int vrows) {
+// The block's shared state: each warp's (max, sum, partial output), the warps' weights and the
+// merged (max, sum).
+struct AttnSmem {
+    float m[ATT_WARPS_MAX], l[ATT_WARPS_MAX], w[ATT_WARPS_MAX], ML[2];
+    float acc[ATT_WARPS_MAX][256];
+};
+
+// The kernel's work for head dim HD (0: any, read from the inputs): the kernel below picks the
+// instance, so loops over the head dim unroll fully where it is known.
+template <int HD>
+__device__ __forceinline__ void paged_attention_body(AttnIn a, float* part, int n_splits, const int* tok_list,
+                                                     int prefetch, int one_split, int vrows, AttnSmem& sm) {
     ATTN_UNPACK(a)
-    __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
-    __shared__ float sm_acc[ATT_WARPS][256];
+    if (HD) hd = HD;
+    const int nw = blockDim.x >> 5;  // warps: 4, 8 or 16 (the host's choice)
     int h = blockIdx.y, s = blockIdx.z;
     int kh = h / (nh / nkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -454,11 +547,12 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) paged_attention(
         t = blockIdx.x;
         read_meta();
         const int* bt = block_tables + (size_t)row * bt_stride;
-        for (int tile = tile0 + warp; tile < tile1; tile += ATT_WARPS) {
+        for (int tile = tile0 + warp; tile < tile1; tile += nw) {
             int p = start + tile * 32 + lane;
+            int pe = min(p, pos);  // lanes past the last key: its slot (see the main loop)
+            int slot = bt[pe / block_size] * block_size + pe % block_size;
+            if (tile == tile0 + warp) first_slot = slot;
             if (p <= pos) {
-                int slot = bt[p / block_size] * block_size + p % block_size;
-                if (tile == tile0 + warp) first_slot = slot;
                 size_t at = ((size_t)slot * nkv + kh) * hd;
                 for (int b = 0; b < hd * (int)sizeof(elem); b += 128) {
                     prefetch_l2((const char*)(k_cache + at) + b);
@@ -467,7 +561,11 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) paged_attention(
             }
         }
     }
+#ifdef ATT_LATE_TRIGGER  // measurement only: the next launch only once this block's keys are done
+    PDL_WAIT();
+#else
     PDL_ENTER();
+#endif
     if (!early) {
         t = tok_list ? tok_list[blockIdx.x] : blockIdx.x;
         read_meta();
@@ -475,10 +573,6 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) paged_attention(
 #ifdef ATT_EXIT_AFTER_WAIT  // measurement only (HARRIER_KERNEL_DEFINES): the launch without its work
     return;
 #endif
-    // q is read from global memory beside each K row (the same addresses across the warp: one
-    // broadcast load, then L1), so the K and q loads are in flight together and no barrier
-    // waits for q in shared memory (measured the same as staging it: 1B 1.111 vs 1.115 ms, 3B
-    // 2.615 vs 2.619 at batch 1 on the H200, session 12).
     const elem* qp = q + (size_t)t * q_stride + (size_t)h * hd;
     float* pp = part + (((size_t)t * nh + h) * n_splits + s) * (hd + 2);
     elem* o = out + ((size_t)t * nh + h) * hd;
@@ -492,63 +586,85 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) paged_attention(
         return;
     }
     const int* bt = block_tables + (size_t)row * bt_stride;
+    // Chunks of 8 head dims (16 bytes in bf16). q is spread over the lanes (lane c holds chunk
+    // c, read once a warp) and handed round by shuffles, so a key's K chunks are all loaded
+    // before the first is used: one round trip a tile. Reading q beside each K row from
+    // global memory instead (one broadcast load a chunk) made ptxas, at 64 registers, reuse
+    // the K registers for the next loads only after the FMAs of the last: about six
+    // dependent L2 round trips a tile (session 15).
+    // Head dims are multiples of 8 up to 256 (the executor takes multiples of 64).
+    const int nc = hd >> 3;
+    Chunk qv = {};
+    if (lane < nc) qv = ld_chunk(qp + lane * 8);
     float acc[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) acc[j] = 0.0f;
     float m = NEG_INF, l = 0.0f;
-    for (int tile = tile0 + warp; tile < tile1; tile += ATT_WARPS) {
+    for (int tile = tile0 + warp; tile < tile1; tile += nw) {
         int base = start + tile * 32;
         int p = base + lane;
         bool valid = p <= pos;
-        int slot = 0;
-        float sc = NEG_INF;
-        if (valid) {
-            slot = early && tile == tile0 + warp ? first_slot : bt[p / block_size] * block_size + p % block_size;
-            const elem* kp = k_cache + ((size_t)slot * nkv + kh) * hd;
-            float dot = 0.0f;
-#pragma unroll 8
-            for (int c = 0; c < (hd >> 3); c++) {
+        // Lanes past the last key read the last key's row (their score is masked), so every
+        // lane takes part in the shuffles below.
+        int pe = valid ? p : pos;
+        int slot = early && tile == tile0 + warp ? first_slot : bt[pe / block_size] * block_size + pe % block_size;
+        const elem* kp = k_cache + ((size_t)slot * nkv + kh) * hd;
+        float dot = 0.0f;
+        for (int c0 = 0; c0 < nc; c0 += 8) {
+            Chunk kr[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (c0 + j < nc) kr[j] = ld_chunk(kp + (c0 + j) * 8);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                if (c0 + j >= nc) break;
                 float kv[8], qc[8];
-                load_elems(kp + c * 8, 8, kv);
-                load_elems(qp + c * 8, 8, qc);
+                unpack_chunk(kr[j], kv);
+                unpack_chunk(shfl_chunk(qv, c0 + j), qc);
                 dot += qc[0] * kv[0] + qc[1] * kv[1];
                 dot += qc[2] * kv[2] + qc[3] * kv[3];
                 dot += qc[4] * kv[4] + qc[5] * kv[5];
                 dot += qc[6] * kv[6] + qc[7] * kv[7];
             }
-            sc = dot * scale;
         }
+        float sc = valid ? dot * scale : NEG_INF;
         // Lane 0's key (p = base) is always valid: every tile max is finite.
         float mn = fmaxf(m, warp_max(sc));
         float corr = __expf(m - mn);
-        float pe = valid ? __expf(sc - mn) : 0.0f;
-        l = l * corr + warp_sum(pe);
+        float pk = valid ? __expf(sc - mn) : 0.0f;
+        l = l * corr + warp_sum(pk);
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[j] *= corr;
         m = mn;
-        int slot0 = __shfl_sync(0xffffffffu, slot, 0);
-        int vslot = valid ? slot : slot0;
         // The V product takes the probabilities rounded to the storage type, as FlashAttention
         // and PyTorch's bf16 attention do (P is a bf16 GEMM operand); the sum l stays fp32.
-        float pv = rnd(pe);
+        float pv = rnd(pk);
         if (vrows) {
+            // This lane's keys (r * kpr + grp): their V rows' slots, then up to 8 rows'
+            // loads at once, then the products.
             const int kpr = 32 / lpk, grp = lane / lpk, sub = lane - grp * lpk;
-#pragma unroll 8
-            for (int r = 0; r < lpk; r++) {
-                const int key = r * kpr + grp;
-                float w = __shfl_sync(0xffffffffu, pv, key);
-                int si = __shfl_sync(0xffffffffu, vslot, key);
-                float v[8];
-                load_elems(v_cache + ((size_t)si * nkv + kh) * hd + sub * 8, 8, v);
+            for (int r0 = 0; r0 < lpk; r0 += 8) {
+                Chunk vr[8];
 #pragma unroll
-                for (int j = 0; j < 8; j++) acc[j] += w * v[j];
+                for (int r = 0; r < 8; r++) {
+                    int si = __shfl_sync(0xffffffffu, slot, ((r0 + r) * kpr + grp) & 31);
+                    if (r0 + r < lpk) vr[r] = ld_chunk(v_cache + ((size_t)si * nkv + kh) * hd + sub * 8);
+                }
+#pragma unroll
+                for (int r = 0; r < 8; r++) {
+                    float w = __shfl_sync(0xffffffffu, pv, ((r0 + r) * kpr + grp) & 31);
+                    if (r0 + r >= lpk) break;
+                    float v[8];
+                    unpack_chunk(vr[r], v);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[j] += w * v[j];
+                }
             }
             continue;
         }
-#pragma unroll 8
         for (int i = 0; i < 32; i++) {
             float w = __shfl_sync(0xffffffffu, pv, i);
-            int si = __shfl_sync(0xffffffffu, vslot, i);
+            int si = __shfl_sync(0xffffffffu, slot, i);
             float v[8];
             load_elems(v_cache + ((size_t)si * nkv + kh) * hd + lane * nv, nv, v);
 #pragma unroll
@@ -556,9 +672,12 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) paged_attention(
                 if (j < nv) acc[j] += w * v[j];
         }
     }
+#ifdef ATT_LATE_TRIGGER
+    PDL_TRIGGER();
+#endif
     if (lane == 0) {
-        sm_m[warp] = m;
-        sm_l[warp] = l;
+        sm.m[warp] = m;
+        sm.l[warp] = l;
     }
     if (vrows) {
         // Add the lane groups' sums: lanes 0 .. lpk - 1 then hold dims 8 lane .. 8 lane + 7.
@@ -567,23 +686,31 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) paged_attention(
             for (int j = 0; j < 8; j++) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
         if (lane < lpk)
 #pragma unroll
-            for (int j = 0; j < 8; j++) sm_acc[warp][lane * 8 + j] = acc[j];
+            for (int j = 0; j < 8; j++) sm.acc[warp][lane * 8 + j] = acc[j];
     } else {
 #pragma unroll
         for (int j = 0; j < 8; j++)
-            if (j < nv) sm_acc[warp][lane * nv + j] = acc[j];
+            if (j < nv) sm.acc[warp][lane * nv + j] = acc[j];
     }
     __syncthreads();
-    float M = NEG_INF;
-    for (int w = 0; w < ATT_WARPS; w++)
-        if (sm_l[w] > 0.0f) M = fmaxf(M, sm_m[w]);
-    float L = 0.0f;
-    for (int w = 0; w < ATT_WARPS; w++)
-        if (sm_l[w] > 0.0f) L += sm_l[w] * __expf(sm_m[w] - M);
+    // Warp 0 weighs the warps' partial sums at once (lane w: warp w); then each thread adds
+    // its dims. A warp without keys has sum 0 and weight 0 (its acc is zeros).
+    if (warp == 0) {
+        float mw = lane < nw ? sm.m[lane] : NEG_INF, lw = lane < nw ? sm.l[lane] : 0.0f;
+        float M = warp_max(lw > 0.0f ? mw : NEG_INF);
+        float e = lw > 0.0f ? __expf(mw - M) : 0.0f;
+        float L = warp_sum(lw * e);
+        if (lane < nw) sm.w[lane] = e;
+        if (lane == 0) {
+            sm.ML[0] = M;
+            sm.ML[1] = L;
+        }
+    }
+    __syncthreads();
+    const float M = sm.ML[0], L = sm.ML[1];
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float v = 0.0f;
-        for (int w = 0; w < ATT_WARPS; w++)
-            if (sm_l[w] > 0.0f) v += sm_acc[w][d] * __expf(sm_m[w] - M);
+        for (int w = 0; w < nw; w++) v += sm.acc[w][d] * sm.w[w];
         if (splits == 1) {
             // One split (always the case with n_splits == 1): the output directly; a split
             // launch marks the token done (sum -1) for attention_combine.
@@ -598,6 +725,19 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) paged_attention(
         }
     }
 }
+
+// One entry point per head dim the executor runs (64, 128, 256), each with its own registers,
+// and one for any head dim (a multiple of 8 up to 256).
+#define ATT_PARAMS AttnIn a, float *part, int n_splits, const int *tok_list, int prefetch, int one_split, int vrows
+#define ATT_BODY(HD)                                                                        \
+    __shared__ AttnSmem sm;                                                                 \
+    paged_attention_body<HD>(a, part, n_splits, tok_list, prefetch, one_split, vrows, sm);
+extern "C" __global__ void __launch_bounds__(ATT_WARPS_MAX * 32, 2) paged_attention(ATT_PARAMS) { ATT_BODY(0) }
+extern "C" __global__ void __launch_bounds__(ATT_WARPS_MAX * 32, 2) paged_attention_hd64(ATT_PARAMS) { ATT_BODY(64) }
+extern "C" __global__ void __launch_bounds__(ATT_WARPS_MAX * 32, 2) paged_attention_hd128(ATT_PARAMS) { ATT_BODY(128) }
+extern "C" __global__ void __launch_bounds__(ATT_WARPS_MAX * 32, 2) paged_attention_hd256(ATT_PARAMS) { ATT_BODY(256) }
+#undef ATT_BODY
+#undef ATT_PARAMS
 
 // Decode attention with the G = nh / nkv query heads of a KV head together: block (x, kh) takes
 // token t = tok_list ? tok_list[x] : x and its G heads kh * G .. kh * G + G - 1, so each key's
@@ -750,28 +890,51 @@ extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_
 #undef GQA_CASE
 }
 
-// Merges paged_attention's splits of token t, head h (block (t, h)), in split order;
-// splits with no keys (sum 0) are skipped.
+// Merges paged_attention's splits of token t, head h (block (t, h), one thread a dim), in split
+// order; splits with no keys (sum 0) are skipped. At most 32 splits: warp 0 reads every
+// split's (max, sum) at once (lane s: split s) and leaves their weights in shared memory while
+// each thread reads its dim of up to 8 splits' sums, all loads in flight together. The loop
+// this replaced read them split after split under a branch, one L2 round trip each: 4.8 us
+// after its wait for 8 splits at batch 1 (H100 trace, session 15).
+#define COMBINE_MAX_SPLITS 32
 extern "C" __global__ void attention_combine(elem* out, const float* part, int n_splits, int nh, int hd) {
     PDL_ENTER();
-    int t = blockIdx.x, h = blockIdx.y;
-    const float* p = part + ((size_t)t * nh + h) * n_splits * (hd + 2);
-    if (p[1] < 0.0f) return;  // one split: paged_attention wrote the output
-    float M = NEG_INF;
-    for (int s = 0; s < n_splits; s++)
-        if (p[s * (hd + 2) + 1] > 0.0f) M = fmaxf(M, p[s * (hd + 2)]);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float L = 0.0f, v = 0.0f;
-        for (int s = 0; s < n_splits; s++) {
-            const float* ps = p + s * (hd + 2);
-            if (ps[1] > 0.0f) {
-                float e = __expf(ps[0] - M);
-                L += ps[1] * e;
-                v += ps[2 + d] * e;
-            }
+    __shared__ float w_sh[COMBINE_MAX_SPLITS];
+    __shared__ float l_sh;
+    const int t = blockIdx.x, h = blockIdx.y, stride = hd + 2;
+    const float* p = part + ((size_t)t * nh + h) * n_splits * stride;
+    if (threadIdx.x < 32) {
+        const int s = threadIdx.x;
+        float m = NEG_INF, l = 0.0f;
+        if (s < n_splits) {
+            m = p[s * stride];
+            l = p[s * stride + 1];
         }
-        out[((size_t)t * nh + h) * hd + d] = f2e(L > 0.0f ? v / L : 0.0f);
+        // Sum -1 in split 0: one split, paged_attention wrote the output (l_sh < 0: return).
+        const float l0 = __shfl_sync(0xffffffffu, l, 0);
+        const float M = warp_max(l > 0.0f ? m : NEG_INF);
+        const float e = l > 0.0f ? __expf(m - M) : 0.0f;
+        const float L = warp_sum(l * e);
+        w_sh[s] = e;
+        if (s == 0) l_sh = l0 < 0.0f ? -1.0f : L;
     }
+    const int d = threadIdx.x;
+    float x[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] = d < hd && j < n_splits ? p[j * stride + 2 + d] : 0.0f;
+    __syncthreads();
+    const float L = l_sh;
+    if (L < 0.0f || d >= hd) return;
+    float v = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) v += w_sh[j] != 0.0f ? x[j] * w_sh[j] : 0.0f;
+    for (int s0 = 8; s0 < n_splits; s0 += 8) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) x[j] = s0 + j < n_splits ? p[(s0 + j) * stride + 2 + d] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) v += s0 + j < n_splits && w_sh[s0 + j] != 0.0f ? x[j] * w_sh[s0 + j] : 0.0f;
+    }
+    out[((size_t)t * nh + h) * hd + d] = f2e(L > 0.0f ? v / L : 0.0f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1904,7 +2067,9 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
             }
         }
     };
+#ifndef SK_NO_EARLY  // measurement only (HARRIER_KERNEL_DEFINES): first weight loads after the wait
     load(c0);
+#endif
     // Epilogue operands no launch of the last one writes, copied into shared memory before
     // waiting (cp.async: no registers held across the main loop, which would cost the 8-warp
     // instances a block per SM) so that their latency hides under the weight stream instead of
@@ -1940,8 +2105,10 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
             for (int e = lane; e < (p.rope.hd >> 1); e += 32) cp_async4(pre_freq + e, p.rope.inv_freq + e, p.rope.inv_freq, true);
         }
     }
-    PDL_WAIT();
-    PDL_TRIGGER();
+    PDL_ENTER();
+#ifdef SK_NO_EARLY
+    load(c0);
+#endif
     // The normed input, staged once per block in dynamic shared memory ([M][K] bf16 after the
     // norm weights [K]): one round of loads (issued behind the first weight loads), the sums of
     // squares, then the rows normalised in place. The main loop then reads x from shared memory.

@@ -30,6 +30,9 @@ const KERNELS: &[&str] = &[
     "silu_mul",
     "gelu_tanh_mul",
     "paged_attention",
+    "paged_attention_hd64",
+    "paged_attention_hd128",
+    "paged_attention_hd256",
     "apply_row_inits",
     "sample_tokens",
     "spec_place",
@@ -380,6 +383,9 @@ struct W8Rule {
     /// Launches of at most this many blocks take [`SKINNY_B2`] whatever their reduction
     /// length ([`SKINNY_B2_MAX_BLOCKS`]; 0: only long reductions do).
     b2_max_blocks: u32,
+    /// ... and of at least this many (`min_blocks` by default;
+    /// `HARRIER_SKINNY_B2_MIN_BLOCKS` lowers it, to measure: 128 takes the 1B's o).
+    b2_min_blocks: u32,
 }
 
 impl Default for W8Rule {
@@ -388,6 +394,7 @@ impl Default for W8Rule {
             min_blocks: SKINNY_W8_MIN_BLOCKS,
             max_k: SKINNY_W8_MAX_K,
             b2_max_blocks: SKINNY_B2_MAX_BLOCKS,
+            b2_min_blocks: SKINNY_W8_MIN_BLOCKS,
         }
     }
 }
@@ -399,6 +406,7 @@ impl W8Rule {
             min_blocks: env_number("HARRIER_SKINNY_W8_MIN_BLOCKS").unwrap_or(d.min_blocks),
             max_k: env_number("HARRIER_SKINNY_W8_MAX_K").unwrap_or(d.max_k),
             b2_max_blocks: env_number("HARRIER_SKINNY_B2_MAX_BLOCKS").unwrap_or(d.b2_max_blocks),
+            b2_min_blocks: env_number("HARRIER_SKINNY_B2_MIN_BLOCKS").unwrap_or(d.b2_min_blocks),
         }
     }
 
@@ -412,8 +420,8 @@ impl W8Rule {
     fn two_blocks(self, m: usize, blocks: u32, k: usize, f8: bool, r4: bool) -> bool {
         !f8 && !r4
             && m <= 8
-            && blocks >= self.min_blocks
-            && (k > self.max_k || blocks <= self.b2_max_blocks)
+            && ((blocks >= self.min_blocks && k > self.max_k)
+                || (blocks >= self.b2_min_blocks && blocks <= self.b2_max_blocks))
     }
 }
 
@@ -436,6 +444,26 @@ pub const LOGIT_BIAS_CAP: usize = 1024;
 /// Largest head dimension `paged_attention` supports.
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// `paged_attention` instances compiled for one head dim (loops over it unrolled, registers
+/// allocated for it); other head dims take the generic `paged_attention`.
+const ATTN_HD_KERNELS: [(i32, &str); 3] = [
+    (64, "paged_attention_hd64"),
+    (128, "paged_attention_hd128"),
+    (256, "paged_attention_hd256"),
+];
+
+/// The `paged_attention` instance for head dim `hd`.
+fn attn_kernel(hd: i32) -> &'static str {
+    ATTN_HD_KERNELS
+        .iter()
+        .find(|&&(d, _)| d == hd)
+        .map_or("paged_attention", |&(_, k)| k)
+}
+
+/// Most splits a `paged_attention` launch takes (`COMBINE_MAX_SPLITS`: `attention_combine`
+/// reads a split's sums a lane).
+pub const ATTN_MAX_SPLITS: u32 = 32;
+
 /// Split decode attention keeps a context of at most this many 32-key tiles in one block per
 /// head (its 16 warps take a tile each) and skips the combine; longer ones split as before
 /// (at most `n_splits`, at least 4 tiles each). Measured on the H100 (1B, batch 1, graphs,
@@ -443,8 +471,56 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// splits of 16 tiles lost to eight of 8 (1.491 vs 1.469), so only short contexts stay whole.
 pub const ATTN_ONE_SPLIT_TILES: i32 = 16;
 
-/// Threads of a `paged_attention` block: `ATT_WARPS` (harrier.cu) warps of 32.
-const ATT_THREADS: u32 = 16 * 32;
+/// Most warps of a `paged_attention` block (`ATT_WARPS_MAX` in harrier.cu); the kernel takes
+/// its warp count from the launch (4, 8 or 16, see [`AttnWarps`]).
+const ATT_WARPS_MAX: u32 = 16;
+
+/// Warps of `paged_attention` blocks: `split` for launches cut into context splits (small decode
+/// batches), `whole` for the others. Both 16 by default; `HARRIER_ATTN_WARPS_SPLIT` /
+/// `HARRIER_ATTN_WARPS` override them (4, 8 or 16), to measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AttnWarps {
+    split: u32,
+    whole: u32,
+}
+
+impl AttnWarps {
+    fn from_env() -> AttnWarps {
+        let pick = |name| {
+            env_number(name)
+                .filter(|w: &u32| [4, 8, 16].contains(w))
+                .unwrap_or(ATT_WARPS_MAX)
+        };
+        AttnWarps {
+            split: pick("HARRIER_ATTN_WARPS_SPLIT"),
+            whole: pick("HARRIER_ATTN_WARPS"),
+        }
+    }
+
+    /// Threads of a launch with `n_splits` splits.
+    fn threads(self, n_splits: u32) -> u32 {
+        32 * if n_splits > 1 { self.split } else { self.whole }
+    }
+}
+
+/// The trace buffer of a `-DHARRIER_TRACE` build and its capacity in records (`TRACE_CAP`).
+const TRACE_SYMBOL: &str = "harrier_trace";
+const TRACE_CAP: usize = 262144;
+
+/// One block's record in a `-DHARRIER_TRACE` build (thread 0's view; measurement only): its
+/// launch (`%gridid`), the global timer before and after its PDL wait and at its exit, the
+/// launch's block count and block size, its SM, and its cycles from before the wait to the exit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceRecord {
+    pub grid: u64,
+    pub before_wait_ns: u64,
+    pub after_wait_ns: u64,
+    pub exit_ns: u64,
+    pub blocks: u32,
+    pub threads: u32,
+    pub sm: u32,
+    pub cycles: u64,
+}
 
 /// Threads of an `add_rmsnorm` block (one block per row). 1,024 rather than 256: at batch 1
 /// the kernel is one block whose dependent loads are the whole cost (8.8 us per call on the
@@ -742,6 +818,7 @@ pub struct Kernels {
     /// Contexts of up to this many tiles run unsplit in split launches
     /// ([`ATTN_ONE_SPLIT_TILES`]; `HARRIER_ATTN_ONE_SPLIT_TILES` overrides it, 0: never).
     attn_one_split: i32,
+    attn_warps: AttnWarps,
     /// Launches that [`skinny_w8_fits`] take the 8-warp instances (off in `load_with`'s
     /// builds, whose launch shape is under test, and with `HARRIER_SKINNY_W8=0`).
     skinny_w8: bool,
@@ -866,6 +943,7 @@ impl Kernels {
             attn_one_split: env_number("HARRIER_ATTN_ONE_SPLIT_TILES")
                 .filter(|n| (0..=1024).contains(n))
                 .unwrap_or(ATTN_ONE_SPLIT_TILES),
+            attn_warps: AttnWarps::from_env(),
             skinny_smem: SKINNY_SMEM_MAX,
             w8_rule: W8Rule::from_env(),
             skinny_b2: skinny_w8 && switch_on("HARRIER_SKINNY_B2"),
@@ -1128,7 +1206,12 @@ impl Kernels {
         n: u32,
     ) -> anyhow::Result<()> {
         let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
-        if nkv <= 0 || nh % nkv != 0 || n_splits == 0 || (tok_list != 0 && n_splits > 1) {
+        if nkv <= 0
+            || nh % nkv != 0
+            || n_splits == 0
+            || n_splits > ATTN_MAX_SPLITS
+            || (tok_list != 0 && n_splits > 1)
+        {
             bail!("paged_attention: {nh} heads over {nkv} KV heads, {n_splits} splits, list {tok_list:#x}");
         }
         let ns = n_splits as i32;
@@ -1139,9 +1222,9 @@ impl Kernels {
         // SAFETY: argument types match the kernels'.
         unsafe {
             self.launch(
-                "paged_attention",
+                attn_kernel(hd),
                 (n, nh as u32, n_splits),
-                ATT_THREADS,
+                self.attn_warps.threads(n_splits),
                 s,
                 &mut p,
             )?;
@@ -1150,7 +1233,8 @@ impl Kernels {
                 self.launch(
                     "attention_combine",
                     (n, nh as u32, 1),
-                    (hd as u32).min(256),
+                    // A thread a dim, warp 0 whole (it reads the splits' sums).
+                    (hd.max(1) as u32).next_multiple_of(32).min(256),
                     s,
                     &mut p,
                 )?;
@@ -1675,6 +1759,59 @@ impl Kernels {
         self.attn_one_split.max(0) as usize * 32
     }
 
+    /// The trace buffer of a `-DHARRIER_TRACE` build (`HARRIER_KERNEL_DEFINES`): its address
+    /// and the counter's; an error for other builds.
+    fn trace_symbols(&self) -> anyhow::Result<(u64, u64)> {
+        let get = |name: &str| -> anyhow::Result<u64> {
+            let c = std::ffi::CString::new(name).expect("no NUL");
+            let (mut at, mut bytes) = (0u64, 0usize);
+            // SAFETY: the module is loaded; out-pointers are valid locals.
+            unsafe { sys::cuModuleGetGlobal_v2(&mut at, &mut bytes, self.module, c.as_ptr()) }
+                .result()
+                .map_err(|e| {
+                    anyhow!("{name}: {e:?} (trace needs HARRIER_KERNEL_DEFINES=-DHARRIER_TRACE)")
+                })?;
+            Ok(at)
+        };
+        Ok((get(TRACE_SYMBOL)?, get("harrier_trace_n")?))
+    }
+
+    /// Empties the trace buffer (synchronous; measurement only, see [`TraceRecord`]).
+    pub fn trace_reset(&self) -> anyhow::Result<()> {
+        let (_, n) = self.trace_symbols()?;
+        // SAFETY: `n` is the module's 4-byte counter.
+        ck(unsafe { dr::memset_d8_sync(n, 0, 4) }, "trace reset")
+    }
+
+    /// The blocks recorded since [`Kernels::trace_reset`] (synchronous; the stream's work must
+    /// have completed).
+    pub fn trace_read(&self) -> anyhow::Result<Vec<TraceRecord>> {
+        let (buf, n) = self.trace_symbols()?;
+        let mut count = [0u32];
+        // SAFETY: the counter and buffer are the module's; the host buffers match the sizes.
+        unsafe {
+            ck(dr::memcpy_dtoh_sync(&mut count, n), "trace count")?;
+            let n = (count[0] as usize).min(TRACE_CAP);
+            let mut raw = vec![0u64; n * 8];
+            if n > 0 {
+                ck(dr::memcpy_dtoh_sync(&mut raw, buf), "trace read")?;
+            }
+            Ok(raw
+                .chunks_exact(8)
+                .map(|r| TraceRecord {
+                    grid: r[0],
+                    before_wait_ns: r[1],
+                    after_wait_ns: r[2],
+                    exit_ns: r[3],
+                    blocks: (r[6] >> 32) as u32,
+                    threads: ((r[6] >> 16) & 0xffff) as u32,
+                    sm: (r[6] & 0xffff) as u32,
+                    cycles: r[5].wrapping_sub(r[4]),
+                })
+                .collect())
+        }
+    }
+
     /// Whether `skinny_gemm_*` can norm an `m`-row input over `k` (`(m + 1) * k` bf16 in shared
     /// memory, m <= 8).
     pub fn skinny_norm_supports(&self, m: usize, k: usize) -> bool {
@@ -1856,15 +1993,17 @@ mod tests {
     fn attention_block_size_matches_the_source() {
         let warps: u32 = SOURCE
             .lines()
-            .find_map(|l| l.strip_prefix("#define ATT_WARPS "))
+            .find_map(|l| l.strip_prefix("#define ATT_WARPS_MAX "))
             .and_then(|rest| rest.split_whitespace().next())
             .and_then(|n| n.parse().ok())
-            .expect("ATT_WARPS defined in harrier.cu");
-        assert_eq!(
-            warps * 32,
-            ATT_THREADS,
-            "launch block must be ATT_WARPS warps"
-        );
+            .expect("ATT_WARPS_MAX defined in harrier.cu");
+        assert_eq!(warps, ATT_WARPS_MAX, "launch blocks must fit ATT_WARPS_MAX");
+        assert!(SOURCE.contains(&format!("#define COMBINE_MAX_SPLITS {ATTN_MAX_SPLITS}\n")));
+        let w = AttnWarps {
+            split: 8,
+            whole: 16,
+        };
+        assert_eq!((w.threads(1), w.threads(2), w.threads(32)), (512, 256, 256));
     }
 
     /// The 8-warp instances: many blocks, up to 8 rows, bf16 reductions up to 4,096 (the
@@ -1883,6 +2022,7 @@ mod tests {
             min_blocks: 96,
             max_k: 16384,
             b2_max_blocks: 0,
+            b2_min_blocks: 96,
         };
         assert!(wide.fits(1, 128, 8192, false), "1B down, 8 warps");
         assert!(
@@ -1891,6 +2031,15 @@ mod tests {
         );
         assert!(!wide.fits(9, 128, 8192, false), "never past 8 rows");
         assert!(!W8Rule::default().fits(1, 128, 8192, false));
+        let low = W8Rule {
+            b2_min_blocks: 128,
+            ..W8Rule::default()
+        };
+        assert!(
+            low.two_blocks(1, 128, 2048, false, false),
+            "1B o, b2 from 128"
+        );
+        assert!(!W8Rule::default().two_blocks(1, 128, 2048, false, false));
         assert!(!fits(9, 192, 2048), "the 8-warp instances hold 8 rows");
         let w8 = kernel_names().filter(|k| k.ends_with("_w8")).count();
         assert_eq!(w8, 4);
@@ -1996,10 +2145,18 @@ mod tests {
         }
         // Two attention blocks an SM (64 registers; docs/cuda.md: a block must fit beside the
         // q|k|v GEMM's to overlap it), three one-tile 8-warp skinny blocks.
-        assert_eq!(
-            bounds("paged_attention").as_deref(),
-            Some("ATT_WARPS * 32, 2")
-        );
+        for k in ATTN_HD_KERNELS
+            .map(|(_, k)| k)
+            .iter()
+            .chain(&["paged_attention"])
+        {
+            assert_eq!(bounds(k).as_deref(), Some("ATT_WARPS_MAX * 32, 2"), "{k}");
+        }
+        for (hd, k) in ATTN_HD_KERNELS {
+            assert!(SOURCE.contains(&format!(" {k}(ATT_PARAMS) {{ ATT_BODY({hd}) }}")));
+            assert_eq!(attn_kernel(hd), k);
+        }
+        assert_eq!(attn_kernel(192), "paged_attention");
         for k in ["skinny_gemm_8_w8", "skinny_gemm_f8_8_w8"] {
             assert_eq!(bounds(k).as_deref(), Some("8 * 32, 3"), "{k}");
         }
@@ -2081,6 +2238,13 @@ mod tests {
         }
     }
 
+    /// The trace buffer's capacity is the same on both sides.
+    #[test]
+    fn trace_capacity_matches_the_source() {
+        assert!(SOURCE.contains(&format!("#define TRACE_CAP {TRACE_CAP}\n")));
+        assert!(SOURCE.contains(&format!(" {TRACE_SYMBOL}[TRACE_CAP][8];")));
+    }
+
     /// The source's measurement-only `#ifdef` variants ([`ptx_for`]'s
     /// `HARRIER_KERNEL_DEFINES`) still compile, so a device call can time them.
     #[test]
@@ -2089,11 +2253,22 @@ mod tests {
             eprintln!("SKIPPED: NVRTC not available");
             return;
         }
-        const VARIANTS: &[&str] = &["-DATT_EXIT_AFTER_WAIT"];
+        const VARIANTS: &[&str] = &[
+            "-DATT_EXIT_AFTER_WAIT",
+            "-DHARRIER_TRACE",
+            "-DSK_NO_EARLY",
+            "-DATT_LATE_TRIGGER",
+        ];
         for defs in VARIANTS {
             let ptx = compile_ptx_with("sm_90", Dtype::Bf16, &[defs.to_string()])
                 .unwrap_or_else(|e| panic!("{defs}: {e:#}"));
             assert!(ptx.contains(".entry paged_attention("), "{defs}");
+            if *defs == "-DHARRIER_TRACE" {
+                assert!(
+                    ptx.contains(&format!(" {TRACE_SYMBOL}[")),
+                    "the trace buffer"
+                );
+            }
             dump_ptx(
                 &format!("sm_90_bfloat16{}", defs.trim_start_matches("-D")),
                 &ptx,

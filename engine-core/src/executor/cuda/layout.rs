@@ -269,7 +269,7 @@ pub fn fits_one_split(positions: &[i32], keys: usize) -> bool {
 }
 
 /// Most context splits of one decode attention launch (`paged_attention`).
-pub const MAX_DECODE_SPLITS: usize = 32;
+pub const MAX_DECODE_SPLITS: usize = harrier_kernels::ATTN_MAX_SPLITS as usize;
 
 /// Blocks a decode attention launch aims for: (token, head) pairs times splits. A decode batch
 /// with fewer (token, head) pairs splits each token's context so that one block per (token,

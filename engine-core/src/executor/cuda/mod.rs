@@ -1108,6 +1108,19 @@ impl CudaExecutor {
         Ok(out)
     }
 
+    /// Empties the kernel trace buffer of a `-DHARRIER_TRACE` build (measurement only; an
+    /// error for other builds).
+    pub fn trace_reset(&mut self) -> anyhow::Result<()> {
+        self.synchronize()?;
+        self.kernels.trace_reset()
+    }
+
+    /// The blocks traced since [`CudaExecutor::trace_reset`], after the enqueued work completes.
+    pub fn trace_read(&mut self) -> anyhow::Result<Vec<harrier_kernels::TraceRecord>> {
+        self.synchronize()?;
+        self.kernels.trace_read()
+    }
+
     /// Waits for all enqueued work.
     pub fn synchronize(&mut self) -> anyhow::Result<()> {
         ck(self.ctx.bind_to_thread(), "bind")?;

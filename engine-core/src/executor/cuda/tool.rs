@@ -20,10 +20,11 @@
 //!   seeded rows identical up to numeric ties; then every row is re-initialised as a resumed
 //!   request (prompt + its outputs recomputed, outputs counted again) and decodes on.
 //! - `bench --model DIR [--batches 1,8,32,128] [--context 512] [--steps 64] [--modes M,..]
-//!   [--fused-max-rows N] [--json FILE]`:
+//!   [--fused-max-rows N] [--json FILE] [--trace FILE]`:
 //!   copy bandwidth, bf16 GEMM rate, decode step time (CUDA graphs and eager, each pipelined
 //!   and synchronous, GPU idle gap between steps), graph capture time and memory, prefill
-//!   tokens/s (8 x 2048).
+//!   tokens/s (8 x 2048). `--trace` (kernels built with `HARRIER_KERNEL_DEFINES=-DHARRIER_TRACE`)
+//!   appends three more steps of each mode, every block's PDL wait and exit times, as CSV.
 //! - `check-gemv --model DIR [--rows 1,2,4,8,16,32,64]`: our `gemv_bf16` (up to 8 rows) and
 //!   `skinny_gemm` against cuBLAS on the model's projection shapes: output difference and
 //!   time per call (weight GB/s) side by side.
@@ -234,6 +235,45 @@ impl Driver {
         }
         Ok(t0.elapsed().as_secs_f64())
     }
+}
+
+/// `bench --trace FILE` (a `HARRIER_KERNEL_DEFINES=-DHARRIER_TRACE` build): three more decode
+/// steps of the mode with every block's wait and exit times recorded, appended to FILE as CSV
+/// (`scripts/gpu/trace_summary.py` makes a timeline of them).
+fn write_trace(
+    d: &mut Driver,
+    path: &str,
+    batch: u32,
+    mode: &str,
+    pipelined: bool,
+) -> anyhow::Result<()> {
+    use std::io::Write;
+    d.exec.trace_reset()?;
+    d.decode_steps(3, pipelined)?;
+    let recs = d.exec.trace_read()?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("open {path}"))?;
+    let mut text = String::new();
+    for r in &recs {
+        text += &format!(
+            "{batch},{mode},{},{},{},{},{},{},{},{}\n",
+            r.grid,
+            r.blocks,
+            r.threads,
+            r.sm,
+            r.before_wait_ns,
+            r.after_wait_ns,
+            r.exit_ns,
+            r.cycles
+        );
+    }
+    f.write_all(text.as_bytes())
+        .with_context(|| format!("write {path}"))?;
+    eprintln!("trace: {} blocks to {path}", recs.len());
+    Ok(())
 }
 
 /// Decode graph sizes: none with `--enforce-eager 1`, else the defaults up to `max_batch`.
@@ -485,6 +525,9 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 bsz as f64 / (ms / 1e3),
                 100.0 * floor_ms / ms
             );
+            if let Some(path) = a.get("trace") {
+                write_trace(&mut d, path, bsz, &tag, pipelined)?;
+            }
             res.insert(tag, serde_json::json!({"ms_per_step": ms, "gpu_ms_per_step": gpu, "idle_gap_ms": gap, "tok_per_s": bsz as f64 / (ms / 1e3), "floor_ms": floor_ms, "pct_of_floor": 100.0 * floor_ms / ms, "graph_kernels": kernels}));
         }
         rows.push(serde_json::json!({"batch": bsz, "context": context, "results": res}));
