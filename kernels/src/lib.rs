@@ -2258,6 +2258,7 @@ mod tests {
             "-DHARRIER_TRACE",
             "-DSK_NO_EARLY",
             "-DATT_LATE_TRIGGER",
+            "-DCOMBINE_LATE_TRIGGER",
         ];
         for defs in VARIANTS {
             let ptx = compile_ptx_with("sm_90", Dtype::Bf16, &[defs.to_string()])
