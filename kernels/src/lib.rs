@@ -522,6 +522,24 @@ pub struct TraceRecord {
     pub cycles: u64,
 }
 
+impl TraceRecord {
+    /// A record as `TraceScope` (harrier.cu) writes it: grid id, the times before and after the
+    /// wait and at the exit, the clock at the wait and at the exit, then blocks << 32 | block
+    /// size << 16 | SM.
+    fn from_raw(r: &[u64]) -> TraceRecord {
+        TraceRecord {
+            grid: r[0],
+            before_wait_ns: r[1],
+            after_wait_ns: r[2],
+            exit_ns: r[3],
+            blocks: (r[6] >> 32) as u32,
+            threads: ((r[6] >> 16) & 0xffff) as u32,
+            sm: (r[6] & 0xffff) as u32,
+            cycles: r[5].wrapping_sub(r[4]),
+        }
+    }
+}
+
 /// Threads of an `add_rmsnorm` block (one block per row). 1,024 rather than 256: at batch 1
 /// the kernel is one block whose dependent loads are the whole cost (8.8 us per call on the
 /// H200 profile with 256).
@@ -1796,19 +1814,13 @@ impl Kernels {
             if n > 0 {
                 ck(dr::memcpy_dtoh_sync(&mut raw, buf), "trace read")?;
             }
-            Ok(raw
-                .chunks_exact(8)
-                .map(|r| TraceRecord {
-                    grid: r[0],
-                    before_wait_ns: r[1],
-                    after_wait_ns: r[2],
-                    exit_ns: r[3],
-                    blocks: (r[6] >> 32) as u32,
-                    threads: ((r[6] >> 16) & 0xffff) as u32,
-                    sm: (r[6] & 0xffff) as u32,
-                    cycles: r[5].wrapping_sub(r[4]),
-                })
-                .collect())
+            if count[0] as usize > TRACE_CAP {
+                eprintln!(
+                    "trace: {} blocks recorded, the first {TRACE_CAP} kept",
+                    count[0]
+                );
+            }
+            Ok(raw.chunks_exact(8).map(TraceRecord::from_raw).collect())
         }
     }
 
@@ -2238,11 +2250,38 @@ mod tests {
         }
     }
 
-    /// The trace buffer's capacity is the same on both sides.
+    /// The trace buffer's capacity is the same on both sides, and a record reads back as the
+    /// source packs it.
     #[test]
     fn trace_capacity_matches_the_source() {
         assert!(SOURCE.contains(&format!("#define TRACE_CAP {TRACE_CAP}\n")));
         assert!(SOURCE.contains(&format!(" {TRACE_SYMBOL}[TRACE_CAP][8];")));
+        assert!(SOURCE.contains(
+            "r[6] = ((unsigned long long)gridDim.x * gridDim.y * gridDim.z << 32) | ((unsigned long long)blockDim.x << 16) | smid;"
+        ));
+        let r = TraceRecord::from_raw(&[
+            7,
+            100,
+            250,
+            900,
+            5,
+            1005,
+            (2004 << 32) | (256 << 16) | 131,
+            0,
+        ]);
+        assert_eq!(
+            r,
+            TraceRecord {
+                grid: 7,
+                before_wait_ns: 100,
+                after_wait_ns: 250,
+                exit_ns: 900,
+                blocks: 2004,
+                threads: 256,
+                sm: 131,
+                cycles: 1000,
+            }
+        );
     }
 
     /// The source's measurement-only `#ifdef` variants ([`ptx_for`]'s
