@@ -39,6 +39,12 @@ typedef unsigned long long u64;
         PDL_WAIT();    \
         PDL_TRIGGER(); \
     } while (0)
+// The next launch scheduled first, then the wait (attention_combine only; see there).
+#define PDL_ENTER_TRIGGER_FIRST() \
+    do {                          \
+        PDL_TRIGGER();            \
+        PDL_WAIT();               \
+    } while (0)
 #else
 // Measurement only (HARRIER_KERNEL_DEFINES=-DHARRIER_TRACE; `harrier-cuda-tool bench
 // --trace FILE`): thread 0 of every block records its launch (%gridid), the global time
@@ -54,14 +60,15 @@ __device__ __forceinline__ unsigned long long gtimer() {
 }
 struct TraceScope {
     unsigned int i;
-    __device__ TraceScope() : i(TRACE_CAP) {
+    __device__ TraceScope(bool trigger_first = false) : i(TRACE_CAP) {
         // The slot is taken before the wait, so its atomic's latency hides under it.
         const bool first = threadIdx.x + threadIdx.y + threadIdx.z == 0;
         if (first) i = atomicAdd(&harrier_trace_n, 1u);
         unsigned long long t0 = gtimer(), c0 = clock64();
+        if (trigger_first) PDL_TRIGGER();
         PDL_WAIT();
         unsigned long long t1 = gtimer();
-        PDL_TRIGGER();
+        if (!trigger_first) PDL_TRIGGER();
         if (i >= TRACE_CAP) return;
         unsigned long long gid, smid;
         asm volatile("mov.u64 %0, %%gridid;" : "=l"(gid));
@@ -82,6 +89,7 @@ struct TraceScope {
     }
 };
 #define PDL_ENTER() TraceScope trace_scope_
+#define PDL_ENTER_TRIGGER_FIRST() TraceScope trace_scope_(true)
 #endif
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
@@ -910,8 +918,7 @@ extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_
 // 2.944 -> 2.921. `-DCOMBINE_LATE_TRIGGER` restores the usual order, to compare.
 extern "C" __global__ void attention_combine(elem* out, const float* part, int n_splits, int nh, int hd) {
 #ifndef COMBINE_LATE_TRIGGER
-    PDL_TRIGGER();
-    PDL_WAIT();
+    PDL_ENTER_TRIGGER_FIRST();
 #else
     PDL_ENTER();
 #endif

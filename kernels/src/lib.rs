@@ -384,8 +384,12 @@ struct W8Rule {
     /// length ([`SKINNY_B2_MAX_BLOCKS`]; 0: only long reductions do).
     b2_max_blocks: u32,
     /// ... and of at least this many (`min_blocks` by default;
-    /// `HARRIER_SKINNY_B2_MIN_BLOCKS` lowers it, to measure: 128 takes the 1B's o).
+    /// `HARRIER_SKINNY_B2_MIN_BLOCKS` lowers it, to measure: 128 takes the 1B's o and down).
     b2_min_blocks: u32,
+    /// Launches with reductions past `max_k` take [`SKINNY_B2`] from this many blocks
+    /// (`min_blocks` by default; `HARRIER_SKINNY_B2_LONG_MIN_BLOCKS` lowers it, to measure:
+    /// 128 takes the 1B's down only).
+    b2_long_min_blocks: u32,
 }
 
 impl Default for W8Rule {
@@ -395,6 +399,7 @@ impl Default for W8Rule {
             max_k: SKINNY_W8_MAX_K,
             b2_max_blocks: SKINNY_B2_MAX_BLOCKS,
             b2_min_blocks: SKINNY_W8_MIN_BLOCKS,
+            b2_long_min_blocks: SKINNY_W8_MIN_BLOCKS,
         }
     }
 }
@@ -407,6 +412,8 @@ impl W8Rule {
             max_k: env_number("HARRIER_SKINNY_W8_MAX_K").unwrap_or(d.max_k),
             b2_max_blocks: env_number("HARRIER_SKINNY_B2_MAX_BLOCKS").unwrap_or(d.b2_max_blocks),
             b2_min_blocks: env_number("HARRIER_SKINNY_B2_MIN_BLOCKS").unwrap_or(d.b2_min_blocks),
+            b2_long_min_blocks: env_number("HARRIER_SKINNY_B2_LONG_MIN_BLOCKS")
+                .unwrap_or(d.b2_long_min_blocks),
         }
     }
 
@@ -420,7 +427,7 @@ impl W8Rule {
     fn two_blocks(self, m: usize, blocks: u32, k: usize, f8: bool, r4: bool) -> bool {
         !f8 && !r4
             && m <= 8
-            && ((blocks >= self.min_blocks && k > self.max_k)
+            && ((blocks >= self.b2_long_min_blocks && k > self.max_k)
                 || (blocks >= self.b2_min_blocks && blocks <= self.b2_max_blocks))
     }
 }
@@ -2035,6 +2042,7 @@ mod tests {
             max_k: 16384,
             b2_max_blocks: 0,
             b2_min_blocks: 96,
+            b2_long_min_blocks: 160,
         };
         assert!(wide.fits(1, 128, 8192, false), "1B down, 8 warps");
         assert!(
@@ -2052,6 +2060,12 @@ mod tests {
             "1B o, b2 from 128"
         );
         assert!(!W8Rule::default().two_blocks(1, 128, 2048, false, false));
+        let long = W8Rule {
+            b2_long_min_blocks: 128,
+            ..W8Rule::default()
+        };
+        assert!(long.two_blocks(1, 128, 8192, false, false), "1B down");
+        assert!(!long.two_blocks(1, 128, 2048, false, false), "not the 1B o");
         assert!(!fits(9, 192, 2048), "the 8-warp instances hold 8 rows");
         let w8 = kernel_names().filter(|k| k.ends_with("_w8")).count();
         assert_eq!(w8, 4);
