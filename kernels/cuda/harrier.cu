@@ -672,6 +672,7 @@ __device__ __forceinline__ void paged_attention_body(AttnIn a, float* part, int 
             }
             continue;
         }
+#pragma unroll 8
         for (int i = 0; i < 32; i++) {
             float w = __shfl_sync(0xffffffffu, pv, i);
             int si = __shfl_sync(0xffffffffu, slot, i);

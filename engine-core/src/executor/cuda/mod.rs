@@ -828,16 +828,17 @@ impl CudaExecutor {
         );
     }
 
-    /// Uploads the slot's token and sequence sections (one copy: they are adjacent).
+    /// Uploads the slot's token and sequence sections (one copy: they are adjacent) on `st`.
     ///
     /// # Safety
-    /// The slot's pinned buffer must not be rewritten before the copy runs (I6).
-    unsafe fn upload_head(&self, slot: usize) -> anyhow::Result<()> {
+    /// The slot's pinned buffer must not be rewritten before the copy runs (I6), and no work
+    /// may still read the slot's device metadata.
+    unsafe fn upload_head(&self, slot: usize, st: sys::CUstream) -> anyhow::Result<()> {
         let s = &self.slots[slot];
         let n = self.layout.bt_index;
         // SAFETY: `meta_h` and `meta_d` hold `layout.len >= n` words.
         ck(
-            unsafe { dr::memcpy_htod_async(s.meta_d.ptr, &s.meta_h.as_slice()[..n], self.compute) },
+            unsafe { dr::memcpy_htod_async(s.meta_d.ptr, &s.meta_h.as_slice()[..n], st) },
             "metadata H2D",
         )
     }
@@ -870,7 +871,7 @@ impl CudaExecutor {
                 }
                 // SAFETY: the upload is synchronised before the pinned buffer changes again.
                 unsafe {
-                    self.upload_head(slot)?;
+                    self.upload_head(slot, st)?;
                     ck(dr::stream::synchronize(st), "sync")?;
                 }
                 for &size in &sizes {
@@ -1298,11 +1299,7 @@ impl CudaExecutor {
             }
             match self.upload {
                 Some(up) => {
-                    let n = self.layout.bt_index;
-                    ck(
-                        dr::memcpy_htod_async(s.meta_d.ptr, &s.meta_h.as_slice()[..n], up),
-                        "metadata H2D",
-                    )?;
+                    self.upload_head(slot, up)?;
                     ck(dr::event::record(s.meta_ready, up), "event record")?;
                     ck(
                         dr::stream::wait_event(
@@ -1313,7 +1310,7 @@ impl CudaExecutor {
                         "stream wait",
                     )?;
                 }
-                None => self.upload_head(slot)?,
+                None => self.upload_head(slot, st)?,
             }
             if n_bt > 0 {
                 let meta = s.meta_h.as_slice();
