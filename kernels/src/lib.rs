@@ -173,7 +173,9 @@ pub enum SkinnyEpilogue {
     StoreF32 = 1,
     /// `y = bf16(y + bf16(acc))`: the residual add, in place. The kernel reads y before it
     /// waits on the launch before it (programmatic dependent launch), so that launch must not
-    /// write y; launches two or more back have completed by then.
+    /// write y; launches two or more back have completed by then (three or more after
+    /// `attention_combine`, which lets the next launch start before its own wait: the o
+    /// projection's y is written by the down projection further back).
     Residual = 2,
     /// w is `[gate; up]` over `2 n` rows: `y = bf16(bf16(silu(gate)) * up)`.
     SiluMul = 3,
@@ -510,8 +512,10 @@ impl AttnWarps {
     }
 }
 
-/// The trace buffer of a `-DHARRIER_TRACE` build and its capacity in records (`TRACE_CAP`).
+/// The trace buffer of a `-DHARRIER_TRACE` build, its record counter, and its capacity in
+/// records (`TRACE_CAP`).
 const TRACE_SYMBOL: &str = "harrier_trace";
+const TRACE_COUNT_SYMBOL: &str = "harrier_trace_n";
 const TRACE_CAP: usize = 262144;
 
 /// One block's record in a `-DHARRIER_TRACE` build (thread 0's view; measurement only): its
@@ -1798,7 +1802,7 @@ impl Kernels {
                 })?;
             Ok(at)
         };
-        Ok((get(TRACE_SYMBOL)?, get("harrier_trace_n")?))
+        Ok((get(TRACE_SYMBOL)?, get(TRACE_COUNT_SYMBOL)?))
     }
 
     /// Empties the trace buffer (synchronous; measurement only, see [`TraceRecord`]).
@@ -2270,6 +2274,7 @@ mod tests {
     fn trace_capacity_matches_the_source() {
         assert!(SOURCE.contains(&format!("#define TRACE_CAP {TRACE_CAP}\n")));
         assert!(SOURCE.contains(&format!(" {TRACE_SYMBOL}[TRACE_CAP][8];")));
+        assert!(SOURCE.contains(&format!(" {TRACE_COUNT_SYMBOL};")));
         assert!(SOURCE.contains(
             "r[6] = ((unsigned long long)gridDim.x * gridDim.y * gridDim.z << 32) | ((unsigned long long)blockDim.x << 16) | smid;"
         ));

@@ -949,23 +949,25 @@ impl GpuModel {
                     if skip.runs(Stage::Qkv) {
                         k.skinny_gemm(stream, &qkv_launch(s.x.ptr).normed(w.input_norm.ptr, eps))?;
                     }
-                } else if skip.runs(Stage::Norm) {
-                    k.add_rmsnorm(
-                        stream,
-                        s.x.ptr,
-                        pending,
-                        w.input_norm.ptr,
-                        s.h.ptr,
-                        0,
-                        t as u32,
-                        hid as i32,
-                        eps,
-                    )?;
-                }
-                if !plan.norm && skip.runs(Stage::Qkv) {
-                    match rope_epi {
-                        true => k.skinny_gemm(stream, &qkv_launch(s.h.ptr))?,
-                        false => proj((s.h.ptr, &w.qkv, s.qkv.ptr), qkv_dim, hid)?,
+                } else {
+                    if skip.runs(Stage::Norm) {
+                        k.add_rmsnorm(
+                            stream,
+                            s.x.ptr,
+                            pending,
+                            w.input_norm.ptr,
+                            s.h.ptr,
+                            0,
+                            t as u32,
+                            hid as i32,
+                            eps,
+                        )?;
+                    }
+                    if skip.runs(Stage::Qkv) {
+                        match rope_epi {
+                            true => k.skinny_gemm(stream, &qkv_launch(s.h.ptr))?,
+                            false => proj((s.h.ptr, &w.qkv, s.qkv.ptr), qkv_dim, hid)?,
+                        }
                     }
                 }
                 if !rope_epi && skip.runs(Stage::Norm) {
@@ -1032,18 +1034,13 @@ impl GpuModel {
                     )?,
                 }
                 if plan.residual {
+                    // x += input · wᵀ (the o and down projections).
+                    let into_x = |p: &Proj, input, k_dim| {
+                        p.skinny((input, s.x.ptr), gemm_rows, hid, k_dim, Epi::Residual)
+                    };
                     // x += o(attn); act = act(gate) * up of norm(x).
                     if skip.runs(Stage::O) {
-                        k.skinny_gemm(
-                            stream,
-                            &w.o.skinny(
-                                (s.attn.ptr, s.x.ptr),
-                                gemm_rows,
-                                hid,
-                                nh * hd,
-                                Epi::Residual,
-                            ),
-                        )?;
+                        k.skinny_gemm(stream, &into_x(&w.o, s.attn.ptr, nh * hd))?;
                     }
                     let gate_up = |x| {
                         w.gate_up
@@ -1073,16 +1070,7 @@ impl GpuModel {
                     }
                     // x += down(act).
                     if skip.runs(Stage::Down) {
-                        k.skinny_gemm(
-                            stream,
-                            &w.down.skinny(
-                                (s.act.ptr, s.x.ptr),
-                                gemm_rows,
-                                hid,
-                                inter,
-                                Epi::Residual,
-                            ),
-                        )?;
+                        k.skinny_gemm(stream, &into_x(&w.down, s.act.ptr, inter))?;
                     }
                     continue;
                 }
@@ -1101,23 +1089,23 @@ impl GpuModel {
                         eps,
                     )?;
                 }
-                if !skip.runs(Stage::GateUp) {
-                    // (measurement: no gate|up)
-                } else if skinny {
-                    k.skinny_gemm(
-                        stream,
-                        &w.gate_up
-                            .skinny((s.h.ptr, s.act.ptr), gemm_rows, inter, hid, gated),
-                    )?;
-                } else {
-                    proj((s.h.ptr, &w.gate_up, s.gate_up.ptr), 2 * inter, hid)?;
-                    k.gated_act(
-                        stream,
-                        (s.act.ptr, s.gate_up.ptr),
-                        inter as i32,
-                        t as u32,
-                        gelu,
-                    )?;
+                if skip.runs(Stage::GateUp) {
+                    if skinny {
+                        k.skinny_gemm(
+                            stream,
+                            &w.gate_up
+                                .skinny((s.h.ptr, s.act.ptr), gemm_rows, inter, hid, gated),
+                        )?;
+                    } else {
+                        proj((s.h.ptr, &w.gate_up, s.gate_up.ptr), 2 * inter, hid)?;
+                        k.gated_act(
+                            stream,
+                            (s.act.ptr, s.gate_up.ptr),
+                            inter as i32,
+                            t as u32,
+                            gelu,
+                        )?;
+                    }
                 }
                 if skip.runs(Stage::Down) {
                     proj((s.act.ptr, &w.down, s.delta.ptr), hid, inter)?;
@@ -1209,7 +1197,7 @@ mod tests {
     use super::*;
     use crate::gen_model::Preset;
 
-    /// Which kernels a step's projections take, by step size, storage and model.
+    /// `HARRIER_SKIP_STAGES` names stages; an unknown name is an error.
     #[test]
     fn skipped_stages_parse_by_name() {
         let s = SkipStages::parse("qkv, gate_up,head").expect("parses");
@@ -1224,6 +1212,7 @@ mod tests {
         assert!(SkipStages::parse("qkv,mlp").is_err());
     }
 
+    /// Which kernels a step's projections take, by step size, storage and model.
     #[test]
     fn projection_plans_follow_the_row_limits() {
         let llama = Preset::from_name("llama-3.2-1b").unwrap().config();
