@@ -2052,27 +2052,8 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, const void
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// 16 bytes global -> shared, cached in L2 only (the weight stream: read once); zero-filled
-// without reading when !valid. Committed in groups; cp_async_wait_group<N> waits until at most
-// the N newest of this thread's groups are pending.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    u32 d;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(d) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-// The dynamic shared memory of the skinny kernels, for the staged instances' ring (the same
-// memory as skinny_gemm's xs_dyn).
-extern __shared__ uint4 sk_dyn[];
-
-
-template <int NT, int R, bool F8, int W = SK_WARPS, int ST = 0>
+template <int NT, int R, bool F8, int W = SK_WARPS>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
-    static_assert(ST == 0 || NT == 1, "the staged instances take up to 8 input rows");
     constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
     __shared__ float red[W / 2][R][NT][32][4];
     __shared__ float inv_sh[8];
@@ -2110,35 +2091,8 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
             }
         }
     };
-    // ST > 0 (the staged instances): a ring of ST chunks a warp in shared memory after the
-    // staged input ([K] norm weights, [M][K] x), filled by cp.async, so that no registers hold
-    // the loads in flight. Slot s: tile i's row-a and row-b chunks, one uint4 a lane each.
-    // Past the last chunk a fill commits an empty group (the wait below counts uniformly).
-    // Row addresses are recomputed rather than held (wa and wb are dead in these).
-    auto ring = [&]() { return sk_dyn + (p.M + 1) * (p.K >> 3) + warp * ST * R * 64; };
-    auto fill = [&](int c, int s) {
-        if (c < nchunks) {
-            const size_t row_u4 = (size_t)p.K >> (F8 ? 4 : 3);
-            const uint4* w = (const uint4*)p.w + t + 4 * c;
-            uint4* slot = ring() + s * R * 64 + lane;
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                const int r0 = n0 + (gated ? 8 * i : 16 * i) + g;
-                const int r1 = gated ? p.N + r0 : r0 + 8;
-                const bool v0 = r0 < p.N, v1 = gated ? v0 : r1 < p.N;
-                cp_async16(slot + i * 64, w + (v0 ? r0 : 0) * row_u4, v0);
-                cp_async16(slot + i * 64 + 32, w + (v1 ? r1 : 0) * row_u4, v1);
-            }
-        }
-        cp_async_commit();
-    };
 #ifndef SK_NO_EARLY  // measurement only (HARRIER_KERNEL_DEFINES): first weight loads after the wait
-    if constexpr (ST > 0) {
-#pragma unroll
-        for (int s = 0; s < ST; s++) fill(c0 + s * W, s);
-    } else {
-        load(c0);
-    }
+    load(c0);
 #endif
     // Epilogue operands no launch of the last one writes, copied into shared memory before
     // waiting (cp.async: no registers held across the main loop, which would cost the 8-warp
@@ -2177,28 +2131,13 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     }
     PDL_ENTER();
 #ifdef SK_NO_EARLY
-    if constexpr (ST > 0) {
-#pragma unroll
-        for (int s = 0; s < ST; s++) fill(c0 + s * W, s);
-    } else {
-        load(c0);
-    }
+    load(c0);
 #endif
     // The normed input, staged once per block in dynamic shared memory ([M][K] bf16 after the
     // norm weights [K]): one round of loads (issued behind the first weight loads), the sums of
     // squares, then the rows normalised in place. The main loop then reads x from shared memory.
     extern __shared__ uint4 xs_dyn[];
     uint4* xs = xs_dyn + (p.K >> 3);
-    if constexpr (ST > 0) {
-        // The staged instances stage an input without a norm too (plain loads: a cp.async
-        // wait would wait for the ring as well), so no global read is left in their main loop.
-        if (!norm) {
-            const int n = p.M * (p.K >> 3);
-#pragma unroll 4
-            for (int i = threadIdx.x; i < n; i += blockDim.x) xs[i] = __ldg((const uint4*)p.x + i);
-            __syncthreads();
-        }
-    }
     if (norm) {
         const int kc = p.K >> 3;
         float ss[8];
@@ -2238,79 +2177,47 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     for (int i = 0; i < R; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
-    if constexpr (ST > 0) {
-        // Chunk k of the warp sits in slot k % ST (group k); ST groups are pending ahead of
-        // it. The slot is refilled with chunk k + ST after its products (which consumed it).
-        // One row tile at a time from the ring, so few registers hold weights.
-        int s = 0;
-        for (int c = c0; c < nchunks; c += W) {
-            cp_async_wait_group<(ST > 0 ? ST - 1 : 0)>();
-            uint4 xv[F8 ? 2 : 1];
+    while (true) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + u * W;
+            if (c >= nchunks) break;
+            // FP8: the 16 loaded bytes are two 8-k halves, each converted and fed like a bf16
+            // chunk (k order t * 16 + 8 h + e; x is read at the same k).
 #pragma unroll
             for (int h = 0; h < (F8 ? 2 : 1); h++) {
                 const int k0 = F8 ? c * 64 + t * 16 + 8 * h : c * 32 + t * 8;
-                xv[h] = g < p.M ? xs[(g * p.K + k0) >> 3] : zero;
-            }
-            const uint4* slot = ring() + s * R * 64 + lane;
+                uint4 wa_h[R], wb_h[R];
 #pragma unroll
-            for (int i = 0; i < R; i++) {
-                const uint4 ra = slot[i * 64], rb = slot[i * 64 + 32];
-#pragma unroll
-                for (int h = 0; h < (F8 ? 2 : 1); h++) {
-                    const uint4 wa_h = !F8 ? ra : h ? e4m3x8_bf16(ra.z, ra.w) : e4m3x8_bf16(ra.x, ra.y);
-                    const uint4 wb_h = !F8 ? rb : h ? e4m3x8_bf16(rb.z, rb.w) : e4m3x8_bf16(rb.x, rb.y);
-                    u32 a1[4] = {wa_h.x, wb_h.x, wa_h.y, wb_h.y};
-                    u32 a2[4] = {wa_h.z, wb_h.z, wa_h.w, wb_h.w};
-                    mma_bf16(acc[i][0], a1, xv[h].x, xv[h].y);
-                    mma_bf16(acc[i][0], a2, xv[h].z, xv[h].w);
+                for (int i = 0; i < R; i++) {
+                    if (F8) {
+                        wa_h[i] = h ? e4m3x8_bf16(a[i][u].z, a[i][u].w) : e4m3x8_bf16(a[i][u].x, a[i][u].y);
+                        wb_h[i] = h ? e4m3x8_bf16(b[i][u].z, b[i][u].w) : e4m3x8_bf16(b[i][u].x, b[i][u].y);
+                    } else {
+                        wa_h[i] = a[i][u];
+                        wb_h[i] = b[i][u];
+                    }
                 }
-            }
-            fill(c + ST * W, s);
-            s = s + 1 == ST ? 0 : s + 1;
-        }
-    } else {
-        while (true) {
 #pragma unroll
-            for (int u = 0; u < U; u++) {
-                int c = c0 + u * W;
-                if (c >= nchunks) break;
-                // FP8: the 16 loaded bytes are two 8-k halves, each converted and fed like a bf16
-                // chunk (k order t * 16 + 8 h + e; x is read at the same k).
-#pragma unroll
-                for (int h = 0; h < (F8 ? 2 : 1); h++) {
-                    const int k0 = F8 ? c * 64 + t * 16 + 8 * h : c * 32 + t * 8;
-                    uint4 wa_h[R], wb_h[R];
+                for (int j = 0; j < NT; j++) {
+                    int m = g + 8 * j;
+                    uint4 xv = zero;
+                    if (m < p.M) {
+                        xv = norm ? xs[(m * p.K + k0) >> 3] : __ldg((const uint4*)(p.x + (size_t)m * p.K + k0));
+                    }
 #pragma unroll
                     for (int i = 0; i < R; i++) {
-                        if (F8) {
-                            wa_h[i] = h ? e4m3x8_bf16(a[i][u].z, a[i][u].w) : e4m3x8_bf16(a[i][u].x, a[i][u].y);
-                            wb_h[i] = h ? e4m3x8_bf16(b[i][u].z, b[i][u].w) : e4m3x8_bf16(b[i][u].x, b[i][u].y);
-                        } else {
-                            wa_h[i] = a[i][u];
-                            wb_h[i] = b[i][u];
-                        }
-                    }
-#pragma unroll
-                    for (int j = 0; j < NT; j++) {
-                        int m = g + 8 * j;
-                        uint4 xv = zero;
-                        if (m < p.M) {
-                            xv = norm ? xs[(m * p.K + k0) >> 3] : __ldg((const uint4*)(p.x + (size_t)m * p.K + k0));
-                        }
-#pragma unroll
-                        for (int i = 0; i < R; i++) {
-                            u32 a1[4] = {wa_h[i].x, wb_h[i].x, wa_h[i].y, wb_h[i].y};
-                            u32 a2[4] = {wa_h[i].z, wb_h[i].z, wa_h[i].w, wb_h[i].w};
-                            mma_bf16(acc[i][j], a1, xv.x, xv.y);
-                            mma_bf16(acc[i][j], a2, xv.z, xv.w);
-                        }
+                        u32 a1[4] = {wa_h[i].x, wb_h[i].x, wa_h[i].y, wb_h[i].y};
+                        u32 a2[4] = {wa_h[i].z, wb_h[i].z, wa_h[i].w, wb_h[i].w};
+                        mma_bf16(acc[i][j], a1, xv.x, xv.y);
+                        mma_bf16(acc[i][j], a2, xv.z, xv.w);
                     }
                 }
             }
-            c0 += W * U;
-            if (c0 >= nchunks) break;
-            load(c0);
         }
+        c0 += W * U;
+        if (c0 >= nchunks) break;
+        load(c0);
     }
     // Pairwise tree over the warps: warp w += warp w + h for h = W / 2, ..., 1.
 #pragma unroll
@@ -2435,31 +2342,6 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(Skin
 // an SM (at most 64 registers; 62, no spills, where the unbound one takes 90), so a launch of
 // 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
-// Staged instances (up to 8 input rows; the host's skinny_staged): the weight loads in flight
-// sit in a shared-memory ring (SK_STAGES_1 chunks a warp over one row tile, SK_STAGES_4 over
-// four) instead of registers, and the input is staged whole in shared memory, so a block holds
-// few registers (the 16-warp one two blocks an SM) and the next launch's blocks find room
-// beside it while its loads stay as deep.
-#define SK_STAGES_1 4
-#define SK_STAGES_4 2
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_st(SkinnyIn p) {
-    skinny_gemm<1, 1, false, SK_WARPS, SK_STAGES_1>(p);
-}
-extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_st(SkinnyIn p) {
-    skinny_gemm<1, 1, false, 8, SK_STAGES_1>(p);
-}
-extern "C" __global__ void __launch_bounds__(8 * 32, 4) skinny_gemm_8_r4_w8_st(SkinnyIn p) {
-    skinny_gemm<1, 4, false, 8, SK_STAGES_4>(p);
-}
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_f8_8_st(SkinnyIn p) {
-    skinny_gemm<1, 1, true, SK_WARPS, SK_STAGES_1>(p);
-}
-extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_f8_8_w8_st(SkinnyIn p) {
-    skinny_gemm<1, 1, true, 8, SK_STAGES_1>(p);
-}
-extern "C" __global__ void __launch_bounds__(8 * 32, 4) skinny_gemm_f8_8_r4_w8_st(SkinnyIn p) {
-    skinny_gemm<1, 4, true, 8, SK_STAGES_4>(p);
-}
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the
 // copy): w[n, k] = bf16(e4m3(q[n, k]) * scale[n]); 8 weights a thread, k % 8 == 0.

@@ -313,79 +313,13 @@ const SKINNY_INSTANCES: [[&str; 8]; 2] = [
     ],
 ];
 
-/// The staged skinny instances (up to 8 input rows), bf16 weights then FP8: 16-warp blocks
-/// over one row tile, 8-warp blocks over one and over four (see [`Kernels::skinny_gemm`]).
-const SKINNY_STAGED: [[&str; 3]; 2] = [
-    [
-        "skinny_gemm_8_st",
-        "skinny_gemm_8_w8_st",
-        "skinny_gemm_8_r4_w8_st",
-    ],
-    [
-        "skinny_gemm_f8_8_st",
-        "skinny_gemm_f8_8_w8_st",
-        "skinny_gemm_f8_8_r4_w8_st",
-    ],
-];
-
-/// Ring depths of the staged instances in chunks a warp (`SK_STAGES_1` / `SK_STAGES_4` in the
-/// source): over one row tile and over four. A chunk is 1 KiB a row tile a warp.
-const SKINNY_STAGES: [usize; 2] = [4, 2];
-
-/// The most bytes of input (with the norm weights) a staged launch holds in shared memory;
-/// larger inputs take the register instances.
-const SKINNY_STAGED_X_MAX: usize = 64 << 10;
-
-/// The dynamic shared memory the staged instances ask for at load: their largest input and
-/// ring (16 warps x 4 stages, or 8 warps x 2 stages x 4 tiles: 64 KiB).
-const SKINNY_STAGED_SMEM: usize = SKINNY_STAGED_X_MAX + (64 << 10);
-
-/// The launch shapes that take the staged instances, a bit each (`HARRIER_SKINNY_STAGED_SHAPES`
-/// overrides it, to measure): 16-warp blocks over one row tile (1), 8-warp blocks over one (2)
-/// and over four (4).
-const SKINNY_STAGED_SHAPES: u32 = 2 | 4;
-
-/// Launches of more blocks than this take the register instances
-/// (`HARRIER_SKINNY_STAGED_MAX_BLOCKS` overrides it, to measure).
-const SKINNY_STAGED_MAX_BLOCKS: u32 = 1024;
-
 /// Every `extern "C"` kernel in [`SOURCE`], in the order [`Kernels`] keeps their functions.
 pub fn kernel_names() -> impl Iterator<Item = &'static str> {
     KERNELS
         .iter()
         .chain(SKINNY_INSTANCES.iter().flatten())
         .chain([&SKINNY_B2])
-        .chain(SKINNY_STAGED.iter().flatten())
         .copied()
-}
-
-/// The staged instance of an `m`-row launch (m <= 8) and its dynamic shared memory: `w8`
-/// 8-warp blocks (`r4`: over four row tiles) or 16-warp blocks over one, where `shapes` has
-/// the shape's bit ([`SKINNY_STAGED_SHAPES`]); `None` for 16-warp blocks over four (no staged
-/// instance) and inputs past [`SKINNY_STAGED_X_MAX`]. The memory is the input after room for
-/// norm weights (`(m + 1) x k` bf16, as the kernel lays it out), then each warp's ring.
-fn skinny_staged(
-    m: usize,
-    k: usize,
-    r4: bool,
-    f8: bool,
-    w8: bool,
-    shapes: u32,
-) -> Option<(&'static str, u32)> {
-    let x = (m + 1) * k * 2;
-    if m > 8 || x > SKINNY_STAGED_X_MAX || (r4 && !w8) {
-        return None;
-    }
-    let (shape, warps, tiles) = match (w8, r4) {
-        (false, _) => (0, SKINNY_WARPS as usize, 1),
-        (true, false) => (1, 8, 1),
-        (true, true) => (2, 8, 4),
-    };
-    if shapes & (1 << shape) == 0 {
-        return None;
-    }
-    let ring = warps * SKINNY_STAGES[usize::from(r4)] * tiles * 1024;
-    Some((SKINNY_STAGED[usize::from(f8)][shape], (x + ring) as u32))
 }
 
 /// The instance of an `m`-row launch (`r4`: 4 row tiles a block, m <= 16; `w8`: 8-warp blocks,
@@ -926,13 +860,6 @@ pub struct Kernels {
     skinny_b2: bool,
     /// Dynamic shared memory the skinny kernels were allowed at load.
     skinny_smem: usize,
-    /// Launches of up to 8 rows take the staged instances where [`skinny_staged`] has one
-    /// (off with `HARRIER_SKINNY_STAGED=0`, in `load_with`'s builds, and where the device does
-    /// not allow [`SKINNY_STAGED_SMEM`]).
-    skinny_staged: bool,
-    /// [`SKINNY_STAGED_MAX_BLOCKS`] and [`SKINNY_STAGED_SHAPES`] (from the environment at load).
-    staged_max_blocks: u32,
-    staged_shapes: u32,
     /// Launches carry the programmatic-stream-serialization attribute (programmatic dependent
     /// launch: see [`pdl_default`]).
     pdl: bool,
@@ -1049,18 +976,9 @@ impl Kernels {
             skinny_smem: SKINNY_SMEM_MAX,
             w8_rule: W8Rule::from_env(),
             skinny_b2: skinny_w8 && switch_on("HARRIER_SKINNY_B2"),
-            skinny_staged: skinny_w8 && switch_on("HARRIER_SKINNY_STAGED"),
-            staged_max_blocks: env_number("HARRIER_SKINNY_STAGED_MAX_BLOCKS")
-                .unwrap_or(SKINNY_STAGED_MAX_BLOCKS),
-            staged_shapes: env_number("HARRIER_SKINNY_STAGED_SHAPES")
-                .unwrap_or(SKINNY_STAGED_SHAPES),
             r4_from: env_number("HARRIER_SKINNY_R4_FROM_TILES").unwrap_or(SKINNY_R4_FROM_TILES),
             pdl,
         };
-        // Every kernel's preferred shared-memory share of the SM's L1 (percent;
-        // `HARRIER_SMEM_CARVEOUT`, to measure): an SM changes its split only when idle, so
-        // kernels of different splits cannot share it.
-        let carveout: Option<i32> = env_number("HARRIER_SMEM_CARVEOUT");
         for name in kernel_names() {
             if !dtype.has_kernel(name) {
                 k.f.insert(name, std::ptr::null_mut());
@@ -1069,21 +987,7 @@ impl Kernels {
             let n = std::ffi::CString::new(name).expect("kernel names have no NUL");
             // SAFETY: `module` is loaded; `n` is NUL-terminated.
             let f = ck(unsafe { dr::module::get_function(module, n) }, name)?;
-            let staged = SKINNY_STAGED.iter().flatten().any(|&s| s == name);
-            if staged && k.skinny_staged {
-                // SAFETY: as below.
-                let raised = unsafe {
-                    dr::function::set_function_attribute(
-                        f,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        SKINNY_STAGED_SMEM as i32,
-                    )
-                };
-                k.skinny_staged = raised.is_ok();
-            } else if name.starts_with("skinny_gemm")
-                && !staged
-                && k.skinny_smem > SKINNY_SMEM_FALLBACK
-            {
+            if name.starts_with("skinny_gemm") && k.skinny_smem > SKINNY_SMEM_FALLBACK {
                 // SAFETY: `f` is a loaded function; the attribute only raises its own limit.
                 let raised = unsafe {
                     dr::function::set_function_attribute(
@@ -1095,17 +999,6 @@ impl Kernels {
                 if raised.is_err() {
                     k.skinny_smem = SKINNY_SMEM_FALLBACK;
                 }
-            }
-            if let Some(carveout) = carveout {
-                // SAFETY: `f` is a loaded function; the attribute is a placement preference.
-                unsafe {
-                    dr::function::set_function_attribute(
-                        f,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                        carveout,
-                    )
-                }
-                .map_err(|e| anyhow!("{name}: shared memory carveout {carveout}: {e:?}"))?;
             }
             k.f.insert(name, f);
         }
@@ -1991,23 +1884,11 @@ impl Kernels {
         // (b2 first: a launch both rules take runs 16 warps, as SKINNY_B2 is compiled for.)
         let b2 = self.skinny_b2 && self.w8_rule.two_blocks(m, blocks, k, f8, r4);
         let w8 = !b2 && self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
-        let norm = p.norm_w != 0;
-        // The staged instances replace the 8-row ones (b2's 16 warps: its one-tile shape).
-        let staged = match self.skinny_staged && blocks <= self.staged_max_blocks {
-            true => skinny_staged(m, k, r4, f8, w8, self.staged_shapes),
-            false => None,
-        };
-        if let Some((name, smem)) = staged {
-            let warps = if w8 { 8 } else { self.skinny_warps };
-            let mut a = params![*p];
-            // SAFETY: as below; `smem` is within SKINNY_STAGED_SMEM, which `load_ptx` allowed.
-            return unsafe { self.launch_smem(name, (blocks, 1, 1), warps * 32, smem, s, &mut a) };
-        }
         let name = match b2 {
             true => SKINNY_B2,
             false => skinny_instance(m, r4, f8, w8),
         };
-        let smem = if norm {
+        let smem = if p.norm_w != 0 {
             if !self.skinny_norm_supports(m, k) {
                 bail!("skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory");
             }
@@ -2195,7 +2076,6 @@ mod tests {
         // The instance table names every skinny kernel once, FP8 ones in the FP8 row.
         let mut table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
         table.push(SKINNY_B2);
-        table.extend(SKINNY_STAGED.iter().flatten());
         let listed: Vec<&str> = kernel_names()
             .filter(|k| k.starts_with("skinny_gemm_"))
             .collect();
@@ -2231,71 +2111,6 @@ mod tests {
         ] {
             assert_eq!(skinny_instance(m, r4, f8, w8), want, "{m} {r4} {f8} {w8}");
         }
-    }
-
-    /// The staged instances: up to 8 rows, inputs up to 64 KiB, every shape but 16-warp
-    /// blocks over four tiles; the shared memory is the input then 1 KiB a stage, tile and warp.
-    #[test]
-    fn skinny_staged_instance_and_shared_memory() {
-        let all = 1 | 2 | 4;
-        // The 1B at batch 1: q|k|v (16 warps), down (input 8,192 wide), gate|up and head.
-        assert_eq!(
-            skinny_staged(1, 2048, false, false, false, all),
-            Some(("skinny_gemm_8_st", 2 * 4096 + 16 * 4 * 1024))
-        );
-        assert_eq!(
-            skinny_staged(1, 8192, false, true, false, all),
-            Some(("skinny_gemm_f8_8_st", 2 * 16384 + 16 * 4 * 1024))
-        );
-        assert_eq!(
-            skinny_staged(8, 2048, true, false, true, all),
-            Some(("skinny_gemm_8_r4_w8_st", 9 * 4096 + 8 * 2 * 4 * 1024))
-        );
-        assert_eq!(
-            skinny_staged(2, 4096, false, false, true, all),
-            Some(("skinny_gemm_8_w8_st", 3 * 8192 + 8 * 4 * 1024))
-        );
-        assert_eq!(
-            skinny_staged(9, 2048, false, false, false, all),
-            None,
-            "9 rows"
-        );
-        assert_eq!(
-            skinny_staged(7, 8192, false, false, false, all),
-            None,
-            "128 KiB of input"
-        );
-        assert!(
-            skinny_staged(3, 8192, false, false, false, all).is_some(),
-            "64 KiB"
-        );
-        assert_eq!(
-            skinny_staged(1, 2048, true, false, false, all),
-            None,
-            "16 warps, 4 tiles"
-        );
-        // The shape bits: 16 warps (1), 8 warps over one tile (2), over four (4).
-        assert_eq!(skinny_staged(1, 2048, false, false, false, 2 | 4), None);
-        assert_eq!(skinny_staged(1, 2048, false, false, true, 1 | 4), None);
-        assert_eq!(skinny_staged(1, 2048, true, false, true, 1 | 2), None);
-        assert!(skinny_staged(1, 2048, true, false, true, SKINNY_STAGED_SHAPES).is_some());
-        // Every staged shape fits what load_ptx asks for, and the depths are the source's.
-        for (m, k) in [(7, 4096), (1, 16384), (3, 8192)] {
-            for (r4, w8) in [(false, false), (false, true), (true, true)] {
-                let (_, smem) = skinny_staged(m, k, r4, false, w8, all).expect("fits");
-                assert!(smem as usize <= SKINNY_STAGED_SMEM, "{m} {k} {r4} {w8}");
-            }
-        }
-        assert!(SOURCE.contains(&format!("#define SK_STAGES_1 {}\n", SKINNY_STAGES[0])));
-        assert!(SOURCE.contains(&format!("#define SK_STAGES_4 {}\n", SKINNY_STAGES[1])));
-        // The kernel's ring starts after (M + 1) x K input elements, as the host sizes it.
-        assert!(SOURCE.contains("sk_dyn + (p.M + 1) * (p.K >> 3) + warp * ST * R * 64"));
-        assert!(SKINNY_STAGED[1]
-            .iter()
-            .all(|k| k.contains("_f8_") && k.ends_with("_st")));
-        assert!(SKINNY_STAGED[0]
-            .iter()
-            .all(|k| !k.contains("_f8_") && k.ends_with("_st")));
     }
 
     #[test]
@@ -2340,8 +2155,7 @@ mod tests {
             (define("SK_WARPS"), define("SK_ROWS")),
             (SKINNY_WARPS, SKINNY_ROWS)
         );
-        // Every instance but the `_w8` (and `_w8_st`) ones launches with SK_WARPS warps, as the
-        // host does.
+        // Every instance but the `_w8` ones launches with SK_WARPS warps, as the host does.
         let bounds = |k: &str| {
             SOURCE.lines().find_map(|l| {
                 l.strip_prefix("extern \"C\" __global__ void __launch_bounds__(")
@@ -2352,7 +2166,7 @@ mod tests {
         // (The thread count; a `_w8` instance may add a minimum of blocks per SM.)
         let threads = |k: &str| bounds(k).map(|b| b.split(',').next().unwrap_or("").to_string());
         for k in kernel_names().filter(|k| k.starts_with("skinny_gemm_")) {
-            let want = if k.ends_with("_w8") || k.ends_with("_w8_st") {
+            let want = if k.ends_with("_w8") {
                 "8 * 32"
             } else {
                 "SK_WARPS * 32"
