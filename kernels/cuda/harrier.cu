@@ -2342,11 +2342,6 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(Skin
 // an SM (at most 64 registers; 62, no spills, where the unbound one takes 90), so a launch of
 // 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
-// One-tile 8-warp blocks held to 64 registers (four blocks an SM): a 16-warp block of up to 96
-// registers (the 1B's down, 49,152 of the SM's 65,536) leaves room for exactly one, so the
-// launch after it (the 1B's q|k|v) starts streaming its weights beside it.
-extern "C" __global__ void __launch_bounds__(8 * 32, 4) skinny_gemm_8_w8_b4(SkinnyIn p) { skinny_gemm<1, 1, false, 8>(p); }
-extern "C" __global__ void __launch_bounds__(8 * 32, 4) skinny_gemm_f8_8_w8_b4(SkinnyIn p) { skinny_gemm<1, 1, true, 8>(p); }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the
 // copy): w[n, k] = bf16(e4m3(q[n, k]) * scale[n]); 8 weights a thread, k % 8 == 0.

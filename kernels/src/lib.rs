@@ -319,7 +319,6 @@ pub fn kernel_names() -> impl Iterator<Item = &'static str> {
         .iter()
         .chain(SKINNY_INSTANCES.iter().flatten())
         .chain([&SKINNY_B2])
-        .chain(SKINNY_W8_B4.iter())
         .copied()
 }
 
@@ -349,11 +348,6 @@ fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
 /// the same; up to 400 blocks (two waves) lost (3B 2.535, 8B 5.008). `HARRIER_SKINNY_B2=0`:
 /// the 8-warp and `skinny_gemm_8` instances instead, to compare.
 const SKINNY_B2: &str = "skinny_gemm_8_b2";
-/// One-tile 8-warp instances held to 64 registers, bf16 then FP8 weights: one fits beside a
-/// 16-warp block of up to 96 registers (the 1B's down), so the launch after it starts beside
-/// it (see [`W8Rule::four_blocks`]).
-const SKINNY_W8_B4: [&str; 2] = ["skinny_gemm_8_w8_b4", "skinny_gemm_f8_8_w8_b4"];
-
 /// Two blocks on each of an H100's or H200's 132 SMs (`HARRIER_SKINNY_B2_MAX_BLOCKS`
 /// overrides it, to measure).
 const SKINNY_B2_MAX_BLOCKS: u32 = 264;
@@ -398,9 +392,6 @@ struct W8Rule {
     /// (`min_blocks` by default; `HARRIER_SKINNY_B2_LONG_MIN_BLOCKS` lowers it, to measure:
     /// 128 takes the 1B's down only).
     b2_long_min_blocks: u32,
-    /// Whether [`W8Rule::four_blocks`] launches take [`SKINNY_W8_B4`]
-    /// (`HARRIER_SKINNY_W8_B4`).
-    w8_b4: bool,
 }
 
 impl Default for W8Rule {
@@ -411,7 +402,6 @@ impl Default for W8Rule {
             b2_max_blocks: SKINNY_B2_MAX_BLOCKS,
             b2_min_blocks: SKINNY_W8_MIN_BLOCKS,
             b2_long_min_blocks: SKINNY_W8_MIN_BLOCKS,
-            w8_b4: false,
         }
     }
 }
@@ -426,19 +416,11 @@ impl W8Rule {
             b2_min_blocks: env_number("HARRIER_SKINNY_B2_MIN_BLOCKS").unwrap_or(d.b2_min_blocks),
             b2_long_min_blocks: env_number("HARRIER_SKINNY_B2_LONG_MIN_BLOCKS")
                 .unwrap_or(d.b2_long_min_blocks),
-            w8_b4: std::env::var("HARRIER_SKINNY_W8_B4").map_or(d.w8_b4, |v| v != "0"),
         }
     }
 
     fn fits(self, m: usize, blocks: u32, k: usize, f8: bool) -> bool {
         m <= 8 && blocks >= self.min_blocks && (f8 || k <= self.max_k)
-    }
-
-    /// Whether a launch takes [`SKINNY_W8_B4`] (before the others): one-tile launches of up to
-    /// 8 rows that fit one wave at two blocks an SM and that the 8-warp rule takes (the 1B's
-    /// q|k|v, the 3B's and 8B's o).
-    fn four_blocks(self, m: usize, blocks: u32, k: usize, f8: bool, r4: bool) -> bool {
-        self.w8_b4 && !r4 && self.fits(m, blocks, k, f8) && blocks <= self.b2_max_blocks
     }
 
     /// Whether a launch takes [`SKINNY_B2`] (before the 8-warp instances, which then do not
@@ -1900,13 +1882,11 @@ impl Kernels {
         let blocks = (p.n as u32).div_ceil(rows);
         // (skinny_w8_fits holds only up to 8 rows: the `_w8` instances are 8-row ones.)
         // (b2 first: a launch both rules take runs 16 warps, as SKINNY_B2 is compiled for.)
-        let b4 = self.skinny_b2 && self.w8_rule.four_blocks(m, blocks, k, f8, r4);
-        let b2 = !b4 && self.skinny_b2 && self.w8_rule.two_blocks(m, blocks, k, f8, r4);
-        let w8 = b4 || (!b2 && self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8));
-        let name = match (b4, b2) {
-            (true, _) => SKINNY_W8_B4[usize::from(f8)],
-            (_, true) => SKINNY_B2,
-            _ => skinny_instance(m, r4, f8, w8),
+        let b2 = self.skinny_b2 && self.w8_rule.two_blocks(m, blocks, k, f8, r4);
+        let w8 = !b2 && self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
+        let name = match b2 {
+            true => SKINNY_B2,
+            false => skinny_instance(m, r4, f8, w8),
         };
         let smem = if p.norm_w != 0 {
             if !self.skinny_norm_supports(m, k) {
@@ -2067,7 +2047,6 @@ mod tests {
             b2_max_blocks: 0,
             b2_min_blocks: 96,
             b2_long_min_blocks: 160,
-            w8_b4: false,
         };
         assert!(wide.fits(1, 128, 8192, false), "1B down, 8 warps");
         assert!(
@@ -2091,43 +2070,12 @@ mod tests {
         };
         assert!(long.two_blocks(1, 128, 8192, false, false), "1B down");
         assert!(!long.two_blocks(1, 128, 2048, false, false), "not the 1B o");
-        // The 64-register 8-warp instances (switched on): the 1B's q|k|v (bf16 and FP8), the
-        // 3B's and 8B's o; not the 1B's o and down (128 blocks), the 3B's down (k 8,192, bf16),
-        // four-tile launches or two waves.
-        let b4 = W8Rule {
-            w8_b4: true,
-            ..W8Rule::default()
-        };
-        assert!(
-            b4.four_blocks(1, 192, 2048, false, false) && b4.four_blocks(8, 192, 2048, true, false)
-        );
-        assert!(
-            b4.four_blocks(1, 192, 3072, false, false)
-                && b4.four_blocks(1, 256, 4096, false, false)
-        );
-        assert!(
-            !b4.four_blocks(1, 128, 2048, false, false)
-                && !b4.four_blocks(1, 128, 8192, false, false)
-        );
-        assert!(
-            !b4.four_blocks(1, 192, 8192, false, false)
-                && !b4.four_blocks(1, 256, 2048, false, true)
-        );
-        assert!(
-            !b4.four_blocks(1, 384, 4096, false, false)
-                && !b4.four_blocks(9, 192, 2048, false, false)
-        );
-        assert!(
-            !W8Rule::default().four_blocks(1, 192, 2048, false, false),
-            "off by default"
-        );
         assert!(!fits(9, 192, 2048), "the 8-warp instances hold 8 rows");
         let w8 = kernel_names().filter(|k| k.ends_with("_w8")).count();
         assert_eq!(w8, 4);
         // The instance table names every skinny kernel once, FP8 ones in the FP8 row.
         let mut table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
         table.push(SKINNY_B2);
-        table.extend(SKINNY_W8_B4);
         let listed: Vec<&str> = kernel_names()
             .filter(|k| k.starts_with("skinny_gemm_"))
             .collect();
@@ -2218,7 +2166,7 @@ mod tests {
         // (The thread count; a `_w8` instance may add a minimum of blocks per SM.)
         let threads = |k: &str| bounds(k).map(|b| b.split(',').next().unwrap_or("").to_string());
         for k in kernel_names().filter(|k| k.starts_with("skinny_gemm_")) {
-            let want = if k.ends_with("_w8") || k.ends_with("_w8_b4") {
+            let want = if k.ends_with("_w8") {
                 "8 * 32"
             } else {
                 "SK_WARPS * 32"
