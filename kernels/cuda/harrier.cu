@@ -534,12 +534,14 @@ __device__ __forceinline__ void paged_attention_body(AttnIn a, float* part, int 
     int kh = h / (nh / nkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int nv = hd >> 5;
-    // V by rows (vrows, head dims 64 / 128 / 256): lpk = hd / 8 lanes read a key's V row, 8
-    // dims a lane in one 16-byte load, 32 / lpk keys a load round, so a tile's V loads are
-    // independent (all in flight at once for hd 64) instead of 32 dependent 4-byte rounds;
-    // each lane sums its keys' share and the lane groups are added at the end.
+    // V by rows (vrows): lpk = hd / 8 lanes read a key's V row, 8 dims a lane in one 16-byte
+    // load, kpr = 32 / lpk keys a load round (lanes past kpr * lpk idle when lpk does not
+    // divide 32), so a tile's V loads are independent (all in flight at once for hd 64)
+    // instead of 32 dependent rounds; each lane sums its keys' share and the lane groups are
+    // added at the end. The other loop (HARRIER_ATTN_VROWS=0, to compare) reads hd / 32 dims
+    // a lane and key, so only head dims 64, 128 and 256; every other one takes rows.
     const int lpk = hd >> 3;
-    vrows = vrows && hd >= 64 && hd <= 256 && (32 % lpk) == 0;
+    vrows = vrows || !(hd == 64 || hd == 128 || hd == 256);
     // Split decode launches (small batches, latency-bound; never a token list) read their
     // metadata before waiting on the previous kernel (q|k|v, which writes q and the new
     // keys): it is written before the step's graph starts or by kernels at least two launches
@@ -652,18 +654,23 @@ __device__ __forceinline__ void paged_attention_body(AttnIn a, float* part, int 
         if (vrows) {
             // This lane's keys (r * kpr + grp): their V rows' slots, then up to 8 rows'
             // loads at once, then the products.
+            // Round r: key r * kpr + grp (none past the tile's 32: weight 0, row zeros).
             const int kpr = 32 / lpk, grp = lane / lpk, sub = lane - grp * lpk;
-            for (int r0 = 0; r0 < lpk; r0 += 8) {
+            const int rounds = (32 + kpr - 1) / kpr;
+            for (int r0 = 0; r0 < rounds; r0 += 8) {
                 Chunk vr[8];
 #pragma unroll
                 for (int r = 0; r < 8; r++) {
-                    int si = __shfl_sync(0xffffffffu, slot, ((r0 + r) * kpr + grp) & 31);
-                    if (r0 + r < lpk) vr[r] = ld_chunk(v_cache + ((size_t)si * nkv + kh) * hd + sub * 8);
+                    const int ki = (r0 + r) * kpr + grp;
+                    int si = __shfl_sync(0xffffffffu, slot, ki & 31);
+                    if (r0 + r < rounds) vr[r] = ki < 32 ? ld_chunk(v_cache + ((size_t)si * nkv + kh) * hd + sub * 8) : Chunk{};
                 }
 #pragma unroll
                 for (int r = 0; r < 8; r++) {
-                    float w = __shfl_sync(0xffffffffu, pv, ((r0 + r) * kpr + grp) & 31);
-                    if (r0 + r >= lpk) break;
+                    const int ki = (r0 + r) * kpr + grp;
+                    float w = __shfl_sync(0xffffffffu, pv, ki & 31);
+                    if (r0 + r >= rounds) break;
+                    if (ki >= 32) w = 0.0f;
                     float v[8];
                     unpack_chunk(vr[r], v);
 #pragma unroll
@@ -691,10 +698,17 @@ __device__ __forceinline__ void paged_attention_body(AttnIn a, float* part, int 
         sm.l[warp] = l;
     }
     if (vrows) {
-        // Add the lane groups' sums: lanes 0 .. lpk - 1 then hold dims 8 lane .. 8 lane + 7.
-        for (int o = lpk; o < 32; o <<= 1)
+        // Add the lane groups' sums: lanes 0 .. lpk - 1 then hold dims 8 lane .. 8 lane + 7
+        // (a butterfly where lpk divides 32; else lane + g lpk for the kpr groups).
+        if (32 % lpk == 0) {
+            for (int o = lpk; o < 32; o <<= 1)
 #pragma unroll
-            for (int j = 0; j < 8; j++) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+                for (int j = 0; j < 8; j++) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+        } else {
+            for (int g = 1; g < 32 / lpk; g++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[j] += __shfl_sync(0xffffffffu, acc[j], (lane + g * lpk) & 31);
+        }
         if (lane < lpk)
 #pragma unroll
             for (int j = 0; j < 8; j++) sm.acc[warp][lane * 8 + j] = acc[j];

@@ -1237,11 +1237,16 @@ impl Kernels {
         let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         if nkv <= 0
             || nh % nkv != 0
+            || !(8..=256).contains(&hd)
+            || hd % 8 != 0
             || n_splits == 0
             || n_splits > ATTN_MAX_SPLITS
             || (tok_list != 0 && n_splits > 1)
         {
-            bail!("paged_attention: {nh} heads over {nkv} KV heads, {n_splits} splits, list {tok_list:#x}");
+            bail!(
+                "paged_attention: {nh} heads over {nkv} KV heads, head dim {hd} (a multiple of 8 \
+                 up to 256), {n_splits} splits, list {tok_list:#x}"
+            );
         }
         let ns = n_splits as i32;
         let prefetch = self.attn_prefetch as i32;

@@ -680,15 +680,21 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
     println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten | grouped rel. error | unwritten |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in 0..cases {
-        // Every seventh case has Gemma 3's head dim 256 (grouped kernel for G 1, 2, 4; no
-        // prefill tiles, as the executor does).
+        // Every seventh case has Gemma 3's head dim 256 (grouped kernel for G 1, 2, 4), or
+        // every other one of those 192: the generic `paged_attention` instance, which no
+        // grouped or tiled prefill kernel covers (the executor then takes the per-head kernel
+        // for every token, as here).
         let hd = if case % 7 == 6 {
-            256
+            if case % 14 == 13 {
+                192
+            } else {
+                256
+            }
         } else {
             [64usize, 128][case % 2]
         };
         let group = match hd {
-            256 => [1usize, 2, 4][(case / 7) % 3],
+            192 | 256 => [1usize, 2, 4][(case / 7) % 3],
             _ => [1usize, 2, 3, 4, 6, 8][(case / 2) % 6],
         };
         let nkv = 1 + rng.below(3) as usize;
@@ -844,12 +850,19 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             };
             // The tokens the tiles leave: per-head kernel in even cases, grouped in odd ones
             // (the executor picks either for them by count).
-            if case % 2 == 0 {
+            let gqa_ok = harrier_kernels::gqa_attention_supports(nh, nkv, hd);
+            if case % 2 == 0 || !gqa_ok {
                 k.paged_attention(stream, &tiled, d_part, (1, true), l_ptr, l_n)?;
             } else {
                 k.paged_attention_gqa(stream, &tiled, l_ptr, l_n)?;
             }
-            k.paged_attention_gqa(stream, &att(d_out_grouped), 0, t as u32)?;
+            // (Without a grouped instance its column repeats the per-head kernel's output.)
+            match gqa_ok {
+                true => k.paged_attention_gqa(stream, &att(d_out_grouped), 0, t as u32)?,
+                false => {
+                    k.paged_attention(stream, &att(d_out_grouped), d_part, (1, true), 0, t as u32)?
+                }
+            }
             dr::stream::synchronize(stream)?;
             dr::memcpy_dtoh_sync(&mut out_grouped, d_out_grouped)?;
             dr::memcpy_dtoh_sync(&mut out, d_out)?;
