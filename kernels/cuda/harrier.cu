@@ -2357,6 +2357,118 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(Skin
 // 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
 
+// Measurement only (`harrier-cuda-tool bench-chain`): a chain of one-row bf16 projections
+// y_i = W_i x_i in one persistent launch of one 16-warp block an SM, the stages separated by a
+// grid-wide barrier instead of launch boundaries, each block taking 16-row tiles round-robin.
+// Before a barrier every warp already loads its first weight chunks of the next stage (the
+// weights do not depend on it), as the skinny kernels do before their PDL wait. It asks
+// whether one launch streams a layer's weights closer to the copy rate than the chain of
+// launches does. N % 16 == 0, K % 32 == 0; `bar` zeroed before the launch.
+struct ChainStage {
+    const bf16* w;
+    const bf16* x;
+    bf16* y;
+    int N, K;
+};
+__device__ __forceinline__ void grid_barrier(unsigned int* bar, unsigned int target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(bar, 1u);
+        unsigned int v;
+        do {
+            asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
+        } while (v < target);
+    }
+    __syncthreads();
+}
+// CHAIN_U (chunk loads in flight a warp) and CHAIN_BLOCKS (blocks an SM the registers must
+// allow; the host's --blocks-per-sm launches that many) vary the shape, to measure.
+#ifndef CHAIN_U
+#define CHAIN_U 4
+#endif
+#ifndef CHAIN_BLOCKS
+#define CHAIN_BLOCKS 1
+#endif
+extern "C" __global__ void __launch_bounds__(16 * 32, CHAIN_BLOCKS) gemv_chain(const ChainStage* stages, int n, unsigned int* bar) {
+    PDL_ENTER();
+    constexpr int W = 16, U = CHAIN_U;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    __shared__ float red[W / 2][32][4];
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    uint4 a[U], b[U];
+    auto load = [&](const ChainStage& s, int tile, int c0) {
+        const uint4* wa = (const uint4*)(s.w + (size_t)(tile * 16 + g) * s.K) + t;
+        const uint4* wb = wa + s.K;  // row + 8
+        const int nchunks = s.K >> 5;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + u * W;
+            a[u] = c < nchunks ? ld_stream(wa + 4 * c) : zero;
+            b[u] = c < nchunks ? ld_stream(wb + 4 * c) : zero;
+        }
+    };
+    // The block's work items in order: (stage, tile) with tiles blockIdx.x + i gridDim.x.
+    // After a tile's last chunks the next item's first chunks are loaded at once (before the
+    // tile's reduction and before any barrier), so each warp's loads stay in flight.
+    auto advance = [&](int& st, int& tile) {
+        while (st < n && tile >= stages[st].N >> 4) {
+            st++;
+            tile = blockIdx.x;
+        }
+    };
+    int st = 0, tile = blockIdx.x, passed = 0;
+    advance(st, tile);
+    if (st < n) load(stages[st], tile, warp);
+    while (st < n) {
+        for (; passed < st; passed++) grid_barrier(bar, (unsigned int)(passed + 1) * gridDim.x);
+        const ChainStage s = stages[st];
+        const int nchunks = s.K >> 5;
+        int nst = st, ntile = tile + gridDim.x;
+        advance(nst, ntile);
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c0 = warp; c0 < nchunks; c0 += W * U) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int c = c0 + u * W;
+                if (c >= nchunks) break;
+                // One input row: lanes g == 0 hold it (mma column 0); x is read through L2
+                // (written by other blocks after this SM may have cached the address).
+                const uint4 xv = g == 0 ? __ldcg((const uint4*)(s.x + c * 32 + t * 8)) : zero;
+                u32 a1[4] = {a[u].x, b[u].x, a[u].y, b[u].y};
+                u32 a2[4] = {a[u].z, b[u].z, a[u].w, b[u].w};
+                mma_bf16(acc, a1, xv.x, xv.y);
+                mma_bf16(acc, a2, xv.z, xv.w);
+            }
+            if (c0 + W * U < nchunks) {
+                load(s, tile, c0 + W * U);
+            } else if (nst < n) {
+                load(stages[nst], ntile, warp);
+            }
+        }
+#pragma unroll
+        for (int h = W / 2; h > 0; h >>= 1) {
+            if (warp >= h && warp < 2 * h)
+#pragma unroll
+                for (int r = 0; r < 4; r++) red[warp - h][lane][r] = acc[r];
+            __syncthreads();
+            if (warp < h)
+#pragma unroll
+                for (int r = 0; r < 4; r++) acc[r] += red[warp][lane][r];
+            __syncthreads();
+        }
+        // Column 0 (lanes t == 0): rows g (value 0) and g + 8 (value 2).
+        if (warp == 0 && t == 0) {
+            s.y[tile * 16 + g] = f2bf(acc[0]);
+            s.y[tile * 16 + g + 8] = f2bf(acc[2]);
+        }
+        st = nst;
+        tile = ntile;
+    }
+    // Every block passes every barrier between stages (the last ones without work here).
+    for (; passed < n - 1; passed++) grid_barrier(bar, (unsigned int)(passed + 1) * gridDim.x);
+}
+
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the
 // copy): w[n, k] = bf16(e4m3(q[n, k]) * scale[n]); 8 weights a thread, k % 8 == 0.
 extern "C" __global__ void dequant_fp8_rows(const unsigned char* q, const float* scale, bf16* w, int k,

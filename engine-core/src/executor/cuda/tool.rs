@@ -641,8 +641,9 @@ fn main() -> anyhow::Result<()> {
         "check-gemm-rows" => check_gemm_rows(&a),
         "check-fused" => check_fused(&a),
         "check-fp8" => check_fp8(&a),
+        "bench-chain" => bench_chain(&a),
         _ => bail!(
-            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-spec|bench-spec|check-gemv|check-gemm-rows|check-fused|check-fp8 ..."
+            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-spec|bench-spec|check-gemv|check-gemm-rows|check-fused|check-fp8|bench-chain ..."
         ),
     }
 }
@@ -1620,6 +1621,179 @@ unsafe fn time_us(
         dr::event::synchronize(e1)?;
         Ok(dr::event::elapsed(e0, e1)? as f64 * 1e3 / REPS as f64)
     }
+}
+
+/// Measurement only: a model's one-row projections (q|k|v, o, gate|up as one plain product,
+/// down) for `--layers` layers (default all), as one persistent `gemv_chain` launch and as the
+/// chain of `skinny_gemm` launches (programmatic dependent launch, the engine's instances
+/// without their fusions), timed side by side (`--rounds`), with the bytes a second each
+/// reaches; the first layer's four outputs of both agree (checked). `--blocks-per-sm` launches
+/// more blocks an SM (all must be resident; build the kernel for them, see `gemv_chain`). Random weights of layer 0,
+/// copied to the others, scaled by 1 / sqrt(k) so activations stay finite down the chain.
+fn bench_chain(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    use harrier_kernels::{ChainStage, SkinnyEpilogue, SkinnyInputs};
+    let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
+    let c = dir.config.clone();
+    let layers: usize = a
+        .get("layers")
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(c.num_layers);
+    let rounds: usize = a.get("rounds").map(|s| s.parse()).transpose()?.unwrap_or(3);
+    // (With HARRIER_KERNEL_DEFINES=-DCHAIN_BLOCKS=2 for 2, so the registers allow them.)
+    let per_sm: u32 = a
+        .get("blocks-per-sm")
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(1);
+    let (h, q) = (c.hidden_size, c.num_heads * c.head_dim);
+    let qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+    let inter = c.intermediate_size;
+    // (n, k) per stage of a layer: q|k|v, o, gate|up, down.
+    let shapes = [(qkv, h), (h, q), (2 * inter, h), (h, inter)];
+    if shapes.iter().any(|&(n, k)| n % 16 != 0 || k % 32 != 0) {
+        bail!("bench-chain: shapes {shapes:?} need n % 16 == 0 and k % 32 == 0");
+    }
+    let (ctx, k) = kernels_on_device0()?;
+    let sms = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| anyhow::anyhow!("{e:?}"))? as u32;
+    let mut rng = SplitMix64(0xc4a1);
+    let layer_bytes: usize = shapes.iter().map(|&(n, k)| n * k * 2).sum();
+    println!(
+        "bench-chain: {layers} layers x 4 one-row projections, {:.1} MB a layer, {sms} SMs",
+        layer_bytes as f64 / 1e6
+    );
+    // SAFETY: every buffer is allocated with the size its uses need; the stream is synchronised
+    // before host reads.
+    unsafe {
+        let st = dr::stream::create(dr::stream::StreamKind::NonBlocking)?;
+        let (e0, e1) = (
+            dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?,
+            dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?,
+        );
+        let mut weights = Vec::new();
+        for &(n, kk) in &shapes {
+            let scale = 1.0 / (kk as f64).sqrt();
+            let w: Vec<u16> = (0..n * kk)
+                .map(|_| half::bf16::from_f64((rng.unit() * 2.0 - 1.0) * scale * 1.7).to_bits())
+                .collect();
+            let mut per_layer = Vec::new();
+            for _ in 0..layers {
+                let d = dr::malloc_sync(w.len() * 2)?;
+                dr::memcpy_htod_sync(d, &w)?;
+                per_layer.push(d);
+            }
+            weights.push(per_layer);
+        }
+        let x0: Vec<u16> = (0..h).map(|_| random_bf16(&mut rng).0).collect();
+        // Two sets of activation buffers (chain, launches): x, then each stage's output.
+        let mut bufs = Vec::new();
+        for _ in 0..2 {
+            let dx = dr::malloc_sync(h * 2)?;
+            dr::memcpy_htod_sync(dx, &x0)?;
+            let ys: Vec<u64> = shapes
+                .iter()
+                .map(|&(n, _)| dr::malloc_sync(n * 2))
+                .collect::<Result<_, _>>()?;
+            bufs.push((dx, ys));
+        }
+        let weights = &weights;
+        let stages_of = |(dx, ys): &(u64, Vec<u64>)| -> Vec<ChainStage> {
+            // Layer l's stage s: weights[s][l]; a layer's input is the last layer's down output.
+            (0..layers)
+                .flat_map(|l| {
+                    let inputs = [if l == 0 { *dx } else { ys[3] }, ys[0], ys[1], ys[2]];
+                    shapes
+                        .iter()
+                        .enumerate()
+                        .map(move |(s, &(n, kk))| ChainStage {
+                            w: weights[s][l],
+                            x: inputs[s],
+                            y: ys[s],
+                            n: n as i32,
+                            k: kk as i32,
+                        })
+                })
+                .collect()
+        };
+        let chain = stages_of(&bufs[0]);
+        let launches = stages_of(&bufs[1]);
+        let d_stages = dr::malloc_sync(chain.len() * std::mem::size_of::<ChainStage>())?;
+        dr::memcpy_htod_sync(d_stages, &chain)?;
+        let bar = dr::malloc_sync(4)?;
+        let run_chain = || -> anyhow::Result<()> {
+            dr::memset_d8_async(bar, 0, 4, st)?;
+            k.gemv_chain(st, d_stages, chain.len() as i32, bar, sms * per_sm)
+        };
+        let run_launches = || -> anyhow::Result<()> {
+            for s in &launches {
+                let p = SkinnyInputs::new(
+                    (s.x, s.w, s.y),
+                    1,
+                    s.n as usize,
+                    s.k as usize,
+                    SkinnyEpilogue::Store,
+                );
+                k.skinny_gemm(st, &p)?;
+            }
+            Ok(())
+        };
+        // The first layer's outputs, one layer of each.
+        let one =
+            |run: &dyn Fn() -> anyhow::Result<()>, ys: &[u64]| -> anyhow::Result<Vec<Vec<f64>>> {
+                run()?;
+                dr::stream::synchronize(st)?;
+                let mut out = Vec::new();
+                for (s, &(n, _)) in shapes.iter().enumerate() {
+                    let mut y = vec![0u16; n];
+                    dr::memcpy_dtoh_sync(&mut y, ys[s])?;
+                    out.push(
+                        y.iter()
+                            .map(|&b| half::bf16::from_bits(b).to_f64())
+                            .collect(),
+                    );
+                }
+                Ok(out)
+            };
+        if layers == 1 {
+            let yc = one(&run_chain, &bufs[0].1)?;
+            let yl = one(&run_launches, &bufs[1].1)?;
+            for (s, (p, q)) in yc.iter().zip(&yl).enumerate() {
+                let r = rel_l2(q.iter().copied(), p.iter().copied());
+                println!("stage {s}: chain vs launches rel. diff {r:.1e}");
+                if r > 1e-2 {
+                    bail!("bench-chain: stage {s} differs ({r:.1e})");
+                }
+            }
+        }
+        let bytes = (layer_bytes * layers) as f64;
+        println!(
+            "| round | chain us | launches us | chain GB/s | launches GB/s | launches / chain |"
+        );
+        println!("|---|---|---|---|---|---|");
+        for r in 0..rounds {
+            let tc = time_us(st, (e0, e1), &run_chain)?;
+            let tl = time_us(st, (e0, e1), &run_launches)?;
+            let gbs = |us: f64| bytes / (us * 1e-6) / 1e9;
+            println!(
+                "| {r} | {tc:.1} | {tl:.1} | {:.0} | {:.0} | {:.3} |",
+                gbs(tc),
+                gbs(tl),
+                tl / tc
+            );
+        }
+        for d in weights.iter().flatten().chain([&d_stages, &bar]) {
+            dr::free_sync(*d)?;
+        }
+        for (dx, ys) in &bufs {
+            for d in std::iter::once(dx).chain(ys) {
+                dr::free_sync(*d)?;
+            }
+        }
+        dr::stream::destroy(st)?;
+    }
+    Ok(())
 }
 
 /// `|x - y| / |x|` over whole vectors (infinite when NaN appears).
