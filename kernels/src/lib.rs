@@ -53,7 +53,6 @@ const KERNELS: &[&str] = &[
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
-    "gemv_chain",
 ];
 
 /// Kernels that only exist in the bf16 build: these, and every tensor-core skinny GEMM and FP8
@@ -64,7 +63,6 @@ const BF16_ONLY: &[&str] = &[
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
-    "gemv_chain",
 ];
 const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_"];
 
@@ -1912,40 +1910,7 @@ impl Kernels {
     }
 }
 
-/// One stage of [`Kernels::gemv_chain`]: `y[N] = W[N, K] x[K]` (bf16), as the source's
-/// `ChainStage`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct ChainStage {
-    pub w: u64,
-    pub x: u64,
-    pub y: u64,
-    pub n: i32,
-    pub k: i32,
-}
-
 impl Kernels {
-    /// Measurement only (`harrier-cuda-tool bench-chain`): `n` one-row projections, stage after
-    /// stage, in one persistent launch of `blocks` 16-warp blocks (at most one an SM, all
-    /// resident: the stages are separated by a grid-wide barrier on the zeroed counter `bar`).
-    ///
-    /// # Safety
-    /// `stages` must hold `n` [`ChainStage`]s whose addresses are valid for their shapes
-    /// (`N % 16 == 0`, `K % 32 == 0`, 16-byte aligned); `bar` one zeroed u32; `blocks` at most
-    /// the SM count.
-    pub unsafe fn gemv_chain(
-        &self,
-        s: sys::CUstream,
-        stages: u64,
-        n: i32,
-        bar: u64,
-        blocks: u32,
-    ) -> anyhow::Result<()> {
-        let mut p = params![stages, n, bar];
-        // SAFETY: argument types match the kernel's; the caller vouches for the rest.
-        unsafe { self.launch("gemv_chain", (blocks, 1, 1), 16 * 32, s, &mut p) }
-    }
-
     /// FP8 weights to bf16: `w[r, c] = bf16(e4m3(q[r, c]) * scale[r])` for `rows x k` weights.
     ///
     /// # Safety
@@ -2185,9 +2150,6 @@ mod tests {
         // SkinnyIn: five pointers, two floats, four ints, then SkinnyRope (five pointers, four
         // ints) at offset 64; the epilogue codes and block shape.
         assert!(SOURCE.contains("struct SkinnyIn {") && SOURCE.contains("struct SkinnyRope {"));
-        // ChainStage: three pointers and two ints, as the source's.
-        assert!(SOURCE.contains("struct ChainStage {\n    const bf16* w;\n    const bf16* x;\n    bf16* y;\n    int N, K;\n};"));
-        assert_eq!(std::mem::size_of::<ChainStage>(), 3 * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<SkinnyRope>(), 5 * 8 + 4 * 4);
         assert_eq!(std::mem::offset_of!(SkinnyInputs, rope), 5 * 8 + 6 * 4);
         assert_eq!(
@@ -2359,12 +2321,10 @@ mod tests {
             "-DHARRIER_TRACE",
             "-DSK_NO_EARLY",
             "-DATT_LATE_TRIGGER",
-            // (Two variants in one compile where they touch different kernels.)
-            "-DCOMBINE_LATE_TRIGGER -DCHAIN_U=8 -DCHAIN_BLOCKS=2",
+            "-DCOMBINE_LATE_TRIGGER",
         ];
         for defs in VARIANTS {
-            let opts: Vec<String> = defs.split_whitespace().map(String::from).collect();
-            let ptx = compile_ptx_with("sm_90", Dtype::Bf16, &opts)
+            let ptx = compile_ptx_with("sm_90", Dtype::Bf16, &[defs.to_string()])
                 .unwrap_or_else(|e| panic!("{defs}: {e:#}"));
             assert!(ptx.contains(".entry paged_attention("), "{defs}");
             if *defs == "-DHARRIER_TRACE" {
@@ -2374,7 +2334,7 @@ mod tests {
                 );
             }
             dump_ptx(
-                &format!("sm_90_bfloat16{}", defs.replace("-D", "").replace(' ', "_")),
+                &format!("sm_90_bfloat16{}", defs.trim_start_matches("-D")),
                 &ptx,
             );
         }
