@@ -1237,7 +1237,7 @@ impl Kernels {
         let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         if nkv <= 0
             || nh % nkv != 0
-            || !(8..=256).contains(&hd)
+            || !(8..=MAX_HEAD_DIM as i32).contains(&hd)
             || hd % 8 != 0
             || n_splits == 0
             || n_splits > ATTN_MAX_SPLITS
@@ -1268,7 +1268,7 @@ impl Kernels {
                     "attention_combine",
                     (n, nh as u32, 1),
                     // A thread a dim, warp 0 whole (it reads the splits' sums).
-                    (hd.max(1) as u32).next_multiple_of(32).min(256),
+                    (hd as u32).next_multiple_of(32),
                     s,
                     &mut p,
                 )?;

@@ -1744,6 +1744,11 @@ impl Drop for CudaExecutor {
             unsafe {
                 let _ = dr::stream::synchronize(self.compute);
                 let _ = dr::stream::synchronize(self.copy);
+                // (The compute stream waits on every metadata copy it reads, but one enqueued
+                // before an error left the step must not outlive the pinned buffer either.)
+                if let Some(up) = self.upload {
+                    let _ = dr::stream::synchronize(up);
+                }
                 self.graphs.clear();
                 for s in &self.slots {
                     let _ = dr::event::destroy(s.step_start);
