@@ -2359,6 +2359,333 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(Skin
 // 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
 
+// Measurement only (`harrier-cuda-tool bench-ring`): a chain of one-row bf16 projections in one
+// persistent launch of one block an SM, where the weights never wait for the activations. A
+// producer lane streams this block's share of every stage's weights, in order and across stage
+// boundaries, into a ring of RING_SLOT-byte shared-memory slots with bulk async copies
+// (cp.async.bulk, mbarrier completion); RING_CW consumer warps wait per stage for the previous
+// stage's outputs (a counter per stage that every block bumps once), stage its input in shared
+// memory as bf16 and reduce each slot against it. The question it answers: does a stream that
+// keeps going through the dependency points (where the launch chain and gemv_chain's grid
+// barriers stall it) carry a model's projections closer to the copy rate.
+// Two kinds of stage (RingStage):
+// - GEMV (w2 null): y[N] += W[N, K] x. The flat row-major matrix is cut into slots; a block
+//   takes a contiguous run of them (the +1 remainders rotating over blocks from stage to stage,
+//   so every block streams the same bytes in total); warp w reduces weights [1024 w, +1024) of
+//   a slot (one row, as K % 1024 == 0) and adds its row's sum into y with an atomic.
+// - MLP (w2 = down^T, [N, K]): y[K] += down(silu(gate x) * (up x)) with w = [gate; up] ([2N, K],
+//   N the intermediate size) and no dependency inside: a block takes a contiguous run of chunks
+//   of CR = RING_SLOT / 2K (rounded down) intermediate rows and streams, per chunk, the gate
+//   rows, the up rows and the down^T rows (a slot each); the chunk's CR activations are formed
+//   once each (rounded as the skinny SiLU epilogue) and each thread keeps up to K / 256 down
+//   sums in registers for the whole run, added into y with vector atomics at its end. The
+//   split-K down projection needs no other block's gate|up rows: the layer's second grid-wide
+//   wait is gone.
+// K % 1024 == 0 (MLP: 2K <= RING_SLOT, K <= 256 * RING_MLP_COLS, N % CR == 0); N * K < 2^31; y
+// and done zeroed first.
+struct RingStage {
+    const bf16* w;
+    const bf16* w2;
+    const float* x;
+    float* y;
+    int N, K;
+};
+#ifndef RING_CW
+#define RING_CW 8
+#endif
+#ifndef RING_SLOT
+#define RING_SLOT 16384
+#endif
+#define RING_MLP_COLS 16  // down sums a thread keeps: K <= 256 * 16
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 ok;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+// The block's run of a stage's `items` (slots, or MLP chunks): [start, start + count); `off`
+// carries the rotation.
+__device__ __forceinline__ void ring_share(int items, int& off, int& start, int& count) {
+    const int g = gridDim.x, base = items / g, rem = items % g;
+    const int v = ((int)blockIdx.x - off + g) % g;
+    count = base + (v < rem);
+    start = v * base + min(v, rem);
+    off = (off + rem) % g;
+}
+__device__ __forceinline__ int ring_items(const RingStage& st) {
+    if (st.w2) return st.N / (RING_SLOT / (2 * st.K));
+    const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * 2u;
+    return (int)((bytes + RING_SLOT - 1) / RING_SLOT);
+}
+// `trace` (null for none): per stage and block, the global time consumer thread 0 starts
+// waiting for the stage's input, has it staged, and has counted the stage done. RING_NO_DEP
+// (no waits for inputs), RING_NO_MATH (slots released unread), RING_NO_RED (MLP sums never
+// added), RING_MLP_NO_DOWN (down slots released unread) and RING_MLP_NO_BAR (no barrier
+// between a chunk's gate|up and down) are measurement variants with wrong outputs.
+__device__ __forceinline__ unsigned long long ring_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(const RingStage* stages, int n, unsigned int* done,
+                                                                           int nslots, unsigned long long* trace) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    PDL_ENTER();
+    constexpr int SLOT_UNITS = RING_SLOT / 16;
+    static_assert(SLOT_UNITS == RING_CW * 128, "a warp reduces 1024 weights of a slot");
+    if (blockDim.x != (RING_CW + 1) * 32) __trap();
+    extern __shared__ __align__(128) unsigned char smem[];
+    uint4* ring = (uint4*)smem;
+    unsigned long long* full = (unsigned long long*)(smem + (size_t)nslots * RING_SLOT);
+    unsigned long long* empty = full + nslots;
+    uint4* xs = (uint4*)(empty + nslots);  // the stage's input, bf16
+    __shared__ float part[2][2][RING_CW];   // MLP: [chunk parity][gate, up][warp]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < nslots; i++) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(full + i)) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(empty + i)), "r"(RING_CW) : "memory");
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == RING_CW) {
+        // The producer: every slot of every stage, in the consumers' order; it waits only for
+        // a free slot (the consumers' release of the round before).
+        if (lane != 0) return;
+        unsigned long long pol;
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+        unsigned int k = 0;
+        auto put = [&](const bf16* src, unsigned int len) {
+            const unsigned int idx = k % nslots, round = k / nslots;
+            if (round > 0) mbar_wait(smem_addr(empty + idx), (round - 1) & 1);
+            const u32 fb = smem_addr(full + idx);
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fb), "r"(len) : "memory");
+#ifndef RING_COPY_PARTS  // measurement: a slot in this many bulk copies
+#define RING_COPY_PARTS 1
+#endif
+            for (unsigned int p = 0; p < RING_COPY_PARTS; p++) {
+                const unsigned int a = len * p / RING_COPY_PARTS / 16 * 16, b = len * (p + 1) / RING_COPY_PARTS / 16 * 16;
+#ifndef RING_NO_HINT
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+                        smem_addr(ring + (size_t)idx * SLOT_UNITS) + a),
+                    "l"((const unsigned char*)src + a), "r"(b - a), "r"(fb), "l"(pol)
+                    : "memory");
+#else
+                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                                 smem_addr(ring + (size_t)idx * SLOT_UNITS) + a),
+                             "l"((const unsigned char*)src + a), "r"(b - a), "r"(fb)
+                             : "memory");
+#endif
+            }
+            k++;
+        };
+        int off = 0;
+        for (int s = 0; s < n; s++) {
+            const RingStage st = stages[s];
+            int start, count;
+            ring_share(ring_items(st), off, start, count);
+            if (st.w2) {
+                const int cr = RING_SLOT / (2 * st.K);
+                const unsigned int len = cr * st.K * 2;
+                for (int c = start; c < start + count; c++) {
+                    const size_t r = (size_t)c * cr * st.K;
+                    put(st.w + r, len);
+                    put(st.w + (size_t)st.N * st.K + r, len);
+                    put(st.w2 + r, len);
+                }
+            } else {
+                const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * 2u;
+                for (int i = start; i < start + count; i++) {
+                    const unsigned int at = (unsigned int)i * RING_SLOT;
+                    put((const bf16*)((const unsigned char*)st.w + at), min((unsigned int)RING_SLOT, bytes - at));
+                }
+            }
+        }
+        return;
+    }
+    const int ct = threadIdx.x, nct = RING_CW * 32;
+    unsigned int k = 0;
+    // The next slot, waited for; `release` hands it back.
+    auto take = [&]() -> const uint4* {
+        const unsigned int idx = k % nslots;
+        mbar_wait(smem_addr(full + idx), (k / nslots) & 1);
+        return ring + (size_t)idx * SLOT_UNITS;
+    };
+    auto release = [&]() {
+        __syncwarp();
+        if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(empty + k % nslots)) : "memory");
+        k++;
+    };
+    // Warp w's 1024 weights of a slot against the staged input from column `col` (units of
+    // 8): the warp's sum, in every lane.
+    auto warp_dot = [&](const uint4* src, int col) -> float {
+        float p[4];
+#pragma unroll
+        for (int it = 0; it < 4; it++) p[it] = dot8(src[warp * 128 + it * 32 + lane], xs[col + it * 32 + lane]);
+        float v = (p[0] + p[1]) + (p[2] + p[3]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        return v;
+    };
+    int off = 0;
+    for (int s = 0; s < n; s++) {
+        const RingStage st = stages[s];
+        int start, count;
+        ring_share(ring_items(st), off, start, count);
+        unsigned long long* tr = trace ? trace + ((size_t)s * gridDim.x + blockIdx.x) * 3 : nullptr;
+        if (tr && ct == 0) tr[0] = ring_now();
+#ifndef RING_NO_DEP
+        if (s > 0) {
+            if (ct == 0) {
+                unsigned int v;
+                do {
+                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(done + s - 1) : "memory");
+                } while (v < gridDim.x);
+            }
+            asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+        }
+#endif
+        for (int j = ct; j < st.K / 8; j += nct) {
+            const float4 a = __ldcg((const float4*)st.x + 2 * j), b = __ldcg((const float4*)st.x + 2 * j + 1);
+            xs[j] = make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+        }
+        asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+        if (tr && ct == 0) tr[1] = ring_now();
+        if (st.w2) {
+            // A chunk: cr rows of gate, of up and of down^T, a slot each (cr K bf16 <= RING_SLOT);
+            // gate|up: warp w < cr * parts reduces row w / parts, columns 1024 (w % parts) on.
+            const int cr = RING_SLOT / (2 * st.K), parts = st.K / 1024;
+            const bool dots = warp < cr * parts;
+            float acc[RING_MLP_COLS];
+#pragma unroll
+            for (int q = 0; q < RING_MLP_COLS; q++) acc[q] = 0.0f;
+            for (int c = 0; c < count; c++) {
+#ifndef RING_NO_MATH
+                // The gate and up slots together (their loads and shuffles interleave).
+                const uint4* gs = take();
+                k++;
+                const uint4* us = take();
+                k--;
+                if (dots) {
+                    const int col = (warp % parts) * 128;  // units of 8 weights
+                    float pg[4], pu[4];
+#pragma unroll
+                    for (int it = 0; it < 4; it++) {
+                        const uint4 xv = xs[col + it * 32 + lane];
+                        pg[it] = dot8(gs[warp * 128 + it * 32 + lane], xv);
+                        pu[it] = dot8(us[warp * 128 + it * 32 + lane], xv);
+                    }
+                    float g = (pg[0] + pg[1]) + (pg[2] + pg[3]);
+                    float u = (pu[0] + pu[1]) + (pu[2] + pu[3]);
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) {
+                        g += __shfl_xor_sync(0xffffffffu, g, o);
+                        u += __shfl_xor_sync(0xffffffffu, u, o);
+                    }
+                    if (lane == 0) {
+                        part[c & 1][0][warp] = g;
+                        part[c & 1][1][warp] = u;
+                    }
+                }
+                release();
+                release();
+#ifndef RING_MLP_NO_BAR
+                asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+#endif
+                // Lane r < cr forms activation r (rounded as the skinny SiLU epilogue); the
+                // warp takes them by shuffle.
+                float hl = 0.0f;
+                if (lane < cr) {
+                    float g = 0.0f, u = 0.0f;
+                    for (int p = 0; p < parts; p++) {
+                        g += part[c & 1][0][lane * parts + p];
+                        u += part[c & 1][1][lane * parts + p];
+                    }
+                    hl = rbf(act_mul(rbf(g), rbf(u), false));
+                }
+                const uint4* d = take();
+#ifndef RING_MLP_NO_DOWN
+#pragma unroll 4
+                for (int r = 0; r < cr; r++) {
+                    const float h = __shfl_sync(0xffffffffu, hl, r);
+#pragma unroll
+                    for (int q = 0; q < RING_MLP_COLS / 8; q++) {
+                        if (q * 2048 + 8 * ct >= st.K) break;
+                        const uint4 wv = d[r * (st.K / 8) + q * 256 + ct];
+                        const u32 wr[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            acc[q * 8 + 2 * i] += h * __uint_as_float(wr[i] << 16);
+                            acc[q * 8 + 2 * i + 1] += h * __uint_as_float(wr[i] & 0xffff0000u);
+                        }
+                    }
+                }
+#endif
+                release();
+#else
+                take(), release(), take(), release(), take(), release();
+#endif
+            }
+            // Thread ct's columns: 8 from 8 ct, then 8 from 8 ct + 2048 (K > 2048).
+#ifndef RING_NO_RED
+            if (count > 0) {
+#pragma unroll
+                for (int q = 0; q < RING_MLP_COLS / 8; q++) {
+                    if (q * 2048 + 8 * ct >= st.K) break;
+                    float* y = st.y + q * 2048 + 8 * ct;
+                    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(y), "f"(acc[q * 8]), "f"(acc[q * 8 + 1]),
+                                 "f"(acc[q * 8 + 2]), "f"(acc[q * 8 + 3])
+                                 : "memory");
+                    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(y + 4), "f"(acc[q * 8 + 4]),
+                                 "f"(acc[q * 8 + 5]), "f"(acc[q * 8 + 6]), "f"(acc[q * 8 + 7])
+                                 : "memory");
+                }
+            }
+#endif
+        } else {
+            const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
+            float acc = 0.0f;
+            int row = -1;
+            for (int i = 0; i < count; i++) {
+                const unsigned int e = (unsigned int)(start + i) * (RING_SLOT / 2) + warp * 1024;
+                const uint4* src = take();
+#ifndef RING_NO_MATH
+                if (e < elems) {  // (the last slot of a stage may be short)
+                    const int r = (int)(e / (unsigned int)st.K);
+                    const float v = warp_dot(src, (int)(e - (unsigned int)r * st.K) / 8);
+                    if (r != row) {
+                        if (row >= 0 && lane == 0) atomicAdd(st.y + row, acc);
+                        row = r;
+                        acc = 0.0f;
+                    }
+                    acc += v;
+                }
+#endif
+                release();
+            }
+            if (row >= 0 && lane == 0) atomicAdd(st.y + row, acc);
+        }
+        __threadfence();
+        asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+        if (ct == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
+        if (tr && ct == 0) tr[2] = ring_now();
+    }
+#else
+    __trap();
+#endif
+}
+
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the
 // copy): w[n, k] = bf16(e4m3(q[n, k]) * scale[n]); 8 weights a thread, k % 8 == 0.
 extern "C" __global__ void dequant_fp8_rows(const unsigned char* q, const float* scale, bf16* w, int k,

@@ -53,6 +53,7 @@ const KERNELS: &[&str] = &[
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
+    "gemv_ring",
 ];
 
 /// Kernels that only exist in the bf16 build: these, and every tensor-core skinny GEMM and FP8
@@ -63,6 +64,7 @@ const BF16_ONLY: &[&str] = &[
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
+    "gemv_ring",
 ];
 const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_"];
 
@@ -1910,6 +1912,84 @@ impl Kernels {
     }
 }
 
+/// One stage of [`Kernels::gemv_ring`] (bf16 weights, fp32 input and output), as the source's
+/// `RingStage`: with `w2 == 0` `y[N] += W[N, K] x[K]`; else the fused MLP
+/// `y[K] += down(silu(gate x) * (up x))`, `w = [gate; up]` (`[2N, K]`), `w2 = down^T` (`[N, K]`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct RingStage {
+    pub w: u64,
+    pub w2: u64,
+    pub x: u64,
+    pub y: u64,
+    pub n: i32,
+    pub k: i32,
+}
+
+/// Bytes of one `gemv_ring` weight slot (`RING_SLOT`) and its default consumer warps
+/// (`RING_CW`; the block has one more, the producer's).
+pub const RING_SLOT: usize = 16384;
+pub const RING_CONSUMER_WARPS: u32 = 8;
+
+/// One [`Kernels::gemv_ring`] launch.
+#[derive(Debug, Clone, Copy)]
+pub struct RingLaunch {
+    /// Device address of `n` [`RingStage`]s.
+    pub stages: u64,
+    pub n: i32,
+    /// `n` zeroed u32 counters.
+    pub done: u64,
+    /// Blocks, one an SM.
+    pub blocks: u32,
+    /// [`RING_SLOT`]-byte slots in shared memory.
+    pub slots: i32,
+    /// The largest stage input (bf16 in shared memory beside the ring).
+    pub max_k: usize,
+    /// Consumer warps: [`RING_CONSUMER_WARPS`] unless the source was built with another
+    /// `-DRING_CW`.
+    pub consumer_warps: u32,
+    /// 0, or `3 n blocks` u64 for the per-stage times (see the source).
+    pub trace: u64,
+}
+
+impl Kernels {
+    /// Measurement only (`harrier-cuda-tool bench-ring`): `n` one-row projections in one
+    /// persistent launch of one block an SM (all resident: stage `s` waits until `done[s - 1]`
+    /// counts every block), its weights streamed through a ring of shared-memory slots.
+    ///
+    /// # Safety
+    /// `r.stages` must hold `n` [`RingStage`]s whose addresses are valid for their shapes
+    /// (`K % 1024 == 0`, `N * K < 2^31`, 16-byte aligned, each stage's `x` the `K` fp32 values
+    /// the stage before writes or the host wrote; a fused MLP stage as the source says); their
+    /// `y` and the counters zeroed; `blocks`
+    /// at most the SM count; `trace` null or as [`RingLaunch::trace`] says.
+    pub unsafe fn gemv_ring(&self, s: sys::CUstream, r: &RingLaunch) -> anyhow::Result<()> {
+        let smem = r.slots as usize * (RING_SLOT + 16) + r.max_k * 2;
+        let f = self.func("gemv_ring");
+        // SAFETY: `f` is a loaded function; the attribute only raises its own limit.
+        let raised = unsafe {
+            dr::function::set_function_attribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+        };
+        ck(raised, "gemv_ring shared memory")?;
+        let mut p = params![r.stages, r.n, r.done, r.slots, r.trace];
+        // SAFETY: argument types match the kernel's; the caller vouches for the rest.
+        unsafe {
+            self.launch_smem(
+                "gemv_ring",
+                (r.blocks, 1, 1),
+                (r.consumer_warps + 1) * 32,
+                smem as u32,
+                s,
+                &mut p,
+            )
+        }
+    }
+}
+
 impl Kernels {
     /// FP8 weights to bf16: `w[r, c] = bf16(e4m3(q[r, c]) * scale[r])` for `rows x k` weights.
     ///
@@ -2150,6 +2230,11 @@ mod tests {
         // SkinnyIn: five pointers, two floats, four ints, then SkinnyRope (five pointers, four
         // ints) at offset 64; the epilogue codes and block shape.
         assert!(SOURCE.contains("struct SkinnyIn {") && SOURCE.contains("struct SkinnyRope {"));
+        // RingStage: three pointers and two ints, as the source's.
+        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    int N, K;\n};"));
+        assert_eq!(std::mem::size_of::<RingStage>(), 4 * 8 + 2 * 4);
+        assert!(SOURCE.contains(&format!("#define RING_SLOT {RING_SLOT}\n")));
+        assert!(SOURCE.contains(&format!("#define RING_CW {RING_CONSUMER_WARPS}\n")));
         assert_eq!(std::mem::size_of::<SkinnyRope>(), 5 * 8 + 4 * 4);
         assert_eq!(std::mem::offset_of!(SkinnyInputs, rope), 5 * 8 + 6 * 4);
         assert_eq!(
@@ -2319,12 +2404,14 @@ mod tests {
         const VARIANTS: &[&str] = &[
             "-DATT_EXIT_AFTER_WAIT",
             "-DHARRIER_TRACE",
-            "-DSK_NO_EARLY",
-            "-DATT_LATE_TRIGGER",
-            "-DCOMBINE_LATE_TRIGGER",
+            // (Variants of different kernels share a compile.)
+            "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP",
+            "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4",
+            "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT",
         ];
         for defs in VARIANTS {
-            let ptx = compile_ptx_with("sm_90", Dtype::Bf16, &[defs.to_string()])
+            let opts: Vec<String> = defs.split_whitespace().map(String::from).collect();
+            let ptx = compile_ptx_with("sm_90", Dtype::Bf16, &opts)
                 .unwrap_or_else(|e| panic!("{defs}: {e:#}"));
             assert!(ptx.contains(".entry paged_attention("), "{defs}");
             if *defs == "-DHARRIER_TRACE" {
@@ -2334,7 +2421,7 @@ mod tests {
                 );
             }
             dump_ptx(
-                &format!("sm_90_bfloat16{}", defs.trim_start_matches("-D")),
+                &format!("sm_90_bfloat16{}", defs.replace("-D", "").replace(' ', "_")),
                 &ptx,
             );
         }

@@ -641,8 +641,9 @@ fn main() -> anyhow::Result<()> {
         "check-gemm-rows" => check_gemm_rows(&a),
         "check-fused" => check_fused(&a),
         "check-fp8" => check_fp8(&a),
+        "bench-ring" => bench_ring(&a),
         _ => bail!(
-            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-spec|bench-spec|check-gemv|check-gemm-rows|check-fused|check-fp8 ..."
+            "usage: harrier-cuda-tool parity|bench|check-attention|check-sampling|check-penalties|check-graphs|check-spec|bench-spec|check-gemv|check-gemm-rows|check-fused|check-fp8|bench-ring ..."
         ),
     }
 }
@@ -1620,6 +1621,330 @@ unsafe fn time_us(
         dr::event::synchronize(e1)?;
         Ok(dr::event::elapsed(e0, e1)? as f64 * 1e3 / REPS as f64)
     }
+}
+
+/// Measurement only: a model's one-row projections for `--layers` layers (default all), each
+/// stage's input the output before it, as one persistent `gemv_ring` launch (weights streamed
+/// through a shared-memory ring that does not wait for the activations; `--slots` slots,
+/// default as many as fit) and as the chain of `skinny_gemm` launches (programmatic dependent
+/// launch, the engine's instances), timed side by side (`--rounds`), with the bytes a second
+/// each reaches. `--mlp fused` (the default where the hidden size allows): q|k|v, o, and the
+/// MLP as one ring stage (gate|up, SiLU-and-mul and down in each block, no wait between them)
+/// against q|k|v, o, gate|up with the SiLU epilogue, down; `--mlp plain`: four plain products
+/// (gate|up's output feeds down) both ways. The ring's time includes zeroing its outputs and
+/// counters (two memsets, timed alone too). The first and last layer's outputs of both are
+/// compared (the first checked); a traced ring launch prints where its time goes. Random
+/// weights of layer 0, copied to the others, scaled so activations keep their size.
+fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    use harrier_kernels::{RingLaunch, RingStage, SkinnyEpilogue, SkinnyInputs, RING_SLOT};
+    let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
+    let c = dir.config.clone();
+    let arg = |name: &str, default: usize| -> anyhow::Result<usize> {
+        Ok(a.get(name)
+            .map(|s| s.parse())
+            .transpose()
+            .with_context(|| format!("--{name}"))?
+            .unwrap_or(default))
+    };
+    let layers = arg("layers", c.num_layers)?;
+    let rounds = arg("rounds", 3)?;
+    let (h, q) = (c.hidden_size, c.num_heads * c.head_dim);
+    let qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+    let inter = c.intermediate_size;
+    // (A fused chunk: RING_SLOT / 2h intermediate rows of gate, of up and of down^T.)
+    let can_fuse = 2 * h <= RING_SLOT && h <= 4096 && inter % (RING_SLOT / (2 * h)) == 0;
+    let fused = match a.get("mlp").map(String::as_str) {
+        None => can_fuse,
+        Some("fused") if can_fuse => true,
+        Some("fused") => bail!(
+            "bench-ring: --mlp fused needs hidden ({h}) <= 4096 and whole chunks of intermediate rows"
+        ),
+        Some("plain") => false,
+        Some(m) => bail!("bench-ring: --mlp {m}: fused or plain"),
+    };
+    // (n, k) of q|k|v, o, gate|up (2 inter rows), down.
+    let shapes = [(qkv, h), (h, q), (2 * inter, h), (h, inter)];
+    if shapes
+        .iter()
+        .any(|&(n, k)| n % 16 != 0 || k % 1024 != 0 || n * k >= 1 << 31)
+        || q > qkv
+    {
+        bail!("bench-ring: shapes {shapes:?} need n % 16 == 0, k % 1024 == 0, n * k < 2^31");
+    }
+    let max_k = shapes.iter().map(|s| s.1).max().unwrap_or(0);
+    let (ctx, k) = kernels_on_device0()?;
+    let attr = |a| -> anyhow::Result<usize> {
+        Ok(ctx.attribute(a).map_err(|e| anyhow::anyhow!("{e:?}"))? as usize)
+    };
+    let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+    let optin =
+        attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    // (The kernel's static shared memory, 128 bytes, stays beside it.)
+    let fit = optin.saturating_sub(max_k * 2 + 1024) / (RING_SLOT + 16);
+    let slots = arg("slots", fit)?;
+    if slots == 0 || slots > fit {
+        bail!("bench-ring: --slots {slots}: 1 to {fit} fit in {optin} bytes beside the input");
+    }
+    let blocks = arg("blocks", sms as usize)? as u32;
+    if blocks == 0 || blocks > sms {
+        bail!("bench-ring: --blocks {blocks}: 1 to {sms} (all must be resident)");
+    }
+    // (With HARRIER_KERNEL_DEFINES=-DRING_CW=N for N; RING_NO_DEP / RING_NO_MATH builds need
+    // --no-check: their outputs are wrong by design.)
+    let consumer_warps = arg("consumer-warps", 8)? as u32;
+    let check = !a.contains_key("no-check");
+    let mut rng = SplitMix64(0xc4a1);
+    let layer_bytes: usize = shapes.iter().map(|&(n, k)| n * k * 2).sum();
+    println!(
+        "bench-ring: {layers} layers, mlp {}, {:.1} MB a layer, {blocks} blocks, {slots} slots of {RING_SLOT} bytes",
+        if fused { "fused" } else { "plain" },
+        layer_bytes as f64 / 1e6
+    );
+    // SAFETY: every buffer is allocated with the size its uses need; the stream is synchronised
+    // before host reads.
+    unsafe {
+        let st = dr::stream::create(dr::stream::StreamKind::NonBlocking)?;
+        let ev = (
+            dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?,
+            dr::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?,
+        );
+        let mut allocs = Vec::new();
+        let mut upload = |v: &[u16], copies: usize| -> anyhow::Result<Vec<u64>> {
+            let mut out = Vec::new();
+            for _ in 0..copies {
+                let d = dr::malloc_sync(v.len() * 2)?;
+                dr::memcpy_htod_sync(d, v)?;
+                out.push(d);
+            }
+            allocs.extend(&out);
+            Ok(out)
+        };
+        // weights[s][l] for the shapes; down^T too when fused.
+        let mut host_w = Vec::new();
+        for &(n, kk) in &shapes {
+            let scale = 1.7 / (kk as f64).sqrt();
+            let w: Vec<u16> = (0..n * kk)
+                .map(|_| half::bf16::from_f64((rng.unit() * 2.0 - 1.0) * scale).to_bits())
+                .collect();
+            host_w.push(w);
+        }
+        let mut weights = Vec::new();
+        for w in &host_w {
+            weights.push(upload(w, layers)?);
+        }
+        let down_t = if fused {
+            let mut t = vec![0u16; inter * h];
+            for (r, row) in host_w[3].chunks(inter).enumerate() {
+                for (i, &v) in row.iter().enumerate() {
+                    t[i * h + r] = v;
+                }
+            }
+            upload(&t, layers)?
+        } else {
+            Vec::new()
+        };
+        drop(host_w);
+        let x0: Vec<f32> = (0..h).map(|_| (rng.unit() * 2.0 - 1.0) as f32).collect();
+        let x0_bf: Vec<u16> = x0
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let alloc = |bytes: usize| -> anyhow::Result<u64> { Ok(dr::malloc_sync(bytes)?) };
+        // The ring: fp32 input, every stage's own fp32 output (one allocation, one memset).
+        let per_layer = if fused { 3 } else { 4 };
+        let outs: Vec<usize> = if fused {
+            vec![qkv, h, h]
+        } else {
+            shapes.iter().map(|s| s.0).collect()
+        };
+        let out_len = outs.iter().sum::<usize>() * layers;
+        let (rx, ry, done) = (
+            alloc(h * 4)?,
+            alloc(out_len * 4)?,
+            alloc(4 * per_layer * layers)?,
+        );
+        dr::memcpy_htod_sync(rx, &x0)?;
+        let mut ring: Vec<RingStage> = Vec::new();
+        let mut at = ry;
+        for l in 0..layers {
+            for s in 0..per_layer {
+                let x = ring.last().map(|p| p.y).unwrap_or(rx);
+                let (w, w2, n, kk) = match (fused, s) {
+                    (true, 2) => (weights[2][l], down_t[l], inter, h),
+                    _ => (weights[s][l], 0, shapes[s].0, shapes[s].1),
+                };
+                ring.push(RingStage {
+                    w,
+                    w2,
+                    x,
+                    y: at,
+                    n: n as i32,
+                    k: kk as i32,
+                });
+                at += (outs[s] * 4) as u64;
+            }
+        }
+        let d_stages = alloc(ring.len() * std::mem::size_of::<RingStage>())?;
+        dr::memcpy_htod_sync(d_stages, &ring)?;
+        let trace_len = 3 * ring.len() * blocks as usize;
+        let trace = alloc(trace_len * 8)?;
+        let mut launch = RingLaunch {
+            stages: d_stages,
+            n: ring.len() as i32,
+            done,
+            blocks,
+            slots: slots as i32,
+            max_k,
+            consumer_warps,
+            trace: 0,
+        };
+        // The launches: bf16 input and outputs, a buffer a stage (gate|up's holds the SiLU
+        // product when fused).
+        let lx = alloc(h * 2)?;
+        dr::memcpy_htod_sync(lx, &x0_bf)?;
+        let ys: Vec<u64> = shapes
+            .iter()
+            .map(|&(n, _)| alloc(n * 2))
+            .collect::<Result<_, _>>()?;
+        let mut launches = Vec::new();
+        #[allow(clippy::needless_range_loop)] // (weights[s][l]: the layer indexes the inner level)
+        for l in 0..layers {
+            for (s, &(n, kk)) in shapes.iter().enumerate() {
+                let x = match (l, s) {
+                    (0, 0) => lx,
+                    (_, 0) => ys[3],
+                    _ => ys[s - 1],
+                };
+                let (n, epi) = match (fused, s) {
+                    (true, 2) => (inter, SkinnyEpilogue::SiluMul),
+                    _ => (n, SkinnyEpilogue::Store),
+                };
+                launches.push(SkinnyInputs::new((x, weights[s][l], ys[s]), 1, n, kk, epi));
+            }
+        }
+        let zero = || -> anyhow::Result<()> {
+            dr::memset_d8_async(ry, 0, out_len * 4, st)?;
+            dr::memset_d8_async(done, 0, 4 * per_layer * layers, st)?;
+            Ok(())
+        };
+        let run_ring = |r: &RingLaunch| -> anyhow::Result<()> {
+            zero()?;
+            k.gemv_ring(st, r)
+        };
+        let run_launches = |upto: usize| -> anyhow::Result<()> {
+            for p in &launches[..upto] {
+                k.skinny_gemm(st, p)?;
+            }
+            Ok(())
+        };
+        launch.trace = trace;
+        run_ring(&launch)?;
+        dr::stream::synchronize(st)?;
+        let mut times = vec![0u64; trace_len];
+        dr::memcpy_dtoh_sync(&mut times, trace)?;
+        launch.trace = 0;
+        let names: &[&str] = if fused {
+            &["q|k|v", "o", "mlp"]
+        } else {
+            &["q|k|v", "o", "gate|up", "down"]
+        };
+        print_ring_trace(&times, names, layers, blocks as usize);
+        // Both chains' outputs of the first and last layer, stage by stage (the launches'
+        // buffers hold the last layer they ran: layer 0 runs alone first). Fused, the ring's
+        // third stage is the launches' fourth.
+        let mut first = 0.0f64;
+        for (l, upto) in [(0, 4), (layers - 1, launches.len())] {
+            run_launches(upto)?;
+            dr::stream::synchronize(st)?;
+            for (s, name) in names.iter().enumerate() {
+                let n = outs[s];
+                let mut yr = vec![0f32; n];
+                dr::memcpy_dtoh_sync(&mut yr, ring[per_layer * l + s].y)?;
+                let mut yl = vec![0u16; n];
+                let ls = if fused && s == 2 { 3 } else { s };
+                dr::memcpy_dtoh_sync(&mut yl, ys[ls])?;
+                let r = rel_l2(
+                    yl.iter().map(|&b| half::bf16::from_bits(b).to_f64()),
+                    yr.iter().map(|&v| v as f64),
+                );
+                println!("layer {l} {name}: ring vs launches rel. diff {r:.1e}");
+                if l == 0 {
+                    first = first.max(r);
+                }
+            }
+        }
+        if check && first > 1e-2 {
+            bail!("bench-ring: the ring's first layer differs from the launches' ({first:.1e})");
+        }
+        let bytes = (layer_bytes * layers) as f64;
+        let tz = time_us(st, ev, &zero)?;
+        println!("zeroing alone: {tz:.1} us");
+        println!("| round | ring us | launches us | ring GB/s | launches GB/s | launches / ring |");
+        println!("|---|---|---|---|---|---|");
+        for r in 0..rounds {
+            let tr = time_us(st, ev, &|| run_ring(&launch))?;
+            let tl = time_us(st, ev, &|| run_launches(launches.len()))?;
+            let gbs = |us: f64| bytes / (us * 1e-6) / 1e9;
+            println!(
+                "| {r} | {tr:.1} | {tl:.1} | {:.0} | {:.0} | {:.3} |",
+                gbs(tr),
+                gbs(tl),
+                tl / tr
+            );
+        }
+        for d in allocs
+            .iter()
+            .chain([&d_stages, &rx, &ry, &done, &lx, &trace])
+            .chain(&ys)
+        {
+            dr::free_sync(*d)?;
+        }
+        dr::stream::destroy(st)?;
+    }
+    Ok(())
+}
+
+/// `bench-ring`'s per-stage times (`gemv_ring`'s trace: a block's wait start, input staged,
+/// stage counted, ns), a line per stage of a layer, averaged over the layers after the first:
+/// the median block's wait for the input and time from staged to counted, the spread of the
+/// blocks' ends, and the stage's length (last end to last end).
+fn print_ring_trace(t: &[u64], names: &[&str], layers: usize, blocks: usize) {
+    let per = names.len();
+    let at = |s: usize, b: usize, i: usize| t[(s * blocks + b) * 3 + i] as f64 / 1e3;
+    let median = |mut v: Vec<f64>| -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let last_end = |s: usize| (0..blocks).map(|b| at(s, b, 2)).fold(f64::MIN, f64::max);
+    let start = (0..blocks).map(|b| at(0, b, 0)).fold(f64::MAX, f64::min);
+    println!("| stage | wait us | staged to done us | end spread us | stage us |");
+    println!("|---|---|---|---|---|");
+    for (j, name) in names.iter().enumerate() {
+        let (mut w, mut c, mut sp, mut len) = (0.0, 0.0, 0.0, 0.0);
+        // Layers after the first (the first alone when there is one).
+        let ls: Vec<usize> = (1..layers).collect();
+        let ls = if ls.is_empty() { vec![0] } else { ls };
+        for &l in &ls {
+            let s = per * l + j;
+            w += median((0..blocks).map(|b| at(s, b, 1) - at(s, b, 0)).collect());
+            c += median((0..blocks).map(|b| at(s, b, 2) - at(s, b, 1)).collect());
+            let first_end = (0..blocks).map(|b| at(s, b, 2)).fold(f64::MAX, f64::min);
+            sp += last_end(s) - first_end;
+            len += last_end(s) - if s > 0 { last_end(s - 1) } else { start };
+        }
+        let nl = ls.len() as f64;
+        println!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            w / nl,
+            c / nl,
+            sp / nl,
+            len / nl
+        );
+    }
+    println!(
+        "traced launch: {:.1} us",
+        last_end(per * layers - 1) - start
+    );
 }
 
 /// `|x - y| / |x|` over whole vectors (infinite when NaN appears).
