@@ -2375,13 +2375,13 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(
 //   a slot (one row, as K % 1024 == 0) and adds its row's sum into y with an atomic.
 // - MLP (w2 = down^T, [N, K]): y[K] += down(silu(gate x) * (up x)) with w = [gate; up] ([2N, K],
 //   N the intermediate size) and no dependency inside: a block takes a contiguous run of chunks
-//   of CR = RING_SLOT / 2K (rounded down) intermediate rows and streams, per chunk, the gate
+//   of CR intermediate rows (ring_chunk_rows) and streams, per chunk, the gate
 //   rows, the up rows and the down^T rows (a slot each); the chunk's CR activations are formed
 //   once each (rounded as the skinny SiLU epilogue) and each thread keeps up to K / 256 down
 //   sums in registers for the whole run, added into y with vector atomics at its end. The
 //   split-K down projection needs no other block's gate|up rows: the layer's second grid-wide
 //   wait is gone.
-// K % 1024 == 0 (MLP: 2K <= RING_SLOT, K <= 256 * RING_MLP_COLS, N % CR == 0); N * K < 2^31; y
+// K % 1024 == 0 (MLP: 2K <= RING_SLOT, K <= RING_CW * 4 * RING_MLP_COLS, N % CR == 0); N * K < 2^31; y
 // and done zeroed first.
 struct RingStage {
     const bf16* w;
@@ -2391,12 +2391,18 @@ struct RingStage {
     int N, K;
 };
 #ifndef RING_CW
-#define RING_CW 8
+#define RING_CW 16
 #endif
 #ifndef RING_SLOT
-#define RING_SLOT 16384
+#define RING_SLOT 32768
 #endif
-#define RING_MLP_COLS 16  // down sums a thread keeps: K <= 256 * 16
+#define RING_MLP_COLS 16  // down sums a thread keeps: K <= RING_CW * 32 * 16
+// Intermediate rows of a fused MLP chunk: the largest power of two with 2 CR K <= RING_SLOT.
+__device__ __forceinline__ int ring_chunk_rows(int K) {
+    int cr = 1;
+    while (4 * cr * K <= RING_SLOT) cr *= 2;
+    return cr;
+}
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
     u32 ok;
@@ -2421,7 +2427,7 @@ __device__ __forceinline__ void ring_share(int items, int& off, int& start, int&
     off = (off + rem) % g;
 }
 __device__ __forceinline__ int ring_items(const RingStage& st) {
-    if (st.w2) return st.N / (RING_SLOT / (2 * st.K));
+    if (st.w2) return st.N / ring_chunk_rows(st.K);
     const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * 2u;
     return (int)((bytes + RING_SLOT - 1) / RING_SLOT);
 }
@@ -2496,7 +2502,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             int start, count;
             ring_share(ring_items(st), off, start, count);
             if (st.w2) {
-                const int cr = RING_SLOT / (2 * st.K);
+                const int cr = ring_chunk_rows(st.K);
                 const unsigned int len = cr * st.K * 2;
                 for (int c = start; c < start + count; c++) {
                     const size_t r = (size_t)c * cr * st.K;
@@ -2565,7 +2571,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         if (st.w2) {
             // A chunk: cr rows of gate, of up and of down^T, a slot each (cr K bf16 <= RING_SLOT);
             // gate|up: warp w < cr * parts reduces row w / parts, columns 1024 (w % parts) on.
-            const int cr = RING_SLOT / (2 * st.K), parts = st.K / 1024;
+            const int cr = ring_chunk_rows(st.K), parts = st.K / 1024;
             const bool dots = warp < cr * parts;
             float acc[RING_MLP_COLS];
 #pragma unroll
@@ -2621,8 +2627,8 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                     const float h = __shfl_sync(0xffffffffu, hl, r);
 #pragma unroll
                     for (int q = 0; q < RING_MLP_COLS / 8; q++) {
-                        if (q * 2048 + 8 * ct >= st.K) break;
-                        const uint4 wv = d[r * (st.K / 8) + q * 256 + ct];
+                        if (8 * (q * nct + ct) >= st.K) break;
+                        const uint4 wv = d[r * (st.K / 8) + q * nct + ct];
                         const u32 wr[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
                         for (int i = 0; i < 4; i++) {
@@ -2637,13 +2643,13 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 take(), release(), take(), release(), take(), release();
 #endif
             }
-            // Thread ct's columns: 8 from 8 ct, then 8 from 8 ct + 2048 (K > 2048).
+            // Thread ct's columns: 8 from 8 ct, then 8 from 8 (ct + RING_CW * 32) (larger K).
 #ifndef RING_NO_RED
             if (count > 0) {
 #pragma unroll
                 for (int q = 0; q < RING_MLP_COLS / 8; q++) {
-                    if (q * 2048 + 8 * ct >= st.K) break;
-                    float* y = st.y + q * 2048 + 8 * ct;
+                    if (8 * (q * nct + ct) >= st.K) break;
+                    float* y = st.y + 8 * (q * nct + ct);
                     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(y), "f"(acc[q * 8]), "f"(acc[q * 8 + 1]),
                                  "f"(acc[q * 8 + 2]), "f"(acc[q * 8 + 3])
                                  : "memory");

@@ -1928,8 +1928,8 @@ pub struct RingStage {
 
 /// Bytes of one `gemv_ring` weight slot (`RING_SLOT`) and its default consumer warps
 /// (`RING_CW`; the block has one more, the producer's).
-pub const RING_SLOT: usize = 16384;
-pub const RING_CONSUMER_WARPS: u32 = 8;
+pub const RING_SLOT: usize = 32768;
+pub const RING_CONSUMER_WARPS: u32 = 16;
 
 /// One [`Kernels::gemv_ring`] launch.
 #[derive(Debug, Clone, Copy)]
@@ -1941,13 +1941,16 @@ pub struct RingLaunch {
     pub done: u64,
     /// Blocks, one an SM.
     pub blocks: u32,
-    /// [`RING_SLOT`]-byte slots in shared memory.
+    /// Slots of `slot_bytes` in shared memory.
     pub slots: i32,
     /// The largest stage input (bf16 in shared memory beside the ring).
     pub max_k: usize,
     /// Consumer warps: [`RING_CONSUMER_WARPS`] unless the source was built with another
     /// `-DRING_CW`.
     pub consumer_warps: u32,
+    /// Bytes a slot: [`RING_SLOT`] unless the source was built with another `-DRING_SLOT`
+    /// (`RING_CW * 2048`).
+    pub slot_bytes: usize,
     /// 0, or `3 n blocks` u64 for the per-stage times (see the source).
     pub trace: u64,
 }
@@ -1964,7 +1967,7 @@ impl Kernels {
     /// `y` and the counters zeroed; `blocks`
     /// at most the SM count; `trace` null or as [`RingLaunch::trace`] says.
     pub unsafe fn gemv_ring(&self, s: sys::CUstream, r: &RingLaunch) -> anyhow::Result<()> {
-        let smem = r.slots as usize * (RING_SLOT + 16) + r.max_k * 2;
+        let smem = r.slots as usize * (r.slot_bytes + 16) + r.max_k * 2;
         let f = self.func("gemv_ring");
         // SAFETY: `f` is a loaded function; the attribute only raises its own limit.
         let raised = unsafe {

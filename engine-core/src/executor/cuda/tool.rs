@@ -1651,13 +1651,25 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let (h, q) = (c.hidden_size, c.num_heads * c.head_dim);
     let qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
     let inter = c.intermediate_size;
-    // (A fused chunk: RING_SLOT / 2h intermediate rows of gate, of up and of down^T.)
-    let can_fuse = 2 * h <= RING_SLOT && h <= 4096 && inter % (RING_SLOT / (2 * h)) == 0;
+    // (With HARRIER_KERNEL_DEFINES=-DRING_SLOT=B -DRING_CW=B/2048 for other slots.)
+    let slot_bytes = arg("slot-bytes", RING_SLOT)?;
+    let consumer_warps = arg("consumer-warps", slot_bytes / 2048)? as u32;
+    // A fused chunk: the kernel's ring_chunk_rows, the largest power of two of intermediate
+    // rows whose gate (or up, or down^T) rows fill at most a slot.
+    let chunk = (0..)
+        .map(|p| 1usize << p)
+        .take_while(|c| 2 * c * h <= slot_bytes)
+        .last();
+    let can_fuse = chunk.is_some_and(|c| {
+        h <= consumer_warps as usize * 32 * 16
+            && inter % c == 0
+            && c * h / 1024 <= consumer_warps as usize
+    });
     let fused = match a.get("mlp").map(String::as_str) {
         None => can_fuse,
         Some("fused") if can_fuse => true,
         Some("fused") => bail!(
-            "bench-ring: --mlp fused needs hidden ({h}) <= 4096 and whole chunks of intermediate rows"
+            "bench-ring: --mlp fused needs hidden ({h}) <= 16 x 32 x the consumer warps and whole chunks of intermediate rows"
         ),
         Some("plain") => false,
         Some(m) => bail!("bench-ring: --mlp {m}: fused or plain"),
@@ -1680,7 +1692,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let optin =
         attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
     // (The kernel's static shared memory, 128 bytes, stays beside it.)
-    let fit = optin.saturating_sub(max_k * 2 + 1024) / (RING_SLOT + 16);
+    let fit = optin.saturating_sub(max_k * 2 + 1024) / (slot_bytes + 16);
     let slots = arg("slots", fit)?;
     if slots == 0 || slots > fit {
         bail!("bench-ring: --slots {slots}: 1 to {fit} fit in {optin} bytes beside the input");
@@ -1689,14 +1701,12 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
     if blocks == 0 || blocks > sms {
         bail!("bench-ring: --blocks {blocks}: 1 to {sms} (all must be resident)");
     }
-    // (With HARRIER_KERNEL_DEFINES=-DRING_CW=N for N; RING_NO_DEP / RING_NO_MATH builds need
-    // --no-check: their outputs are wrong by design.)
-    let consumer_warps = arg("consumer-warps", 8)? as u32;
+    // (RING_NO_DEP / RING_NO_MATH builds need --no-check: their outputs are wrong by design.)
     let check = !a.contains_key("no-check");
     let mut rng = SplitMix64(0xc4a1);
     let layer_bytes: usize = shapes.iter().map(|&(n, k)| n * k * 2).sum();
     println!(
-        "bench-ring: {layers} layers, mlp {}, {:.1} MB a layer, {blocks} blocks, {slots} slots of {RING_SLOT} bytes",
+        "bench-ring: {layers} layers, mlp {}, {:.1} MB a layer, {blocks} blocks, {slots} slots of {slot_bytes} bytes, {consumer_warps} consumer warps",
         if fused { "fused" } else { "plain" },
         layer_bytes as f64 / 1e6
     );
@@ -1796,6 +1806,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             slots: slots as i32,
             max_k,
             consumer_warps,
+            slot_bytes,
             trace: 0,
         };
         // The launches: bf16 input and outputs, a buffer a stage (gate|up's holds the SiLU
