@@ -39,6 +39,9 @@
 //!   cuBLAS over the dequantized weights (and timed beside bf16), then the model loaded in
 //!   bf16 and in FP8 on the same prompts (logits, argmax, log-probability error, greedy tokens).
 //! - `--quantization fp8` (any command): models load with FP8 weights.
+//! - `bench-ring --model DIR [--mlp fused|plain] [--layers N] [--rounds N] [--slots N]
+//!   [--no-check]`: measurement only: the model's one-row projections as one persistent
+//!   `gemv_ring` launch against the skinny launches (see [`bench_ring`]).
 //! - `check-graphs --model DIR [--fused-max-rows N]`: greedy tokens with CUDA graphs against eager through the
 //!   real engine (see `executor::cuda::graph_check`).
 //!
