@@ -2682,7 +2682,9 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             }
             if (row >= 0 && lane == 0) atomicAdd(st.y + row, acc);
         }
-        __threadfence();
+        // The barrier orders every consumer's atomics before thread 0's release (the pattern of
+        // a cooperative grid sync: one fence a block, not a fence a thread; 1B 602 -> 582 us on
+        // the H200, session 17).
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
         if (ct == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
         if (tr && ct == 0) tr[2] = ring_now();
