@@ -2377,12 +2377,13 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(
 //   N the intermediate size) and no dependency inside: a block takes a contiguous run of chunks
 //   of CR intermediate rows (ring_chunk_rows) and streams, per chunk, the gate
 //   rows, the up rows and the down^T rows (a slot each); the chunk's CR activations are formed
-//   once each (rounded as the skinny SiLU epilogue) and each thread keeps up to K / 256 down
-//   sums in registers for the whole run, added into y with vector atomics at its end. The
+//   once each (rounded as the skinny SiLU epilogue) and each thread keeps up to RING_MLP_COLS
+//   down sums in registers for the whole run, added into y with vector atomics at its end. The
 //   split-K down projection needs no other block's gate|up rows: the layer's second grid-wide
-//   wait is gone.
-// K % 1024 == 0 (MLP: 2K <= RING_SLOT, K <= RING_CW * 4 * RING_MLP_COLS, N % CR == 0); N * K < 2^31; y
-// and done zeroed first.
+//   wait is gone. (CR * K / 1024 <= RING_CW: a warp a gate|up part, CR <= 16 lanes.)
+// K % 1024 == 0 (MLP: 2K <= RING_SLOT, K <= 32 * RING_CW * RING_MLP_COLS, N % CR == 0);
+// N * K < 2^31; y and done zeroed first. One block an SM, every block resident (the stages
+// wait on each other across blocks).
 struct RingStage {
     const bf16* w;
     const bf16* w2;

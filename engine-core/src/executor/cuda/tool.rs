@@ -1637,7 +1637,8 @@ unsafe fn time_us(
 /// (gate|up's output feeds down) both ways. The ring's time includes zeroing its outputs and
 /// counters (two memsets, timed alone too). The first and last layer's outputs of both are
 /// compared (the first checked); a traced ring launch prints where its time goes. Random
-/// weights of layer 0, copied to the others, scaled so activations keep their size.
+/// weights of layer 0, copied to the others, scaled so plain products keep the activations'
+/// size (fused, the SiLU products shrink them layer by layer: the last layer's are near zero).
 fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
     use harrier_kernels::{RingLaunch, RingStage, SkinnyEpilogue, SkinnyInputs, RING_SLOT};
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
@@ -1651,11 +1652,17 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
     };
     let layers = arg("layers", c.num_layers)?;
     let rounds = arg("rounds", 3)?;
+    if layers == 0 {
+        bail!("bench-ring: --layers must be at least 1");
+    }
     let (h, q) = (c.hidden_size, c.num_heads * c.head_dim);
     let qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
     let inter = c.intermediate_size;
     // (With HARRIER_KERNEL_DEFINES=-DRING_SLOT=B -DRING_CW=B/2048 for other slots.)
     let slot_bytes = arg("slot-bytes", RING_SLOT)?;
+    if slot_bytes == 0 || slot_bytes % 2048 != 0 {
+        bail!("bench-ring: --slot-bytes {slot_bytes}: a multiple of 2048 (a warp's 1024 weights)");
+    }
     let consumer_warps = arg("consumer-warps", slot_bytes / 2048)? as u32;
     // A fused chunk: the kernel's ring_chunk_rows, the largest power of two of intermediate
     // rows whose gate (or up, or down^T) rows fill at most a slot.
