@@ -2384,12 +2384,19 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(
 // K % 1024 == 0 (MLP: 2K <= RING_SLOT, K <= 32 * RING_CW * RING_MLP_COLS, N % CR == 0);
 // N * K < 2^31; y and done zeroed first. One block an SM, every block resident (the stages
 // wait on each other across blocks).
+// A stage's input, staged once in every block: x, or with `res` the residual add
+// r = bf16(res + bf16(x)) (block 0 writes r to `res_out` for the stages after), and with
+// `norm_w` RMSNorm(r) rounded as add_rmsnorm writes it (bf16(w * bf16(r * inv))).
 struct RingStage {
     const bf16* w;
     const bf16* w2;
     const float* x;
     float* y;
+    const float* res;
+    float* res_out;
+    const bf16* norm_w;
     int N, K;
+    float eps;
 };
 #ifndef RING_CW
 #define RING_CW 16
@@ -2455,6 +2462,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
     unsigned long long* empty = full + nslots;
     uint4* xs = (uint4*)(empty + nslots);  // the stage's input, bf16
     __shared__ float part[2][2][RING_CW];   // MLP: [chunk parity][gate, up][warp]
+    __shared__ float red_ss[RING_CW];       // the input norm's sum of squares, by warp
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int i = 0; i < nslots; i++) {
@@ -2563,9 +2571,49 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
         }
 #endif
+        float ss = 0.0f;
         for (int j = ct; j < st.K / 8; j += nct) {
             const float4 a = __ldcg((const float4*)st.x + 2 * j), b = __ldcg((const float4*)st.x + 2 * j + 1);
-            xs[j] = make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+            float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            if (st.res) {
+                const float4 ra = __ldcg((const float4*)st.res + 2 * j), rb = __ldcg((const float4*)st.res + 2 * j + 1);
+                const float r[8] = {ra.x, ra.y, ra.z, ra.w, rb.x, rb.y, rb.z, rb.w};
+#pragma unroll
+                for (int i = 0; i < 8; i++) v[i] = rbf(r[i] + rbf(v[i]));
+            }
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                v[i] = rbf(v[i]);
+                ss += v[i] * v[i];
+            }
+            if (st.res_out && blockIdx.x == 0) {
+                ((float4*)st.res_out)[2 * j] = make_float4(v[0], v[1], v[2], v[3]);
+                ((float4*)st.res_out)[2 * j + 1] = make_float4(v[4], v[5], v[6], v[7]);
+            }
+            xs[j] = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
+        }
+        if (st.norm_w) {
+            // Every block the whole vector's sum of squares (a few KB from L2), then each thread
+            // rescales its own units.
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (lane == 0) red_ss[warp] = ss;
+            asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+            ss = 0.0f;
+            for (int w = 0; w < RING_CW; w++) ss += red_ss[w];
+            const float inv = rsqrtf(ss / st.K + st.eps);
+            for (int j = ct; j < st.K / 8; j += nct) {
+                const uint4 r = xs[j], g = *((const uint4*)st.norm_w + j);
+                const u32 rr[4] = {r.x, r.y, r.z, r.w}, gg[4] = {g.x, g.y, g.z, g.w};
+                u32 out[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float lo = rbf(__uint_as_float(gg[i] << 16) * rbf(__uint_as_float(rr[i] << 16) * inv));
+                    const float hi = rbf(__uint_as_float(gg[i] & 0xffff0000u) * rbf(__uint_as_float(rr[i] & 0xffff0000u) * inv));
+                    out[i] = pack_bf16(lo, hi);
+                }
+                xs[j] = make_uint4(out[0], out[1], out[2], out[3]);
+            }
         }
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
         if (tr && ct == 0) tr[1] = ring_now();

@@ -1915,15 +1915,21 @@ impl Kernels {
 /// One stage of [`Kernels::gemv_ring`] (bf16 weights, fp32 input and output), as the source's
 /// `RingStage`: with `w2 == 0` `y[N] += W[N, K] x[K]`; else the fused MLP
 /// `y[K] += down(silu(gate x) * (up x))`, `w = [gate; up]` (`[2N, K]`), `w2 = down^T` (`[N, K]`).
+/// The input is `x`, or with `res` the residual add `bf16(res + bf16(x))` (block 0 writes it to
+/// `res_out`), RMSNormed by `norm_w` (`eps`) when that is not 0.
 #[repr(C)]
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct RingStage {
     pub w: u64,
     pub w2: u64,
     pub x: u64,
     pub y: u64,
+    pub res: u64,
+    pub res_out: u64,
+    pub norm_w: u64,
     pub n: i32,
     pub k: i32,
+    pub eps: f32,
 }
 
 /// Bytes of one `gemv_ring` weight slot (`RING_SLOT`) and its default consumer warps
@@ -2234,8 +2240,9 @@ mod tests {
         // ints) at offset 64; the epilogue codes and block shape.
         assert!(SOURCE.contains("struct SkinnyIn {") && SOURCE.contains("struct SkinnyRope {"));
         // RingStage: three pointers and two ints, as the source's.
-        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    int N, K;\n};"));
-        assert_eq!(std::mem::size_of::<RingStage>(), 4 * 8 + 2 * 4);
+        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    const float* res;\n    float* res_out;\n    const bf16* norm_w;\n    int N, K;\n    float eps;\n};"));
+        assert_eq!(std::mem::offset_of!(RingStage, n), 7 * 8);
+        assert_eq!(std::mem::size_of::<RingStage>(), 7 * 8 + 3 * 4 + 4);
         assert!(SOURCE.contains(&format!("#define RING_SLOT {RING_SLOT}\n")));
         assert!(SOURCE.contains(&format!("#define RING_CW {RING_CONSUMER_WARPS}\n")));
         assert_eq!(std::mem::size_of::<SkinnyRope>(), 5 * 8 + 4 * 4);

@@ -39,8 +39,8 @@
 //!   cuBLAS over the dequantized weights (and timed beside bf16), then the model loaded in
 //!   bf16 and in FP8 on the same prompts (logits, argmax, log-probability error, greedy tokens).
 //! - `--quantization fp8` (any command): models load with FP8 weights.
-//! - `bench-ring --model DIR [--mlp fused|plain] [--layers N] [--rounds N] [--slots N]
-//!   [--no-check]`: measurement only: the model's one-row projections as one persistent
+//! - `bench-ring --model DIR [--mlp fused|plain] [--residual] [--layers N] [--rounds N]
+//!   [--slots N] [--no-check]`: measurement only: the model's one-row projections as one persistent
 //!   `gemv_ring` launch against the skinny launches (see [`bench_ring`]).
 //! - `check-graphs --model DIR [--fused-max-rows N]`: greedy tokens with CUDA graphs against eager through the
 //!   real engine (see `executor::cuda::graph_check`).
@@ -69,12 +69,17 @@ use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::Dtype;
 use harrier_shared::protocol::SamplingParams;
 
+/// `CMD --key value ...`; a key followed by another `--key` (or nothing) is a flag with an
+/// empty value (`--no-check`, `--residual`).
 fn args() -> (String, HashMap<String, String>) {
-    let mut it = std::env::args().skip(1);
+    let mut it = std::env::args().skip(1).peekable();
     let cmd = it.next().unwrap_or_default();
     let mut m = HashMap::new();
     while let Some(k) = it.next() {
-        let v = it.next().unwrap_or_default();
+        let v = match it.peek() {
+            Some(next) if next.starts_with("--") => String::new(),
+            _ => it.next().unwrap_or_default(),
+        };
         m.insert(k.trim_start_matches("--").to_string(), v);
     }
     (cmd, m)
@@ -1634,7 +1639,9 @@ unsafe fn time_us(
 /// each reaches. `--mlp fused` (the default where the hidden size allows): q|k|v, o, and the
 /// MLP as one ring stage (gate|up, SiLU-and-mul and down in each block, no wait between them)
 /// against q|k|v, o, gate|up with the SiLU epilogue, down; `--mlp plain`: four plain products
-/// (gate|up's output feeds down) both ways. The ring's time includes zeroing its outputs and
+/// (gate|up's output feeds down) both ways; `--residual` (fused): each layer's residual adds and
+/// RMSNorms too, the launches as the engine's fused path runs them (norm prologues, residual
+/// epilogues in place). The ring's time includes zeroing its outputs and
 /// counters (two memsets, timed alone too). The first and last layer's outputs of both are
 /// compared (the first checked); a traced ring launch prints where its time goes. Random
 /// weights of layer 0, copied to the others, scaled so plain products keep the activations'
@@ -1684,6 +1691,12 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         Some("plain") => false,
         Some(m) => bail!("bench-ring: --mlp {m}: fused or plain"),
     };
+    // The layer's residual adds and RMSNorms too (both sides), fused MLP only.
+    let residual = a.contains_key("residual");
+    if residual && !fused {
+        bail!("bench-ring: --residual needs the fused MLP");
+    }
+    const EPS: f32 = 1e-5;
     // (n, k) of q|k|v, o, gate|up (2 inter rows), down.
     let shapes = [(qkv, h), (h, q), (2 * inter, h), (h, inter)];
     if shapes
@@ -1764,6 +1777,15 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             Vec::new()
         };
         drop(host_w);
+        // RMSNorm weights near 1 (input and post-attention norms, shared by the layers).
+        let norm_ws: Vec<u64> = (0..2)
+            .map(|_| {
+                let w: Vec<u16> = (0..h)
+                    .map(|_| half::bf16::from_f64(0.8 + 0.4 * rng.unit()).to_bits())
+                    .collect();
+                upload(&w, 1).map(|d| d[0])
+            })
+            .collect::<Result<_, _>>()?;
         let x0: Vec<f32> = (0..h).map(|_| (rng.unit() * 2.0 - 1.0) as f32).collect();
         let x0_bf: Vec<u16> = x0
             .iter()
@@ -1784,6 +1806,10 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             alloc(4 * per_layer * layers)?,
         );
         dr::memcpy_htod_sync(rx, &x0)?;
+        // --residual: layer l's residual after its o projection and after its MLP, fp32
+        // holding bf16 values (block 0 writes them while staging the next input).
+        let rres = alloc(2 * h * 4 * layers)?;
+        let res_at = |l: usize, i: usize| rres + ((2 * l + i) * h * 4) as u64;
         let mut ring: Vec<RingStage> = Vec::new();
         let mut at = ry;
         for l in 0..layers {
@@ -1793,14 +1819,26 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     (true, 2) => (weights[2][l], down_t[l], inter, h),
                     _ => (weights[s][l], 0, shapes[s].0, shapes[s].1),
                 };
-                ring.push(RingStage {
+                let mut stage = RingStage {
                     w,
                     w2,
                     x,
                     y: at,
                     n: n as i32,
                     k: kk as i32,
-                });
+                    eps: EPS,
+                    ..Default::default()
+                };
+                if residual && s != 1 {
+                    // q|k|v: the last layer's residual plus its MLP output, input-normed; the
+                    // MLP: this layer's residual plus the o output, post-attention-normed.
+                    (stage.res, stage.res_out, stage.norm_w) = match (s, l) {
+                        (0, 0) => (0, res_at(0, 0), norm_ws[0]),
+                        (0, _) => (res_at(l - 1, 1), res_at(l, 0), norm_ws[0]),
+                        _ => (res_at(l, 0), res_at(l, 1), norm_ws[1]),
+                    };
+                }
+                ring.push(stage);
                 at += (outs[s] * 4) as u64;
             }
         }
@@ -1823,6 +1861,9 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         // product when fused).
         let lx = alloc(h * 2)?;
         dr::memcpy_htod_sync(lx, &x0_bf)?;
+        // --residual: the residual stream, updated in place by o and down (reset to x0 before
+        // each check).
+        let lres = alloc(h * 2)?;
         let ys: Vec<u64> = shapes
             .iter()
             .map(|&(n, _)| alloc(n * 2))
@@ -1840,7 +1881,23 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     (true, 2) => (inter, SkinnyEpilogue::SiluMul),
                     _ => (n, SkinnyEpilogue::Store),
                 };
-                launches.push(SkinnyInputs::new((x, weights[s][l], ys[s]), 1, n, kk, epi));
+                let p = if residual {
+                    // The engine's fused path: norm prologues, residual epilogues in place.
+                    match s {
+                        0 | 2 => SkinnyInputs::new((lres, weights[s][l], ys[s]), 1, n, kk, epi)
+                            .normed(norm_ws[s / 2], (EPS, 0.0)),
+                        _ => SkinnyInputs::new(
+                            (ys[s - 1], weights[s][l], lres),
+                            1,
+                            n,
+                            kk,
+                            SkinnyEpilogue::Residual,
+                        ),
+                    }
+                } else {
+                    SkinnyInputs::new((x, weights[s][l], ys[s]), 1, n, kk, epi)
+                };
+                launches.push(p);
             }
         }
         let zero = || -> anyhow::Result<()> {
@@ -1874,7 +1931,61 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         // buffers hold the last layer they ran: layer 0 runs alone first). Fused, the ring's
         // third stage is the launches' fourth.
         let mut first = 0.0f64;
-        for (l, upto) in [(0, 4), (layers - 1, launches.len())] {
+        let to_f64 = |v: &[u16]| -> Vec<f64> {
+            v.iter()
+                .map(|&b| half::bf16::from_bits(b).to_f64())
+                .collect()
+        };
+        let read_f32 = |d: u64, n: usize| -> anyhow::Result<Vec<f32>> {
+            let mut v = vec![0f32; n];
+            dr::memcpy_dtoh_sync(&mut v, d)?;
+            Ok(v)
+        };
+        // --residual: the launches from x0 up to a point, and the buffer they wrote.
+        let launched = |upto: usize, d: u64, n: usize| -> anyhow::Result<Vec<f64>> {
+            dr::memcpy_htod_sync(lres, &x0_bf)?;
+            run_launches(upto)?;
+            dr::stream::synchronize(st)?;
+            let mut v = vec![0u16; n];
+            dr::memcpy_dtoh_sync(&mut v, d)?;
+            Ok(to_f64(&v))
+        };
+        for l in [0, layers - 1].into_iter().filter(|_| residual) {
+            let qkv_r = read_f32(ring[3 * l].y, qkv)?;
+            let after_o = read_f32(res_at(l, 1), h)?;
+            let mlp = read_f32(ring[3 * l + 2].y, h)?;
+            // The layer's output: bf16(residual + bf16(mlp)), as the next layer stages it.
+            let bf = |v: f32| half::bf16::from_f32(v).to_f64();
+            let out: Vec<f64> = after_o
+                .iter()
+                .zip(&mlp)
+                .map(|(&r, &m)| bf((r as f64 + bf(m)) as f32))
+                .collect();
+            let pairs = [
+                (
+                    "q|k|v",
+                    launched(4 * l + 1, ys[0], qkv)?,
+                    qkv_r.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+                ),
+                (
+                    "o + residual",
+                    launched(4 * l + 2, lres, h)?,
+                    after_o.iter().map(|&v| v as f64).collect(),
+                ),
+                ("mlp + residual", launched(4 * l + 4, lres, h)?, out),
+            ];
+            for (name, yl, yr) in pairs {
+                let r = rel_l2(yl.iter().copied(), yr.iter().copied());
+                println!("layer {l} {name}: ring vs launches rel. diff {r:.1e}");
+                if l == 0 {
+                    first = first.max(r);
+                }
+            }
+        }
+        for (l, upto) in [(0, 4), (layers - 1, launches.len())]
+            .into_iter()
+            .filter(|_| !residual)
+        {
             run_launches(upto)?;
             dr::stream::synchronize(st)?;
             for (s, name) in names.iter().enumerate() {
@@ -1915,7 +2026,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         }
         for d in allocs
             .iter()
-            .chain([&d_stages, &rx, &ry, &done, &lx, &trace])
+            .chain([&d_stages, &rx, &ry, &done, &lx, &trace, &rres, &lres])
             .chain(&ys)
         {
             dr::free_sync(*d)?;
