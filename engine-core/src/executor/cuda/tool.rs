@@ -72,7 +72,11 @@ use harrier_shared::protocol::SamplingParams;
 /// `CMD --key value ...`; a key followed by another `--key` (or nothing) is a flag with an
 /// empty value (`--no-check`, `--residual`).
 fn args() -> (String, HashMap<String, String>) {
-    let mut it = std::env::args().skip(1).peekable();
+    parse_args(std::env::args().skip(1))
+}
+
+fn parse_args(it: impl Iterator<Item = String>) -> (String, HashMap<String, String>) {
+    let mut it = it.peekable();
     let cmd = it.next().unwrap_or_default();
     let mut m = HashMap::new();
     while let Some(k) = it.next() {
@@ -2610,4 +2614,21 @@ fn check_fp8_gemm(
         bail!("the FP8 tensor-core GEMM disagrees with its reference: {worst_exact:.1e}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_args;
+
+    #[test]
+    fn flags_do_not_take_the_next_key() {
+        let words = "bench-ring --model m --residual --layers 1 --no-check";
+        let (cmd, a) = parse_args(words.split(' ').map(String::from));
+        assert_eq!(cmd, "bench-ring");
+        assert_eq!(a["model"], "m");
+        assert_eq!(a["residual"], "");
+        assert_eq!(a["layers"], "1");
+        assert_eq!(a["no-check"], "");
+        assert_eq!(a.len(), 4);
+    }
 }
