@@ -1700,7 +1700,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
     if residual && !fused {
         bail!("bench-ring: --residual needs the fused MLP");
     }
-    const EPS: f32 = 1e-5;
+    let eps = c.rms_norm_eps;
     // (n, k) of q|k|v, o, gate|up (2 inter rows), down.
     let shapes = [(qkv, h), (h, q), (2 * inter, h), (h, inter)];
     if shapes
@@ -1718,7 +1718,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
     let optin =
         attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-    // (The kernel's static shared memory, 128 bytes, stays beside it.)
+    // (The kernel's static shared memory, a few hundred bytes, stays beside it.)
     let fit = optin.saturating_sub(max_k * 2 + 1024) / (slot_bytes + 16);
     let slots = arg("slots", fit)?;
     if slots == 0 || slots > fit {
@@ -1830,7 +1830,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     y: at,
                     n: n as i32,
                     k: kk as i32,
-                    eps: EPS,
+                    eps,
                     ..Default::default()
                 };
                 if residual && s != 1 {
@@ -1889,7 +1889,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     // The engine's fused path: norm prologues, residual epilogues in place.
                     match s {
                         0 | 2 => SkinnyInputs::new((lres, weights[s][l], ys[s]), 1, n, kk, epi)
-                            .normed(norm_ws[s / 2], (EPS, 0.0)),
+                            .normed(norm_ws[s / 2], (eps, 0.0)),
                         _ => SkinnyInputs::new(
                             (ys[s - 1], weights[s][l], lres),
                             1,
