@@ -2608,9 +2608,9 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 u32 out[4];
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const float lo = rbf(__uint_as_float(gg[i] << 16) * rbf(__uint_as_float(rr[i] << 16) * inv));
-                    const float hi = rbf(__uint_as_float(gg[i] & 0xffff0000u) * rbf(__uint_as_float(rr[i] & 0xffff0000u) * inv));
-                    out[i] = pack_bf16(lo, hi);
+                    out[i] = pack_bf16(norm_weight(__uint_as_float(rr[i] << 16) * inv, __uint_as_float(gg[i] << 16), 0.0f),
+                                       norm_weight(__uint_as_float(rr[i] & 0xffff0000u) * inv,
+                                                   __uint_as_float(gg[i] & 0xffff0000u), 0.0f));
                 }
                 xs[j] = make_uint4(out[0], out[1], out[2], out[3]);
             }

@@ -1932,10 +1932,9 @@ pub struct RingStage {
     pub eps: f32,
 }
 
-/// Bytes of one `gemv_ring` weight slot (`RING_SLOT`) and its default consumer warps
-/// (`RING_CW`; the block has one more, the producer's).
+/// Bytes of one `gemv_ring` weight slot (`RING_SLOT`): a consumer warp reduces 2048 bytes of
+/// it, so the block has `RING_SLOT / 2048` consumer warps (`RING_CW`) and the producer's.
 pub const RING_SLOT: usize = 32768;
-pub const RING_CONSUMER_WARPS: u32 = 16;
 
 /// One [`Kernels::gemv_ring`] launch.
 #[derive(Debug, Clone, Copy)]
@@ -1951,11 +1950,9 @@ pub struct RingLaunch {
     pub slots: i32,
     /// The largest stage input (bf16 in shared memory beside the ring).
     pub max_k: usize,
-    /// Consumer warps: [`RING_CONSUMER_WARPS`] unless the source was built with another
-    /// `-DRING_CW`.
-    pub consumer_warps: u32,
-    /// Bytes a slot: [`RING_SLOT`] unless the source was built with another `-DRING_SLOT`
-    /// (`RING_CW * 2048`).
+    /// Bytes a slot: [`RING_SLOT`] unless the source was built with other `-DRING_SLOT=B
+    /// -DRING_CW=B/2048` (a consumer warp reduces 2048 bytes of a slot, so the block has
+    /// `slot_bytes / 2048` consumer warps and the producer's).
     pub slot_bytes: usize,
     /// 0, or `3 n blocks` u64 for the per-stage times (see the source).
     pub trace: u64,
@@ -1970,8 +1967,8 @@ impl Kernels {
     /// `r.stages` must hold `n` [`RingStage`]s whose addresses are valid for their shapes
     /// (`K % 1024 == 0`, `N * K < 2^31`, 16-byte aligned, each stage's `x` the `K` fp32 values
     /// the stage before writes or the host wrote; a fused MLP stage as the source says); their
-    /// `y` and the counters zeroed; `blocks`
-    /// at most the SM count; `trace` null or as [`RingLaunch::trace`] says.
+    /// `y` and the counters zeroed; `blocks` at most the SM count; `trace` null or as
+    /// [`RingLaunch::trace`] says.
     pub unsafe fn gemv_ring(&self, s: sys::CUstream, r: &RingLaunch) -> anyhow::Result<()> {
         let smem = r.slots as usize * (r.slot_bytes + 16) + r.max_k * 2;
         let f = self.func("gemv_ring");
@@ -1990,7 +1987,7 @@ impl Kernels {
             self.launch_smem(
                 "gemv_ring",
                 (r.blocks, 1, 1),
-                (r.consumer_warps + 1) * 32,
+                (r.slot_bytes as u32 / 2048 + 1) * 32,
                 smem as u32,
                 s,
                 &mut p,
@@ -2239,12 +2236,13 @@ mod tests {
         // SkinnyIn: five pointers, two floats, four ints, then SkinnyRope (five pointers, four
         // ints) at offset 64; the epilogue codes and block shape.
         assert!(SOURCE.contains("struct SkinnyIn {") && SOURCE.contains("struct SkinnyRope {"));
-        // RingStage: three pointers and two ints, as the source's.
+        // RingStage: seven pointers, two ints and a float, as the source's; the slot and warp
+        // defaults (a consumer warp a 2048-byte share of a slot).
         assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    const float* res;\n    float* res_out;\n    const bf16* norm_w;\n    int N, K;\n    float eps;\n};"));
         assert_eq!(std::mem::offset_of!(RingStage, n), 7 * 8);
         assert_eq!(std::mem::size_of::<RingStage>(), 7 * 8 + 3 * 4 + 4);
         assert!(SOURCE.contains(&format!("#define RING_SLOT {RING_SLOT}\n")));
-        assert!(SOURCE.contains(&format!("#define RING_CW {RING_CONSUMER_WARPS}\n")));
+        assert!(SOURCE.contains(&format!("#define RING_CW {}\n", RING_SLOT / 2048)));
         assert_eq!(std::mem::size_of::<SkinnyRope>(), 5 * 8 + 4 * 4);
         assert_eq!(std::mem::offset_of!(SkinnyInputs, rope), 5 * 8 + 6 * 4);
         assert_eq!(

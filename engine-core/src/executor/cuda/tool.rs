@@ -1674,7 +1674,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
     if slot_bytes == 0 || slot_bytes % 2048 != 0 {
         bail!("bench-ring: --slot-bytes {slot_bytes}: a multiple of 2048 (a warp's 1024 weights)");
     }
-    let consumer_warps = arg("consumer-warps", slot_bytes / 2048)? as u32;
+    let consumer_warps = slot_bytes / 2048;
     // A fused chunk: the kernel's ring_chunk_rows, the largest power of two of intermediate
     // rows whose gate (or up, or down^T) rows fill at most a slot.
     let chunk = (0..)
@@ -1682,9 +1682,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .take_while(|c| 2 * c * h <= slot_bytes)
         .last();
     let can_fuse = chunk.is_some_and(|c| {
-        h <= consumer_warps as usize * 32 * 16
-            && inter % c == 0
-            && c * h / 1024 <= consumer_warps as usize
+        h <= consumer_warps * 32 * 16 && inter % c == 0 && c * h / 1024 <= consumer_warps
     });
     let fused = match a.get("mlp").map(String::as_str) {
         None => can_fuse,
@@ -1857,7 +1855,6 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             blocks,
             slots: slots as i32,
             max_k,
-            consumer_warps,
             slot_bytes,
             trace: 0,
         };
@@ -1931,78 +1928,60 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             &["q|k|v", "o", "gate|up", "down"]
         };
         print_ring_trace(&times, names, layers, blocks as usize);
-        // Both chains' outputs of the first and last layer, stage by stage (the launches'
-        // buffers hold the last layer they ran: layer 0 runs alone first). Fused, the ring's
-        // third stage is the launches' fourth.
-        let mut first = 0.0f64;
-        let to_f64 = |v: &[u16]| -> Vec<f64> {
-            v.iter()
-                .map(|&b| half::bf16::from_bits(b).to_f64())
-                .collect()
-        };
-        let read_f32 = |d: u64, n: usize| -> anyhow::Result<Vec<f32>> {
+        // Both chains' outputs of the first and last layer, stage by stage: the launches rerun
+        // from x0 up to the stage (their buffers hold the last layer they ran). Fused, the
+        // ring's third stage is the launches' fourth; with --residual the residual after o
+        // and after the MLP are compared (the launches add into it in place).
+        let read_ring = |d: u64, n: usize| -> anyhow::Result<Vec<f64>> {
             let mut v = vec![0f32; n];
             dr::memcpy_dtoh_sync(&mut v, d)?;
-            Ok(v)
+            Ok(v.iter().map(|&x| x as f64).collect())
         };
-        // --residual: the launches from x0 up to a point, and the buffer they wrote.
         let launched = |upto: usize, d: u64, n: usize| -> anyhow::Result<Vec<f64>> {
             dr::memcpy_htod_sync(lres, &x0_bf)?;
             run_launches(upto)?;
             dr::stream::synchronize(st)?;
             let mut v = vec![0u16; n];
             dr::memcpy_dtoh_sync(&mut v, d)?;
-            Ok(to_f64(&v))
+            Ok(v.iter()
+                .map(|&b| half::bf16::from_bits(b).to_f64())
+                .collect())
         };
-        for l in [0, layers - 1].into_iter().filter(|_| residual) {
-            let qkv_r = read_f32(ring[3 * l].y, qkv)?;
-            let after_o = read_f32(res_at(l, 1), h)?;
-            let mlp = read_f32(ring[3 * l + 2].y, h)?;
-            // The layer's output: bf16(residual + bf16(mlp)), as the next layer stages it.
-            let bf = |v: f32| half::bf16::from_f32(v).to_f64();
-            let out: Vec<f64> = after_o
-                .iter()
-                .zip(&mlp)
-                .map(|(&r, &m)| bf((r as f64 + bf(m)) as f32))
-                .collect();
-            let pairs = [
-                (
-                    "q|k|v",
-                    launched(4 * l + 1, ys[0], qkv)?,
-                    qkv_r.iter().map(|&v| v as f64).collect::<Vec<_>>(),
-                ),
-                (
-                    "o + residual",
-                    launched(4 * l + 2, lres, h)?,
-                    after_o.iter().map(|&v| v as f64).collect(),
-                ),
-                ("mlp + residual", launched(4 * l + 4, lres, h)?, out),
-            ];
+        let bf = |v: f64| half::bf16::from_f64(v).to_f64();
+        let mut first = 0.0f64;
+        let mut checked = vec![0];
+        if layers > 1 {
+            checked.push(layers - 1);
+        }
+        for l in checked {
+            let pairs = if residual {
+                let after_o = read_ring(res_at(l, 1), h)?;
+                // The layer's output: bf16(residual + bf16(mlp)), as the next layer stages it.
+                let out = after_o
+                    .iter()
+                    .zip(read_ring(ring[3 * l + 2].y, h)?)
+                    .map(|(&r, m)| bf(r + bf(m)))
+                    .collect();
+                vec![
+                    (
+                        "q|k|v",
+                        launched(4 * l + 1, ys[0], qkv)?,
+                        read_ring(ring[3 * l].y, qkv)?,
+                    ),
+                    ("o + residual", launched(4 * l + 2, lres, h)?, after_o),
+                    ("mlp + residual", launched(4 * l + 4, lres, h)?, out),
+                ]
+            } else {
+                let mut v = Vec::new();
+                for (s, name) in names.iter().enumerate() {
+                    let ls = if fused && s == 2 { 3 } else { s };
+                    let yl = launched(4 * l + ls + 1, ys[ls], outs[s])?;
+                    v.push((*name, yl, read_ring(ring[per_layer * l + s].y, outs[s])?));
+                }
+                v
+            };
             for (name, yl, yr) in pairs {
                 let r = rel_l2(yl.iter().copied(), yr.iter().copied());
-                println!("layer {l} {name}: ring vs launches rel. diff {r:.1e}");
-                if l == 0 {
-                    first = first.max(r);
-                }
-            }
-        }
-        for (l, upto) in [(0, 4), (layers - 1, launches.len())]
-            .into_iter()
-            .filter(|_| !residual)
-        {
-            run_launches(upto)?;
-            dr::stream::synchronize(st)?;
-            for (s, name) in names.iter().enumerate() {
-                let n = outs[s];
-                let mut yr = vec![0f32; n];
-                dr::memcpy_dtoh_sync(&mut yr, ring[per_layer * l + s].y)?;
-                let mut yl = vec![0u16; n];
-                let ls = if fused && s == 2 { 3 } else { s };
-                dr::memcpy_dtoh_sync(&mut yl, ys[ls])?;
-                let r = rel_l2(
-                    yl.iter().map(|&b| half::bf16::from_bits(b).to_f64()),
-                    yr.iter().map(|&v| v as f64),
-                );
                 println!("layer {l} {name}: ring vs launches rel. diff {r:.1e}");
                 if l == 0 {
                     first = first.max(r);
