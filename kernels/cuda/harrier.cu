@@ -2359,17 +2359,18 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(Skin
 // 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
 
-// Measurement only (`harrier-cuda-tool bench-ring`): a chain of one-row bf16 projections in one
-// persistent launch of one block an SM, where the weights never wait for the activations. A
-// producer lane streams this block's share of every stage's weights, in order and across stage
-// boundaries, into a ring of RING_SLOT-byte shared-memory slots with bulk async copies
-// (cp.async.bulk, mbarrier completion); RING_CW consumer warps wait per stage for the previous
-// stage's outputs (a counter per stage that every block bumps once), stage its input in shared
-// memory as bf16 and reduce each slot against it. The question it answers: does a stream that
-// keeps going through the dependency points (where the launch chain and gemv_chain's grid
-// barriers stall it) carry a model's projections closer to the copy rate.
-// Two kinds of stage (RingStage):
-// - GEMV (w2 null): y[N] += W[N, K] x. The flat row-major matrix is cut into slots; a block
+// The persistent decode step (one token: the engine's batch-1 decode steps of Llama-shaped bf16
+// models, executor `ring`; and `harrier-cuda-tool bench-ring`'s chains of projections): every
+// layer's projections and attention, and the output head, in one launch of one block an SM,
+// where the weights never wait for the activations. A producer lane streams this block's share
+// of every stage's weights, in order and across stage boundaries, into a ring of
+// RING_SLOT-byte shared-memory slots with bulk async copies (cp.async.bulk, mbarrier
+// completion); RING_CW consumer warps wait per stage for the previous stage's outputs (a
+// counter per stage that every block bumps once), stage its input in shared memory as bf16
+// and reduce each slot against it. (Session 17 measured the projections alone against the
+// engine's skinny launches: H200 1.15x / 1.14x / 1.18x on the 1B / 3B / 8B shapes.)
+// Five kinds of stage (RingStage.kind):
+// - GEMV: y[N] += W[N, K] x. The flat row-major matrix is cut into slots; a block
 //   takes a contiguous run of them (the +1 remainders rotating over blocks from stage to stage,
 //   so every block streams the same bytes in total); warp w reduces weights [1024 w, +1024) of
 //   a slot (one row, as K % 1024 == 0) and adds its row's sum into y with an atomic.
@@ -2381,12 +2382,47 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(
 //   down sums in registers for the whole run, added into y with vector atomics at its end. The
 //   split-K down projection needs no other block's gate|up rows: the layer's second grid-wide
 //   wait is gone. (CR * K / 1024 <= RING_CW: a warp a gate|up part, CR <= 16 lanes.)
+// - ATTN (no weights; the producer moves on to the next stage's): x is the layer's q|k|v
+//   sums (q and k rows in the paired RoPE order). Block b < nkv * S (S = gridDim.x / nkv
+//   splits of the context) takes KV head b / S and split b % S: it rotates its q heads (and,
+//   holding the new token's position, the new key, which it writes to the cache with v) and
+//   writes its partial output and (max, sum) to `part`. Rounded as the engine's launches: q
+//   and k as the skinny RoPE epilogue, the probabilities as paged_attention's V operand.
+// - GEMVT (w = W^T, [K, N]): y[N] += W x, split-K: a block takes a contiguous run of chunks of
+//   CR input rows (ring_chunk_rows(N), a slot each), stages only those rows of x, and keeps its
+//   N column sums in registers as the MLP's down part does (N <= 32 * RING_CW * RING_MLP_COLS).
+//   After an ATTN stage (o, x_form RING_X_PARTS) its rows are merged from the splits
+//   (flash-decoding's combine, rounded to bf16): no block waits on another's merge and none
+//   reads more than its rows' partials.
+// - CVT (no weights; the last stage): y[N] (f32) = x (the head's sums), each block its share.
+// Every sum (y of GEMV, GEMVT and MLP stages) is split in two f32 halves, y[0, len) and
+// y[len, 2 len) (ring_split): each added value c is cut into hi = c rounded to 2^-8 and
+// lo = c - hi rounded to 2^-25, so every partial sum of either half is exactly representable
+// (|sum| < 2^16, at most 256 adders an address) and fp32 atomics give the same bits in any
+// order: a step's outputs do not depend on which block adds first, and graph replays agree
+// with eager steps bit for bit, as the launches do (plain fp32 atomics made greedy tokens of a
+// random 1B differ run to run). The reader's hi + lo keeps 2^-25 absolute, far inside the bf16
+// rounding of every stage input. (64-bit fixed-point atomics did the same and cost the 1B's
+// step 0.95 -> 1.22 ms, 1.14 with four replicas a sum; session 18.) x_len is the length of
+// the sums a stage reads (where their lo half starts).
 // K % 1024 == 0 (MLP: 2K <= RING_SLOT, K <= 32 * RING_CW * RING_MLP_COLS, N % CR == 0);
-// N * K < 2^31; y and done zeroed first. One block an SM, every block resident (the stages
-// wait on each other across blocks).
-// A stage's input, staged once in every block: x, or with `res` the residual add
-// r = bf16(res + bf16(x)) (block 0 writes r to `res_out` for the stages after), and with
-// `norm_w` RMSNorm(r) rounded as add_rmsnorm writes it (bf16(w * bf16(r * inv))).
+// N * K < 2^31. One block an SM, every block resident (the stages wait on each other across
+// blocks). A stage zeroes `zero` (zero_len u64 words, in block shares) once it has waited:
+// the host points it at the sums of the stage two before, whose readers have all finished, so
+// the next launch finds them zero; the last block to finish zeroes the counters (a step needs
+// no memset; the first launch needs them zero).
+// A stage's input, staged once in every block: x (x_form: the stage before's sums, bf16 for
+// the embedding, or an ATTN stage's partials), or with
+// `res` the residual add r = bf16(res + bf16(x)) (block 0 writes r to `res_out` for the stages
+// after), and with `norm_w` RMSNorm(r) rounded as add_rmsnorm writes it (bf16(w * bf16(r * inv))).
+#define RING_GEMV 0
+#define RING_MLP 1
+#define RING_ATTN 2
+#define RING_GEMVT 3
+#define RING_CVT 4
+#define RING_X_SUMS 0
+#define RING_X_BF16 1
+#define RING_X_PARTS 2
 struct RingStage {
     const bf16* w;
     const bf16* w2;
@@ -2395,8 +2431,27 @@ struct RingStage {
     const float* res;
     float* res_out;
     const bf16* norm_w;
+    bf16* k_cache;
+    bf16* v_cache;
+    const float* inv_freq;
+    float* part;
+    unsigned long long* zero;
+    int kind;
     int N, K;
     float eps;
+    int x_form;
+    int nh, nkv, hd;
+    float scale;
+    int zero_len;
+    int x_len;
+};
+// The decode step's token (RING_ATTN stages): the engine's step metadata for one row.
+struct RingStep {
+    const int* positions;
+    const int* slot_mapping;
+    const int* block_tables;
+    const int* tok_row;
+    int bt_stride, block_size;
 };
 #ifndef RING_CW
 #define RING_CW 16
@@ -2435,9 +2490,220 @@ __device__ __forceinline__ void ring_share(int items, int& off, int& start, int&
     off = (off + rem) % g;
 }
 __device__ __forceinline__ int ring_items(const RingStage& st) {
-    if (st.w2) return st.N / ring_chunk_rows(st.K);
+    if (st.kind == RING_MLP) return st.N / ring_chunk_rows(st.K);
+    if (st.kind == RING_GEMVT) return st.K / ring_chunk_rows(st.N);
     const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * 2u;
     return (int)((bytes + RING_SLOT - 1) / RING_SLOT);
+}
+// Keys of an attention tile (RING_ATTN), and the shared memory an ATTN stage takes beside the
+// ring (in the input's place; the host sizes that region for both): the tile's K and V rows
+// (bf16, KT hd each), the new key and value (bf16, hd each), q of the block's heads (G hd
+// f32), the tile's scores / probabilities (KT G), and each head's running max, sum and
+// correction.
+#define RING_KT 32
+// c = hi + lo as the sums' halves take it (see the kernel's header).
+__device__ __forceinline__ void ring_split(float c, float& hi, float& lo) {
+    hi = rintf(c * 256.0f) * (1.0f / 256.0f);
+    lo = rintf((c - hi) * 33554432.0f) * (1.0f / 33554432.0f);
+}
+// Sum i of a stage output of `len` sums.
+__device__ __forceinline__ float ring_sum(const float* y, size_t i, size_t len) { return __ldcg(y + i) + __ldcg(y + len + i); }
+__device__ __forceinline__ void ring_add(float* y, size_t i, size_t len, float c) {
+    float hi, lo;
+    ring_split(c, hi, lo);
+    atomicAdd(y + i, hi);
+    atomicAdd(y + len + i, lo);
+}
+__host__ __device__ constexpr int ring_attn_smem(int G, int hd) { return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G); }
+__device__ __forceinline__ void ring_cbar(int nct) { asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory"); }
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+// One ATTN stage in this block (see the kernel's header); `wait()` waits for the q|k|v stage. Every dependent global round trip here runs while the
+// weight stream saturates HBM (1-2 us each), so the block first copies its first tile's K and
+// V rows from the cache into shared memory (cp.async; their slots need only the step's
+// metadata) and only then waits: after the wait, one round trip for q|k|v. G hd <= 2 nct,
+// hd % 16 == 0, hd <= 256.
+template <typename Wait>
+__device__ void ring_attention(const RingStage& st, const RingStep& step, unsigned char* sm, int ct, int nct, Wait wait) {
+    const int G = st.nh / st.nkv, hd = st.hd, S = max(1, (int)gridDim.x / st.nkv);
+    if ((int)blockIdx.x >= st.nkv * S) {
+        wait();
+        return;
+    }
+    const int kh = blockIdx.x / S, sp = blockIdx.x % S, warp = ct >> 5, lane = ct & 31;
+    bf16* ks = (bf16*)sm;                    // [KT][hd]
+    bf16* vs = ks + RING_KT * hd;            // [KT][hd]
+    bf16* knew = vs + RING_KT * hd;          // [hd], then the value [hd]
+    bf16* vnew = knew + hd;
+    float* qs = (float*)(vnew + hd);         // [G][hd]
+    float* sc = qs + G * hd;                 // [KT][G]
+    float* mls = sc + RING_KT * G;           // max, sum, correction: [3][G]
+    const int pos = step.positions[0];
+    const int n = max(pos + 1, 0), per = (n + S - 1) / S;
+    const int k0 = min(sp * per, n), k1 = min(k0 + per, n);
+    const bool has_new = k0 <= pos && pos < k1;
+    const int* bt = step.block_tables + (size_t)step.tok_row[0] * step.bt_stride;
+    const int bs = step.block_size, cpr = hd / 8;  // 16-byte chunks a row
+    const size_t kv_stride = (size_t)st.nkv * hd;
+    // Tile [t0, t0 + kt)'s K and V rows into shared memory: the cached ones, and the new
+    // token's from knew / vnew (the first tile, loaded before those exist, gets it later).
+    auto load_tile = [&](int t0, int kt) {
+        for (int u = ct; u < kt * cpr * 2; u += nct) {
+            const int v = u >= kt * cpr, j = (u - v * kt * cpr) / cpr, c = u - v * kt * cpr - j * cpr, p = t0 + j;
+            if (p == pos) {
+                if (t0 > k0) *(uint4*)((v ? vs : ks) + j * hd + c * 8) = *(const uint4*)((v ? vnew : knew) + c * 8);
+                continue;
+            }
+            const size_t at = (size_t)(bt[p / bs] * bs + p % bs) * kv_stride + (size_t)kh * hd + c * 8;
+            cp_async16((v ? vs : ks) + j * hd + c * 8, (v ? st.v_cache : st.k_cache) + at);
+        }
+    };
+    load_tile(k0, min(RING_KT, k1 - k0));
+    wait();
+    // q of the block's heads, rotated (the paired order: a pair sits 8 rows apart), rounded as
+    // the skinny RoPE epilogue (the product to bf16, then rope_pair); the new key (into its
+    // tile row and the cache) and value.
+    const float fpos = (float)pos;
+    const int hh = hd >> 1;
+    const long long slot = step.slot_mapping[0];
+    const int jn = pos - k0;  // the new token's row in the first tile (when < KT)
+    // (The new value with them: thread u < hd / 2 also takes dims u and u + hd / 2 of it.)
+    if (has_new && ct < hh) {
+        const size_t vsrc = (size_t)(st.nh + st.nkv + kh) * hd;
+        const float a = ring_sum(st.x, vsrc + ct, st.x_len), b = ring_sum(st.x, vsrc + ct + hh, st.x_len);
+        const bf16 va = f2bf(a), vb = f2bf(b);
+        vnew[ct] = va;
+        vnew[ct + hh] = vb;
+        if (jn < RING_KT) vs[jn * hd + ct] = va, vs[jn * hd + ct + hh] = vb;
+        st.v_cache[slot * kv_stride + (size_t)kh * hd + ct] = va;
+        st.v_cache[slot * kv_stride + (size_t)kh * hd + ct + hh] = vb;
+    }
+    for (int u = ct; u < (G + 1) * hh; u += nct) {
+        const int g = u / hh, i = u - g * hh, r = ((i >> 3) << 4) + (i & 7);
+        const bool key = g == G;
+        if (key && !has_new) continue;
+        const size_t src = (size_t)(key ? st.nh + kh : kh * G + g) * hd;
+        float o1, o2;
+        rope_pair(rbf(ring_sum(st.x, src + r, st.x_len)), rbf(ring_sum(st.x, src + r + 8, st.x_len)), fpos, st.inv_freq[i], &o1,
+                  &o2);
+        if (key) {
+            const bf16 b1 = f2bf(o1), b2 = f2bf(o2);
+            knew[r] = b1;
+            knew[r + 8] = b2;
+            if (jn < RING_KT) {
+                ks[jn * hd + r] = b1;
+                ks[jn * hd + r + 8] = b2;
+            }
+            st.k_cache[slot * kv_stride + (size_t)kh * hd + r] = b1;
+            st.k_cache[slot * kv_stride + (size_t)kh * hd + r + 8] = b2;
+        } else {
+            qs[g * hd + r] = o1;
+            qs[g * hd + r + 8] = o2;
+        }
+    }
+    if (ct < G) {
+        mls[ct] = NEG_INF;
+        mls[G + ct] = 0.0f;
+    }
+    float acc[2] = {0.0f, 0.0f};
+    for (int t0 = k0; t0 < k1; t0 += RING_KT) {
+        const int kt = min(RING_KT, k1 - t0);
+        if (t0 > k0) {
+            ring_cbar(nct);  // (the last tile's reads done)
+            load_tile(t0, kt);
+        }
+        cp_async_wait_all();
+        ring_cbar(nct);
+        // Scores: thread (key j, head g).
+        for (int u = ct; u < RING_KT * G; u += nct) {
+            const int j = u / G, g = u - j * G;
+            float v = NEG_INF;
+            if (j < kt) {
+                const uint4* kr = (const uint4*)(ks + j * hd);
+                const float* qr = qs + g * hd;
+                float dot = 0.0f;
+                for (int c = 0; c < cpr; c++) {
+                    const uint4 kv = kr[c];
+                    const u32 w[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        dot += qr[8 * c + 2 * e] * __uint_as_float(w[e] << 16);
+                        dot += qr[8 * c + 2 * e + 1] * __uint_as_float(w[e] & 0xffff0000u);
+                    }
+                }
+                v = dot * st.scale;
+            }
+            sc[u] = v;
+        }
+        ring_cbar(nct);
+        // Online softmax, a warp a head: the probabilities (rounded, as the V operand) replace
+        // the scores; the sum keeps them unrounded.
+        for (int g = warp; g < G; g += nct / 32) {
+            const float s0 = lane < kt ? sc[lane * G + g] : NEG_INF;
+            const float mo = mls[g], mn = fmaxf(mo, warp_max(s0));
+            const float pk = lane < kt ? __expf(s0 - mn) : 0.0f;
+            sc[lane * G + g] = rbf(pk);
+            const float sum = warp_sum(pk);
+            if (lane == 0) {
+                const float corr = __expf(mo - mn);
+                mls[g] = mn;
+                mls[G + g] = mls[G + g] * corr + sum;
+                mls[2 * G + g] = corr;
+            }
+        }
+        ring_cbar(nct);
+        // P V: thread (head g, dim d), up to two.
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int u = ct + i * nct;
+            if (u >= G * hd) break;
+            const int g = u / hd, d = u - g * hd;
+            float a = acc[i] * mls[2 * G + g];
+            for (int j = 0; j < kt; j++) a += sc[j * G + g] * bf2f(vs[j * hd + d]);
+            acc[i] = a;
+        }
+    }
+    // The partial of each head: its output sums and (max, sum).
+    const int idx = (kh * S + sp) * G;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int u = ct + i * nct;
+        if (u < G * hd) st.part[(size_t)idx * hd + u] = acc[i];
+    }
+    float* ml = st.part + (size_t)S * st.nh * hd;
+    if (ct < G) {
+        ml[2 * (idx + ct)] = mls[ct];
+        ml[2 * (idx + ct) + 1] = mls[G + ct];
+    }
+}
+// Input row r of a GEMVT stage: x[r] (f32), or with RING_X_PARTS the attention output at
+// r = head * hd + d merged from the ATTN stage's S split partials (flash-decoding's combine:
+// each split's sum weighted by exp(m - M), over the weighted sums of its (max, sum)), rounded
+// to bf16. Eight splits' loads at a time: none waits on another.
+__device__ float ring_gemvt_input(const RingStage& st, int r) {
+    if (st.x_form != RING_X_PARTS) return ring_sum(st.x, r, st.x_len);
+    const int hd = st.hd, nh = st.nh, G = nh / st.nkv, S = max(1, (int)gridDim.x / st.nkv);
+    const int h = r / hd, d = r - h * hd, base = (h / G) * S * G + h % G;
+    const float* ml = st.x + (size_t)S * nh * hd;
+    float M = NEG_INF, L = 0.0f, O = 0.0f;
+    for (int q0 = 0; q0 < S; q0 += 8) {
+        float m[8], l[8], o[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int idx = base + min(q0 + j, S - 1) * G;
+            m[j] = __ldcg(ml + 2 * idx), l[j] = __ldcg(ml + 2 * idx + 1), o[j] = __ldcg(st.x + (size_t)idx * hd + d);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (q0 + j >= S || m[j] == NEG_INF) continue;  // (past the splits, or an empty one)
+            const float mn = fmaxf(M, m[j]), a = __expf(M - mn), b = __expf(m[j] - mn);
+            L = L * a + l[j] * b;
+            O = O * a + o[j] * b;
+            M = mn;
+        }
+    }
+    return L > 0.0f ? rbf(O / L) : 0.0f;
 }
 // `trace` (null for none): per stage and block, the global time consumer thread 0 starts
 // waiting for the stage's input, has it staged, and has counted the stage done. RING_NO_DEP
@@ -2450,9 +2716,9 @@ __device__ __forceinline__ unsigned long long ring_now() {
     return t;
 }
 extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(const RingStage* stages, int n, unsigned int* done,
-                                                                           int nslots, unsigned long long* trace) {
+                                                                           int nslots, unsigned long long* trace,
+                                                                           RingStep step) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    PDL_ENTER();
     constexpr int SLOT_UNITS = RING_SLOT / 16;
     static_assert(SLOT_UNITS == RING_CW * 128, "a warp reduces 1024 weights of a slot");
     if (blockDim.x != (RING_CW + 1) * 32) __trap();
@@ -2460,7 +2726,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
     uint4* ring = (uint4*)smem;
     unsigned long long* full = (unsigned long long*)(smem + (size_t)nslots * RING_SLOT);
     unsigned long long* empty = full + nslots;
-    uint4* xs = (uint4*)(empty + nslots);  // the stage's input, bf16
+    uint4* xs = (uint4*)(empty + nslots);  // the stage's input, bf16 (or an ATTN stage's state)
     __shared__ float part[2][2][RING_CW];   // MLP: [chunk parity][gate, up][warp]
     __shared__ float red_ss[RING_CW];       // the input norm's sum of squares, by warp
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -2475,7 +2741,8 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
     __syncthreads();
     if (warp == RING_CW) {
         // The producer: every slot of every stage, in the consumers' order; it waits only for
-        // a free slot (the consumers' release of the round before).
+        // a free slot (the consumers' release of the round before). The weights never change,
+        // so it starts before the launches this one depends on have finished (no PDL wait).
         if (lane != 0) return;
         unsigned long long pol;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
@@ -2506,11 +2773,17 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             k++;
         };
         int off = 0;
+        RingStage nxt = stages[0];
         for (int s = 0; s < n; s++) {
-            const RingStage st = stages[s];
+            const RingStage st = nxt;
+            if (s + 1 < n) nxt = stages[s + 1];  // (in flight while this stage's copies issue)
+            if (st.kind == RING_ATTN) continue;
             int start, count;
             ring_share(ring_items(st), off, start, count);
-            if (st.w2) {
+            if (st.kind == RING_GEMVT) {
+                const int cr = ring_chunk_rows(st.N);
+                for (int c = start; c < start + count; c++) put(st.w + (size_t)c * cr * st.N, cr * st.N * 2);
+            } else if (st.kind == RING_MLP) {
                 const int cr = ring_chunk_rows(st.K);
                 const unsigned int len = cr * st.K * 2;
                 for (int c = start; c < start + count; c++) {
@@ -2529,6 +2802,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         }
         return;
     }
+    PDL_ENTER();
     const int ct = threadIdx.x, nct = RING_CW * 32;
     unsigned int k = 0;
     // The next slot, waited for; `release` hands it back.
@@ -2553,28 +2827,96 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         return v;
     };
+    // The stage descriptors, each copied into shared memory (cp.async, 8 bytes a thread) while
+    // the stage before runs: no global load at a stage's start.
+    __shared__ __align__(16) RingStage sdesc[2];
+    constexpr int DESC_WORDS = sizeof(RingStage) / 8;
+    static_assert(sizeof(RingStage) % 8 == 0 && DESC_WORDS <= 32, "descriptor copy");
+    auto fetch_desc = [&](int s) {
+        if (ct < DESC_WORDS) {
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr((unsigned long long*)&sdesc[s & 1] + ct)),
+                         "l"((const unsigned long long*)(stages + s) + ct)
+                         : "memory");
+        }
+    };
+    fetch_desc(0);
+    cp_async_wait_all();
+    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
     int off = 0;
+    unsigned int need = gridDim.x;
     for (int s = 0; s < n; s++) {
-        const RingStage st = stages[s];
-        int start, count;
-        ring_share(ring_items(st), off, start, count);
+        const RingStage st = sdesc[s & 1];
         unsigned long long* tr = trace ? trace + ((size_t)s * gridDim.x + blockIdx.x) * 3 : nullptr;
         if (tr && ct == 0) tr[0] = ring_now();
+        // Waits until the stage before has counted `need`.
+        auto wait = [&]() {
 #ifndef RING_NO_DEP
-        if (s > 0) {
-            if (ct == 0) {
-                unsigned int v;
-                do {
-                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(done + s - 1) : "memory");
-                } while (v < gridDim.x);
+            if (s > 0) {
+                if (ct == 0) {
+                    unsigned int v;
+                    do {
+                        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(done + s - 1) : "memory");
+                    } while (v < need);
+                }
+                asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
             }
-            asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
-        }
 #endif
+            // (Stage 0 has no wait: its zeroing runs after the launch's PDL wait.)
+            const int a = (int)((long long)st.zero_len * blockIdx.x / gridDim.x);
+            const int b = (int)((long long)st.zero_len * (blockIdx.x + 1) / gridDim.x);
+            for (int i = a + ct; i < b; i += nct) st.zero[i] = 0ull;
+        };
+        // (An ATTN stage waits inside, after pulling its keys into L2.)
+        // The input norm's weights (constant) are read before the wait: one dependent round
+        // trip fewer after it (K <= 16 nct: at most two 8-weight units a thread).
+        uint4 gw[2] = {};
+        if (st.norm_w) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                if (ct + i * nct < st.K / 8) gw[i] = *((const uint4*)st.norm_w + ct + i * nct);
+        }
+        if (st.kind != RING_ATTN) {
+            wait();
+            need = gridDim.x;  // (the count the next stage waits for: every block)
+            // (Every thread has read sdesc[(s + 1) & 1] as stage s - 1's, before the barrier
+            // above; stage 0 has none, and nothing reads sdesc[1] before stage 1.)
+            if (s + 1 < n) fetch_desc(s + 1);
+        }
+        if (st.kind == RING_ATTN) {
+            ring_attention(st, step, (unsigned char*)xs, ct, nct, [&]() {
+                wait();
+                if (tr && ct == 0) tr[1] = ring_now();
+                need = gridDim.x;
+                if (s + 1 < n) fetch_desc(s + 1);
+            });
+            // (The partials' stores before thread 0's release, as below; never the last stage.)
+            cp_async_wait_all();
+            asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+            if (tr && ct == 0) tr[2] = ring_now();
+            if (ct == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
+            continue;
+        }
+        int start, count;
+        ring_share(ring_items(st), off, start, count);
         float ss = 0.0f;
-        for (int j = ct; j < st.K / 8; j += nct) {
-            const float4 a = __ldcg((const float4*)st.x + 2 * j), b = __ldcg((const float4*)st.x + 2 * j + 1);
-            float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        // A GEMVT stage stages only its own input rows, as f32 (below).
+        for (int j = ct; j < st.K / 8 && st.kind != RING_GEMVT; j += nct) {
+            float v[8];
+            if (st.x_form == RING_X_BF16) {
+                const uint4 xb = __ldcg((const uint4*)st.x + j);
+                const u32 xw[4] = {xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    v[2 * i] = __uint_as_float(xw[i] << 16);
+                    v[2 * i + 1] = __uint_as_float(xw[i] & 0xffff0000u);
+                }
+            } else {
+                const float4* hi = (const float4*)st.x + 2 * j;
+                const float4* lo = (const float4*)(st.x + st.x_len) + 2 * j;
+                const float4 a = __ldcg(hi), b = __ldcg(hi + 1), c = __ldcg(lo), d = __ldcg(lo + 1);
+                v[0] = a.x + c.x, v[1] = a.y + c.y, v[2] = a.z + c.z, v[3] = a.w + c.w;
+                v[4] = b.x + d.x, v[5] = b.y + d.y, v[6] = b.z + d.z, v[7] = b.w + d.w;
+            }
             if (st.res) {
                 const float4 ra = __ldcg((const float4*)st.res + 2 * j), rb = __ldcg((const float4*)st.res + 2 * j + 1);
                 const float r[8] = {ra.x, ra.y, ra.z, ra.w, rb.x, rb.y, rb.z, rb.w};
@@ -2602,8 +2944,11 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             ss = 0.0f;
             for (int w = 0; w < RING_CW; w++) ss += red_ss[w];
             const float inv = rsqrtf(ss / st.K + st.eps);
-            for (int j = ct; j < st.K / 8; j += nct) {
-                const uint4 r = xs[j], g = *((const uint4*)st.norm_w + j);
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                const int j = ct + q * nct;
+                if (j >= st.K / 8) break;
+                const uint4 r = xs[j], g = gw[q];
                 const u32 rr[4] = {r.x, r.y, r.z, r.w}, gg[4] = {g.x, g.y, g.z, g.w};
                 u32 out[4];
 #pragma unroll
@@ -2615,9 +2960,63 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 xs[j] = make_uint4(out[0], out[1], out[2], out[3]);
             }
         }
+        float* xr = (float*)xs;  // GEMVT: the block's input rows, f32
+        if (st.kind == RING_GEMVT) {
+            const int cr = ring_chunk_rows(st.N), r0 = start * cr;
+            for (int r = ct; r < count * cr; r += nct) xr[r] = ring_gemvt_input(st, r0 + r);
+        }
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
         if (tr && ct == 0) tr[1] = ring_now();
-        if (st.w2) {
+        // Thread ct's down (or GEMVT) sums: columns 8 ct .., then 8 (ct + nct) .. (wider rows).
+        auto add_rows = [&](float* acc, const uint4* d, int r, float h, int cols) {
+#pragma unroll
+            for (int q = 0; q < RING_MLP_COLS / 8; q++) {
+                if (8 * (q * nct + ct) >= cols) break;
+                const uint4 wv = d[r * (cols / 8) + q * nct + ct];
+                const u32 wr[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    acc[q * 8 + 2 * i] += h * __uint_as_float(wr[i] << 16);
+                    acc[q * 8 + 2 * i + 1] += h * __uint_as_float(wr[i] & 0xffff0000u);
+                }
+            }
+        };
+        auto add_out = [&](const float* acc, int cols) {
+#pragma unroll
+            for (int q = 0; q < RING_MLP_COLS / 8; q++) {
+                if (8 * (q * nct + ct) >= cols) break;
+                float hi[8], lo[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) ring_split(acc[q * 8 + i], hi[i], lo[i]);
+                float* y = st.y + 8 * (q * nct + ct);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float* v = h ? lo : hi;
+                    float* yh = y + h * cols;
+                    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(yh), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+                                 : "memory");
+                    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(yh + 4), "f"(v[4]), "f"(v[5]), "f"(v[6]),
+                                 "f"(v[7])
+                                 : "memory");
+                }
+            }
+        };
+        if (st.kind == RING_CVT) {
+            const int a = (int)((long long)st.N * blockIdx.x / gridDim.x), b = (int)((long long)st.N * (blockIdx.x + 1) / gridDim.x);
+            for (int i = a + ct; i < b; i += nct) st.y[i] = ring_sum(st.x, i, st.x_len);
+        } else if (st.kind == RING_GEMVT) {
+            const int cr = ring_chunk_rows(st.N);
+            float acc[RING_MLP_COLS];
+#pragma unroll
+            for (int q = 0; q < RING_MLP_COLS; q++) acc[q] = 0.0f;
+            for (int c = 0; c < count; c++) {
+                const uint4* d = take();
+#pragma unroll 4
+                for (int r = 0; r < cr; r++) add_rows(acc, d, r, xr[c * cr + r], st.N);
+                release();
+            }
+            if (count > 0) add_out(acc, st.N);
+        } else if (st.kind == RING_MLP) {
             // A chunk: cr rows of gate, of up and of down^T, a slot each (cr K bf16 <= RING_SLOT);
             // gate|up: warp w < cr * parts reduces row w / parts, columns 1024 (w % parts) on.
             const int cr = ring_chunk_rows(st.K), parts = st.K / 1024;
@@ -2672,44 +3071,19 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 const uint4* d = take();
 #ifndef RING_MLP_NO_DOWN
 #pragma unroll 4
-                for (int r = 0; r < cr; r++) {
-                    const float h = __shfl_sync(0xffffffffu, hl, r);
-#pragma unroll
-                    for (int q = 0; q < RING_MLP_COLS / 8; q++) {
-                        if (8 * (q * nct + ct) >= st.K) break;
-                        const uint4 wv = d[r * (st.K / 8) + q * nct + ct];
-                        const u32 wr[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            acc[q * 8 + 2 * i] += h * __uint_as_float(wr[i] << 16);
-                            acc[q * 8 + 2 * i + 1] += h * __uint_as_float(wr[i] & 0xffff0000u);
-                        }
-                    }
-                }
+                for (int r = 0; r < cr; r++) add_rows(acc, d, r, __shfl_sync(0xffffffffu, hl, r), st.K);
 #endif
                 release();
 #else
                 take(), release(), take(), release(), take(), release();
 #endif
             }
-            // Thread ct's columns: 8 from 8 ct, then 8 from 8 (ct + RING_CW * 32) (larger K).
 #ifndef RING_NO_RED
-            if (count > 0) {
-#pragma unroll
-                for (int q = 0; q < RING_MLP_COLS / 8; q++) {
-                    if (8 * (q * nct + ct) >= st.K) break;
-                    float* y = st.y + 8 * (q * nct + ct);
-                    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(y), "f"(acc[q * 8]), "f"(acc[q * 8 + 1]),
-                                 "f"(acc[q * 8 + 2]), "f"(acc[q * 8 + 3])
-                                 : "memory");
-                    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(y + 4), "f"(acc[q * 8 + 4]),
-                                 "f"(acc[q * 8 + 5]), "f"(acc[q * 8 + 6]), "f"(acc[q * 8 + 7])
-                                 : "memory");
-                }
-            }
+            if (count > 0) add_out(acc, st.K);
 #endif
         } else {
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
+
             float acc = 0.0f;
             int row = -1;
             for (int i = 0; i < count; i++) {
@@ -2720,7 +3094,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                     const int r = (int)(e / (unsigned int)st.K);
                     const float v = warp_dot(src, (int)(e - (unsigned int)r * st.K) / 8);
                     if (r != row) {
-                        if (row >= 0 && lane == 0) atomicAdd(st.y + row, acc);
+                        if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
                         row = r;
                         acc = 0.0f;
                     }
@@ -2729,14 +3103,30 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
 #endif
                 release();
             }
-            if (row >= 0 && lane == 0) atomicAdd(st.y + row, acc);
+            if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
         }
         // The barrier orders every consumer's atomics before thread 0's release (the pattern of
         // a cooperative grid sync: one fence a block, not a fence a thread; 1B 602 -> 582 us on
-        // the H200, session 17).
+        // the H200, session 17), and the next descriptor's copy before its reads.
+        cp_async_wait_all();
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
-        if (ct == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
         if (tr && ct == 0) tr[2] = ring_now();
+        if (s + 1 < n) {
+            if (ct == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
+            continue;
+        }
+        // The last stage: the last block to finish it (every block past its last wait) zeroes
+        // the counters for the next launch.
+        __shared__ int last;
+        if (ct == 0) {
+            unsigned int old;
+            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(done + s) : "memory");
+            last = old == gridDim.x - 1;
+        }
+        asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+        if (last) {
+            for (int i = ct; i < n; i += nct) done[i] = 0;
+        }
     }
 #else
     __trap();

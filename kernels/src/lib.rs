@@ -1912,11 +1912,50 @@ impl Kernels {
     }
 }
 
-/// One stage of [`Kernels::gemv_ring`] (bf16 weights, fp32 input and output), as the source's
-/// `RingStage`: with `w2 == 0` `y[N] += W[N, K] x[K]`; else the fused MLP
-/// `y[K] += down(silu(gate x) * (up x))`, `w = [gate; up]` (`[2N, K]`), `w2 = down^T` (`[N, K]`).
-/// The input is `x`, or with `res` the residual add `bf16(res + bf16(x))` (block 0 writes it to
-/// `res_out`), RMSNormed by `norm_w` (`eps`) when that is not 0.
+/// What a [`RingStage`] computes (the source's `RING_GEMV`, `RING_MLP`, `RING_ATTN`).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RingKind {
+    /// `y[N] += W[N, K] x[K]`.
+    #[default]
+    Gemv = 0,
+    /// `y[K] += down(silu(gate x) * (up x))`, `w = [gate; up]` (`[2N, K]`), `w2 = down^T`
+    /// (`[N, K]`).
+    Mlp = 1,
+    /// One token's attention over its KV head's cache (no weights): `x` the layer's q|k|v
+    /// sums (q and k rows in the paired RoPE order); the splits' partials go to `part`, the
+    /// new key and value to the cache at the step's slot (see the source).
+    Attn = 2,
+    /// `y[N] += W x[K]` from `w = W^T` (`[K, N]`), split over the input rows (a block stages
+    /// only its own; [`RingInput::AttnParts`] merges them from an attention stage).
+    GemvT = 3,
+    /// `y[N] = x` as f32 from the stage before's sums (the last stage: the logits).
+    Convert = 4,
+}
+
+/// How a [`RingStage`] reads its input `x` (the source's `RING_X_*`).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RingInput {
+    /// Sums of the stage before, as every stage's `y` but a [`RingKind::Convert`]'s: `2 len`
+    /// f32, each sum `y[i] + y[len + i]` (every added value split into a part rounded to 2^-8
+    /// and the rest rounded to 2^-25, so both halves add exactly and in any order to the same
+    /// bits: a step does not depend on the blocks' timing; see the source).
+    #[default]
+    Sums = 0,
+    /// `K` bf16 (the embedding).
+    Bf16 = 1,
+    /// An attention stage's split partials (its `part`), merged while staged ([`RingKind::GemvT`]
+    /// stages only); the stage carries the attention's `nh`, `nkv` and `hd`, and `K = nh hd`.
+    AttnParts = 2,
+}
+
+/// One stage of [`Kernels::gemv_ring`] (bf16 weights, exactly added sums in and out), as the source's
+/// `RingStage` (see [`RingKind`]). The input is `x` (read as `x_form` says), or with `res` the
+/// residual add `bf16(res + bf16(x))` (block 0 writes it to `res_out`), RMSNormed by `norm_w`
+/// (`eps`) when that is not 0. Attention stages also take the layer's caches, RoPE
+/// frequencies and a split-partials buffer (`part`, [`ring_attn_part_floats`]), which the next
+/// stage reads as [`RingInput::AttnParts`].
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RingStage {
@@ -1927,14 +1966,94 @@ pub struct RingStage {
     pub res: u64,
     pub res_out: u64,
     pub norm_w: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub inv_freq: u64,
+    pub part: u64,
+    /// `zero_len` u64 words this stage zeroes once it has waited (the sums of the stage two
+    /// before, whose readers have finished: the next launch finds them zero).
+    pub zero: u64,
+    pub kind: RingKind,
     pub n: i32,
     pub k: i32,
     pub eps: f32,
+    pub x_form: RingInput,
+    pub nh: i32,
+    pub nkv: i32,
+    pub hd: i32,
+    pub scale: f32,
+    pub zero_len: i32,
+    /// The length of the sums `x` holds (where their second half starts; see
+    /// [`RingInput::Sums`]).
+    pub x_len: i32,
+}
+
+/// The decode step's token for [`RingKind::Attn`] stages (the source's `RingStep`): device
+/// addresses of the step's positions, slot mapping, block tables and token rows (the
+/// executor's step metadata; row 0 is the token's).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RingStep {
+    pub positions: u64,
+    pub slot_mapping: u64,
+    pub block_tables: u64,
+    pub tok_row: u64,
+    pub bt_stride: i32,
+    pub block_size: i32,
 }
 
 /// Bytes of one `gemv_ring` weight slot (`RING_SLOT`): a consumer warp reduces 2048 bytes of
 /// it, so the block has `RING_SLOT / 2048` consumer warps (`RING_CW`) and the producer's.
 pub const RING_SLOT: usize = 32768;
+
+/// Keys of a `gemv_ring` attention tile (`RING_KT`).
+const RING_KT: usize = 32;
+
+/// Shared-memory bytes an attention stage takes for `g` query heads a KV head of `hd` dims
+/// (the source's `ring_attn_smem`).
+pub fn ring_attn_smem(g: usize, hd: usize) -> usize {
+    4 * (RING_KT * hd + hd + g * hd + RING_KT * g + 3 * g)
+}
+
+/// f32s of an attention stage's `part` buffer on `blocks` blocks: `hd` output sums, then
+/// (max, sum), for each query head and split (`blocks / nkv` splits a KV head).
+pub fn ring_attn_part_floats(blocks: usize, nh: usize, nkv: usize, hd: usize) -> usize {
+    (blocks / nkv).max(1) * nh * (hd + 2)
+}
+
+/// Intermediate rows of a `gemv_ring` fused MLP chunk for hidden size `k` (the source's
+/// `ring_chunk_rows`): the largest power of two whose gate (or up, or down^T) rows fill at
+/// most a slot.
+pub fn ring_chunk_rows(k: usize) -> usize {
+    let mut cr = 1;
+    while 4 * cr * k <= RING_SLOT {
+        cr *= 2;
+    }
+    cr
+}
+
+/// Whether `gemv_ring`'s fused MLP stage takes `n` intermediate rows of hidden size `k`:
+/// whole warps of a row (`k % 1024`), a row in a slot, at most 16 down sums a consumer
+/// thread, whole chunks, a warp a gate (or up) part.
+pub fn ring_mlp_supports(n: usize, k: usize) -> bool {
+    let (cw, cr) = (RING_SLOT / 2048, ring_chunk_rows(k));
+    k > 0
+        && k.is_multiple_of(1024)
+        && 2 * k <= RING_SLOT
+        && k <= 32 * cw * 16
+        && n.is_multiple_of(cr)
+        && cr * k / 1024 <= cw
+}
+
+/// Whether `gemv_ring`'s attention stage takes these heads: `g * hd` at most two a consumer
+/// thread, `hd % 16 == 0` (the paired RoPE order), `hd <= 256`.
+pub fn ring_attn_supports(nh: usize, nkv: usize, hd: usize) -> bool {
+    nkv > 0
+        && nh.is_multiple_of(nkv)
+        && (nh / nkv) * hd <= 2 * (RING_SLOT / 2048) * 32
+        && hd.is_multiple_of(16)
+        && hd <= 256
+}
 
 /// One [`Kernels::gemv_ring`] launch.
 #[derive(Debug, Clone, Copy)]
@@ -1942,35 +2061,47 @@ pub struct RingLaunch {
     /// Device address of `n` [`RingStage`]s.
     pub stages: u64,
     pub n: i32,
-    /// `n` zeroed u32 counters.
+    /// `n` zeroed u32 counters (zeroed again by the launch's last block).
     pub done: u64,
     /// Blocks, one an SM.
     pub blocks: u32,
     /// Slots of `slot_bytes` in shared memory.
     pub slots: i32,
-    /// The largest stage input (bf16 in shared memory beside the ring).
-    pub max_k: usize,
+    /// Shared-memory bytes beside the ring: the largest stage input (bf16, `2 K`) or an
+    /// attention stage's state ([`ring_attn_smem`]), whichever is larger.
+    pub input_bytes: usize,
     /// Bytes a slot: [`RING_SLOT`] unless the source was built with other `-DRING_SLOT=B
     /// -DRING_CW=B/2048` (a consumer warp reduces 2048 bytes of a slot, so the block has
     /// `slot_bytes / 2048` consumer warps and the producer's).
     pub slot_bytes: usize,
     /// 0, or `3 n blocks` u64 for the per-stage times (see the source).
     pub trace: u64,
+    /// The token of the attention stages (zeros without them).
+    pub step: RingStep,
+}
+
+impl RingLaunch {
+    /// Dynamic shared memory of the launch.
+    pub fn smem(&self) -> usize {
+        self.slots as usize * (self.slot_bytes + 16) + self.input_bytes
+    }
 }
 
 impl Kernels {
-    /// Measurement only (`harrier-cuda-tool bench-ring`): `n` one-row projections in one
-    /// persistent launch of one block an SM (all resident: stage `s` waits until `done[s - 1]`
-    /// counts every block), its weights streamed through a ring of shared-memory slots.
+    /// A chain of one-row stages in one persistent launch of one block an SM (all resident:
+    /// stage `s` waits until `done[s - 1]` counts every block, or an attention stage's KV
+    /// heads), the weights streamed through a ring of shared-memory slots: the executor's
+    /// batch-1 decode step (`harrier-cuda-tool bench-ring` measures chains of projections).
     ///
     /// # Safety
     /// `r.stages` must hold `n` [`RingStage`]s whose addresses are valid for their shapes
-    /// (`K % 1024 == 0`, `N * K < 2^31`, 16-byte aligned, each stage's `x` the `K` fp32 values
-    /// the stage before writes or the host wrote; a fused MLP stage as the source says); their
-    /// `y` and the counters zeroed; `blocks` at most the SM count; `trace` null or as
-    /// [`RingLaunch::trace`] says.
+    /// (`K % 1024 == 0`, `N * K < 2^31`, 16-byte aligned, each stage's `x` the `K` values the
+    /// stage before writes or the host wrote; a fused MLP stage and an attention stage as the
+    /// source says; `r.step` valid for attention stages); the first stage's `y` and the
+    /// counters zeroed (as every launch leaves them); `blocks` at most the SM count; `trace`
+    /// null or as [`RingLaunch::trace`] says.
     pub unsafe fn gemv_ring(&self, s: sys::CUstream, r: &RingLaunch) -> anyhow::Result<()> {
-        let smem = r.slots as usize * (r.slot_bytes + 16) + r.max_k * 2;
+        let smem = r.smem();
         let f = self.func("gemv_ring");
         // SAFETY: `f` is a loaded function; the attribute only raises its own limit.
         let raised = unsafe {
@@ -1981,7 +2112,7 @@ impl Kernels {
             )
         };
         ck(raised, "gemv_ring shared memory")?;
-        let mut p = params![r.stages, r.n, r.done, r.slots, r.trace];
+        let mut p = params![r.stages, r.n, r.done, r.slots, r.trace, r.step];
         // SAFETY: argument types match the kernel's; the caller vouches for the rest.
         unsafe {
             self.launch_smem(
@@ -2204,6 +2335,33 @@ mod tests {
         }
     }
 
+    /// The ring's shape rules on the Llama shapes (1B, 3B, 8B) and the cases they refuse; the
+    /// chunk rule is the source's.
+    #[test]
+    fn ring_shape_rules() {
+        assert!(SOURCE.contains("int cr = 1;\n    while (4 * cr * K <= RING_SLOT) cr *= 2;"));
+        assert_eq!(
+            [1024, 2048, 3072, 4096, 8192].map(ring_chunk_rows),
+            [16, 8, 4, 4, 2]
+        );
+        for (n, k) in [(8192, 2048), (8192, 3072), (14336, 4096)] {
+            assert!(ring_mlp_supports(n, k), "{n} x {k}");
+        }
+        // Not whole warps of a row; not whole chunks; a 16 KB row past a slot's half.
+        for (n, k) in [(8192, 1000), (8196, 2048), (8192, 32768)] {
+            assert!(!ring_mlp_supports(n, k), "{n} x {k}");
+        }
+        for (nh, nkv, hd) in [(32, 8, 64), (24, 8, 128), (32, 8, 128), (64, 8, 128)] {
+            assert!(ring_attn_supports(nh, nkv, hd), "{nh}/{nkv}/{hd}");
+        }
+        for (nh, nkv, hd) in [(128, 8, 128), (32, 8, 72), (32, 6, 64), (8, 8, 512)] {
+            assert!(!ring_attn_supports(nh, nkv, hd), "{nh}/{nkv}/{hd}");
+        }
+        // Every query head and split holds (max, sum, hd outputs).
+        assert_eq!(ring_attn_part_floats(132, 32, 8, 64), 16 * 32 * 66);
+        assert_eq!(ring_attn_part_floats(4, 32, 8, 64), 32 * 66);
+    }
+
     #[test]
     fn kernel_list_matches_source() {
         let declared = |k: &str| {
@@ -2236,11 +2394,38 @@ mod tests {
         // SkinnyIn: five pointers, two floats, four ints, then SkinnyRope (five pointers, four
         // ints) at offset 64; the epilogue codes and block shape.
         assert!(SOURCE.contains("struct SkinnyIn {") && SOURCE.contains("struct SkinnyRope {"));
-        // RingStage: seven pointers, two ints and a float, as the source's; the slot and warp
-        // defaults (a consumer warp a 2048-byte share of a slot).
-        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    const float* res;\n    float* res_out;\n    const bf16* norm_w;\n    int N, K;\n    float eps;\n};"));
-        assert_eq!(std::mem::offset_of!(RingStage, n), 7 * 8);
-        assert_eq!(std::mem::size_of::<RingStage>(), 7 * 8 + 3 * 4 + 4);
+        // RingStage: twelve pointers, then ints and floats as the source's; RingStep; the
+        // kinds, the attention tile and its shared memory; the slot and warp defaults (a
+        // consumer warp a 2048-byte share of a slot).
+        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    const float* res;\n    float* res_out;\n    const bf16* norm_w;\n    bf16* k_cache;\n    bf16* v_cache;\n    const float* inv_freq;\n    float* part;\n    unsigned long long* zero;\n    int kind;\n    int N, K;\n    float eps;\n    int x_form;\n    int nh, nkv, hd;\n    float scale;\n    int zero_len;\n    int x_len;\n};"));
+        assert_eq!(std::mem::offset_of!(RingStage, kind), 12 * 8);
+        assert_eq!(std::mem::size_of::<RingStage>(), 12 * 8 + 11 * 4 + 4);
+        assert!(SOURCE.contains("struct RingStep {\n    const int* positions;\n    const int* slot_mapping;\n    const int* block_tables;\n    const int* tok_row;\n    int bt_stride, block_size;\n};"));
+        assert_eq!(std::mem::size_of::<RingStep>(), 4 * 8 + 2 * 4);
+        assert!(SOURCE.contains(
+            "#define RING_GEMV 0\n#define RING_MLP 1\n#define RING_ATTN 2\n#define RING_GEMVT 3\n#define RING_CVT 4\n"
+        ));
+        assert_eq!((RingKind::GemvT as i32, RingKind::Convert as i32), (3, 4));
+        assert_eq!(
+            (
+                RingKind::Gemv as i32,
+                RingKind::Mlp as i32,
+                RingKind::Attn as i32
+            ),
+            (0, 1, 2)
+        );
+        assert!(SOURCE
+            .contains("#define RING_X_SUMS 0\n#define RING_X_BF16 1\n#define RING_X_PARTS 2\n"));
+        assert_eq!(
+            (
+                RingInput::Sums as i32,
+                RingInput::Bf16 as i32,
+                RingInput::AttnParts as i32
+            ),
+            (0, 1, 2)
+        );
+        assert!(SOURCE.contains(&format!("#define RING_KT {RING_KT}\n")));
+        assert!(SOURCE.contains("return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G);"));
         assert!(SOURCE.contains(&format!("#define RING_SLOT {RING_SLOT}\n")));
         assert!(SOURCE.contains(&format!("#define RING_CW {}\n", RING_SLOT / 2048)));
         assert_eq!(std::mem::size_of::<SkinnyRope>(), 5 * 8 + 4 * 4);

@@ -94,15 +94,18 @@ fn run_planned(
 }
 
 /// The check on the model at `model`; prints one line per scenario and fails on any mismatch.
-/// `fp8`: FP8 weights (`--quantization fp8`); `fused_max_rows`: `--fused-decode-max-rows`.
+/// `fp8`: FP8 weights (`--quantization fp8`); `fused_max_rows`: `--fused-decode-max-rows`;
+/// `decode_ring`: `--decode-ring` (on: batch-1 steps replay and run the persistent launch).
 pub fn check_graphs(
     model: &std::path::Path,
     fp8: bool,
     fused_max_rows: usize,
+    decode_ring: crate::cli::DecodeRing,
 ) -> anyhow::Result<()> {
     let mut args = EngineCoreArgs::defaults();
     args.quantization = fp8.then_some(crate::cli::Quantization::Fp8);
     args.fused_decode_max_rows = fused_max_rows;
+    args.decode_ring = decode_ring;
     args.max_num_seqs = 64;
     args.max_num_batched_tokens = 2048;
     args.max_model_len = Some(256);

@@ -218,6 +218,10 @@ pub struct CudaExecutorConfig {
     /// tensor-core GEMMs with norms, residual adds and the gated activation fused; bf16
     /// only, see [`GpuModel::forward`]); 0 turns it off.
     pub fused_max_rows: usize,
+    /// Batch-1 decode steps of models it takes run as one persistent launch (the decode
+    /// ring, [`model`]'s `ring`): `Some(on)`, or `None` for hidden sizes of at least
+    /// [`RING_AUTO_MIN_HIDDEN`].
+    pub decode_ring: Option<bool>,
     /// Store the projections and the output head in FP8 (`--quantization fp8`; bf16 only).
     /// FP8 checkpoints are FP8 without it.
     pub fp8: bool,
@@ -379,6 +383,11 @@ pub struct CudaExecutor {
 // calling thread at the start of every call.
 unsafe impl Send for CudaExecutor {}
 
+/// `--decode-ring auto` takes the ring for hidden sizes of at least this: where it wins
+/// (session 18 on an H200, batch 1, context 512: Llama 8B 4.405 vs 4.674 ms a step; the 3B,
+/// 3,072 wide, 2.333 vs 2.320; the 1B 1.020 vs 0.946; docs/benchmarks.md).
+pub const RING_AUTO_MIN_HIDDEN: usize = 4096;
+
 /// Facts reported at start-up.
 #[derive(Debug, Clone)]
 pub struct CudaStartInfo {
@@ -467,6 +476,24 @@ impl CudaExecutor {
         let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
         let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype, cfg.fp8)?;
         model.fused_max_rows = cfg.fused_max_rows;
+        if cfg
+            .decode_ring
+            .unwrap_or(mc.hidden_size >= RING_AUTO_MIN_HIDDEN)
+        {
+            let attr = |a| ck(ctx.attribute(a), "device attribute").map(|v| v as usize);
+            let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+            let optin = attr(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )?;
+            match (major >= 9).then(|| model.prepare_ring(sms, optin)) {
+                Some(Ok(())) => tracing::info!(
+                    sms,
+                    "batch-1 decode steps run as one persistent launch (the decode ring)"
+                ),
+                Some(Err(why)) => tracing::info!("decode ring off: {why:#}"),
+                None => tracing::info!("decode ring off: it needs sm_90"),
+            }
+        }
         if model.fp8 && harrier_kernels::switch_on("HARRIER_FP8_GEMM") {
             match model.enable_fp8_gemm(arch, caps.max_tokens.max(caps.max_seqs)) {
                 Ok(()) => tracing::info!("FP8 steps past the skinny kernels run FP8 tensor-core GEMMs (cuBLASLt, per-token activation scales)"),
@@ -944,6 +971,22 @@ impl CudaExecutor {
     /// Steps of up to `max_rows` GEMM rows take the fused small-batch path (0: never; f32
     /// models never do). Captured graphs are recaptured so that replays follow; call between
     /// steps (nothing in flight).
+    /// Turns the decode ring on or off for batch-1 decode steps (where the model has it);
+    /// graphs are recaptured. Returns whether the model has the ring.
+    pub fn set_decode_ring(&mut self, on: bool) -> anyhow::Result<bool> {
+        if !self.model.set_ring(on) {
+            return Ok(false);
+        }
+        self.recapture_graphs()?;
+        Ok(true)
+    }
+
+    /// The decode ring's last traced launch (`HARRIER_RING_TRACE=1`): per-stage times, layers
+    /// and blocks; `None` without a ring or trace. Call with nothing in flight.
+    pub fn ring_trace(&self) -> anyhow::Result<Option<(Vec<u64>, usize, usize)>> {
+        self.model.ring_trace()
+    }
+
     pub fn set_fused_max_rows(&mut self, max_rows: usize) -> anyhow::Result<()> {
         self.model.fused_max_rows = max_rows;
         if let Some(d) = self.spec.as_mut().and_then(|s| s.draft_mut()) {

@@ -11,6 +11,8 @@ use harrier_kernels::{
     SkinnyRope,
 };
 
+mod ring;
+
 use super::blas::Blas;
 use super::fp8_gemm::{Fp8Gemm, Fp8Out};
 use super::layout::{Capacities, ScratchSizes};
@@ -162,6 +164,8 @@ pub struct GpuModel {
     /// FP8 skinny steps take the fused path's norm prologues and residual epilogues too
     /// (`HARRIER_FP8_FUSED=1`, to compare; see [`ProjPlan::new`] for why they do not).
     fp8_fused: bool,
+    /// The batch-1 decode step as one persistent launch ([`ring`]), when prepared.
+    ring: Option<ring::RingDecode>,
 }
 
 /// A stage of a decode step's launches, for [`SkipStages`].
@@ -221,6 +225,11 @@ impl SkipStages {
     /// Whether `stage`'s launches run.
     fn runs(self, stage: Stage) -> bool {
         self.0 & stage as u8 == 0
+    }
+
+    /// Every launch runs.
+    fn is_none(self) -> bool {
+        self.0 == 0
     }
 }
 
@@ -705,6 +714,7 @@ impl GpuModel {
             rope_epilogue: harrier_kernels::switch_on("HARRIER_ROPE_EPILOGUE"),
             skip: SkipStages::from_env()?,
             fp8_fused: std::env::var("HARRIER_FP8_FUSED").is_ok_and(|v| v == "1"),
+            ring: None,
         })
     }
 
@@ -792,7 +802,7 @@ impl GpuModel {
             .collect();
         self.block_size = block_size;
         self.kv = Some(DevBuf::new(at).context("allocating the KV cache")?);
-        Ok(())
+        self.build_ring_stages()
     }
 
     /// How a step of `rows` GEMM rows runs its projections (see [`ProjPlan`]).
@@ -905,6 +915,10 @@ impl GpuModel {
                 c.vocab_size as i32,
                 self.embed_scale,
             )?;
+            // Batch-1 decode: everything after the embedding in one persistent launch.
+            if self.ring_takes(m, gemm_rows) {
+                return self.launch_ring(k, stream, m);
+            }
             // The pending residual delta (the previous layer's MLP output) and, for Gemma, the
             // norm it takes before its add.
             let mut pending: (u64, u64) = (0, 0);

@@ -1,0 +1,441 @@
+//! The batch-1 decode step as one persistent launch (`gemv_ring`, kernels/cuda/harrier.cu):
+//! every layer's q|k|v projection, attention (RoPE and the KV write inside), o projection and
+//! MLP, then the output head, with the weights streamed through a shared-memory ring that
+//! never waits for an activation. Only the embedding runs before it (a launch of its own,
+//! which also takes the token the last step sampled on the device); the sampler reads the
+//! logits it leaves in row 0. docs/cuda.md ("The decode ring") says why and what it measured.
+//!
+//! It needs, beside the model's own weights, each layer's down and o projections transposed
+//! (`[intermediate, hidden]`: a block streams a chunk's gate, up and down^T rows as three
+//! contiguous copies; `[q, hidden]`: a block takes the o rows of a few attention dims, so it
+//! merges only those from the attention's splits), about a quarter of a Llama's weight bytes,
+//! allocated before the KV cache is sized; and a scratch of fp32 stage outputs, residuals and counters that every launch
+//! leaves zeroed for the next (no memset in a step).
+
+use anyhow::Context;
+use harrier_kernels::cudarc::driver::{result as dr, sys};
+use harrier_kernels::{
+    ring_attn_part_floats, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_mlp_supports,
+    Dtype, Kernels, RingInput, RingKind, RingLaunch, RingStage, RingStep, RING_SLOT,
+};
+
+use super::{DevBuf, GpuModel, StepMeta};
+use crate::model::Activation;
+
+/// Shared memory the kernel declares statically (the MLP's partial sums, the norm's, flags),
+/// left beside the dynamic part.
+const STATIC_SMEM: usize = 1024;
+
+/// The ring's state for one model: the transposed down projections, the stage list (built
+/// once the KV cache exists) and the launch shape.
+pub(super) struct RingDecode {
+    /// Per layer the down and o projections transposed (`[inter, hidden]`, `[q, hidden]`).
+    down_t: Vec<DevBuf>,
+    o_t: Vec<DevBuf>,
+    /// fp32 stage outputs and residuals, the attention partials, then u32 counters: zero at
+    /// allocation, the outputs and counters left zero by every launch.
+    scratch: DevBuf,
+    layout: ScratchLayout,
+    stages: Option<DevBuf>,
+    n_stages: usize,
+    blocks: u32,
+    slots: i32,
+    input_bytes: usize,
+    /// Steps take the ring (the executor's switch; off: the launches, to compare).
+    pub on: bool,
+    /// Measurement only (`HARRIER_RING_TRACE=1`): every launch writes its per-stage times
+    /// here (3 u64 a stage and block, see the source), read by [`GpuModel::ring_trace`].
+    trace: Option<DevBuf>,
+}
+
+/// Byte offsets in [`RingDecode::scratch`].
+#[derive(Debug, Clone, Copy)]
+struct ScratchLayout {
+    /// Per layer: q|k|v sums, o sums, MLP sums (two f32 halves each, see [`RingInput::Sums`]).
+    layer: usize,
+    qkv: usize,
+    o: usize,
+    mlp: usize,
+    /// Per layer the residual after attention and after the MLP (f32).
+    res: usize,
+    /// The attention splits' partials, shared by the layers (o merges them before the next
+    /// layer's attention writes).
+    part: usize,
+    /// The output head's sums (the last stage converts them into the logits).
+    head: usize,
+    done: usize,
+    total: usize,
+}
+
+impl ScratchLayout {
+    fn new(m: &GpuModel, blocks: usize, n_stages: usize) -> ScratchLayout {
+        let c = &m.config;
+        let (hid, nh, nkv, hd) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
+        let sum = 8;
+        let (qkv, o, mlp) = (0, c.qkv_dim() * sum, (c.qkv_dim() + hid) * sum);
+        let layer = (c.qkv_dim() + 2 * hid) * sum;
+        let res = layer * c.num_layers;
+        let part = res + 2 * hid * 4 * c.num_layers;
+        let head = part + ring_attn_part_floats(blocks, nh, nkv, hd) * 4;
+        let done = head + c.vocab_size * sum;
+        let total = done + n_stages * 4;
+        ScratchLayout {
+            layer,
+            qkv,
+            o,
+            mlp,
+            res,
+            part,
+            head,
+            done,
+            total,
+        }
+    }
+}
+
+/// Stages of a model of `layers` layers: q|k|v, attention, o and MLP a layer, then the head
+/// and the logits' conversion.
+fn stage_count(layers: usize) -> usize {
+    4 * layers + 2
+}
+
+/// Why the ring cannot run this model's decode steps, or `None` when it can: Llama-shaped bf16
+/// blocks (no q/k norms, sandwich norms, sliding windows, embedding scale), SiLU, the paired
+/// RoPE order, and shapes the kernel takes (reductions of whole 1,024-weight warps, the fused
+/// MLP's chunks, the attention stage's heads).
+fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
+    let c = &m.config;
+    let (hid, q) = (c.hidden_size, c.num_heads * c.head_dim);
+    let checks: [(bool, &str); 10] = [
+        (m.dtype == Dtype::Bf16 && !m.fp8, "bf16 weights only"),
+        (
+            m.layers
+                .iter()
+                .all(|l| l.qk_norm.is_none() && l.ff_norms.is_none()),
+            "q/k or sandwich norms",
+        ),
+        (
+            m.layers.iter().all(|l| l.window == 0 && !l.local_rope),
+            "sliding-window layers",
+        ),
+        (
+            c.hidden_act == Activation::Silu,
+            "an activation other than SiLU",
+        ),
+        (
+            m.embed_scale == 1.0 && c.architecture.norm_weight_offset() == 0.0,
+            "a scaled embedding or offset norm weights",
+        ),
+        (m.rope_paired, "q/k rows not in the paired RoPE order"),
+        (
+            hid % 1024 == 0 && q % 1024 == 0,
+            "hidden size and q width must be multiples of 1,024",
+        ),
+        (
+            ring_mlp_supports(c.intermediate_size, hid) && q.is_multiple_of(ring_chunk_rows(hid)),
+            "the MLP's or o's shape (chunks of intermediate or head rows)",
+        ),
+        (
+            ring_attn_supports(c.num_heads, c.num_kv_heads, c.head_dim) && blocks >= c.num_kv_heads,
+            "the attention heads",
+        ),
+        (
+            [c.qkv_dim() * hid, hid * q, c.vocab_size * hid]
+                .iter()
+                .all(|&e| e < 1 << 31),
+            "a projection of 2^31 weights or more",
+        ),
+    ];
+    checks
+        .iter()
+        .find(|(ok, _)| !ok)
+        .map(|(_, why)| why.to_string())
+}
+
+/// `w` (`rows x cols` bf16 on the device) transposed into a new buffer.
+fn transposed(w: &DevBuf, rows: usize, cols: usize) -> anyhow::Result<DevBuf> {
+    let mut host = vec![0u16; rows * cols];
+    // SAFETY: `w` holds rows * cols bf16; the host vector as many.
+    unsafe { dr::memcpy_dtoh_sync(&mut host, w.ptr) }.context("reading a down projection")?;
+    let mut t = vec![0u16; rows * cols];
+    // Blocks of 64 x 64 keep both sides in cache.
+    const B: usize = 64;
+    for r0 in (0..rows).step_by(B) {
+        for c0 in (0..cols).step_by(B) {
+            for r in r0..(r0 + B).min(rows) {
+                for c in c0..(c0 + B).min(cols) {
+                    t[c * rows + r] = host[r * cols + c];
+                }
+            }
+        }
+    }
+    let out = DevBuf::new(rows * cols * 2)?;
+    // SAFETY: `out` holds rows * cols bf16.
+    unsafe { dr::memcpy_htod_sync(out.ptr, &t) }.context("writing a transposed down projection")?;
+    Ok(out)
+}
+
+impl GpuModel {
+    /// Prepares the decode ring on a device of `sms` SMs with `smem_optin` bytes of shared
+    /// memory a block (before the KV cache is sized: the transposed down projections take
+    /// memory). Returns why not when the model does not fit it (the launches then run every
+    /// step).
+    pub(crate) fn prepare_ring(&mut self, sms: usize, smem_optin: usize) -> anyhow::Result<()> {
+        if let Some(why) = unsupported(self, sms) {
+            anyhow::bail!("{why}");
+        }
+        let c = &self.config;
+        let (hid, inter) = (c.hidden_size, c.intermediate_size);
+        let g = c.num_heads / c.num_kv_heads;
+        // The largest input (bf16; the o stage's rows are fewer, f32), or an attention
+        // stage's state.
+        let q = c.num_heads * c.head_dim;
+        let input_bytes = (2 * hid).max(ring_attn_smem(g, c.head_dim));
+        let slots = smem_optin.saturating_sub(input_bytes + STATIC_SMEM) / (RING_SLOT + 16);
+        if slots < 2 {
+            anyhow::bail!("{smem_optin} bytes of shared memory a block hold {slots} ring slots");
+        }
+        let n_stages = stage_count(c.num_layers);
+        let layout = ScratchLayout::new(self, sms, n_stages);
+        let down_t = self
+            .layers
+            .iter()
+            .map(|l| transposed(&l.down.w, hid, inter))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let o_t = self
+            .layers
+            .iter()
+            .map(|l| transposed(&l.o.w, hid, q))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let scratch = DevBuf::new(layout.total)?;
+        // SAFETY: the buffer holds `total` bytes.
+        unsafe { dr::memset_d8_sync(scratch.ptr, 0, layout.total) }.context("zeroing")?;
+        self.weight_bytes += down_t.iter().chain(&o_t).map(|b| b.bytes).sum::<usize>();
+        self.ring = Some(RingDecode {
+            down_t,
+            o_t,
+            scratch,
+            layout,
+            stages: None,
+            n_stages,
+            blocks: sms as u32,
+            slots: slots as i32,
+            input_bytes,
+            on: true,
+            trace: match harrier_kernels::switch_on("HARRIER_RING_TRACE") {
+                true => Some(DevBuf::new(3 * n_stages * sms * 8)?),
+                false => None,
+            },
+        });
+        Ok(())
+    }
+
+    /// The last traced launch's per-stage times (`HARRIER_RING_TRACE=1`) with the layer count
+    /// and blocks, or `None` without a trace. Call with nothing in flight.
+    pub(crate) fn ring_trace(&self) -> anyhow::Result<Option<(Vec<u64>, usize, usize)>> {
+        let Some((r, t)) = self
+            .ring
+            .as_ref()
+            .and_then(|r| Some(r).zip(r.trace.as_ref()))
+        else {
+            return Ok(None);
+        };
+        let mut v = vec![0u64; t.bytes / 8];
+        // SAFETY: the buffer holds that many u64; the caller has nothing in flight.
+        unsafe { dr::memcpy_dtoh_sync(&mut v, t.ptr) }.context("reading the ring trace")?;
+        Ok(Some((v, self.config.num_layers, r.blocks as usize)))
+    }
+
+    /// The ring's stage list over the KV cache (after [`GpuModel::alloc_kv`]).
+    pub(super) fn build_ring_stages(&mut self) -> anyhow::Result<()> {
+        let Some(r) = self.ring.as_ref() else {
+            return Ok(());
+        };
+        let kv = self.kv.as_ref().context("KV cache not allocated")?;
+        let c = &self.config;
+        let (hid, nh, nkv, hd) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
+        let (l, base) = (r.layout, r.scratch.ptr);
+        let at = |off: usize| base + off as u64;
+        let layer = |i: usize, off: usize| at(i * l.layer + off);
+        let res = |i: usize, which: usize| at(l.res + (2 * i + which) * hid * 4);
+        let eps = c.rms_norm_eps;
+        let mut stages = Vec::with_capacity(r.n_stages);
+        for (i, w) in self.layers.iter().enumerate() {
+            let (k_off, v_off, _) = self.kv_layers[i];
+            // The input: the embedding (bf16, the residual itself) or the last MLP's sums
+            // added to the residual; normed.
+            let (x, x_form, res_in) = match i {
+                0 => (self.scratch.x.ptr, RingInput::Bf16, 0),
+                _ => (layer(i - 1, l.mlp), RingInput::Sums, res(i - 1, 1)),
+            };
+            let hid_len = hid as i32;
+            stages.push(RingStage {
+                kind: RingKind::Gemv,
+                w: w.qkv.w.ptr,
+                x,
+                x_form,
+                x_len: hid_len,
+                res: res_in,
+                res_out: res(i, 0),
+                norm_w: w.input_norm.ptr,
+                y: layer(i, l.qkv),
+                n: c.qkv_dim() as i32,
+                k: hid as i32,
+                eps,
+                ..Default::default()
+            });
+            stages.push(RingStage {
+                kind: RingKind::Attn,
+                x: layer(i, l.qkv),
+                x_len: c.qkv_dim() as i32,
+                k_cache: kv.at(k_off),
+                v_cache: kv.at(v_off),
+                inv_freq: self.inv_freq.ptr,
+                part: at(l.part),
+                nh: nh as i32,
+                nkv: nkv as i32,
+                hd: hd as i32,
+                scale: c.attention_scale(),
+                ..Default::default()
+            });
+            stages.push(RingStage {
+                kind: RingKind::GemvT,
+                w: r.o_t[i].ptr,
+                x: at(l.part),
+                x_form: RingInput::AttnParts,
+                nh: nh as i32,
+                nkv: nkv as i32,
+                hd: hd as i32,
+                y: layer(i, l.o),
+                n: hid as i32,
+                k: (nh * hd) as i32,
+                ..Default::default()
+            });
+            stages.push(RingStage {
+                kind: RingKind::Mlp,
+                w: w.gate_up.w.ptr,
+                w2: r.down_t[i].ptr,
+                x: layer(i, l.o),
+                x_len: hid_len,
+                res: res(i, 0),
+                res_out: res(i, 1),
+                norm_w: w.post_norm.ptr,
+                y: layer(i, l.mlp),
+                n: c.intermediate_size as i32,
+                k: hid as i32,
+                eps,
+                ..Default::default()
+            });
+        }
+        let last = c.num_layers - 1;
+        let head = self.lm_head.as_ref().map_or(self.embed.ptr, |p| p.w.ptr);
+        stages.push(RingStage {
+            kind: RingKind::Gemv,
+            w: head,
+            x: layer(last, l.mlp),
+            x_len: hid as i32,
+            res: res(last, 1),
+            norm_w: self.final_norm.ptr,
+            y: at(l.head),
+            n: c.vocab_size as i32,
+            k: hid as i32,
+            eps,
+            ..Default::default()
+        });
+        stages.push(RingStage {
+            kind: RingKind::Convert,
+            x: at(l.head),
+            x_len: c.vocab_size as i32,
+            y: self.scratch.logits.ptr,
+            n: c.vocab_size as i32,
+            ..Default::default()
+        });
+        // Each stage zeroes the sums of the stage two before (their readers, the stage
+        // between, have finished; the first two stages the last two's of the launch before).
+        let n = stages.len();
+        for s in 0..n {
+            let z = stages[(s + n - 2) % n];
+            let len = match z.kind {
+                RingKind::Attn | RingKind::Convert => 0,
+                RingKind::Mlp => z.k as usize,
+                RingKind::Gemv | RingKind::GemvT => z.n as usize,
+            };
+            (stages[s].zero, stages[s].zero_len) = (z.y, len as i32);
+        }
+        debug_assert_eq!(n, r.n_stages);
+        let d = DevBuf::new(stages.len() * std::mem::size_of::<RingStage>())?;
+        // SAFETY: `d` holds the stages.
+        unsafe { dr::memcpy_htod_sync(d.ptr, &stages) }.context("uploading the ring stages")?;
+        if let Some(r) = self.ring.as_mut() {
+            r.stages = Some(d);
+        }
+        Ok(())
+    }
+
+    /// Turns the ring on or off; returns whether the model has one.
+    pub(crate) fn set_ring(&mut self, on: bool) -> bool {
+        self.ring.as_mut().map(|r| r.on = on).is_some()
+    }
+
+    /// Whether step `m` of `gemm_rows` rows runs as the ring: one token, sampled, no prefill
+    /// tiles, none of the launches left out.
+    pub(super) fn ring_takes(&self, m: &StepMeta, gemm_rows: usize) -> bool {
+        self.ring
+            .as_ref()
+            .is_some_and(|r| r.on && r.stages.is_some())
+            && m.n_tokens == 1
+            && m.n_samples == 1
+            && gemm_rows == 1
+            && m.n_pf_tiles == 0
+            && self.skip.is_none()
+    }
+
+    /// Enqueues the ring for step `m` (after the embedding).
+    ///
+    /// # Safety
+    /// `m`'s addresses must hold the step's metadata (one token, row 0).
+    pub(super) unsafe fn launch_ring(
+        &self,
+        k: &Kernels,
+        stream: sys::CUstream,
+        m: &StepMeta,
+    ) -> anyhow::Result<()> {
+        let r = self.ring.as_ref().context("no decode ring")?;
+        let stages = r
+            .stages
+            .as_ref()
+            .context("decode ring without its stages")?;
+        let launch = RingLaunch {
+            stages: stages.ptr,
+            n: r.n_stages as i32,
+            done: r.scratch.at(r.layout.done),
+            blocks: r.blocks,
+            slots: r.slots,
+            input_bytes: r.input_bytes,
+            slot_bytes: RING_SLOT,
+            trace: r.trace.as_ref().map_or(0, |t| t.ptr),
+            step: RingStep {
+                positions: m.positions,
+                slot_mapping: m.slot_mapping,
+                block_tables: m.row_block_tables,
+                tok_row: m.tok_row,
+                bt_stride: m.bt_stride as i32,
+                block_size: self.block_size as i32,
+            },
+        };
+        // SAFETY: the stages were built over this model's buffers and KV cache; the scratch is
+        // zero between launches (each launch's last block zeroes it); the caller vouches for m.
+        unsafe { k.gemv_ring(stream, &launch) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layer_is_four_stages_then_the_head_and_its_conversion() {
+        assert_eq!(stage_count(16), 66);
+        assert_eq!(stage_count(1), 6);
+    }
+}
