@@ -156,7 +156,7 @@ fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
 fn transposed(w: &DevBuf, rows: usize, cols: usize) -> anyhow::Result<DevBuf> {
     let mut host = vec![0u16; rows * cols];
     // SAFETY: `w` holds rows * cols bf16; the host vector as many.
-    unsafe { dr::memcpy_dtoh_sync(&mut host, w.ptr) }.context("reading a down projection")?;
+    unsafe { dr::memcpy_dtoh_sync(&mut host, w.ptr) }.context("reading a projection")?;
     let mut t = vec![0u16; rows * cols];
     // Blocks of 64 x 64 keep both sides in cache.
     const B: usize = 64;
@@ -171,14 +171,14 @@ fn transposed(w: &DevBuf, rows: usize, cols: usize) -> anyhow::Result<DevBuf> {
     }
     let out = DevBuf::new(rows * cols * 2)?;
     // SAFETY: `out` holds rows * cols bf16.
-    unsafe { dr::memcpy_htod_sync(out.ptr, &t) }.context("writing a transposed down projection")?;
+    unsafe { dr::memcpy_htod_sync(out.ptr, &t) }.context("writing a transposed projection")?;
     Ok(out)
 }
 
 impl GpuModel {
     /// Prepares the decode ring on a device of `sms` SMs with `smem_optin` bytes of shared
-    /// memory a block (before the KV cache is sized: the transposed down projections take
-    /// memory). Returns why not when the model does not fit it (the launches then run every
+    /// memory a block (before the KV cache is sized: the transposed o and down projections
+    /// take memory). Returns why not when the model does not fit it (the launches then run every
     /// step).
     pub(crate) fn prepare_ring(&mut self, sms: usize, smem_optin: usize) -> anyhow::Result<()> {
         if let Some(why) = unsupported(self, sms) {
@@ -187,10 +187,12 @@ impl GpuModel {
         let c = &self.config;
         let (hid, inter) = (c.hidden_size, c.intermediate_size);
         let g = c.num_heads / c.num_kv_heads;
-        // The largest input (bf16; the o stage's rows are fewer, f32), or an attention
-        // stage's state.
+        // The largest input (bf16), an attention stage's state, or the o stage's rows (f32: a
+        // block's run of chunks of input rows).
         let q = c.num_heads * c.head_dim;
-        let input_bytes = (2 * hid).max(ring_attn_smem(g, c.head_dim));
+        let cr = ring_chunk_rows(hid);
+        let o_rows = q.div_ceil(cr).div_ceil(sms) * cr;
+        let input_bytes = (2 * hid).max(ring_attn_smem(g, c.head_dim)).max(4 * o_rows);
         let slots = smem_optin.saturating_sub(input_bytes + STATIC_SMEM) / (RING_SLOT + 16);
         if slots < 2 {
             anyhow::bail!("{smem_optin} bytes of shared memory a block hold {slots} ring slots");
