@@ -2489,18 +2489,14 @@ __device__ __forceinline__ void ring_share(int items, int& off, int& start, int&
     start = v * base + min(v, rem);
     off = (off + rem) % g;
 }
+// The slots (or chunks) a stage streams: none for ATTN and CVT.
 __device__ __forceinline__ int ring_items(const RingStage& st) {
+    if (st.kind == RING_ATTN || st.kind == RING_CVT) return 0;
     if (st.kind == RING_MLP) return st.N / ring_chunk_rows(st.K);
     if (st.kind == RING_GEMVT) return st.K / ring_chunk_rows(st.N);
     const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * 2u;
     return (int)((bytes + RING_SLOT - 1) / RING_SLOT);
 }
-// Keys of an attention tile (RING_ATTN), and the shared memory an ATTN stage takes beside the
-// ring (in the input's place; the host sizes that region for both): the tile's K and V rows
-// (bf16, KT hd each), the new key and value (bf16, hd each), q of the block's heads (G hd
-// f32), the tile's scores / probabilities (KT G), and each head's running max, sum and
-// correction.
-#define RING_KT 32
 // c = hi + lo as the sums' halves take it (see the kernel's header).
 __device__ __forceinline__ void ring_split(float c, float& hi, float& lo) {
     hi = rintf(c * 256.0f) * (1.0f / 256.0f);
@@ -2514,16 +2510,22 @@ __device__ __forceinline__ void ring_add(float* y, size_t i, size_t len, float c
     atomicAdd(y + i, hi);
     atomicAdd(y + len + i, lo);
 }
+// Keys of an attention tile (RING_ATTN), and the shared memory an ATTN stage takes beside the
+// ring (in the input's place; the host sizes that region for both): the tile's K and V rows
+// (bf16, KT hd each), the new key and value (bf16, hd each), q of the block's heads (G hd
+// f32), the tile's scores / probabilities (KT G), and each head's running max, sum and
+// correction.
+#define RING_KT 32
 __host__ __device__ constexpr int ring_attn_smem(int G, int hd) { return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G); }
 __device__ __forceinline__ void ring_cbar(int nct) { asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory"); }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
-// One ATTN stage in this block (see the kernel's header); `wait()` waits for the q|k|v stage. Every dependent global round trip here runs while the
-// weight stream saturates HBM (1-2 us each), so the block first copies its first tile's K and
-// V rows from the cache into shared memory (cp.async; their slots need only the step's
-// metadata) and only then waits: after the wait, one round trip for q|k|v. G hd <= 2 nct,
-// hd % 16 == 0, hd <= 256.
+// One ATTN stage in this block (see the kernel's header); `wait()` waits for the q|k|v stage.
+// Every dependent global round trip here runs while the weight stream saturates HBM (1-2 us
+// each), so the block first copies its first tile's K and V rows from the cache into shared
+// memory (cp.async; their slots need only the step's metadata) and only then waits: after the
+// wait, one round trip for q|k|v. G hd <= 2 nct, hd % 16 == 0, hd <= 256.
 template <typename Wait>
 __device__ void ring_attention(const RingStage& st, const RingStep& step, unsigned char* sm, int ct, int nct, Wait wait) {
     const int G = st.nh / st.nkv, hd = st.hd, S = max(1, (int)gridDim.x / st.nkv);
@@ -2580,7 +2582,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         st.v_cache[slot * kv_stride + (size_t)kh * hd + ct + hh] = vb;
     }
     for (int u = ct; u < (G + 1) * hh; u += nct) {
-        const int g = u / hh, i = u - g * hh, r = ((i >> 3) << 4) + (i & 7);
+        const int g = u / hh, i = u - g * hh, r = rope_row(i, 1);
         const bool key = g == G;
         if (key && !has_new) continue;
         const size_t src = (size_t)(key ? st.nh + kh : kh * G + g) * hd;
@@ -2777,7 +2779,6 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         for (int s = 0; s < n; s++) {
             const RingStage st = nxt;
             if (s + 1 < n) nxt = stages[s + 1];  // (in flight while this stage's copies issue)
-            if (st.kind == RING_ATTN) continue;
             int start, count;
             ring_share(ring_items(st), off, start, count);
             if (st.kind == RING_GEMVT) {
@@ -2843,12 +2844,14 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
     cp_async_wait_all();
     asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
     int off = 0;
-    unsigned int need = gridDim.x;
     for (int s = 0; s < n; s++) {
         const RingStage st = sdesc[s & 1];
         unsigned long long* tr = trace ? trace + ((size_t)s * gridDim.x + blockIdx.x) * 3 : nullptr;
         if (tr && ct == 0) tr[0] = ring_now();
-        // Waits until the stage before has counted `need`.
+        // Waits until every block has counted the stage before done, then zeroes this stage's
+        // share of `zero` and fetches the next descriptor (every thread has read
+        // sdesc[(s + 1) & 1] as stage s - 1's before the barrier; stage 0 has no wait, and
+        // nothing reads sdesc[1] before stage 1).
         auto wait = [&]() {
 #ifndef RING_NO_DEP
             if (s > 0) {
@@ -2856,17 +2859,16 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                     unsigned int v;
                     do {
                         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(done + s - 1) : "memory");
-                    } while (v < need);
+                    } while (v < gridDim.x);
                 }
                 asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
             }
 #endif
-            // (Stage 0 has no wait: its zeroing runs after the launch's PDL wait.)
             const int a = (int)((long long)st.zero_len * blockIdx.x / gridDim.x);
             const int b = (int)((long long)st.zero_len * (blockIdx.x + 1) / gridDim.x);
             for (int i = a + ct; i < b; i += nct) st.zero[i] = 0ull;
+            if (s + 1 < n) fetch_desc(s + 1);
         };
-        // (An ATTN stage waits inside, after pulling its keys into L2.)
         // The input norm's weights (constant) are read before the wait: one dependent round
         // trip fewer after it (K <= 16 nct: at most two 8-weight units a thread).
         uint4 gw[2] = {};
@@ -2875,27 +2877,27 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             for (int i = 0; i < 2; i++)
                 if (ct + i * nct < st.K / 8) gw[i] = *((const uint4*)st.norm_w + ct + i * nct);
         }
-        if (st.kind != RING_ATTN) {
-            wait();
-            need = gridDim.x;  // (the count the next stage waits for: every block)
-            // (Every thread has read sdesc[(s + 1) & 1] as stage s - 1's, before the barrier
-            // above; stage 0 has none, and nothing reads sdesc[1] before stage 1.)
-            if (s + 1 < n) fetch_desc(s + 1);
-        }
-        if (st.kind == RING_ATTN) {
-            ring_attention(st, step, (unsigned char*)xs, ct, nct, [&]() {
-                wait();
-                if (tr && ct == 0) tr[1] = ring_now();
-                need = gridDim.x;
-                if (s + 1 < n) fetch_desc(s + 1);
-            });
-            // (The partials' stores before thread 0's release, as below; never the last stage.)
+        // The end of a stage: the barrier orders every consumer's stores and atomics before
+        // thread 0's count (the pattern of a cooperative grid sync: one fence a block, not a
+        // fence a thread; 1B 602 -> 582 us on the H200, session 17), and the next descriptor's
+        // copy before its reads. Returns whether this was the last stage (not counted here).
+        auto finish = [&]() -> bool {
             cp_async_wait_all();
             asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
             if (tr && ct == 0) tr[2] = ring_now();
+            if (s + 1 == n) return true;
             if (ct == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
+            return false;
+        };
+        if (st.kind == RING_ATTN) {  // (it waits inside, once its keys are on their way)
+            ring_attention(st, step, (unsigned char*)xs, ct, nct, [&]() {
+                wait();
+                if (tr && ct == 0) tr[1] = ring_now();
+            });
+            finish();  // (never the last stage)
             continue;
         }
+        wait();
         int start, count;
         ring_share(ring_items(st), off, start, count);
         float ss = 0.0f;
@@ -3083,7 +3085,6 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
 #endif
         } else {
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
-
             float acc = 0.0f;
             int row = -1;
             for (int i = 0; i < count; i++) {
@@ -3105,16 +3106,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             }
             if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
         }
-        // The barrier orders every consumer's atomics before thread 0's release (the pattern of
-        // a cooperative grid sync: one fence a block, not a fence a thread; 1B 602 -> 582 us on
-        // the H200, session 17), and the next descriptor's copy before its reads.
-        cp_async_wait_all();
-        asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
-        if (tr && ct == 0) tr[2] = ring_now();
-        if (s + 1 < n) {
-            if (ct == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
-            continue;
-        }
+        if (!finish()) continue;
         // The last stage: the last block to finish it (every block past its last wait) zeroes
         // the counters for the next launch.
         __shared__ int last;

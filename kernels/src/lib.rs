@@ -1912,7 +1912,8 @@ impl Kernels {
     }
 }
 
-/// What a [`RingStage`] computes (the source's `RING_GEMV`, `RING_MLP`, `RING_ATTN`).
+/// What a [`RingStage`] computes (the source's `RING_GEMV`, `RING_MLP`, `RING_ATTN`,
+/// `RING_GEMVT`, `RING_CVT`).
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum RingKind {
@@ -2021,25 +2022,25 @@ pub fn ring_attn_part_floats(blocks: usize, nh: usize, nkv: usize, hd: usize) ->
     (blocks / nkv).max(1) * nh * (hd + 2)
 }
 
-/// Intermediate rows of a `gemv_ring` fused MLP chunk for hidden size `k` (the source's
-/// `ring_chunk_rows`): the largest power of two whose gate (or up, or down^T) rows fill at
-/// most a slot.
-pub fn ring_chunk_rows(k: usize) -> usize {
+/// Rows of `k` bf16 in a `gemv_ring` chunk with `slot` bytes a slot (the source's
+/// `ring_chunk_rows`, [`RING_SLOT`] unless built otherwise): the largest power of two of rows
+/// that fill at most a slot (an MLP chunk's intermediate rows, a GEMVT chunk's input rows).
+pub fn ring_chunk_rows(k: usize, slot: usize) -> usize {
     let mut cr = 1;
-    while 4 * cr * k <= RING_SLOT {
+    while 4 * cr * k <= slot {
         cr *= 2;
     }
     cr
 }
 
-/// Whether `gemv_ring`'s fused MLP stage takes `n` intermediate rows of hidden size `k`:
-/// whole warps of a row (`k % 1024`), a row in a slot, at most 16 down sums a consumer
-/// thread, whole chunks, a warp a gate (or up) part.
-pub fn ring_mlp_supports(n: usize, k: usize) -> bool {
-    let (cw, cr) = (RING_SLOT / 2048, ring_chunk_rows(k));
+/// Whether `gemv_ring`'s fused MLP stage takes `n` intermediate rows of hidden size `k` with
+/// `slot` bytes a slot: whole warps of a row (`k % 1024`), a row in a slot, at most 16 down
+/// sums a consumer thread, whole chunks, a warp a gate (or up) part.
+pub fn ring_mlp_supports(n: usize, k: usize, slot: usize) -> bool {
+    let (cw, cr) = (slot / 2048, ring_chunk_rows(k, slot));
     k > 0
         && k.is_multiple_of(1024)
-        && 2 * k <= RING_SLOT
+        && 2 * k <= slot
         && k <= 32 * cw * 16
         && n.is_multiple_of(cr)
         && cr * k / 1024 <= cw
@@ -2080,6 +2081,22 @@ pub struct RingLaunch {
     pub step: RingStep,
 }
 
+impl Kernels {
+    /// Lets `gemv_ring` launches take `bytes` of dynamic shared memory (once, where the ring
+    /// is set up: not a driver call every eager step).
+    pub fn allow_ring_smem(&self, bytes: usize) -> anyhow::Result<()> {
+        // SAFETY: a loaded function; the attribute only raises its own limit.
+        let raised = unsafe {
+            dr::function::set_function_attribute(
+                self.func("gemv_ring"),
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        };
+        ck(raised, "gemv_ring shared memory")
+    }
+}
+
 impl RingLaunch {
     /// Dynamic shared memory of the launch.
     pub fn smem(&self) -> usize {
@@ -2089,29 +2106,20 @@ impl RingLaunch {
 
 impl Kernels {
     /// A chain of one-row stages in one persistent launch of one block an SM (all resident:
-    /// stage `s` waits until `done[s - 1]` counts every block, or an attention stage's KV
-    /// heads), the weights streamed through a ring of shared-memory slots: the executor's
-    /// batch-1 decode step (`harrier-cuda-tool bench-ring` measures chains of projections).
+    /// stage `s` waits until `done[s - 1]` counts every block), the weights streamed through a
+    /// ring of shared-memory slots: the executor's batch-1 decode step (`harrier-cuda-tool
+    /// bench-ring` measures chains of projections).
     ///
     /// # Safety
     /// `r.stages` must hold `n` [`RingStage`]s whose addresses are valid for their shapes
     /// (`K % 1024 == 0`, `N * K < 2^31`, 16-byte aligned, each stage's `x` the `K` values the
     /// stage before writes or the host wrote; a fused MLP stage and an attention stage as the
-    /// source says; `r.step` valid for attention stages); the first stage's `y` and the
-    /// counters zeroed (as every launch leaves them); `blocks` at most the SM count; `trace`
-    /// null or as [`RingLaunch::trace`] says.
+    /// source says; `r.step` valid for attention stages); every stage's sums and the counters
+    /// zeroed (as every launch leaves them); `blocks` at most the SM count; `trace` null or as
+    /// [`RingLaunch::trace`] says. The launch's shared memory must be within what
+    /// [`Kernels::allow_ring_smem`] allowed (a launch past it fails).
     pub unsafe fn gemv_ring(&self, s: sys::CUstream, r: &RingLaunch) -> anyhow::Result<()> {
         let smem = r.smem();
-        let f = self.func("gemv_ring");
-        // SAFETY: `f` is a loaded function; the attribute only raises its own limit.
-        let raised = unsafe {
-            dr::function::set_function_attribute(
-                f,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-        };
-        ck(raised, "gemv_ring shared memory")?;
         let mut p = params![r.stages, r.n, r.done, r.slots, r.trace, r.step];
         // SAFETY: argument types match the kernel's; the caller vouches for the rest.
         unsafe {
@@ -2341,15 +2349,15 @@ mod tests {
     fn ring_shape_rules() {
         assert!(SOURCE.contains("int cr = 1;\n    while (4 * cr * K <= RING_SLOT) cr *= 2;"));
         assert_eq!(
-            [1024, 2048, 3072, 4096, 8192].map(ring_chunk_rows),
+            [1024, 2048, 3072, 4096, 8192].map(|k| ring_chunk_rows(k, RING_SLOT)),
             [16, 8, 4, 4, 2]
         );
         for (n, k) in [(8192, 2048), (8192, 3072), (14336, 4096)] {
-            assert!(ring_mlp_supports(n, k), "{n} x {k}");
+            assert!(ring_mlp_supports(n, k, RING_SLOT), "{n} x {k}");
         }
         // Not whole warps of a row; not whole chunks; a 16 KB row past a slot's half.
         for (n, k) in [(8192, 1000), (8196, 2048), (8192, 32768)] {
-            assert!(!ring_mlp_supports(n, k), "{n} x {k}");
+            assert!(!ring_mlp_supports(n, k, RING_SLOT), "{n} x {k}");
         }
         for (nh, nkv, hd) in [(32, 8, 64), (24, 8, 128), (32, 8, 128), (64, 8, 128)] {
             assert!(ring_attn_supports(nh, nkv, hd), "{nh}/{nkv}/{hd}");

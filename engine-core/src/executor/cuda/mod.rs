@@ -485,7 +485,11 @@ impl CudaExecutor {
             let optin = attr(
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )?;
-            match (major >= 9).then(|| model.prepare_ring(sms, optin)) {
+            let prepared = (major >= 9).then(|| {
+                model.prepare_ring(sms, optin)?;
+                kernels.allow_ring_smem(model.ring_smem())
+            });
+            match prepared {
                 Some(Ok(())) => tracing::info!(
                     sms,
                     "batch-1 decode steps run as one persistent launch (the decode ring)"
@@ -972,13 +976,13 @@ impl CudaExecutor {
     /// models never do). Captured graphs are recaptured so that replays follow; call between
     /// steps (nothing in flight).
     /// Turns the decode ring on or off for batch-1 decode steps (where the model has it);
-    /// graphs are recaptured. Returns whether the model has the ring.
+    /// graphs are recaptured when that changes them. Returns whether the model has the ring.
     pub fn set_decode_ring(&mut self, on: bool) -> anyhow::Result<bool> {
-        if !self.model.set_ring(on) {
-            return Ok(false);
+        match self.model.set_ring(on) {
+            None => Ok(false),
+            Some(false) => Ok(true),
+            Some(true) => self.recapture_graphs().map(|()| true),
         }
-        self.recapture_graphs()?;
-        Ok(true)
     }
 
     /// The decode ring's last traced launch (`HARRIER_RING_TRACE=1`): per-stage times, layers

@@ -1707,20 +1707,12 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         bail!("bench-ring: --slot-bytes {slot_bytes}: a multiple of 2048 (a warp's 1024 weights)");
     }
     let consumer_warps = slot_bytes / 2048;
-    // A fused chunk: the kernel's ring_chunk_rows, the largest power of two of intermediate
-    // rows whose gate (or up, or down^T) rows fill at most a slot.
-    let chunk = (0..)
-        .map(|p| 1usize << p)
-        .take_while(|c| 2 * c * h <= slot_bytes)
-        .last();
-    let can_fuse = chunk.is_some_and(|c| {
-        h <= consumer_warps * 32 * 16 && inter % c == 0 && c * h / 1024 <= consumer_warps
-    });
+    let can_fuse = harrier_kernels::ring_mlp_supports(inter, h, slot_bytes);
     let fused = match a.get("mlp").map(String::as_str) {
         None => can_fuse,
         Some("fused") if can_fuse => true,
         Some("fused") => bail!(
-            "bench-ring: --mlp fused needs hidden ({h}) <= 16 x 32 x the consumer warps and whole chunks of intermediate rows"
+            "bench-ring: --mlp fused needs a hidden size ({h}) the fused stage takes (harrier_kernels::ring_mlp_supports)"
         ),
         Some("plain") => false,
         Some(m) => bail!("bench-ring: --mlp {m}: fused or plain"),
@@ -1910,6 +1902,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             trace: 0,
             step: Default::default(),
         };
+        k.allow_ring_smem(launch.smem())?;
         // The launches: bf16 input and outputs, a buffer a stage (gate|up's holds the SiLU
         // product when fused).
         let lx = alloc(h * 2)?;

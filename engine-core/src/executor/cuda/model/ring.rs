@@ -9,8 +9,8 @@
 //! (`[intermediate, hidden]`: a block streams a chunk's gate, up and down^T rows as three
 //! contiguous copies; `[q, hidden]`: a block takes the o rows of a few attention dims, so it
 //! merges only those from the attention's splits), about a quarter of a Llama's weight bytes,
-//! allocated before the KV cache is sized; and a scratch of fp32 stage outputs, residuals and counters that every launch
-//! leaves zeroed for the next (no memset in a step).
+//! allocated before the KV cache is sized; and a scratch of stage sums, residuals, attention
+//! partials and counters that every launch leaves zeroed for the next (no memset in a step).
 
 use anyhow::Context;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
@@ -26,14 +26,14 @@ use crate::model::Activation;
 /// left beside the dynamic part.
 const STATIC_SMEM: usize = 1024;
 
-/// The ring's state for one model: the transposed down projections, the stage list (built
-/// once the KV cache exists) and the launch shape.
+/// The ring's state for one model: the transposed o and down projections, the stage list
+/// (built once the KV cache exists) and the launch shape.
 pub(super) struct RingDecode {
     /// Per layer the down and o projections transposed (`[inter, hidden]`, `[q, hidden]`).
     down_t: Vec<DevBuf>,
     o_t: Vec<DevBuf>,
-    /// fp32 stage outputs and residuals, the attention partials, then u32 counters: zero at
-    /// allocation, the outputs and counters left zero by every launch.
+    /// Stage sums and residuals, the attention partials, the head's sums, then u32 counters:
+    /// zero at allocation, the sums and counters left zero by every launch.
     scratch: DevBuf,
     layout: ScratchLayout,
     stages: Option<DevBuf>,
@@ -46,6 +46,23 @@ pub(super) struct RingDecode {
     /// Measurement only (`HARRIER_RING_TRACE=1`): every launch writes its per-stage times
     /// here (3 u64 a stage and block, see the source), read by [`GpuModel::ring_trace`].
     trace: Option<DevBuf>,
+}
+
+impl RingDecode {
+    /// The launch for a step's token (its stage list once built).
+    fn launch(&self, step: RingStep) -> RingLaunch {
+        RingLaunch {
+            stages: self.stages.as_ref().map_or(0, |d| d.ptr),
+            n: self.n_stages as i32,
+            done: self.scratch.at(self.layout.done),
+            blocks: self.blocks,
+            slots: self.slots,
+            input_bytes: self.input_bytes,
+            slot_bytes: RING_SLOT,
+            trace: self.trace.as_ref().map_or(0, |t| t.ptr),
+            step,
+        }
+    }
 }
 
 /// Byte offsets in [`RingDecode::scratch`].
@@ -132,7 +149,8 @@ fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
             "hidden size and q width must be multiples of 1,024",
         ),
         (
-            ring_mlp_supports(c.intermediate_size, hid) && q.is_multiple_of(ring_chunk_rows(hid)),
+            ring_mlp_supports(c.intermediate_size, hid, RING_SLOT)
+                && q.is_multiple_of(ring_chunk_rows(hid, RING_SLOT)),
             "the MLP's or o's shape (chunks of intermediate or head rows)",
         ),
         (
@@ -190,7 +208,7 @@ impl GpuModel {
         // The largest input (bf16), an attention stage's state, or the o stage's rows (f32: a
         // block's run of chunks of input rows).
         let q = c.num_heads * c.head_dim;
-        let cr = ring_chunk_rows(hid);
+        let cr = ring_chunk_rows(hid, RING_SLOT);
         let o_rows = q.div_ceil(cr).div_ceil(sms) * cr;
         let input_bytes = (2 * hid).max(ring_attn_smem(g, c.head_dim)).max(4 * o_rows);
         let slots = smem_optin.saturating_sub(input_bytes + STATIC_SMEM) / (RING_SLOT + 16);
@@ -374,9 +392,18 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Turns the ring on or off; returns whether the model has one.
-    pub(crate) fn set_ring(&mut self, on: bool) -> bool {
-        self.ring.as_mut().map(|r| r.on = on).is_some()
+    /// Turns the ring on or off: `None` without a ring, else whether that changed it.
+    pub(crate) fn set_ring(&mut self, on: bool) -> Option<bool> {
+        self.ring
+            .as_mut()
+            .map(|r| std::mem::replace(&mut r.on, on) != on)
+    }
+
+    /// Dynamic shared memory of the ring's launches (0 without a ring).
+    pub(crate) fn ring_smem(&self) -> usize {
+        self.ring
+            .as_ref()
+            .map_or(0, |r| r.launch(RingStep::default()).smem())
     }
 
     /// Whether step `m` of `gemm_rows` rows runs as the ring: one token, sampled, no prefill
@@ -403,30 +430,18 @@ impl GpuModel {
         m: &StepMeta,
     ) -> anyhow::Result<()> {
         let r = self.ring.as_ref().context("no decode ring")?;
-        let stages = r
-            .stages
-            .as_ref()
-            .context("decode ring without its stages")?;
-        let launch = RingLaunch {
-            stages: stages.ptr,
-            n: r.n_stages as i32,
-            done: r.scratch.at(r.layout.done),
-            blocks: r.blocks,
-            slots: r.slots,
-            input_bytes: r.input_bytes,
-            slot_bytes: RING_SLOT,
-            trace: r.trace.as_ref().map_or(0, |t| t.ptr),
-            step: RingStep {
-                positions: m.positions,
-                slot_mapping: m.slot_mapping,
-                block_tables: m.row_block_tables,
-                tok_row: m.tok_row,
-                bt_stride: m.bt_stride as i32,
-                block_size: self.block_size as i32,
-            },
-        };
-        // SAFETY: the stages were built over this model's buffers and KV cache; the scratch is
-        // zero between launches (each launch's last block zeroes it); the caller vouches for m.
+        anyhow::ensure!(r.stages.is_some(), "decode ring without its stages");
+        let launch = r.launch(RingStep {
+            positions: m.positions,
+            slot_mapping: m.slot_mapping,
+            block_tables: m.row_block_tables,
+            tok_row: m.tok_row,
+            bt_stride: m.bt_stride as i32,
+            block_size: self.block_size as i32,
+        });
+        // SAFETY: the stages were built over this model's buffers and KV cache; the sums and
+        // counters are zero between launches (each launch leaves them so); the executor raised
+        // the shared-memory limit to `ring_smem`; the caller vouches for m.
         unsafe { k.gemv_ring(stream, &launch) }
     }
 }
