@@ -2369,11 +2369,20 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(
 // counter per stage that every block bumps once), stage its input in shared memory as bf16
 // and reduce each slot against it. (Session 17 measured the projections alone against the
 // engine's skinny launches: H200 1.15x / 1.14x / 1.18x on the 1B / 3B / 8B shapes.)
+// A stage's items (GEMV slots, MLP and GEMVT chunks) are shared out in fixed runs, the +1
+// remainders rotating over blocks from stage to stage (every block streams the same bytes in
+// total), except a GEMV stage of at least 8 slots a block (the output head; the 8B's q|k|v):
+// its producers claim two slots at a time from the stage's claim counter (one claim ahead, so
+// the round trip runs while the slots before stream), tag the slots with their items and end
+// with an empty slot tagged -1, so that a block that streams faster takes more (the head's
+// blocks ended ~10 us apart in fixed runs). A warp's sums are added per slot (or over a
+// claim's two), never over slots that another block could have taken: the values added do
+// not depend on who took what. (Claimed MLP chunks, whose down sums would then be added per
+// chunk or per fixed unit, cost 1B 1.03 -> 1.18 ms in atomics; session 19.)
 // Five kinds of stage (RingStage.kind):
-// - GEMV: y[N] += W[N, K] x. The flat row-major matrix is cut into slots; a block
-//   takes a contiguous run of them (the +1 remainders rotating over blocks from stage to stage,
-//   so every block streams the same bytes in total); warp w reduces weights [1024 w, +1024) of
-//   a slot (one row, as K % 1024 == 0) and adds its row's sum into y with an atomic.
+// - GEMV: y[N] += W[N, K] x. The flat row-major matrix is cut into slots; warp w reduces
+//   weights [1024 w, +1024) of a slot (one row, as K % 1024 == 0) and adds its row's sum into
+//   y with an atomic (over a run's, or a claim's, consecutive slots of one row).
 // - MLP (w2 = down^T, [N, K]): y[K] += down(silu(gate x) * (up x)) with w = [gate; up] ([2N, K],
 //   N the intermediate size) and no dependency inside: a block takes a contiguous run of chunks
 //   of CR intermediate rows (ring_chunk_rows) and streams, per chunk, the gate
@@ -2409,8 +2418,10 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(
 // N * K < 2^31. One block an SM, every block resident (the stages wait on each other across
 // blocks). A stage zeroes `zero` (zero_len u64 words, in block shares) once it has waited:
 // the host points it at the sums of the stage two before, whose readers have all finished, so
-// the next launch finds them zero; the last block to finish zeroes the counters (a step needs
-// no memset; the first launch needs them zero).
+// the next launch finds them zero; the last block to finish zeroes the counters (done[0, n),
+// the stages' blocks done, and done[n, 2n), their claims; a step needs no memset; the first
+// launch needs them zero; a launch must not start before the one before has finished, as PDL
+// with a launch between them guarantees: the producer claims before its PDL wait).
 // A stage's input, staged once in every block: x (x_form: the stage before's sums, bf16 for
 // the embedding, or an ATTN stage's partials), or with
 // `res` the residual add r = bf16(res + bf16(x)) (block 0 writes r to `res_out` for the stages
@@ -2459,6 +2470,7 @@ struct RingStep {
 #ifndef RING_SLOT
 #define RING_SLOT 32768
 #endif
+#define RING_MAX_SLOTS 32
 #define RING_MLP_COLS 16  // down sums a thread keeps: K <= RING_CW * 32 * 16
 // Intermediate rows of a fused MLP chunk: the largest power of two with 2 CR K <= RING_SLOT.
 __device__ __forceinline__ int ring_chunk_rows(int K) {
@@ -2476,6 +2488,23 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
         : "memory");
     return ok != 0;
 }
+// The same with acquire at cluster scope (a barrier another block of the cluster arrives on).
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
+    u32 ok;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(ok)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!ok);
+}
+// This block's shared address `a` in cluster block `rank` (distributed shared memory).
+__device__ __forceinline__ u32 cluster_map(u32 a, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     while (!mbar_try_wait(bar, parity)) {
     }
@@ -2489,13 +2518,24 @@ __device__ __forceinline__ void ring_share(int items, int& off, int& start, int&
     start = v * base + min(v, rem);
     off = (off + rem) % g;
 }
-// The slots (or chunks) a stage streams: none for ATTN and CVT.
-__device__ __forceinline__ int ring_items(const RingStage& st) {
-    if (st.kind == RING_ATTN || st.kind == RING_CVT) return 0;
-    if (st.kind == RING_MLP) return st.N / ring_chunk_rows(st.K);
-    if (st.kind == RING_GEMVT) return st.K / ring_chunk_rows(st.N);
-    const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * 2u;
+// The items (slots, or chunks) a stage of `kind`, N and K streams: none for ATTN and CVT.
+__device__ __forceinline__ int ring_items(int kind, int N, int K) {
+    if (kind == RING_ATTN || kind == RING_CVT) return 0;
+    if (kind == RING_MLP) return N / ring_chunk_rows(K);
+    if (kind == RING_GEMVT) return K / ring_chunk_rows(N);
+    const unsigned int bytes = (unsigned int)N * (unsigned int)K * 2u;
     return (int)((bytes + RING_SLOT - 1) / RING_SLOT);
+}
+__device__ __forceinline__ int ring_items(const RingStage& st) { return ring_items(st.kind, st.N, st.K); }
+// Slots a claim takes, or 0 where a stage's items are shared out in fixed runs (see the
+// kernel's header): GEMV stages of at least 8 slots a block (the output head, the 8B's
+// q|k|v), two slots a claim (fewer slots are as even in fixed runs, and a claim's round trip
+// would show).
+__device__ __forceinline__ int ring_unit(int kind, int N, int K) {
+#ifdef RING_NO_CLAIM  // measurement: fixed runs only
+    return 0;
+#endif
+    return kind == RING_GEMV && ring_items(kind, N, K) >= 8 * (int)gridDim.x ? 2 : 0;
 }
 // c = hi + lo as the sums' halves take it (see the kernel's header).
 __device__ __forceinline__ void ring_split(float c, float& hi, float& lo) {
@@ -2731,16 +2771,29 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
     uint4* xs = (uint4*)(empty + nslots);  // the stage's input, bf16 (or an ATTN stage's state)
     __shared__ float part[2][2][RING_CW];   // MLP: [chunk parity][gate, up][warp]
     __shared__ float red_ss[RING_CW];       // the input norm's sum of squares, by warp
+    __shared__ int slot_item[RING_MAX_SLOTS];  // the item a full slot holds (-1: a stage's end)
+    __shared__ __align__(8) unsigned long long pair_ready;  // the pair's sums staged (clusters of two)
+    u32 crank, csize;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(crank));
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(csize));
+    if (csize > 2) __trap();
+    if (nslots > RING_MAX_SLOTS) __trap();
+    unsigned int* claims = done + n;  // a claimed stage's next item
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int i = 0; i < nslots; i++) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(full + i)) : "memory");
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(empty + i)), "r"(RING_CW) : "memory");
         }
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&pair_ready)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
     __syncthreads();
+    if (csize > 1) {  // (the partner's barrier initialised before anyone arrives on it)
+        asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+        asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    }
     if (warp == RING_CW) {
         // The producer: every slot of every stage, in the consumers' order; it waits only for
         // a free slot (the consumers' release of the round before). The weights never change,
@@ -2749,9 +2802,17 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         unsigned long long pol;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
         unsigned int k = 0;
-        auto put = [&](const bf16* src, unsigned int len) {
+        // The next slot, once the consumers have released it from the round before.
+        auto slot = [&]() -> unsigned int {
             const unsigned int idx = k % nslots, round = k / nslots;
             if (round > 0) mbar_wait(smem_addr(empty + idx), (round - 1) & 1);
+            return idx;
+        };
+        // A piece of weights into the next slot, tagged with its item (the mbarrier's arrive
+        // releases the tag with the slot).
+        auto put = [&](const void* src, unsigned int len, int item) {
+            const unsigned int idx = slot();
+            slot_item[idx] = item;
             const u32 fb = smem_addr(full + idx);
             asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fb), "r"(len) : "memory");
 #ifndef RING_COPY_PARTS  // measurement: a slot in this many bulk copies
@@ -2774,37 +2835,57 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             }
             k++;
         };
+        // A claimed stage's end: a slot with no data, tagged -1.
+        auto put_end = [&]() {
+            const unsigned int idx = slot();
+            slot_item[idx] = -1;
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(full + idx)) : "memory");
+            k++;
+        };
+        // Item i of a stage: its piece(s), tagged i.
+        auto put_item = [&](const RingStage& st, unsigned int i) {
+            if (st.kind == RING_GEMVT) {
+                const unsigned int len = ring_chunk_rows(st.N) * st.N * 2;
+                put((const unsigned char*)st.w + (size_t)i * len, len, i);
+            } else if (st.kind == RING_MLP) {
+                const unsigned int len = ring_chunk_rows(st.K) * st.K * 2;
+                const size_t r = (size_t)i * len;
+                put((const unsigned char*)st.w + r, len, i);
+                put((const unsigned char*)st.w + (size_t)st.N * st.K * 2 + r, len, i);
+                put((const unsigned char*)st.w2 + r, len, i);
+            } else {
+                const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * 2u, at = i * RING_SLOT;
+                put((const unsigned char*)st.w + at, min((unsigned int)RING_SLOT, bytes - at), i);
+            }
+        };
         int off = 0;
         RingStage nxt = stages[0];
         for (int s = 0; s < n; s++) {
             const RingStage st = nxt;
             if (s + 1 < n) nxt = stages[s + 1];  // (in flight while this stage's copies issue)
-            int start, count;
-            ring_share(ring_items(st), off, start, count);
-            if (st.kind == RING_GEMVT) {
-                const int cr = ring_chunk_rows(st.N);
-                for (int c = start; c < start + count; c++) put(st.w + (size_t)c * cr * st.N, cr * st.N * 2);
-            } else if (st.kind == RING_MLP) {
-                const int cr = ring_chunk_rows(st.K);
-                const unsigned int len = cr * st.K * 2;
-                for (int c = start; c < start + count; c++) {
-                    const size_t r = (size_t)c * cr * st.K;
-                    put(st.w + r, len);
-                    put(st.w + (size_t)st.N * st.K + r, len);
-                    put(st.w2 + r, len);
+            const unsigned int items = (unsigned int)ring_items(st), u = ring_unit(st.kind, st.N, st.K);
+            if (u > 0) {
+                // Units claimed one ahead: the claim's round trip runs while the unit before
+                // streams (or waits for its slots).
+                const unsigned int units = (items + u - 1) / u;
+                unsigned int c = atomicAdd(claims + s, 1u);
+                while (c < units) {
+                    const unsigned int next = atomicAdd(claims + s, 1u);
+                    for (unsigned int i = c * u; i < min(items, c * u + u); i++) put_item(st, i);
+                    c = next;
                 }
-            } else {
-                const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * 2u;
-                for (int i = start; i < start + count; i++) {
-                    const unsigned int at = (unsigned int)i * RING_SLOT;
-                    put((const bf16*)((const unsigned char*)st.w + at), min((unsigned int)RING_SLOT, bytes - at));
-                }
+                put_end();
+                continue;
             }
+            int start, count;
+            ring_share(items, off, start, count);
+            for (int i = start; i < start + count; i++) put_item(st, i);
         }
         return;
     }
     PDL_ENTER();
     const int ct = threadIdx.x, nct = RING_CW * 32;
+    u32 pair_phase = 0;  // pair_ready's phase (add_out)
     unsigned int k = 0;
     // The next slot, waited for; `release` hands it back.
     auto take = [&]() -> const uint4* {
@@ -2898,8 +2979,11 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             continue;
         }
         wait();
-        int start, count;
-        ring_share(ring_items(st), off, start, count);
+        // A run of fixed items, or claimed units (claim > 0; then the slots' tags say which and
+        // where the block's share ends).
+        int start = 0, count = 0;
+        const int claim = ring_unit(st.kind, st.N, st.K);
+        if (claim == 0) ring_share(ring_items(st), off, start, count);
         float ss = 0.0f;
         // A GEMVT stage stages only its own input rows, as f32 (below).
         for (int j = ct; j < st.K / 8 && st.kind != RING_GEMVT; j += nct) {
@@ -2983,10 +3067,51 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 }
             }
         };
-        auto add_out = [&](const float* acc, int cols) {
+        // A split-K stage's column sums into y. In a cluster of two (the host's choice where
+        // the pairs fit), the pair adds once: each block stages its sums in shared memory
+        // (the input's place, free once every warp is past its last slot), and each adds the
+        // pair's sum of every other 8 columns (own + partner's: the same bits in either
+        // block), halving the atomics.
+        auto add_out = [&](float* acc, int cols) {
+            if (csize == 2) {
+                float4* red = (float4*)xs;
+                asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+#pragma unroll
+                for (int q = 0; q < RING_MLP_COLS / 8; q++) {
+                    const int j = q * nct + ct;
+                    if (8 * j >= cols) break;
+                    red[2 * j] = make_float4(acc[q * 8], acc[q * 8 + 1], acc[q * 8 + 2], acc[q * 8 + 3]);
+                    red[2 * j + 1] = make_float4(acc[q * 8 + 4], acc[q * 8 + 5], acc[q * 8 + 6], acc[q * 8 + 7]);
+                }
+                asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+                if (ct == 0) {
+                    asm volatile("fence.acq_rel.cluster;" ::: "memory");
+                    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
+                                     cluster_map(smem_addr(&pair_ready), crank ^ 1u))
+                                 : "memory");
+                }
+                mbar_wait_cluster(smem_addr(&pair_ready), pair_phase);
+                pair_phase ^= 1u;
+            }
 #pragma unroll
             for (int q = 0; q < RING_MLP_COLS / 8; q++) {
-                if (8 * (q * nct + ct) >= cols) break;
+                const int j = q * nct + ct;
+                if (8 * j >= cols) break;
+                if (csize == 2) {
+                    if ((u32)(j & 1) != crank) continue;
+                    const u32 pa = cluster_map(smem_addr((float4*)xs + 2 * j), crank ^ 1u);
+                    float p[8];
+                    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                                 : "=f"(p[0]), "=f"(p[1]), "=f"(p[2]), "=f"(p[3])
+                                 : "r"(pa)
+                                 : "memory");
+                    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                                 : "=f"(p[4]), "=f"(p[5]), "=f"(p[6]), "=f"(p[7])
+                                 : "r"(pa + 16)
+                                 : "memory");
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[q * 8 + i] += p[i];
+                }
                 float hi[8], lo[8];
 #pragma unroll
                 for (int i = 0; i < 8; i++) ring_split(acc[q * 8 + i], hi[i], lo[i]);
@@ -3017,7 +3142,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 for (int r = 0; r < cr; r++) add_rows(acc, d, r, xr[c * cr + r], st.N);
                 release();
             }
-            if (count > 0) add_out(acc, st.N);
+            if (count > 0 || csize == 2) add_out(acc, st.N);  // (a pair meets even with nothing)
         } else if (st.kind == RING_MLP) {
             // A chunk: cr rows of gate, of up and of down^T, a slot each (cr K bf16 <= RING_SLOT);
             // gate|up: warp w < cr * parts reduces row w / parts, columns 1024 (w % parts) on.
@@ -3027,9 +3152,9 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
 #pragma unroll
             for (int q = 0; q < RING_MLP_COLS; q++) acc[q] = 0.0f;
             for (int c = 0; c < count; c++) {
-#ifndef RING_NO_MATH
                 // The gate and up slots together (their loads and shuffles interleave).
                 const uint4* gs = take();
+#ifndef RING_NO_MATH
                 k++;
                 const uint4* us = take();
                 k--;
@@ -3077,26 +3202,31 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
 #endif
                 release();
 #else
-                take(), release(), take(), release(), take(), release();
+                release(), take(), release(), take(), release();
 #endif
             }
 #ifndef RING_NO_RED
-            if (count > 0) add_out(acc, st.K);
+            if (count > 0 || csize == 2) add_out(acc, st.K);
 #endif
         } else {
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
             float acc = 0.0f;
-            int row = -1;
-            for (int i = 0; i < count; i++) {
-                const unsigned int e = (unsigned int)(start + i) * (RING_SLOT / 2) + warp * 1024;
+            int row = -1, unit = -1;  // a row's sum over consecutive slots of one unit (or run)
+            for (int i = 0; claim > 0 || i < count; i++) {
                 const uint4* src = take();
+                const int item = claim > 0 ? slot_item[k % nslots] : start + i;
+                if (item < 0) {
+                    release();
+                    break;
+                }
+                const unsigned int e = (unsigned int)item * (RING_SLOT / 2) + warp * 1024;
 #ifndef RING_NO_MATH
                 if (e < elems) {  // (the last slot of a stage may be short)
-                    const int r = (int)(e / (unsigned int)st.K);
+                    const int r = (int)(e / (unsigned int)st.K), un = claim > 0 ? item / claim : 0;
                     const float v = warp_dot(src, (int)(e - (unsigned int)r * st.K) / 8);
-                    if (r != row) {
+                    if (r != row || un != unit) {
                         if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
-                        row = r;
+                        row = r, unit = un;
                         acc = 0.0f;
                     }
                     acc += v;
@@ -3117,7 +3247,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         }
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
         if (last) {
-            for (int i = ct; i < n; i += nct) done[i] = 0;
+            for (int i = ct; i < 2 * n; i += nct) done[i] = 0;  // (and the claims)
         }
     }
 #else

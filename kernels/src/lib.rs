@@ -1045,6 +1045,25 @@ impl Kernels {
         stream: sys::CUstream,
         params: &mut [*mut c_void],
     ) -> anyhow::Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch_cluster(name, grid, block, smem, stream, params, 1) }
+    }
+
+    /// [`Kernels::launch_smem`] in clusters of `cluster` blocks along x (1: none).
+    ///
+    /// # Safety
+    /// As [`Kernels::launch_smem`]; `grid.0` a multiple of `cluster`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_cluster(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        stream: sys::CUstream,
+        params: &mut [*mut c_void],
+        cluster: u32,
+    ) -> anyhow::Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
@@ -1052,7 +1071,7 @@ impl Kernels {
             bail!("{name} does not exist in the {} build", self.dtype.name());
         }
         let f = self.func(name);
-        if !self.pdl {
+        if !self.pdl && cluster == 1 {
             // SAFETY: forwarded from the caller.
             return ck(
                 unsafe { dr::launch_kernel(f, grid, (block, 1, 1), smem, stream, params) },
@@ -1061,9 +1080,21 @@ impl Kernels {
         }
         // SAFETY: a zeroed attribute is a valid POD value; the union field set is the one the
         // attribute id names.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n_attrs = 0;
+        if self.pdl {
+            attrs[n_attrs].id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
+            n_attrs += 1;
+        }
+        if cluster > 1 {
+            attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n_attrs].value.clusterDim.x = cluster;
+            attrs[n_attrs].value.clusterDim.y = 1;
+            attrs[n_attrs].value.clusterDim.z = 1;
+            n_attrs += 1;
+        }
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -1073,10 +1104,10 @@ impl Kernels {
             blockDimZ: 1,
             sharedMemBytes: smem,
             hStream: stream,
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n_attrs as u32,
         };
-        // SAFETY: `cfg` and `attr` outlive the call; the parameters are forwarded from the
+        // SAFETY: `cfg` and `attrs` outlive the call; the parameters are forwarded from the
         // caller.
         ck(
             unsafe {
@@ -2062,7 +2093,8 @@ pub struct RingLaunch {
     /// Device address of `n` [`RingStage`]s.
     pub stages: u64,
     pub n: i32,
-    /// `n` zeroed u32 counters (zeroed again by the launch's last block).
+    /// `2 n` zeroed u32 counters, a stage's blocks done then its next claimed item (zeroed
+    /// again by the launch's last block).
     pub done: u64,
     /// Blocks, one an SM.
     pub blocks: u32,
@@ -2077,6 +2109,9 @@ pub struct RingLaunch {
     pub slot_bytes: usize,
     /// 0, or `3 n blocks` u64 for the per-stage times (see the source).
     pub trace: u64,
+    /// 1, or 2: pairs of blocks in clusters add their split-K sums once (where
+    /// [`Kernels::ring_pairs_fit`] says they all fit; `input_bytes` at least `4 hidden`).
+    pub cluster: u32,
     /// The token of the attention stages (zeros without them).
     pub step: RingStep,
 }
@@ -2094,6 +2129,42 @@ impl Kernels {
             )
         };
         ck(raised, "gemv_ring shared memory")
+    }
+}
+
+impl Kernels {
+    /// Whether `r`'s blocks can all run at once in clusters of two (an even count, and that
+    /// many pairs resident at `r`'s shared memory; after [`Kernels::allow_ring_smem`]).
+    pub fn ring_pairs_fit(&self, r: &RingLaunch) -> anyhow::Result<bool> {
+        if !r.blocks.is_multiple_of(2) {
+            return Ok(false);
+        }
+        // SAFETY: a zeroed attribute is a valid POD value; the union field set is the one the
+        // attribute id names.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = 2;
+        attr.value.clusterDim.y = 1;
+        attr.value.clusterDim.z = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: r.blocks,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: (r.slot_bytes as u32 / 2048 + 1) * 32,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: r.smem() as u32,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n = 0i32;
+        // SAFETY: `cfg` and `attr` outlive the call; a loaded function.
+        let got = unsafe {
+            sys::cuOccupancyMaxActiveClusters(&mut n, self.func("gemv_ring"), &cfg).result()
+        };
+        ck(got, "gemv_ring clusters")?;
+        Ok(2 * n as u32 >= r.blocks)
     }
 }
 
@@ -2123,13 +2194,14 @@ impl Kernels {
         let mut p = params![r.stages, r.n, r.done, r.slots, r.trace, r.step];
         // SAFETY: argument types match the kernel's; the caller vouches for the rest.
         unsafe {
-            self.launch_smem(
+            self.launch_cluster(
                 "gemv_ring",
                 (r.blocks, 1, 1),
                 (r.slot_bytes as u32 / 2048 + 1) * 32,
                 smem as u32,
                 s,
                 &mut p,
+                r.cluster,
             )
         }
     }

@@ -383,9 +383,10 @@ pub struct CudaExecutor {
 // calling thread at the start of every call.
 unsafe impl Send for CudaExecutor {}
 
-/// `--decode-ring auto` takes the ring for hidden sizes of at least this: where it wins
-/// (session 18 on an H200, batch 1, context 512: Llama 8B 4.405 vs 4.674 ms a step; the 3B,
-/// 3,072 wide, 2.333 vs 2.320; the 1B 1.020 vs 0.946; docs/benchmarks.md).
+/// `--decode-ring auto` takes the ring for hidden sizes of at least this: where it wins by more
+/// than its transposed copies' memory (a quarter more weight bytes, less KV cache) is worth
+/// (session 19 on an H200, batch 1, context 512: Llama 8B 4.383-4.392 vs 4.765 ms a step; the
+/// 3B, 3,072 wide, 2.301-2.309 vs 2.329, 1%; the 1B 0.996-0.999 vs 0.951; docs/benchmarks.md).
 pub const RING_AUTO_MIN_HIDDEN: usize = 4096;
 
 /// Facts reported at start-up.
@@ -487,11 +488,13 @@ impl CudaExecutor {
             )?;
             let prepared = (major >= 9).then(|| {
                 model.prepare_ring(sms, optin)?;
-                kernels.allow_ring_smem(model.ring_smem())
+                kernels.allow_ring_smem(model.ring_smem())?;
+                model.pair_ring(|l| kernels.ring_pairs_fit(l))
             });
             match prepared {
-                Some(Ok(())) => tracing::info!(
+                Some(Ok(pairs)) => tracing::info!(
                     sms,
+                    pairs,
                     "batch-1 decode steps run as one persistent launch (the decode ring)"
                 ),
                 Some(Err(why)) => tracing::info!("decode ring off: {why:#}"),

@@ -1831,7 +1831,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let (rx, ry, done) = (
             alloc(h * sum)?,
             alloc(out_len * sum)?,
-            alloc(4 * per_layer * layers)?,
+            alloc(2 * 4 * per_layer * layers)?, // (the stage counters, then the claims)
         );
         // x0 as sums: itself, and a second half of zeros.
         let x0_sums: Vec<f32> = x0
@@ -1900,6 +1900,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             input_bytes: max_k * 2,
             slot_bytes,
             trace: 0,
+            cluster: 1, // (its input region is sized for the inputs alone)
             step: Default::default(),
         };
         k.allow_ring_smem(launch.smem())?;
@@ -1948,7 +1949,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         }
         let zero = || -> anyhow::Result<()> {
             dr::memset_d8_async(ry, 0, out_len * sum, st)?;
-            dr::memset_d8_async(done, 0, 4 * per_layer * layers, st)?;
+            dr::memset_d8_async(done, 0, 2 * 4 * per_layer * layers, st)?;
             Ok(())
         };
         let run_ring = |r: &RingLaunch| -> anyhow::Result<()> {

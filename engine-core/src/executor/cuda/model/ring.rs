@@ -41,6 +41,9 @@ pub(super) struct RingDecode {
     blocks: u32,
     slots: i32,
     input_bytes: usize,
+    /// 2 where the blocks run in pairs (clusters) that add their split-K sums once
+    /// ([`GpuModel::pair_ring`]), else 1.
+    cluster: u32,
     /// Steps take the ring (the executor's switch; off: the launches, to compare).
     pub on: bool,
     /// Measurement only (`HARRIER_RING_TRACE=1`): every launch writes its per-stage times
@@ -60,6 +63,7 @@ impl RingDecode {
             input_bytes: self.input_bytes,
             slot_bytes: RING_SLOT,
             trace: self.trace.as_ref().map_or(0, |t| t.ptr),
+            cluster: self.cluster,
             step,
         }
     }
@@ -80,6 +84,7 @@ struct ScratchLayout {
     part: usize,
     /// The output head's sums (the last stage converts them into the logits).
     head: usize,
+    /// A counter a stage (blocks done), then a claim counter a stage (the next item).
     done: usize,
     total: usize,
 }
@@ -95,7 +100,7 @@ impl ScratchLayout {
         let part = res + 2 * hid * 4 * c.num_layers;
         let head = part + ring_attn_part_floats(blocks, nh, nkv, hd) * 4;
         let done = head + c.vocab_size * sum;
-        let total = done + n_stages * 4;
+        let total = done + 2 * n_stages * 4;
         ScratchLayout {
             layer,
             qkv,
@@ -205,12 +210,16 @@ impl GpuModel {
         let c = &self.config;
         let (hid, inter) = (c.hidden_size, c.intermediate_size);
         let g = c.num_heads / c.num_kv_heads;
-        // The largest input (bf16), an attention stage's state, or the o stage's rows (f32: a
+        // The largest input (bf16), an attention stage's state, the o stage's rows (f32: a
         // block's run of chunks of input rows).
         let q = c.num_heads * c.head_dim;
         let cr = ring_chunk_rows(hid, RING_SLOT);
         let o_rows = q.div_ceil(cr).div_ceil(sms) * cr;
-        let input_bytes = (2 * hid).max(ring_attn_smem(g, c.head_dim)).max(4 * o_rows);
+        // (And the split-K sums a cluster's pair stages for each other: hidden-wide, f32.)
+        let input_bytes = (2 * hid)
+            .max(ring_attn_smem(g, c.head_dim))
+            .max(4 * o_rows)
+            .max(4 * hid);
         let slots = smem_optin.saturating_sub(input_bytes + STATIC_SMEM) / (RING_SLOT + 16);
         if slots < 2 {
             anyhow::bail!("{smem_optin} bytes of shared memory a block hold {slots} ring slots");
@@ -242,7 +251,9 @@ impl GpuModel {
             slots: slots as i32,
             input_bytes,
             on: true,
-            trace: match harrier_kernels::switch_on("HARRIER_RING_TRACE") {
+            cluster: 1,
+            // (Off unless set: every traced launch writes its times.)
+            trace: match std::env::var("HARRIER_RING_TRACE").is_ok_and(|v| v == "1") {
                 true => Some(DevBuf::new(3 * n_stages * sms * 8)?),
                 false => None,
             },
@@ -397,6 +408,23 @@ impl GpuModel {
         self.ring
             .as_mut()
             .map(|r| std::mem::replace(&mut r.on, on) != on)
+    }
+
+    /// Runs the ring's blocks in clusters of two where they all fit (`fits`:
+    /// [`harrier_kernels::Kernels::ring_pairs_fit`] of the launch) unless `HARRIER_RING_PAIRS=0`:
+    /// each pair adds the o and MLP stages' split-K sums once, half the atomics. Returns
+    /// whether it does.
+    pub(crate) fn pair_ring(
+        &mut self,
+        fits: impl FnOnce(&RingLaunch) -> anyhow::Result<bool>,
+    ) -> anyhow::Result<bool> {
+        let Some(r) = self.ring.as_mut() else {
+            return Ok(false);
+        };
+        let paired = harrier_kernels::switch_on("HARRIER_RING_PAIRS")
+            && fits(&r.launch(RingStep::default()))?;
+        r.cluster = if paired { 2 } else { 1 };
+        Ok(paired)
     }
 
     /// Dynamic shared memory of the ring's launches (0 without a ring).
