@@ -1023,7 +1023,7 @@ impl Kernels {
         params: &mut [*mut c_void],
     ) -> anyhow::Result<()> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.launch_smem(name, grid, block, 0, stream, params) }
+        unsafe { self.launch_smem(name, grid, block, 0, stream, params, 1) }
     }
 
     /// Whether launches use programmatic dependent launch ([`pdl_default`]).
@@ -1032,29 +1032,14 @@ impl Kernels {
     }
 
     /// Launches kernel `name` with `smem` bytes of dynamic shared memory (an empty grid
-    /// launches nothing), with programmatic dependent launch when [`Kernels::pdl`].
+    /// launches nothing), in clusters of `cluster` blocks along x (1: none), with programmatic
+    /// dependent launch when [`Kernels::pdl`].
     ///
     /// # Safety
-    /// As [`Kernels::launch`]; `smem` within what the kernel was allowed.
-    unsafe fn launch_smem(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        stream: sys::CUstream,
-        params: &mut [*mut c_void],
-    ) -> anyhow::Result<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.launch_cluster(name, grid, block, smem, stream, params, 1) }
-    }
-
-    /// [`Kernels::launch_smem`] in clusters of `cluster` blocks along x (1: none).
-    ///
-    /// # Safety
-    /// As [`Kernels::launch_smem`]; `grid.0` a multiple of `cluster`.
+    /// As [`Kernels::launch`]; `smem` within what the kernel was allowed; `grid.0` a multiple
+    /// of `cluster`.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn launch_cluster(
+    unsafe fn launch_smem(
         &self,
         name: &str,
         grid: (u32, u32, u32),
@@ -1939,7 +1924,7 @@ impl Kernels {
         let warps = if w8 { 8 } else { self.skinny_warps };
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
         // dynamic shared memory is within what `load_ptx` allowed.
-        unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a) }
+        unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a, 1) }
     }
 }
 
@@ -2037,6 +2022,10 @@ pub struct RingStep {
 /// Bytes of one `gemv_ring` weight slot (`RING_SLOT`): a consumer warp reduces 2048 bytes of
 /// it, so the block has `RING_SLOT / 2048` consumer warps (`RING_CW`) and the producer's.
 pub const RING_SLOT: usize = 32768;
+
+/// The most slots a `gemv_ring` launch may have (`RING_MAX_SLOTS`: their tags' array; the
+/// kernel traps past it).
+pub const RING_MAX_SLOTS: usize = 32;
 
 /// Keys of a `gemv_ring` attention tile (`RING_KT`).
 const RING_KT: usize = 32;
@@ -2194,7 +2183,7 @@ impl Kernels {
         let mut p = params![r.stages, r.n, r.done, r.slots, r.trace, r.step];
         // SAFETY: argument types match the kernel's; the caller vouches for the rest.
         unsafe {
-            self.launch_cluster(
+            self.launch_smem(
                 "gemv_ring",
                 (r.blocks, 1, 1),
                 (r.slot_bytes as u32 / 2048 + 1) * 32,
@@ -2507,6 +2496,7 @@ mod tests {
         assert!(SOURCE.contains(&format!("#define RING_KT {RING_KT}\n")));
         assert!(SOURCE.contains("return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G);"));
         assert!(SOURCE.contains(&format!("#define RING_SLOT {RING_SLOT}\n")));
+        assert!(SOURCE.contains(&format!("#define RING_MAX_SLOTS {RING_MAX_SLOTS}\n")));
         assert!(SOURCE.contains(&format!("#define RING_CW {}\n", RING_SLOT / 2048)));
         assert_eq!(std::mem::size_of::<SkinnyRope>(), 5 * 8 + 4 * 4);
         assert_eq!(std::mem::offset_of!(SkinnyInputs, rope), 5 * 8 + 6 * 4);

@@ -1682,7 +1682,7 @@ unsafe fn time_us(
 /// size (fused, the SiLU products shrink them layer by layer: the last layer's are near zero).
 fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
     use harrier_kernels::{
-        RingKind, RingLaunch, RingStage, SkinnyEpilogue, SkinnyInputs, RING_SLOT,
+        RingKind, RingLaunch, RingStage, SkinnyEpilogue, SkinnyInputs, RING_MAX_SLOTS, RING_SLOT,
     };
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
     let c = dir.config.clone();
@@ -1741,7 +1741,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let optin =
         attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
     // (The kernel's static shared memory, a few hundred bytes, stays beside it.)
-    let fit = optin.saturating_sub(max_k * 2 + 1024) / (slot_bytes + 16);
+    let fit = (optin.saturating_sub(max_k * 2 + 1024) / (slot_bytes + 16)).min(RING_MAX_SLOTS);
     let slots = arg("slots", fit)?;
     if slots == 0 || slots > fit {
         bail!("bench-ring: --slots {slots}: 1 to {fit} fit in {optin} bytes beside the input");

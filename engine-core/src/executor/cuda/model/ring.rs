@@ -16,7 +16,8 @@ use anyhow::Context;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
     ring_attn_part_floats, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_mlp_supports,
-    Dtype, Kernels, RingInput, RingKind, RingLaunch, RingStage, RingStep, RING_SLOT,
+    Dtype, Kernels, RingInput, RingKind, RingLaunch, RingStage, RingStep, RING_MAX_SLOTS,
+    RING_SLOT,
 };
 
 use super::{DevBuf, GpuModel, StepMeta};
@@ -220,7 +221,8 @@ impl GpuModel {
             .max(ring_attn_smem(g, c.head_dim))
             .max(4 * o_rows)
             .max(4 * hid);
-        let slots = smem_optin.saturating_sub(input_bytes + STATIC_SMEM) / (RING_SLOT + 16);
+        let slots = (smem_optin.saturating_sub(input_bytes + STATIC_SMEM) / (RING_SLOT + 16))
+            .min(RING_MAX_SLOTS);
         if slots < 2 {
             anyhow::bail!("{smem_optin} bytes of shared memory a block hold {slots} ring slots");
         }
