@@ -3034,16 +3034,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             for (int q = 0; q < 2; q++) {
                 const int j = ct + q * nct;
                 if (j >= st.K / 8) break;
-                const uint4 r = xs[j], g = gw[q];
-                const u32 rr[4] = {r.x, r.y, r.z, r.w}, gg[4] = {g.x, g.y, g.z, g.w};
-                u32 out[4];
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    out[i] = pack_bf16(norm_weight(__uint_as_float(rr[i] << 16) * inv, __uint_as_float(gg[i] << 16), 0.0f),
-                                       norm_weight(__uint_as_float(rr[i] & 0xffff0000u) * inv,
-                                                   __uint_as_float(gg[i] & 0xffff0000u), 0.0f));
-                }
-                xs[j] = make_uint4(out[0], out[1], out[2], out[3]);
+                xs[j] = rms_norm8(xs[j], gw[q], inv, 0.0f);
             }
         }
         float* xr = (float*)xs;  // GEMVT: the block's input rows, f32

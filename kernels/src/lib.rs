@@ -825,6 +825,18 @@ pub fn ptx_for(arch: &'static str, dtype: Dtype) -> anyhow::Result<(String, bool
 }
 
 /// A CUDA failure with the call that made it.
+/// The launch attribute for clusters of `n` blocks along x.
+fn cluster_attr(n: u32) -> sys::CUlaunchAttribute {
+    // SAFETY: a zeroed attribute is a valid POD value; the union field set is the one the
+    // attribute id names.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = n;
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = 1;
+    attr
+}
+
 fn ck<T>(r: Result<T, dr::DriverError>, what: &str) -> anyhow::Result<T> {
     r.map_err(|e| anyhow!("{what}: {e:?}"))
 }
@@ -1074,10 +1086,7 @@ impl Kernels {
             n_attrs += 1;
         }
         if cluster > 1 {
-            attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n_attrs].value.clusterDim.x = cluster;
-            attrs[n_attrs].value.clusterDim.y = 1;
-            attrs[n_attrs].value.clusterDim.z = 1;
+            attrs[n_attrs] = cluster_attr(cluster);
             n_attrs += 1;
         }
         let cfg = sys::CUlaunchConfig {
@@ -2005,6 +2014,18 @@ pub struct RingStage {
     pub x_len: i32,
 }
 
+impl RingStage {
+    /// Sums its `y` holds ([`RingInput::Sums`]: two f32 halves each): `K` for an MLP stage,
+    /// `N` for GEMV and GEMVT stages, none for attention (partials) and the conversion (f32).
+    pub fn sums_len(&self) -> i32 {
+        match self.kind {
+            RingKind::Attn | RingKind::Convert => 0,
+            RingKind::Mlp => self.k,
+            RingKind::Gemv | RingKind::GemvT => self.n,
+        }
+    }
+}
+
 /// The decode step's token for [`RingKind::Attn`] stages (the source's `RingStep`): device
 /// addresses of the step's positions, slot mapping, block tables and token rows (the
 /// executor's step metadata; row 0 is the token's).
@@ -2105,6 +2126,18 @@ pub struct RingLaunch {
     pub step: RingStep,
 }
 
+impl RingLaunch {
+    /// Dynamic shared memory of the launch.
+    pub fn smem(&self) -> usize {
+        self.slots as usize * (self.slot_bytes + 16) + self.input_bytes
+    }
+
+    /// Threads a block: a consumer warp a 2048-byte share of a slot, and the producer's.
+    fn threads(&self) -> u32 {
+        (self.slot_bytes as u32 / 2048 + 1) * 32
+    }
+}
+
 impl Kernels {
     /// Lets `gemv_ring` launches take `bytes` of dynamic shared memory (once, where the ring
     /// is set up: not a driver call every eager step).
@@ -2119,27 +2152,19 @@ impl Kernels {
         };
         ck(raised, "gemv_ring shared memory")
     }
-}
 
-impl Kernels {
     /// Whether `r`'s blocks can all run at once in clusters of two (an even count, and that
     /// many pairs resident at `r`'s shared memory; after [`Kernels::allow_ring_smem`]).
     pub fn ring_pairs_fit(&self, r: &RingLaunch) -> anyhow::Result<bool> {
         if !r.blocks.is_multiple_of(2) {
             return Ok(false);
         }
-        // SAFETY: a zeroed attribute is a valid POD value; the union field set is the one the
-        // attribute id names.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim.x = 2;
-        attr.value.clusterDim.y = 1;
-        attr.value.clusterDim.z = 1;
+        let mut attr = cluster_attr(2);
         let cfg = sys::CUlaunchConfig {
             gridDimX: r.blocks,
             gridDimY: 1,
             gridDimZ: 1,
-            blockDimX: (r.slot_bytes as u32 / 2048 + 1) * 32,
+            blockDimX: r.threads(),
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: r.smem() as u32,
@@ -2155,16 +2180,7 @@ impl Kernels {
         ck(got, "gemv_ring clusters")?;
         Ok(2 * n as u32 >= r.blocks)
     }
-}
 
-impl RingLaunch {
-    /// Dynamic shared memory of the launch.
-    pub fn smem(&self) -> usize {
-        self.slots as usize * (self.slot_bytes + 16) + self.input_bytes
-    }
-}
-
-impl Kernels {
     /// A chain of one-row stages in one persistent launch of one block an SM (all resident:
     /// stage `s` waits until `done[s - 1]` counts every block), the weights streamed through a
     /// ring of shared-memory slots: the executor's batch-1 decode step (`harrier-cuda-tool
@@ -2186,7 +2202,7 @@ impl Kernels {
             self.launch_smem(
                 "gemv_ring",
                 (r.blocks, 1, 1),
-                (r.slot_bytes as u32 / 2048 + 1) * 32,
+                r.threads(),
                 smem as u32,
                 s,
                 &mut p,
@@ -2429,6 +2445,25 @@ mod tests {
         // Every query head and split holds (max, sum, hd outputs).
         assert_eq!(ring_attn_part_floats(132, 32, 8, 64), 16 * 32 * 66);
         assert_eq!(ring_attn_part_floats(4, 32, 8, 64), 32 * 66);
+        // The sums a stage leaves: an MLP's are hidden-wide (K), a GEMV's or GEMVT's N;
+        // attention partials and the f32 logits are none.
+        let stage = |kind| RingStage {
+            kind,
+            n: 8192,
+            k: 2048,
+            ..Default::default()
+        };
+        assert_eq!(
+            [
+                RingKind::Gemv,
+                RingKind::Mlp,
+                RingKind::Attn,
+                RingKind::GemvT,
+                RingKind::Convert
+            ]
+            .map(|k| stage(k).sums_len()),
+            [8192, 2048, 0, 8192, 0]
+        );
     }
 
     #[test]

@@ -975,9 +975,6 @@ impl CudaExecutor {
         ck(unsafe { dr::stream::synchronize(st) }, "sync after capture")
     }
 
-    /// Steps of up to `max_rows` GEMM rows take the fused small-batch path (0: never; f32
-    /// models never do). Captured graphs are recaptured so that replays follow; call between
-    /// steps (nothing in flight).
     /// Turns the decode ring on or off for batch-1 decode steps (where the model has it);
     /// graphs are recaptured when that changes them. Returns whether the model has the ring.
     pub fn set_decode_ring(&mut self, on: bool) -> anyhow::Result<bool> {
@@ -994,6 +991,9 @@ impl CudaExecutor {
         self.model.ring_trace()
     }
 
+    /// Steps of up to `max_rows` GEMM rows take the fused small-batch path (0: never; f32
+    /// models never do). Captured graphs are recaptured so that replays follow; call between
+    /// steps (nothing in flight).
     pub fn set_fused_max_rows(&mut self, max_rows: usize) -> anyhow::Result<()> {
         self.model.fused_max_rows = max_rows;
         if let Some(d) = self.spec.as_mut().and_then(|s| s.draft_mut()) {

@@ -1850,10 +1850,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             for s in 0..per_layer {
                 let x = ring.last().map(|p| p.y).unwrap_or(rx);
                 // (The sums' length: the stage before's outputs.)
-                let x_len = ring.last().map_or(h as i32, |p| match p.kind {
-                    RingKind::Mlp => p.k,
-                    _ => p.n,
-                });
+                let x_len = ring.last().map_or(h as i32, RingStage::sums_len);
                 let (w, w2, n, kk) = match (fused, s) {
                     (true, 2) => (weights[2][l], down_t[l], inter, h),
                     _ => (weights[s][l], 0, shapes[s].0, shapes[s].1),

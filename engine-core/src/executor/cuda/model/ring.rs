@@ -211,16 +211,13 @@ impl GpuModel {
         let c = &self.config;
         let (hid, inter) = (c.hidden_size, c.intermediate_size);
         let g = c.num_heads / c.num_kv_heads;
-        // The largest input (bf16), an attention stage's state, the o stage's rows (f32: a
-        // block's run of chunks of input rows).
+        // Beside the ring: an attention stage's state, the o stage's rows (f32: a block's run
+        // of chunks of input rows), or the hidden-wide f32 split-K sums a cluster's pair stages
+        // for each other (room for every stage's bf16 input too).
         let q = c.num_heads * c.head_dim;
         let cr = ring_chunk_rows(hid, RING_SLOT);
         let o_rows = q.div_ceil(cr).div_ceil(sms) * cr;
-        // (And the split-K sums a cluster's pair stages for each other: hidden-wide, f32.)
-        let input_bytes = (2 * hid)
-            .max(ring_attn_smem(g, c.head_dim))
-            .max(4 * o_rows)
-            .max(4 * hid);
+        let input_bytes = (4 * hid).max(ring_attn_smem(g, c.head_dim)).max(4 * o_rows);
         let slots = (smem_optin.saturating_sub(input_bytes + STATIC_SMEM) / (RING_SLOT + 16))
             .min(RING_MAX_SLOTS);
         if slots < 2 {
@@ -388,12 +385,8 @@ impl GpuModel {
         let n = stages.len();
         for s in 0..n {
             let z = stages[(s + n - 2) % n];
-            let len = match z.kind {
-                RingKind::Attn | RingKind::Convert => 0,
-                RingKind::Mlp => z.k as usize,
-                RingKind::Gemv | RingKind::GemvT => z.n as usize,
-            };
-            (stages[s].zero, stages[s].zero_len) = (z.y, len as i32);
+            // (Two f32 halves a sum: a u64 word each.)
+            (stages[s].zero, stages[s].zero_len) = (z.y, z.sums_len());
         }
         debug_assert_eq!(n, r.n_stages);
         let d = DevBuf::new(stages.len() * std::mem::size_of::<RingStage>())?;
