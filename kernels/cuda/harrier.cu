@@ -2929,6 +2929,13 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         const RingStage st = sdesc[s & 1];
         unsigned long long* tr = trace ? trace + ((size_t)s * gridDim.x + blockIdx.x) * 3 : nullptr;
         if (tr && ct == 0) tr[0] = ring_now();
+        // A run of fixed items, or claimed units (claim > 0; then the slots' tags say which and
+        // where the block's share ends); none for ATTN and CVT stages. Worked out before the
+        // wait: its divisions off the path from the wait to the stage's first slot (session 20,
+        // docs/benchmarks.md).
+        int start = 0, count = 0;
+        const int claim = ring_unit(st.kind, st.N, st.K);
+        if (claim == 0 && st.kind != RING_ATTN && st.kind != RING_CVT) ring_share(ring_items(st), off, start, count);
         // Waits until every block has counted the stage before done, then zeroes this stage's
         // share of `zero` and fetches the next descriptor (every thread has read
         // sdesc[(s + 1) & 1] as stage s - 1's before the barrier; stage 0 has no wait, and
@@ -2979,11 +2986,6 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             continue;
         }
         wait();
-        // A run of fixed items, or claimed units (claim > 0; then the slots' tags say which and
-        // where the block's share ends).
-        int start = 0, count = 0;
-        const int claim = ring_unit(st.kind, st.N, st.K);
-        if (claim == 0) ring_share(ring_items(st), off, start, count);
         float ss = 0.0f;
         // A GEMVT stage stages only its own input rows, as f32 (below).
         for (int j = ct; j < st.K / 8 && st.kind != RING_GEMVT; j += nct) {
