@@ -95,7 +95,7 @@ pub struct EngineCoreArgs {
     /// persistent launch whose weights stream through a shared-memory ring (docs/cuda.md, "The
     /// decode ring"); it keeps transposed copies of the o and down projections (a quarter of
     /// the weights' bytes more). `auto`: for hidden sizes of at least 4,096, where it wins
-    /// (measured on an H200: the 8B 8% faster, the 3B 1% faster, the 1B 5% slower).
+    /// (measured on an H200: the 8B 9% faster, the 3B 3% faster, the 1B 3% slower).
     #[arg(long, value_enum, default_value_t = DecodeRing::Auto)]
     pub decode_ring: DecodeRing,
     /// Weight quantization at load. `fp8`: the layers' projections and the output head as

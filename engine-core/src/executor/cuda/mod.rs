@@ -385,8 +385,8 @@ unsafe impl Send for CudaExecutor {}
 
 /// `--decode-ring auto` takes the ring for hidden sizes of at least this: where it wins by more
 /// than its transposed copies' memory (a quarter more weight bytes, less KV cache) is worth
-/// (session 19 on an H200, batch 1, context 512: Llama 8B 4.383-4.392 vs 4.765 ms a step; the
-/// 3B, 3,072 wide, 2.301-2.309 vs 2.329, 1%; the 1B 0.996-0.999 vs 0.951; docs/benchmarks.md).
+/// (session 20 on an H200, batch 1, context 512: Llama 8B 4.347-4.350 vs 4.762 ms a step; the
+/// 3B, 3,072 wide, 2.259-2.264 vs 2.315-2.321, 2.6%; the 1B 0.977 vs 0.951; docs/benchmarks.md).
 pub const RING_AUTO_MIN_HIDDEN: usize = 4096;
 
 /// Facts reported at start-up.
