@@ -2556,6 +2556,13 @@ __device__ __forceinline__ void ring_add(float* y, size_t i, size_t len, float c
 // f32), the tile's scores / probabilities (KT G), and each head's running max, sum and
 // correction.
 #define RING_KT 32
+// The global timer (ns), for traces.
+__device__ __forceinline__ unsigned long long ring_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define RING_TRACE_WORDS 8
 __host__ __device__ constexpr int ring_attn_smem(int G, int hd) { return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G); }
 __device__ __forceinline__ void ring_cbar(int nct) { asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory"); }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -2566,8 +2573,14 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 // each), so the block first copies its first tile's K and V rows from the cache into shared
 // memory (cp.async; their slots need only the step's metadata) and only then waits: after the
 // wait, one round trip for q|k|v. G hd <= 2 nct, hd % 16 == 0, hd <= 256.
+// `tr` (a traced launch's stage entry, else null): with -DRING_ATTN_TRACE (measurement: a
+// build with the stamps always in took the untraced 1B 0.985 ms where session 21's other calls
+// had 0.965-0.976, on another machine; not settled, so they stay out) thread 0 stamps its
+// q|k|v loads and RoPE done (tr[3]), the first tile staged (tr[4]), its scores (tr[5]), its
+// P V (tr[6]) and its partial stored (tr[7]).
 template <typename Wait>
-__device__ void ring_attention(const RingStage& st, const RingStep& step, unsigned char* sm, int ct, int nct, Wait wait) {
+__device__ void ring_attention(const RingStage& st, const RingStep& step, unsigned char* sm, int ct, int nct, Wait wait,
+                               unsigned long long* tr) {
     const int G = st.nh / st.nkv, hd = st.hd, S = max(1, (int)gridDim.x / st.nkv);
     if ((int)blockIdx.x >= st.nkv * S) {
         wait();
@@ -2644,6 +2657,9 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             qs[g * hd + r + 8] = o2;
         }
     }
+#ifdef RING_ATTN_TRACE
+    if (tr && ct == 0) tr[3] = ring_now();
+#endif
     if (ct < G) {
         mls[ct] = NEG_INF;
         mls[G + ct] = 0.0f;
@@ -2657,6 +2673,9 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         }
         cp_async_wait_all();
         ring_cbar(nct);
+#ifdef RING_ATTN_TRACE
+        if (tr && ct == 0 && t0 == k0) tr[4] = ring_now();
+#endif
         // Scores: thread (key j, head g).
         for (int u = ct; u < RING_KT * G; u += nct) {
             const int j = u / G, g = u - j * G;
@@ -2679,6 +2698,9 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             sc[u] = v;
         }
         ring_cbar(nct);
+#ifdef RING_ATTN_TRACE
+        if (tr && ct == 0 && t0 == k0) tr[5] = ring_now();
+#endif
         // Online softmax, a warp a head: the probabilities (rounded, as the V operand) replace
         // the scores; the sum keeps them unrounded.
         for (int g = warp; g < G; g += nct / 32) {
@@ -2705,6 +2727,9 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             for (int j = 0; j < kt; j++) a += sc[j * G + g] * bf2f(vs[j * hd + d]);
             acc[i] = a;
         }
+#ifdef RING_ATTN_TRACE
+        if (tr && ct == 0 && t0 == k0) tr[6] = ring_now();
+#endif
     }
     // The partial of each head: its output sums and (max, sum).
     const int idx = (kh * S + sp) * G;
@@ -2718,6 +2743,9 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         ml[2 * (idx + ct)] = mls[ct];
         ml[2 * (idx + ct) + 1] = mls[G + ct];
     }
+#ifdef RING_ATTN_TRACE
+    if (tr && ct == 0) tr[7] = ring_now();
+#endif
 }
 // Input row r of a GEMVT stage: x[r] (f32), or with RING_X_PARTS the attention output at
 // r = head * hd + d merged from the ATTN stage's S split partials (flash-decoding's combine:
@@ -2747,16 +2775,12 @@ __device__ float ring_gemvt_input(const RingStage& st, int r) {
     }
     return L > 0.0f ? rbf(O / L) : 0.0f;
 }
-// `trace` (null for none): per stage and block, the global time consumer thread 0 starts
-// waiting for the stage's input, has it staged, and has counted the stage done. RING_NO_DEP
+// `trace` (null for none): per stage and block (RING_TRACE_WORDS u64 apart), the global time
+// consumer thread 0 starts waiting for the stage's input, has it staged, and has counted the
+// stage done; with RING_ATTN_TRACE attention stages stamp five more (ring_attention). RING_NO_DEP
 // (no waits for inputs), RING_NO_MATH (slots released unread), RING_NO_RED (MLP sums never
 // added), RING_MLP_NO_DOWN (down slots released unread) and RING_MLP_NO_BAR (no barrier
 // between a chunk's gate|up and down) are measurement variants with wrong outputs.
-__device__ __forceinline__ unsigned long long ring_now() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(const RingStage* stages, int n, unsigned int* done,
                                                                            int nslots, unsigned long long* trace,
                                                                            RingStep step) {
@@ -2927,7 +2951,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
     int off = 0;
     for (int s = 0; s < n; s++) {
         const RingStage st = sdesc[s & 1];
-        unsigned long long* tr = trace ? trace + ((size_t)s * gridDim.x + blockIdx.x) * 3 : nullptr;
+        unsigned long long* tr = trace ? trace + ((size_t)s * gridDim.x + blockIdx.x) * RING_TRACE_WORDS : nullptr;
         if (tr && ct == 0) tr[0] = ring_now();
         // A run of fixed items, or claimed units (claim > 0; then the slots' tags say which and
         // where the block's share ends); none for ATTN and CVT stages. Worked out before the
@@ -2985,7 +3009,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             ring_attention(st, step, (unsigned char*)xs, ct, nct, [&]() {
                 wait();
                 if (tr && ct == 0) tr[1] = ring_now();
-            });
+            }, tr);
             finish();  // (never the last stage)
             continue;
         }

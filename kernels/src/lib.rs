@@ -2048,6 +2048,10 @@ pub const RING_SLOT: usize = 32768;
 /// kernel traps past it).
 pub const RING_MAX_SLOTS: usize = 32;
 
+/// u64 a stage and block of a `gemv_ring` trace (`RING_TRACE_WORDS`): the wait's start, the
+/// input staged, the stage counted, then (attention stages) five points inside the stage.
+pub const RING_TRACE_WORDS: usize = 8;
+
 /// Keys of a `gemv_ring` attention tile (`RING_KT`).
 const RING_KT: usize = 32;
 
@@ -2117,7 +2121,7 @@ pub struct RingLaunch {
     /// -DRING_CW=B/2048` (a consumer warp reduces 2048 bytes of a slot, so the block has
     /// `slot_bytes / 2048` consumer warps and the producer's).
     pub slot_bytes: usize,
-    /// 0, or `3 n blocks` u64 for the per-stage times (see the source).
+    /// 0, or `RING_TRACE_WORDS n blocks` u64 for the per-stage times (see the source).
     pub trace: u64,
     /// 1, or 2: pairs of blocks in clusters add their split-K sums once (where
     /// [`Kernels::ring_pairs_fit`] says they all fit; `input_bytes` at least `4 hidden`).

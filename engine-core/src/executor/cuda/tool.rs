@@ -1886,7 +1886,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         }
         let d_stages = alloc(ring.len() * std::mem::size_of::<RingStage>())?;
         dr::memcpy_htod_sync(d_stages, &ring)?;
-        let trace_len = 3 * ring.len() * blocks as usize;
+        let trace_len = harrier_kernels::RING_TRACE_WORDS * ring.len() * blocks as usize;
         let trace = alloc(trace_len * 8)?;
         let mut launch = RingLaunch {
             stages: d_stages,
@@ -2072,8 +2072,9 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
 /// the median block's wait for the input and time from staged to counted, the spread of the
 /// blocks' ends, and the stage's length (last end to last end).
 fn print_ring_trace(t: &[u64], names: &[&str], layers: usize, blocks: usize) {
+    const W: usize = harrier_kernels::RING_TRACE_WORDS;
     let per = names.len();
-    let at = |s: usize, b: usize, i: usize| t[(s * blocks + b) * 3 + i] as f64 / 1e3;
+    let at = |s: usize, b: usize, i: usize| t[(s * blocks + b) * W + i] as f64 / 1e3;
     let median = |mut v: Vec<f64>| -> f64 {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -2104,8 +2105,43 @@ fn print_ring_trace(t: &[u64], names: &[&str], layers: usize, blocks: usize) {
             len / nl
         );
     }
+    // Inside the attention stage (the decode ring's): from the input's wait to thread 0's
+    // q|k|v loads and RoPE, the first tile staged, the scores, P V, the partial stored, and
+    // the stage counted; the median over the blocks that stamped them.
+    if let Some(j) = names.iter().position(|n| *n == "attention") {
+        let points = [1, 3, 4, 5, 6, 7, 2];
+        let mut d = vec![0.0; points.len() - 1];
+        let ls: Vec<usize> = (1..layers.max(2)).collect();
+        // (Blocks without a split stamp nothing after their wait.)
+        let stamped = |s: usize| -> Vec<usize> {
+            (0..blocks)
+                .filter(|&b| at(s, b, 7) >= at(s, b, 1) && at(s, b, 1) > 0.0)
+                .collect()
+        };
+        if ls.iter().all(|&l| !stamped(per * l + j).is_empty()) {
+            for &l in &ls {
+                let s = per * l + j;
+                let bs = stamped(s);
+                for (k, w) in points.windows(2).enumerate() {
+                    d[k] += median(
+                        bs.iter()
+                            .map(|&b| at(s, b, w[1]) - at(s, b, w[0]))
+                            .collect(),
+                    );
+                }
+            }
+            let d: Vec<String> = d
+                .iter()
+                .map(|v| format!("{:.2}", v / ls.len() as f64))
+                .collect();
+            println!(
+                "attention, us after the wait: q|k|v and RoPE {}, tile staged {}, scores {}, P V {}, partial stored {}, counted {}",
+                d[0], d[1], d[2], d[3], d[4], d[5]
+            );
+        }
+    }
     // Stages past the layers' (the decode ring's output head).
-    let stages = t.len() / (3 * blocks);
+    let stages = t.len() / (W * blocks);
     for s in per * layers..stages {
         let w = median((0..blocks).map(|b| at(s, b, 1) - at(s, b, 0)).collect());
         let c = median((0..blocks).map(|b| at(s, b, 2) - at(s, b, 1)).collect());

@@ -17,7 +17,7 @@ use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
     ring_attn_part_floats, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_mlp_supports,
     Dtype, Kernels, RingInput, RingKind, RingLaunch, RingStage, RingStep, RING_MAX_SLOTS,
-    RING_SLOT,
+    RING_SLOT, RING_TRACE_WORDS,
 };
 
 use super::{DevBuf, GpuModel, StepMeta};
@@ -48,7 +48,8 @@ pub(super) struct RingDecode {
     /// Steps take the ring (the executor's switch; off: the launches, to compare).
     pub on: bool,
     /// Measurement only (`HARRIER_RING_TRACE=1`): every launch writes its per-stage times
-    /// here (3 u64 a stage and block, see the source), read by [`GpuModel::ring_trace`].
+    /// here ([`RING_TRACE_WORDS`] u64 a stage and block, see the source), read by
+    /// [`GpuModel::ring_trace`].
     trace: Option<DevBuf>,
 }
 
@@ -253,7 +254,13 @@ impl GpuModel {
             cluster: 1,
             // (Off unless set: every traced launch writes its times.)
             trace: match std::env::var("HARRIER_RING_TRACE").is_ok_and(|v| v == "1") {
-                true => Some(DevBuf::new(3 * n_stages * sms * 8)?),
+                true => {
+                    let t = DevBuf::new(RING_TRACE_WORDS * n_stages * sms * 8)?;
+                    // SAFETY: the buffer holds that many bytes. (Zero: blocks that stamp
+                    // nothing in a stage read as such.)
+                    unsafe { dr::memset_d8_sync(t.ptr, 0, t.bytes) }.context("zeroing")?;
+                    Some(t)
+                }
                 false => None,
             },
         });
