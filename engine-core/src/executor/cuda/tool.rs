@@ -2105,40 +2105,15 @@ fn print_ring_trace(t: &[u64], names: &[&str], layers: usize, blocks: usize) {
             len / nl
         );
     }
-    // Inside the attention stage (the decode ring's): from the input's wait to thread 0's
-    // q|k|v loads and RoPE, the first tile staged, the scores, P V, the partial stored, and
-    // the stage counted; the median over the blocks that stamped them.
-    if let Some(j) = names.iter().position(|n| *n == "attention") {
-        let points = [1, 3, 4, 5, 6, 7, 2];
-        let mut d = vec![0.0; points.len() - 1];
-        let ls: Vec<usize> = (1..layers.max(2)).collect();
-        // (Blocks without a split stamp nothing after their wait.)
-        let stamped = |s: usize| -> Vec<usize> {
-            (0..blocks)
-                .filter(|&b| at(s, b, 7) >= at(s, b, 1) && at(s, b, 1) > 0.0)
-                .collect()
-        };
-        if ls.iter().all(|&l| !stamped(per * l + j).is_empty()) {
-            for &l in &ls {
-                let s = per * l + j;
-                let bs = stamped(s);
-                for (k, w) in points.windows(2).enumerate() {
-                    d[k] += median(
-                        bs.iter()
-                            .map(|&b| at(s, b, w[1]) - at(s, b, w[0]))
-                            .collect(),
-                    );
-                }
-            }
-            let d: Vec<String> = d
-                .iter()
-                .map(|v| format!("{:.2}", v / ls.len() as f64))
-                .collect();
-            println!(
-                "attention, us after the wait: q|k|v and RoPE {}, tile staged {}, scores {}, P V {}, partial stored {}, counted {}",
-                d[0], d[1], d[2], d[3], d[4], d[5]
-            );
-        }
+    if let Some(d) = names
+        .iter()
+        .position(|n| *n == "attention")
+        .and_then(|j| attention_split(t, per, j, layers, blocks))
+    {
+        println!(
+            "attention, us after the wait: q|k|v and RoPE {:.2}, tile staged {:.2}, scores {:.2}, P V {:.2}, partial stored {:.2}, counted {:.2}",
+            d[0], d[1], d[2], d[3], d[4], d[5]
+        );
     }
     // Stages past the layers' (the decode ring's output head).
     let stages = t.len() / (W * blocks);
@@ -2149,6 +2124,48 @@ fn print_ring_trace(t: &[u64], names: &[&str], layers: usize, blocks: usize) {
         println!("| stage {s} | {w:.2} | {c:.2} | | {len:.2} |");
     }
     println!("traced launch: {:.1} us", last_end(stages - 1) - start);
+}
+
+/// Inside stage `j` of every layer (`per` stages a layer) of a `-DRING_ATTN_TRACE` trace, the
+/// decode ring's attention: the median split's times (us) from its input's wait to thread 0's
+/// q|k|v loads and RoPE, the first tile staged, the scores, P V, the partial stored, and the
+/// stage counted, averaged over the layers after the first (the first alone when there is
+/// one); `None` unless every such layer has a block that stamped them (blocks without a split
+/// stamp nothing after their wait).
+fn attention_split(
+    t: &[u64],
+    per: usize,
+    j: usize,
+    layers: usize,
+    blocks: usize,
+) -> Option<[f64; 6]> {
+    const W: usize = harrier_kernels::RING_TRACE_WORDS;
+    let at = |s: usize, b: usize, i: usize| t[(s * blocks + b) * W + i] as f64 / 1e3;
+    let ls: Vec<usize> = if layers > 1 {
+        (1..layers).collect()
+    } else {
+        vec![0]
+    };
+    let points = [1, 3, 4, 5, 6, 7, 2];
+    let mut d = [0.0; 6];
+    for &l in &ls {
+        let s = per * l + j;
+        let stamped: Vec<usize> = (0..blocks)
+            .filter(|&b| at(s, b, 1) > 0.0 && at(s, b, 7) >= at(s, b, 1))
+            .collect();
+        if stamped.is_empty() {
+            return None;
+        }
+        for (k, w) in points.windows(2).enumerate() {
+            let mut v: Vec<f64> = stamped
+                .iter()
+                .map(|&b| at(s, b, w[1]) - at(s, b, w[0]))
+                .collect();
+            v.sort_by(f64::total_cmp);
+            d[k] += v[v.len() / 2];
+        }
+    }
+    Some(d.map(|v| v / ls.len() as f64))
 }
 
 /// `|x - y| / |x|` over whole vectors (infinite when NaN appears).
@@ -2725,7 +2742,36 @@ fn check_fp8_gemm(
 
 #[cfg(test)]
 mod tests {
-    use super::parse_args;
+    use super::{attention_split, parse_args};
+
+    #[test]
+    fn the_attention_split_takes_the_median_stamped_block_of_later_layers() {
+        const W: usize = harrier_kernels::RING_TRACE_WORDS;
+        // Two layers of one stage each, three blocks; block 2 has no split (stamps only its
+        // wait). Times in ns: wait start, staged, counted, then points 3-7.
+        let (per, layers, blocks) = (1, 2, 3);
+        let mut t = vec![0u64; per * layers * blocks * W];
+        let put = |t: &mut [u64], s: usize, b: usize, v: [u64; W]| {
+            t[(s * blocks + b) * W..(s * blocks + b + 1) * W].copy_from_slice(&v)
+        };
+        // Layer 0 (left out of the average): anything.
+        put(&mut t, 0, 0, [1, 2, 99, 3, 4, 5, 6, 7]);
+        // Layer 1: block 0 and block 1 differ; the median of two is the larger.
+        put(&mut t, 1, 0, [0, 1000, 9000, 2000, 2000, 3000, 4000, 8000]);
+        put(
+            &mut t,
+            1,
+            1,
+            [0, 1000, 11000, 3000, 3000, 5000, 6000, 10000],
+        );
+        put(&mut t, 1, 2, [0, 1000, 1500, 0, 0, 0, 0, 0]);
+        let d = attention_split(&t, per, 0, layers, blocks).unwrap();
+        assert_eq!(d, [2.0, 0.0, 2.0, 1.0, 4.0, 1.0]);
+        // No block stamped: nothing to say.
+        put(&mut t, 1, 0, [0, 1000, 9000, 0, 0, 0, 0, 0]);
+        put(&mut t, 1, 1, [0, 1000, 9000, 0, 0, 0, 0, 0]);
+        assert!(attention_split(&t, per, 0, layers, blocks).is_none());
+    }
 
     #[test]
     fn flags_do_not_take_the_next_key() {
