@@ -2550,19 +2550,20 @@ __device__ __forceinline__ void ring_add(float* y, size_t i, size_t len, float c
     atomicAdd(y + i, hi);
     atomicAdd(y + len + i, lo);
 }
-// Keys of an attention tile (RING_ATTN), and the shared memory an ATTN stage takes beside the
-// ring (in the input's place; the host sizes that region for both): the tile's K and V rows
-// (bf16, KT hd each), the new key and value (bf16, hd each), q of the block's heads (G hd
-// f32), the tile's scores / probabilities (KT G), and each head's running max, sum and
-// correction.
-#define RING_KT 32
 // The global timer (ns), for traces.
 __device__ __forceinline__ unsigned long long ring_now() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+// u64 a stage and block of a trace (`trace`, below).
 #define RING_TRACE_WORDS 8
+// Keys of an attention tile (RING_ATTN), and the shared memory an ATTN stage takes beside the
+// ring (in the input's place; the host sizes that region for both): the tile's K and V rows
+// (bf16, KT hd each), the new key and value (bf16, hd each), q of the block's heads (G hd
+// f32), the tile's scores / probabilities (KT G), and each head's running max, sum and
+// correction.
+#define RING_KT 32
 __host__ __device__ constexpr int ring_attn_smem(int G, int hd) { return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G); }
 __device__ __forceinline__ void ring_cbar(int nct) { asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory"); }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {

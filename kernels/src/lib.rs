@@ -2533,6 +2533,7 @@ mod tests {
             (0, 1, 2)
         );
         assert!(SOURCE.contains(&format!("#define RING_KT {RING_KT}\n")));
+        assert!(SOURCE.contains(&format!("#define RING_TRACE_WORDS {RING_TRACE_WORDS}\n")));
         assert!(SOURCE.contains("return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G);"));
         assert!(SOURCE.contains(&format!("#define RING_SLOT {RING_SLOT}\n")));
         assert!(SOURCE.contains(&format!("#define RING_MAX_SLOTS {RING_MAX_SLOTS}\n")));
