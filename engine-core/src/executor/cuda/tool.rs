@@ -2074,11 +2074,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
 fn print_ring_trace(t: &[u64], names: &[&str], layers: usize, blocks: usize) {
     const W: usize = harrier_kernels::RING_TRACE_WORDS;
     let per = names.len();
-    let at = |s: usize, b: usize, i: usize| t[(s * blocks + b) * W + i] as f64 / 1e3;
-    let median = |mut v: Vec<f64>| -> f64 {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
+    let at = |s: usize, b: usize, i: usize| trace_us(t, blocks, s, b, i);
     let last_end = |s: usize| (0..blocks).map(|b| at(s, b, 2)).fold(f64::MIN, f64::max);
     let start = (0..blocks).map(|b| at(0, b, 0)).fold(f64::MAX, f64::min);
     println!("| stage | wait us | staged to done us | end spread us | stage us |");
@@ -2139,8 +2135,7 @@ fn attention_split(
     layers: usize,
     blocks: usize,
 ) -> Option<[f64; 6]> {
-    const W: usize = harrier_kernels::RING_TRACE_WORDS;
-    let at = |s: usize, b: usize, i: usize| t[(s * blocks + b) * W + i] as f64 / 1e3;
+    let at = |s: usize, b: usize, i: usize| trace_us(t, blocks, s, b, i);
     let ls: Vec<usize> = if layers > 1 {
         (1..layers).collect()
     } else {
@@ -2157,15 +2152,26 @@ fn attention_split(
             return None;
         }
         for (k, w) in points.windows(2).enumerate() {
-            let mut v: Vec<f64> = stamped
-                .iter()
-                .map(|&b| at(s, b, w[1]) - at(s, b, w[0]))
-                .collect();
-            v.sort_by(f64::total_cmp);
-            d[k] += v[v.len() / 2];
+            d[k] += median(
+                stamped
+                    .iter()
+                    .map(|&b| at(s, b, w[1]) - at(s, b, w[0]))
+                    .collect(),
+            );
         }
     }
     Some(d.map(|v| v / ls.len() as f64))
+}
+
+/// Word `i` of stage `s`, block `b` of a `gemv_ring` trace over `blocks` blocks, in us.
+fn trace_us(t: &[u64], blocks: usize, s: usize, b: usize, i: usize) -> f64 {
+    t[(s * blocks + b) * harrier_kernels::RING_TRACE_WORDS + i] as f64 / 1e3
+}
+
+/// The middle value (the upper one of an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// `|x - y| / |x|` over whole vectors (infinite when NaN appears).
