@@ -2518,6 +2518,8 @@ __device__ __forceinline__ void ring_share(int items, int& off, int& start, int&
     start = v * base + min(v, rem);
     off = (off + rem) % g;
 }
+// Where block b's even share of len elements starts (block b + 1's start ends it).
+__device__ __forceinline__ int ring_block_part(int len, unsigned int b) { return (int)((long long)len * b / gridDim.x); }
 // The items (slots, or chunks) a stage of `kind`, N and K streams: none for ATTN and CVT.
 __device__ __forceinline__ int ring_items(int kind, int N, int K) {
     if (kind == RING_ATTN || kind == RING_CVT) return 0;
@@ -2963,10 +2965,9 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         if (claim == 0 && st.kind != RING_ATTN && st.kind != RING_CVT) ring_share(ring_items(st), off, start, count);
         // This block's share of the zeroing, and of a CVT stage's sums: 64-bit divisions, also
         // worked out before the wait (1B 0.976 -> 0.971 ms, 3B 2.265 -> 2.242; session 21).
-        const int za = (int)((long long)st.zero_len * blockIdx.x / gridDim.x);
-        const int zb = (int)((long long)st.zero_len * (blockIdx.x + 1) / gridDim.x);
-        const int ca = st.kind == RING_CVT ? (int)((long long)st.N * blockIdx.x / gridDim.x) : 0;
-        const int cb = st.kind == RING_CVT ? (int)((long long)st.N * (blockIdx.x + 1) / gridDim.x) : 0;
+        const int za = ring_block_part(st.zero_len, blockIdx.x), zb = ring_block_part(st.zero_len, blockIdx.x + 1);
+        const int ca = st.kind == RING_CVT ? ring_block_part(st.N, blockIdx.x) : 0;
+        const int cb = st.kind == RING_CVT ? ring_block_part(st.N, blockIdx.x + 1) : 0;
         // Waits until every block has counted the stage before done, then zeroes this stage's
         // share of `zero` and fetches the next descriptor (every thread has read
         // sdesc[(s + 1) & 1] as stage s - 1's before the barrier; stage 0 has no wait, and
