@@ -2081,9 +2081,7 @@ fn print_ring_trace(t: &[u64], names: &[&str], layers: usize, blocks: usize) {
     println!("|---|---|---|---|---|");
     for (j, name) in names.iter().enumerate() {
         let (mut w, mut c, mut sp, mut len) = (0.0, 0.0, 0.0, 0.0);
-        // Layers after the first (the first alone when there is one).
-        let ls: Vec<usize> = (1..layers).collect();
-        let ls = if ls.is_empty() { vec![0] } else { ls };
+        let ls = traced_layers(layers);
         for &l in &ls {
             let s = per * l + j;
             w += median((0..blocks).map(|b| at(s, b, 1) - at(s, b, 0)).collect());
@@ -2136,11 +2134,7 @@ fn attention_split(
     blocks: usize,
 ) -> Option<[f64; 6]> {
     let at = |s: usize, b: usize, i: usize| trace_us(t, blocks, s, b, i);
-    let ls: Vec<usize> = if layers > 1 {
-        (1..layers).collect()
-    } else {
-        vec![0]
-    };
+    let ls = traced_layers(layers);
     let points = [1, 3, 4, 5, 6, 7, 2];
     let mut d = [0.0; 6];
     for &l in &ls {
@@ -2161,6 +2155,16 @@ fn attention_split(
         }
     }
     Some(d.map(|v| v / ls.len() as f64))
+}
+
+/// The layers a trace's averages take: those after the first (the first alone when there is
+/// one).
+fn traced_layers(layers: usize) -> Vec<usize> {
+    if layers > 1 {
+        (1..layers).collect()
+    } else {
+        vec![0]
+    }
 }
 
 /// Word `i` of stage `s`, block `b` of a `gemv_ring` trace over `blocks` blocks, in us.
