@@ -2565,7 +2565,8 @@ __device__ __forceinline__ unsigned long long ring_now() {
 // (bf16, KT hd each), the new key and value (bf16, hd each), q of the block's heads (G hd
 // f32), the tile's scores / probabilities (KT G), and each head's running max, sum and
 // correction.
-#define RING_KT 32
+#define RING_KT 48  // (48: a split of 16 takes 768 keys in one tile; 32 made 513-576, the benchmarks' contexts, two)
+static_assert(RING_KT <= 64 && RING_KT % 16 == 0, "the softmax takes two keys a lane");
 __host__ __device__ constexpr int ring_attn_smem(int G, int hd) { return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G); }
 __device__ __forceinline__ void ring_cbar(int nct) { asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory"); }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -2706,12 +2707,16 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
 #endif
         // Online softmax, a warp a head: the probabilities (rounded, as the V operand) replace
         // the scores; the sum keeps them unrounded.
+        // (Keys lane and lane + 32 of the tile: RING_KT <= 64.)
         for (int g = warp; g < G; g += nct / 32) {
             const float s0 = lane < kt ? sc[lane * G + g] : NEG_INF;
-            const float mo = mls[g], mn = fmaxf(mo, warp_max(s0));
+            const float s1 = lane + 32 < kt ? sc[(lane + 32) * G + g] : NEG_INF;
+            const float mo = mls[g], mn = fmaxf(mo, warp_max(fmaxf(s0, s1)));
             const float pk = lane < kt ? __expf(s0 - mn) : 0.0f;
+            const float p1 = lane + 32 < kt ? __expf(s1 - mn) : 0.0f;
             sc[lane * G + g] = rbf(pk);
-            const float sum = warp_sum(pk);
+            if (lane + 32 < RING_KT) sc[(lane + 32) * G + g] = rbf(p1);
+            const float sum = warp_sum(pk + p1);
             if (lane == 0) {
                 const float corr = __expf(mo - mn);
                 mls[g] = mn;

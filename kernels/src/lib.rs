@@ -2053,7 +2053,7 @@ pub const RING_MAX_SLOTS: usize = 32;
 pub const RING_TRACE_WORDS: usize = 8;
 
 /// Keys of a `gemv_ring` attention tile (`RING_KT`).
-const RING_KT: usize = 32;
+const RING_KT: usize = 48;
 
 /// Shared-memory bytes an attention stage takes for `g` query heads a KV head of `hd` dims
 /// (the source's `ring_attn_smem`).

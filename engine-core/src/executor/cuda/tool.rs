@@ -38,7 +38,7 @@
 //!   fused) against the unfused one (cuBLAS / gemv_bf16 and separate kernels) on the same prompts, graphs on:
 //!   logits of the first decode step (same inputs) and greedy agreement after it; at batch 1,
 //!   where the model has it, the decode ring against both and against a second run of itself
-//!   (which must give the same bits). `--prompt-len N` (40): past 512 the ring's attention
+//!   (which must give the same bits). `--prompt-len N` (40): past 768 the ring's attention
 //!   splits take more than one tile.
 //! - `check-fp8 --model DIR [--rows 1,2,4,8,16,32,64] [--batches 1,8] [--steps 32]`: FP8
 //!   weights: `dequant_fp8_rows` bit for bit against the host, the FP8 skinny GEMM against
@@ -2372,7 +2372,7 @@ fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .transpose()?
         .unwrap_or(harrier_engine::config::FUSED_TRIAL_ROWS);
     let maxb = *batches.iter().max().unwrap_or(&1);
-    // (`--prompt-len` past 512: the decode ring's attention splits take more than one tile.)
+    // (`--prompt-len` past 768: the decode ring's attention splits take more than one tile.)
     let prompt_len: u32 = a
         .get("prompt-len")
         .map(|v| v.parse())
