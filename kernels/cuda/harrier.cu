@@ -2067,6 +2067,13 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, const void
                  : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// A thread's cp.async copies since its last commit as one group; wait until at most N of its
+// groups are still in flight (the older ones have landed).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
 
 template <int NT, int R, bool F8, int W = SK_WARPS>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
@@ -2605,11 +2612,12 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
     const int* bt = step.block_tables + (size_t)step.tok_row[0] * step.bt_stride;
     const int bs = step.block_size, cpr = hd / 8;  // 16-byte chunks a row
     const size_t kv_stride = (size_t)st.nkv * hd;
-    // Tile [t0, t0 + kt)'s K and V rows into shared memory: the cached ones, and the new
-    // token's from knew / vnew (the first tile, loaded before those exist, gets it later).
-    auto load_tile = [&](int t0, int kt) {
-        for (int u = ct; u < kt * cpr * 2; u += nct) {
-            const int v = u >= kt * cpr, j = (u - v * kt * cpr) / cpr, c = u - v * kt * cpr - j * cpr, p = t0 + j;
+    // Tile [t0, t0 + kt)'s K (v = 0) or V (v = 1) rows into shared memory as one cp.async
+    // group: the cached ones, and the new token's from knew / vnew (the first tile, loaded
+    // before those exist, gets it later).
+    auto load_rows = [&](int v, int t0, int kt) {
+        for (int u = ct; u < kt * cpr; u += nct) {
+            const int j = u / cpr, c = u - j * cpr, p = t0 + j;
             if (p == pos) {
                 if (t0 > k0) *(uint4*)((v ? vs : ks) + j * hd + c * 8) = *(const uint4*)((v ? vnew : knew) + c * 8);
                 continue;
@@ -2617,8 +2625,10 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             const size_t at = (size_t)(bt[p / bs] * bs + p % bs) * kv_stride + (size_t)kh * hd + c * 8;
             cp_async16((v ? vs : ks) + j * hd + c * 8, (v ? st.v_cache : st.k_cache) + at);
         }
+        cp_async_commit();
     };
-    load_tile(k0, min(RING_KT, k1 - k0));
+    load_rows(0, k0, min(RING_KT, k1 - k0));
+    load_rows(1, k0, min(RING_KT, k1 - k0));
     wait();
     // q of the block's heads, rotated (the paired order: a pair sits 8 rows apart), rounded as
     // the skinny RoPE epilogue (the product to bf16, then rope_pair); the new key (into its
@@ -2669,13 +2679,13 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         mls[G + ct] = 0.0f;
     }
     float acc[2] = {0.0f, 0.0f};
+    // Past the first tile (contexts over RING_KT keys a split), the copies overlap the
+    // arithmetic: tile t + 1's K rows load while tile t's softmax and P V run, its V rows
+    // while its own scores and softmax do (the groups land in order: K t, V t, K t + 1, ...).
     for (int t0 = k0; t0 < k1; t0 += RING_KT) {
         const int kt = min(RING_KT, k1 - t0);
-        if (t0 > k0) {
-            ring_cbar(nct);  // (the last tile's reads done)
-            load_tile(t0, kt);
-        }
-        cp_async_wait_all();
+        const bool more = t0 + RING_KT < k1;
+        cp_async_wait_group<1>();  // (K of this tile; its V may still be in flight)
         ring_cbar(nct);
 #ifdef RING_ATTN_TRACE
         if (tr && ct == 0 && t0 == k0) tr[4] = ring_now();
@@ -2701,7 +2711,8 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             }
             sc[u] = v;
         }
-        ring_cbar(nct);
+        ring_cbar(nct);  // (the scores' K reads done)
+        if (more) load_rows(0, t0 + RING_KT, min(RING_KT, k1 - t0 - RING_KT));
 #ifdef RING_ATTN_TRACE
         if (tr && ct == 0 && t0 == k0) tr[5] = ring_now();
 #endif
@@ -2724,6 +2735,8 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
                 mls[2 * G + g] = corr;
             }
         }
+        if (more) cp_async_wait_group<1>();  // (V of this tile; the next K may be in flight)
+        else cp_async_wait_group<0>();
         ring_cbar(nct);
         // P V: thread (head g, dim d), up to two.
 #pragma unroll
@@ -2738,6 +2751,10 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
 #ifdef RING_ATTN_TRACE
         if (tr && ct == 0 && t0 == k0) tr[6] = ring_now();
 #endif
+        if (more) {
+            ring_cbar(nct);  // (the P V reads of V and the probabilities done)
+            load_rows(1, t0 + RING_KT, min(RING_KT, k1 - t0 - RING_KT));
+        }
     }
     // The partial of each head: its output sums and (max, sum).
     const int idx = (kh * S + sp) * G;
@@ -2755,33 +2772,48 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
     if (tr && ct == 0) tr[7] = ring_now();
 #endif
 }
-// Input row r of a GEMVT stage: x[r] (f32), or with RING_X_PARTS the attention output at
-// r = head * hd + d merged from the ATTN stage's S split partials (flash-decoding's combine:
-// each split's sum weighted by exp(m - M), over the weighted sums of its (max, sum)), rounded
-// to bf16. Eight splits' loads at a time: none waits on another.
-__device__ float ring_gemvt_input(const RingStage& st, int r) {
-    if (st.x_form != RING_X_PARTS) return ring_sum(st.x, r, st.x_len);
-    const int hd = st.hd, nh = st.nh, G = nh / st.nkv, S = max(1, (int)gridDim.x / st.nkv);
-    const int h = r / hd, d = r - h * hd, base = (h / G) * S * G + h % G;
-    const float* ml = st.x + (size_t)S * nh * hd;
-    float M = NEG_INF, L = 0.0f, O = 0.0f;
-    for (int q0 = 0; q0 < S; q0 += 8) {
-        float m[8], l[8], o[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const int idx = base + min(q0 + j, S - 1) * G;
-            m[j] = __ldcg(ml + 2 * idx), l[j] = __ldcg(ml + 2 * idx + 1), o[j] = __ldcg(st.x + (size_t)idx * hd + d);
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            if (q0 + j >= S || m[j] == NEG_INF) continue;  // (past the splits, or an empty one)
-            const float mn = fmaxf(M, m[j]), a = __expf(M - mn), b = __expf(m[j] - mn);
-            L = L * a + l[j] * b;
-            O = O * a + o[j] * b;
-            M = mn;
-        }
+// Merges a split's (max m, sum l, output o) into a running (M, L, O) (flash-decoding's
+// combine); an empty split (m = -inf) changes nothing.
+__device__ __forceinline__ void ring_merge(float& M, float& L, float& O, float m, float l, float o) {
+    if (m == NEG_INF) return;
+    const float mn = fmaxf(M, m), a = __expf(M - mn), b = __expf(m - mn);
+    L = L * a + l * b;
+    O = O * a + o * b;
+    M = mn;
+}
+// The block's `rows` input rows r0.. of a GEMVT stage into xr (f32): x[r], or with
+// RING_X_PARTS the attention output at r = head * hd + d merged from the ATTN stage's S split
+// partials, rounded to bf16. A merged row takes P lanes (S rounded up to a power of two, at
+// most 32), lane l loading splits l, l + P, ..: every split's loads in one round trip, then
+// log2 P shuffle steps (loading eight splits a thread at a time took two dependent round trips
+// at S = 16). Warp-uniform loop: every lane of a warp reaches the shuffles.
+__device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows, int ct, int nct) {
+    if (st.x_form != RING_X_PARTS) {
+        for (int r = ct; r < rows; r += nct) xr[r] = ring_sum(st.x, r0 + r, st.x_len);
+        return;
     }
-    return L > 0.0f ? rbf(O / L) : 0.0f;
+    const int hd = st.hd, nh = st.nh, G = nh / st.nkv, S = max(1, (int)gridDim.x / st.nkv);
+    int P = 1;
+    while (P < S && P < 32) P <<= 1;
+    const int lane = ct & 31, l = lane & (P - 1);
+    const float* ml = st.x + (size_t)S * nh * hd;
+    for (int u0 = ct - lane; u0 < rows * P; u0 += nct) {
+        const int i = (u0 + lane) / P;
+        float M = NEG_INF, L = 0.0f, O = 0.0f;
+        if (i < rows) {
+            const int r = r0 + i, h = r / hd, d = r - h * hd, base = (h / G) * S * G + h % G;
+            for (int sp = l; sp < S; sp += P) {
+                const int idx = base + sp * G;
+                ring_merge(M, L, O, __ldcg(ml + 2 * idx), __ldcg(ml + 2 * idx + 1), __ldcg(st.x + (size_t)idx * hd + d));
+            }
+        }
+        for (int o = P >> 1; o > 0; o >>= 1) {
+            const float m = __shfl_xor_sync(0xffffffffu, M, o), s = __shfl_xor_sync(0xffffffffu, L, o),
+                        v = __shfl_xor_sync(0xffffffffu, O, o);
+            ring_merge(M, L, O, m, s, v);
+        }
+        if (i < rows && l == 0) xr[i] = L > 0.0f ? rbf(O / L) : 0.0f;
+    }
 }
 // `trace` (null for none): per stage and block (RING_TRACE_WORDS u64 apart), the global time
 // consumer thread 0 starts waiting for the stage's input, has it staged, and has counted the
@@ -3077,7 +3109,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         float* xr = (float*)xs;  // GEMVT: the block's input rows, f32
         if (st.kind == RING_GEMVT) {
             const int cr = ring_chunk_rows(st.N), r0 = start * cr;
-            for (int r = ct; r < count * cr; r += nct) xr[r] = ring_gemvt_input(st, r0 + r);
+            ring_gemvt_rows(st, xr, r0, count * cr, ct, nct);
         }
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
         if (tr && ct == 0) tr[1] = ring_now();
