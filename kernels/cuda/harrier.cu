@@ -2569,12 +2569,14 @@ __device__ __forceinline__ unsigned long long ring_now() {
 #define RING_TRACE_WORDS 8
 // Keys of an attention tile (RING_ATTN), and the shared memory an ATTN stage takes beside the
 // ring (in the input's place; the host sizes that region for both): the tile's K and V rows
-// (bf16, KT hd each), the new key and value (bf16, hd each), q of the block's heads (G hd
-// f32), the tile's scores / probabilities (KT G), and each head's running max, sum and
-// correction.
+// (bf16, KT hd each; a K row padded by 8 so that the scores' lanes, a key each, read
+// different banks), the new key and value (bf16, hd each), q of the block's heads (G hd f32),
+// the tile's scores / probabilities (KT G), and each head's running max, sum and correction.
 #define RING_KT 48  // (48: a split of 16 takes 768 keys in one tile; 32 made 513-576, the benchmarks' contexts, two)
 static_assert(RING_KT <= 64 && RING_KT % 16 == 0, "the softmax takes two keys a lane");
-__host__ __device__ constexpr int ring_attn_smem(int G, int hd) { return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G); }
+__host__ __device__ constexpr int ring_attn_smem(int G, int hd) {
+    return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G) + 16 * RING_KT;
+}
 __device__ __forceinline__ void ring_cbar(int nct) { asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory"); }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
@@ -2598,8 +2600,9 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         return;
     }
     const int kh = blockIdx.x / S, sp = blockIdx.x % S, warp = ct >> 5, lane = ct & 31;
-    bf16* ks = (bf16*)sm;                    // [KT][hd]
-    bf16* vs = ks + RING_KT * hd;            // [KT][hd]
+    const int ldk = hd + 8;                  // (a K row's stride: 16 bytes of padding)
+    bf16* ks = (bf16*)sm;                    // [KT][ldk]
+    bf16* vs = ks + RING_KT * ldk;           // [KT][hd]
     bf16* knew = vs + RING_KT * hd;          // [hd], then the value [hd]
     bf16* vnew = knew + hd;
     float* qs = (float*)(vnew + hd);         // [G][hd]
@@ -2619,11 +2622,11 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         for (int u = ct; u < kt * cpr; u += nct) {
             const int j = u / cpr, c = u - j * cpr, p = t0 + j;
             if (p == pos) {
-                if (t0 > k0) *(uint4*)((v ? vs : ks) + j * hd + c * 8) = *(const uint4*)((v ? vnew : knew) + c * 8);
+                if (t0 > k0) *(uint4*)((v ? vs + j * hd : ks + j * ldk) + c * 8) = *(const uint4*)((v ? vnew : knew) + c * 8);
                 continue;
             }
             const size_t at = (size_t)(bt[p / bs] * bs + p % bs) * kv_stride + (size_t)kh * hd + c * 8;
-            cp_async16((v ? vs : ks) + j * hd + c * 8, (v ? st.v_cache : st.k_cache) + at);
+            cp_async16((v ? vs + j * hd : ks + j * ldk) + c * 8, (v ? st.v_cache : st.k_cache) + at);
         }
         cp_async_commit();
     };
@@ -2661,8 +2664,8 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             knew[r] = b1;
             knew[r + 8] = b2;
             if (jn < RING_KT) {
-                ks[jn * hd + r] = b1;
-                ks[jn * hd + r + 8] = b2;
+                ks[jn * ldk + r] = b1;
+                ks[jn * ldk + r + 8] = b2;
             }
             st.k_cache[slot * kv_stride + (size_t)kh * hd + r] = b1;
             st.k_cache[slot * kv_stride + (size_t)kh * hd + r + 8] = b2;
@@ -2690,26 +2693,31 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
 #ifdef RING_ATTN_TRACE
         if (tr && ct == 0 && t0 == k0) tr[4] = ring_now();
 #endif
-        // Scores: thread (key j, head g).
+        // Scores: thread (head g, key j), consecutive lanes consecutive keys: a warp's q
+        // reads are one address (a broadcast), its K rows' 16-byte reads fall in different
+        // banks (the padded stride). (Lanes a key, heads inner, made q's reads a 4-way bank
+        // conflict and K's 2-way.)
         for (int u = ct; u < RING_KT * G; u += nct) {
-            const int j = u / G, g = u - j * G;
+            const int g = u / RING_KT, j = u - g * RING_KT;
             float v = NEG_INF;
             if (j < kt) {
-                const uint4* kr = (const uint4*)(ks + j * hd);
-                const float* qr = qs + g * hd;
+                const uint4* kr = (const uint4*)(ks + j * ldk);
+                const float4* qr = (const float4*)(qs + g * hd);
                 float dot = 0.0f;
                 for (int c = 0; c < cpr; c++) {
                     const uint4 kv = kr[c];
+                    const float4 qa = qr[2 * c], qb = qr[2 * c + 1];
+                    const float q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
                     const u32 w[4] = {kv.x, kv.y, kv.z, kv.w};
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        dot += qr[8 * c + 2 * e] * __uint_as_float(w[e] << 16);
-                        dot += qr[8 * c + 2 * e + 1] * __uint_as_float(w[e] & 0xffff0000u);
+                        dot += q[2 * e] * __uint_as_float(w[e] << 16);
+                        dot += q[2 * e + 1] * __uint_as_float(w[e] & 0xffff0000u);
                     }
                 }
                 v = dot * st.scale;
             }
-            sc[u] = v;
+            sc[j * G + g] = v;
         }
         ring_cbar(nct);  // (the scores' K reads done)
         if (more) load_rows(0, t0 + RING_KT, min(RING_KT, k1 - t0 - RING_KT));

@@ -2058,7 +2058,7 @@ const RING_KT: usize = 48;
 /// Shared-memory bytes an attention stage takes for `g` query heads a KV head of `hd` dims
 /// (the source's `ring_attn_smem`).
 pub fn ring_attn_smem(g: usize, hd: usize) -> usize {
-    4 * (RING_KT * hd + hd + g * hd + RING_KT * g + 3 * g)
+    4 * (RING_KT * hd + hd + g * hd + RING_KT * g + 3 * g) + 16 * RING_KT
 }
 
 /// f32s of an attention stage's `part` buffer on `blocks` blocks: `hd` output sums, then
