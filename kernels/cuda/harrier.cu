@@ -2572,7 +2572,8 @@ __device__ __forceinline__ unsigned long long ring_now() {
 // (bf16, KT hd each; a K row padded by 8 so that the scores' lanes, a key each, read
 // different banks), the new key and value (bf16, hd each), q of the block's heads (G hd f32),
 // the tile's scores / probabilities (KT G), and each head's running max, sum and correction.
-#define RING_KT 48  // (48: a split of 16 takes 768 keys in one tile; 32 made 513-576, the benchmarks' contexts, two)
+// (48: a split of 16 takes 768 keys in one tile; 32 made 513-576, the benchmarks' contexts, two.)
+#define RING_KT 48
 static_assert(RING_KT <= 64 && RING_KT % 16 == 0, "the softmax takes two keys a lane");
 __host__ __device__ constexpr int ring_attn_smem(int G, int hd) {
     return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G) + 16 * RING_KT;

@@ -2534,7 +2534,9 @@ mod tests {
         );
         assert!(SOURCE.contains(&format!("#define RING_KT {RING_KT}\n")));
         assert!(SOURCE.contains(&format!("#define RING_TRACE_WORDS {RING_TRACE_WORDS}\n")));
-        assert!(SOURCE.contains("return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G);"));
+        assert!(SOURCE.contains(
+            "return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G) + 16 * RING_KT;"
+        ));
         assert!(SOURCE.contains(&format!("#define RING_SLOT {RING_SLOT}\n")));
         assert!(SOURCE.contains(&format!("#define RING_MAX_SLOTS {RING_MAX_SLOTS}\n")));
         assert!(SOURCE.contains(&format!("#define RING_CW {}\n", RING_SLOT / 2048)));
