@@ -388,13 +388,54 @@ async fn connection_task(inner: std::sync::Weak<Inner>, index: usize) {
     }
 }
 
+/// How often the front end checks an engine core's silence.
+const LIVENESS_TICK: Duration = Duration::from_millis(100);
+
+/// An engine core's silence, counted only while this process ran: a check that comes late (the
+/// front end itself stalled: a paused VM, a starved CPU) does not count the stall against the
+/// engine, whose messages may be waiting unread in the socket. (CI once saw both front ends
+/// declare a live engine lost after "1.9 s" and "2.3 s" of silence with a 1 s timeout and
+/// 100 ms checks: their own checks had run a second late.) A hung engine (SIGSTOP) is still
+/// found after `timeout`: the checks keep their pace.
+#[derive(Debug)]
+struct Liveness {
+    timeout: Duration,
+    last_seen: Instant,
+    last_check: Instant,
+}
+
+impl Liveness {
+    fn new(timeout: Duration, now: Instant) -> Self {
+        Self {
+            timeout,
+            last_seen: now,
+            last_check: now,
+        }
+    }
+
+    fn seen(&mut self, now: Instant) {
+        self.last_seen = now;
+    }
+
+    /// The silence counted so far when it is past the timeout.
+    fn check(&mut self, now: Instant) -> Option<Duration> {
+        // Time past two ticks since the last check: this process did not run.
+        let stalled = now
+            .saturating_duration_since(self.last_check)
+            .saturating_sub(2 * LIVENESS_TICK);
+        self.last_check = now;
+        self.last_seen = (self.last_seen + stalled).min(now);
+        let silent = now.saturating_duration_since(self.last_seen);
+        (silent > self.timeout).then_some(silent)
+    }
+}
+
 /// Forwards engine messages until the connection is lost or the engine stops talking;
 /// returns why.
 async fn watch_connection(this: &Inner, index: usize, mut receiver: ClientReceiver) -> String {
-    let timeout = this.opts.liveness_timeout;
     let link = &this.links[index];
-    let mut last_seen = Instant::now();
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut liveness = Liveness::new(this.opts.liveness_timeout, Instant::now());
+    let mut tick = tokio::time::interval(LIVENESS_TICK);
     let stats_seen = |s: &harrier_shared::protocol::EngineStats| {
         link.reported_load
             .store(s.num_running + s.num_waiting, Ordering::Relaxed);
@@ -403,10 +444,12 @@ async fn watch_connection(this: &Inner, index: usize, mut receiver: ClientReceiv
     };
     loop {
         tokio::select! {
+            // (Messages first: one already delivered counts before the timer's verdict.)
+            biased;
             msg = receiver.recv() => match msg {
                 None => return "the connection to the engine core was lost".into(),
                 Some(msg) => {
-                    last_seen = Instant::now();
+                    liveness.seen(Instant::now());
                     match msg {
                         EngineMessage::Outputs(outputs) => {
                             stats_seen(&outputs.stats);
@@ -420,8 +463,8 @@ async fn watch_connection(this: &Inner, index: usize, mut receiver: ClientReceiv
                 }
             },
             _ = tick.tick() => {
-                if last_seen.elapsed() > timeout {
-                    return format!("no message from the engine core for {:.1} s", last_seen.elapsed().as_secs_f64());
+                if let Some(silent) = liveness.check(Instant::now()) {
+                    return format!("no message from the engine core for {:.1} s", silent.as_secs_f64());
                 }
             }
         }
@@ -484,6 +527,40 @@ mod tests {
         // Engines that are down take nothing; none up: none.
         assert_eq!(choose_link(&[None, Some(9)], &b), Some(1));
         assert_eq!(choose_link(&[None, None], &b), None);
+    }
+
+    #[test]
+    fn silence_counts_only_while_the_front_end_runs() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let mut l = Liveness::new(Duration::from_secs(1), t0);
+        // Checks on time and no message: lost once past the timeout, not before.
+        for k in 1..=10 {
+            assert_eq!(l.check(t0 + ms(100 * k)), None, "{k}");
+        }
+        assert_eq!(l.check(t0 + ms(1100)), Some(ms(1100)));
+
+        // A message resets the count.
+        let mut l = Liveness::new(Duration::from_secs(1), t0);
+        l.check(t0 + ms(100));
+        l.seen(t0 + ms(150));
+        for k in 2..=11 {
+            assert_eq!(l.check(t0 + ms(100 * k)), None, "{k}");
+        }
+        assert_eq!(l.check(t0 + ms(1200)), Some(ms(1050)));
+
+        // The front end stalled 2 s between two checks: the stall is not the engine's silence
+        // (two ticks' 200 ms of it are), but silence after it counts again at the checks' pace.
+        let mut l = Liveness::new(Duration::from_secs(1), t0);
+        assert_eq!(l.check(t0 + ms(100)), None);
+        assert_eq!(l.check(t0 + ms(2100)), None);
+        let mut t = 2100;
+        while l.check(t0 + ms(t + 100)).is_none() {
+            t += 100;
+            assert!(t < 3000, "never lost after the stall");
+        }
+        // Lost at 2.9 s: 0.1 s before the stall, 0.2 s of it, 0.8 s after it.
+        assert_eq!(t + 100, 2900);
     }
 
     #[test]
