@@ -2574,7 +2574,7 @@ __device__ __forceinline__ unsigned long long ring_now() {
 // the tile's scores / probabilities (KT G), and each head's running max, sum and correction.
 // (48: a split of 16 takes 768 keys in one tile; 32 made 513-576, the benchmarks' contexts, two.)
 #define RING_KT 48
-static_assert(RING_KT <= 64 && RING_KT % 16 == 0, "the softmax takes two keys a lane");
+static_assert(RING_KT >= 32 && RING_KT <= 64, "the softmax takes keys lane and lane + 32 of a tile");
 __host__ __device__ constexpr int ring_attn_smem(int G, int hd) {
     return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G) + 16 * RING_KT;
 }
@@ -2727,7 +2727,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
 #endif
         // Online softmax, a warp a head: the probabilities (rounded, as the V operand) replace
         // the scores; the sum keeps them unrounded.
-        // (Keys lane and lane + 32 of the tile: RING_KT <= 64.)
+        // (Keys lane and lane + 32 of the tile: 32 <= RING_KT <= 64.)
         for (int g = warp; g < G; g += nct / 32) {
             const float s0 = lane < kt ? sc[lane * G + g] : NEG_INF;
             const float s1 = lane + 32 < kt ? sc[(lane + 32) * G + g] : NEG_INF;
