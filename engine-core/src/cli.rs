@@ -94,8 +94,8 @@ pub struct EngineCoreArgs {
     /// CUDA backend (bf16, sm_90): batch-1 decode steps of Llama-shaped models run as one
     /// persistent launch whose weights stream through a shared-memory ring (docs/cuda.md, "The
     /// decode ring"); it keeps transposed copies of the o and down projections (a quarter of
-    /// the weights' bytes more). `auto`: for hidden sizes of at least 4,096, where it wins
-    /// (measured on an H200: the 8B 9% faster, the 3B 3% faster, the 1B 3% slower).
+    /// the weights' bytes more). `auto`: where those copies take at most 1/16 of the device's
+    /// memory (measured on an H200, session 23: the 8B ~10% faster, the 3B 6.4%, the 1B 2.5%).
     #[arg(long, value_enum, default_value_t = DecodeRing::Auto)]
     pub decode_ring: DecodeRing,
     /// Weight quantization at load. `fp8`: the layers' projections and the output head as
@@ -658,6 +658,7 @@ pub fn build_cuda_engine(
         kernels_cached = start.kernels_from_cache,
         pdl = start.pdl,
         fp8_gemm = start.fp8_gemm,
+        decode_ring = start.decode_ring,
         cuda_graphs = start.graph_count,
         graph_sizes = ?start.graph_sizes,
         graph_capture_ms = format!("{:.0}", start.graph_capture_ms),

@@ -115,6 +115,14 @@ pub fn check_graphs(
     let built = build_cuda_engine(&args, model)?;
     let mut engine = built.engine;
     let vocab = built.info.vocab_size;
+    println!(
+        "decode ring ({decode_ring:?}): {}",
+        if engine.executor_mut().decode_ring() {
+            "on"
+        } else {
+            "off"
+        }
+    );
     let mut failures = 0;
     for (name, reqs) in scenarios() {
         engine.executor_mut().use_graphs = true;

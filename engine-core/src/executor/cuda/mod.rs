@@ -383,13 +383,16 @@ pub struct CudaExecutor {
 // calling thread at the start of every call.
 unsafe impl Send for CudaExecutor {}
 
-/// `--decode-ring auto` takes the ring for hidden sizes of at least this: where it wins by more
-/// than its transposed copies' memory (a quarter more weight bytes, less KV cache) is worth
-/// (session 20 on an H200, batch 1, context 512: Llama 8B 4.347-4.350 vs 4.762 ms a step; the
-/// 3B, 3,072 wide, 2.259-2.264 vs 2.315-2.321, 2.6%; the 1B 0.977 vs 0.951; docs/benchmarks.md).
-/// Session 22's ring took 4.223 / 2.170 / 0.925 ms; the launches were not measured beside it, so
-/// the threshold stands until they are.
-pub const RING_AUTO_MIN_HIDDEN: usize = 4096;
+/// `--decode-ring auto` takes the ring where its transposed copies of o and down
+/// ([`model::ring_copy_bytes`], a quarter of a Llama's weight bytes, taken from the KV cache)
+/// fit in at most this fraction of the device's memory (1/16: 5 GB of an 80 GB H100, the 8B's
+/// 4.8 GB; a 70B's 48 GB never). The ring wins at every size it takes (session 23 on an H200,
+/// batch 1, context 512, against the launches in one process: the 1B 0.927 vs 0.951 ms a step,
+/// 2.5%; the 3B 2.175 vs 2.324, 6.4%; the 8B's ring 4.22 in session 22, its launches 4.76 in
+/// session 20), and the copies cost the 1B 0.7 GB of KV cache (~1% of an H100's), the 3B
+/// 1.9 GB, the 8B 4.8 GB.
+/// (Until session 23: hidden sizes of at least 4,096, when the 3B's ring won by 2.6%.)
+pub const RING_AUTO_MEMORY_DIVISOR: usize = 16;
 
 /// Facts reported at start-up.
 #[derive(Debug, Clone)]
@@ -417,6 +420,8 @@ pub struct CudaStartInfo {
     pub graph_capture_ms: f64,
     /// Device memory the captured graphs took (free memory before minus after).
     pub graph_bytes: usize,
+    /// Batch-1 decode steps run as the decode ring (`--decode-ring`, and the model takes it).
+    pub decode_ring: bool,
 }
 
 impl CudaExecutor {
@@ -479,10 +484,22 @@ impl CudaExecutor {
         let scratch_sizes = layout::ScratchSizes::new(&mc, &caps, elem);
         let mut model = GpuModel::load(dir, compute, &caps, &scratch_sizes, cfg.dtype, cfg.fp8)?;
         model.fused_max_rows = cfg.fused_max_rows;
-        if cfg
-            .decode_ring
-            .unwrap_or(mc.hidden_size >= RING_AUTO_MIN_HIDDEN)
-        {
+        let ring = match cfg.decode_ring {
+            Some(on) => on,
+            None => {
+                let total = ck(dr::mem_get_info(), "cuMemGetInfo")?.1;
+                let auto = model::ring_auto(&mc, total);
+                if !auto {
+                    tracing::info!(
+                        copies_mib = model::ring_copy_bytes(&mc) >> 20,
+                        device_mib = total >> 20,
+                        "decode ring off (auto): its transposed copies would take more than 1/{RING_AUTO_MEMORY_DIVISOR} of the device's memory (--decode-ring on takes it)"
+                    );
+                }
+                auto
+            }
+        };
+        if ring {
             let attr = |a| ck(ctx.attribute(a), "device attribute").map(|v| v as usize);
             let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
             let optin = attr(
@@ -499,7 +516,11 @@ impl CudaExecutor {
                     pairs,
                     "batch-1 decode steps run as one persistent launch (the decode ring)"
                 ),
-                Some(Err(why)) => tracing::info!("decode ring off: {why:#}"),
+                Some(Err(why)) => {
+                    // (prepare_ring may have succeeded before the launch's setup failed.)
+                    model.drop_ring();
+                    tracing::info!("decode ring off: {why:#}")
+                }
                 None => tracing::info!("decode ring off: it needs sm_90"),
             }
         }
@@ -726,6 +747,7 @@ impl CudaExecutor {
             graph_count: num_graphs,
             graph_capture_ms: 0.0,
             graph_bytes: 0,
+            decode_ring: model.ring_on(),
         };
         let mut exec = CudaExecutor {
             compute,
@@ -975,6 +997,11 @@ impl CudaExecutor {
         }
         // SAFETY: our stream.
         ck(unsafe { dr::stream::synchronize(st) }, "sync after capture")
+    }
+
+    /// Whether batch-1 decode steps run as the decode ring now.
+    pub fn decode_ring(&self) -> bool {
+        self.model.ring_on()
     }
 
     /// Turns the decode ring on or off for batch-1 decode steps (where the model has it);

@@ -12,6 +12,7 @@ use harrier_kernels::{
 };
 
 mod ring;
+pub(crate) use ring::{ring_auto, ring_copy_bytes};
 
 use super::blas::Blas;
 use super::fp8_gemm::{Fp8Gemm, Fp8Out};

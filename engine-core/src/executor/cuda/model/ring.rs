@@ -20,8 +20,9 @@ use harrier_kernels::{
     RING_SLOT, RING_TRACE_WORDS,
 };
 
+use super::super::RING_AUTO_MEMORY_DIVISOR;
 use super::{DevBuf, GpuModel, StepMeta};
-use crate::model::Activation;
+use crate::model::{Activation, ModelConfig};
 
 /// Shared memory the kernel declares statically (the MLP's partial sums, the norm's, flags),
 /// left beside the dynamic part.
@@ -405,6 +406,16 @@ impl GpuModel {
         Ok(())
     }
 
+    /// Whether batch-1 decode steps take the ring (prepared and on).
+    pub(crate) fn ring_on(&self) -> bool {
+        self.ring.as_ref().is_some_and(|r| r.on)
+    }
+
+    /// Forgets a ring whose launch could not be set up (its copies' memory is freed).
+    pub(crate) fn drop_ring(&mut self) {
+        self.ring = None;
+    }
+
     /// Turns the ring on or off: `None` without a ring, else whether that changed it.
     pub(crate) fn set_ring(&mut self, on: bool) -> Option<bool> {
         self.ring
@@ -476,9 +487,46 @@ impl GpuModel {
     }
 }
 
+/// Bytes of the ring's transposed copies of o and down (`[q, hidden]` and `[intermediate,
+/// hidden]` bf16 a layer), made at load beside the model's own weights.
+pub(crate) fn ring_copy_bytes(c: &ModelConfig) -> usize {
+    c.num_layers * c.hidden_size * (c.num_heads * c.head_dim + c.intermediate_size) * 2
+}
+
+/// `--decode-ring auto`: the ring where its copies take at most
+/// 1/[`RING_AUTO_MEMORY_DIVISOR`] of the device's `total` bytes.
+pub(crate) fn ring_auto(c: &ModelConfig, total: usize) -> bool {
+    ring_copy_bytes(c) * RING_AUTO_MEMORY_DIVISOR <= total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gen_model::Preset;
+
+    #[test]
+    fn auto_takes_the_ring_where_its_copies_fit_a_sixteenth_of_the_memory() {
+        let cfg = |name| Preset::from_name(name).unwrap().config();
+        let (b1, b3, b8) = (
+            cfg("llama-3.2-1b"),
+            cfg("llama-3.2-3b"),
+            cfg("llama-3.1-8b"),
+        );
+        // 16 x 2048 x (2048 + 8192) bf16; the 8B's 32 x 4096 x (4096 + 14336).
+        assert_eq!(ring_copy_bytes(&b1), 671_088_640);
+        assert_eq!(ring_copy_bytes(&b8), 4_831_838_208);
+        // An 80 GB H100 reports ~79.1 GiB: every Llama to the 8B; a 70B's 48 GB, no.
+        let h100 = 81_079_000_000;
+        assert!([&b1, &b3, &b8].iter().all(|c| ring_auto(c, h100)));
+        let mut l70 = b8.clone();
+        (l70.num_layers, l70.hidden_size, l70.intermediate_size) = (80, 8192, 28672);
+        (l70.num_heads, l70.head_dim) = (64, 128);
+        assert!(!ring_auto(&l70, h100));
+        assert!(ring_auto(&l70, 16 * ring_copy_bytes(&l70)));
+        assert!(!ring_auto(&l70, 16 * ring_copy_bytes(&l70) - 1));
+        // A 24 GiB card: the 1B's 0.67 GB (x 16: 10.7 GB), not the 3B's 1.9 GB (x 16: 31 GB).
+        assert!(ring_auto(&b1, 24 << 30) && !ring_auto(&b3, 24 << 30));
+    }
 
     #[test]
     fn a_layer_is_four_stages_then_the_head_and_its_conversion() {
