@@ -10,7 +10,8 @@
 //! - The bridge answers the handshake, tracks front ends (an [`Origin`] per peer), answers
 //!   health and stats calls from the latest stats snapshot, sends heartbeats every
 //!   `heartbeat` interval, and declares a front end gone after `frontend_timeout` of silence
-//!   or when the socket reports it lost: the engine then aborts its requests.
+//!   (counted only while this process runs: [`harrier_shared::liveness`]) or when the socket
+//!   reports it lost: the engine then aborts its requests.
 //! - The engine thread drains its input channel without blocking between steps and blocks on
 //!   it only when idle. Outputs leave once per step, one message per front end.
 //! - SIGTERM/SIGINT: in-flight steps are committed, every request ends with `abort`, the
@@ -21,10 +22,11 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::mpsc as std_mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use harrier_shared::endpoint::Endpoint;
+use harrier_shared::liveness::{discounted, StallClock};
 use harrier_shared::protocol::{
     EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineMessage, EngineStats, Finish,
     FinishReason, FrontendMessage, Rejected, RequestOutput, UtilityCall, UtilityReply,
@@ -32,6 +34,7 @@ use harrier_shared::protocol::{
 };
 use harrier_shared::transport::{EngineTransport, Inbound, Outbound, PeerId};
 use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 
 use crate::engine::{EngineCore, EngineFatal, Progress, SHUTDOWN_MESSAGE};
 use crate::executor::Executor;
@@ -115,6 +118,7 @@ where
         outbound: transport.outbound.clone(),
         stats: stats_rx,
         shutting_down: false,
+        clock: StallClock::new(opts.heartbeat, Instant::now()),
     };
     let mut heartbeat = tokio::time::interval(opts.heartbeat);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -133,7 +137,7 @@ where
                 Some(EngineEvent::Reply(origin, reply)) => bridge.send_to(origin, EngineMessage::UtilityReply(reply)),
                 None => break, // the engine thread ended
             },
-            _ = heartbeat.tick() => bridge.on_heartbeat(opts.frontend_timeout),
+            _ = heartbeat.tick() => bridge.on_heartbeat(opts.frontend_timeout, Instant::now()),
             _ = &mut shutdown, if !bridge.shutting_down => {
                 tracing::info!("shutting down: finishing in-flight steps, aborting requests");
                 bridge.begin_shutdown();
@@ -168,6 +172,9 @@ struct Bridge {
     stats: watch::Receiver<EngineStats>,
     /// The engine thread was told to shut down: new requests are refused here.
     shutting_down: bool,
+    /// How late the heartbeat ticks came: a stall of this process is no front end's silence
+    /// ([`harrier_shared::liveness`]).
+    clock: StallClock,
 }
 
 impl Bridge {
@@ -317,9 +324,14 @@ impl Bridge {
         }
     }
 
-    fn on_heartbeat(&mut self, timeout: Duration) {
+    /// Forgets the front ends silent for more than `timeout` (the time this process did not
+    /// run not counted), then sends the others a heartbeat.
+    fn on_heartbeat(&mut self, timeout: Duration, now: Instant) {
         let stats = *self.stats.borrow();
-        let now = Instant::now();
+        let stalled = self.clock.stalled(now);
+        for s in self.peers.values_mut() {
+            s.last_seen = discounted(s.last_seen, stalled, now);
+        }
         let silent: Vec<PeerId> = self
             .peers
             .iter()
@@ -510,6 +522,7 @@ mod tests {
             outbound,
             stats,
             shutting_down: false,
+            clock: StallClock::new(Duration::from_millis(250), Instant::now()),
         };
         (b, input_rx, outbound_rx)
     }
@@ -522,6 +535,65 @@ mod tests {
             arrival_time: 0.0,
             cache_salt: None,
         })
+    }
+
+    /// A front end silent past the timeout is forgotten (its requests aborted), but not for
+    /// a stall of the engine's own process between two heartbeat ticks.
+    #[test]
+    fn front_ends_are_forgotten_after_silence_not_after_a_stall_of_the_engine() {
+        let ms = Duration::from_millis;
+        let (mut b, input_rx, mut out_rx) = bridge();
+        let t0 = Instant::now();
+        let hello = |name: &str| {
+            FrontendMessage::Hello(Hello {
+                protocol_version: PROTOCOL_VERSION,
+                name: name.into(),
+            })
+        };
+        let (stalls, silent) = (
+            PeerId(Bytes::from_static(b"a")),
+            PeerId(Bytes::from_static(b"b")),
+        );
+        for p in [&stalls, &silent] {
+            b.on_message(p.clone(), hello("fe"));
+        }
+        b.on_message(stalls.clone(), request("r"));
+        assert!(matches!(input_rx.try_recv(), Ok(EngineInput::Request(..))));
+        let origin = b.peers[&stalls].origin;
+        // Ticks on time; `silent` is forgotten past 5 s, `stalls` keeps sending heartbeats.
+        let mut t = 0;
+        while b.peers.contains_key(&silent) {
+            t += 250;
+            assert!(t <= 5_250, "never forgotten");
+            b.peers.get_mut(&stalls).unwrap().last_seen = t0 + ms(t);
+            b.on_heartbeat(Duration::from_secs(5), t0 + ms(t));
+        }
+        assert_eq!(t, 5_250);
+        // Then the engine's process stalls 20 s: the next tick forgets no one, though `stalls`
+        // last spoke 20 s before it.
+        b.on_heartbeat(Duration::from_secs(5), t0 + ms(t + 20_000));
+        assert!(b.peers.contains_key(&stalls));
+        // Silence after the stall counts again: forgotten 5 s on (the engine thread told, to
+        // abort its request).
+        let mut u = t + 20_000;
+        while b.peers.contains_key(&stalls) {
+            u += 250;
+            assert!(u <= t + 26_000, "never forgotten after the stall");
+            b.on_heartbeat(Duration::from_secs(5), t0 + ms(u));
+        }
+        assert!(
+            u > t + 20_000 + 4_500,
+            "forgotten {} ms after the stall",
+            u - t - 20_000
+        );
+        let gone: Vec<_> = std::iter::from_fn(|| input_rx.try_recv().ok()).collect();
+        assert!(
+            matches!(gone[..], [EngineInput::FrontendGone(_), EngineInput::FrontendGone(o)] if o == origin)
+        );
+        assert!(
+            out_rx.try_recv().is_ok(),
+            "the welcomes and heartbeats were sent"
+        );
     }
 
     /// Before the shutdown a request goes to the engine thread; after it the bridge ends it

@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use harrier_shared::client::{ClientReceiver, EngineClient};
 use harrier_shared::endpoint::Endpoint;
+use harrier_shared::liveness::{discounted, StallClock};
 use harrier_shared::protocol::{
     Abort, EngineCoreRequest, EngineInfo, EngineMessage, FrontendMessage, TokenId,
 };
@@ -391,17 +392,15 @@ async fn connection_task(inner: std::sync::Weak<Inner>, index: usize) {
 /// How often the front end checks an engine core's silence.
 const LIVENESS_TICK: Duration = Duration::from_millis(100);
 
-/// An engine core's silence, counted only while this process ran: a check that comes late (the
-/// front end itself stalled: a paused VM, a starved CPU) does not count the stall against the
-/// engine, whose messages may be waiting unread in the socket. (CI once saw both front ends
-/// declare a live engine lost after "1.9 s" and "2.3 s" of silence with a 1 s timeout and
-/// 100 ms checks: their own checks had run a second late.) A hung engine (SIGSTOP) is still
-/// found after `timeout`: the checks keep their pace.
+/// An engine core's silence, counted only while this process ran
+/// ([`harrier_shared::liveness`]: a check that comes late because the front end stalled does
+/// not count the stall against the engine). A hung engine (SIGSTOP) is still found after
+/// `timeout`: the checks keep their pace.
 #[derive(Debug)]
 struct Liveness {
     timeout: Duration,
     last_seen: Instant,
-    last_check: Instant,
+    clock: StallClock,
 }
 
 impl Liveness {
@@ -409,7 +408,7 @@ impl Liveness {
         Self {
             timeout,
             last_seen: now,
-            last_check: now,
+            clock: StallClock::new(LIVENESS_TICK, now),
         }
     }
 
@@ -419,12 +418,7 @@ impl Liveness {
 
     /// The silence counted so far when it is past the timeout.
     fn check(&mut self, now: Instant) -> Option<Duration> {
-        // Time past two ticks since the last check: this process did not run.
-        let stalled = now
-            .saturating_duration_since(self.last_check)
-            .saturating_sub(2 * LIVENESS_TICK);
-        self.last_check = now;
-        self.last_seen = (self.last_seen + stalled).min(now);
+        self.last_seen = discounted(self.last_seen, self.clock.stalled(now), now);
         let silent = now.saturating_duration_since(self.last_seen);
         (silent > self.timeout).then_some(silent)
     }

@@ -6,6 +6,7 @@
 //! - [`endpoint`]: `ipc://` / `tcp://` addresses and the private socket directory.
 //! - [`transport`]: the engine side of the ZeroMQ link (ROUTER), one task owning the socket.
 //! - [`client`]: the front-end side (DEALER): handshake, send, receive, heartbeats.
+//! - [`liveness`]: silence that counts only while this process runs (both sides' timeouts).
 //! - `fuzz` (feature `fuzz`, tests only): case counts, watchdog and allocation tracking for
 //!   the fuzz harnesses of every crate (docs/fuzzing.md).
 //!
@@ -17,6 +18,7 @@ pub mod codec;
 pub mod endpoint;
 #[cfg(any(test, feature = "fuzz"))]
 pub mod fuzz;
+pub mod liveness;
 pub mod protocol;
 pub mod transport;
 
