@@ -2160,12 +2160,30 @@ impl Kernels {
     /// Whether `r`'s blocks can all run at once in clusters of two (an even count, and that
     /// many pairs resident at `r`'s shared memory; after [`Kernels::allow_ring_smem`]).
     pub fn ring_pairs_fit(&self, r: &RingLaunch) -> anyhow::Result<bool> {
-        if !r.blocks.is_multiple_of(2) {
-            return Ok(false);
+        Ok(r.blocks.is_multiple_of(2) && 2 * self.ring_max_clusters(r, 2)? >= r.blocks)
+    }
+
+    /// Clusters of `size` blocks of launch `r` (its grid rounded down to whole clusters) that
+    /// can be resident at once (`cuOccupancyMaxActiveClusters`). Sizes past 8, the portable
+    /// limit, are allowed for `gemv_ring` here first (which only asks: the kernel itself runs
+    /// in clusters of at most two).
+    pub fn ring_max_clusters(&self, r: &RingLaunch, size: u32) -> anyhow::Result<u32> {
+        let f = self.func("gemv_ring");
+        if size > 8 {
+            // SAFETY: a loaded function; a documented attribute.
+            let set = unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                )
+                .result()
+            };
+            ck(set, "gemv_ring non-portable cluster sizes")?;
         }
-        let mut attr = cluster_attr(2);
+        let mut attr = cluster_attr(size);
         let cfg = sys::CUlaunchConfig {
-            gridDimX: r.blocks,
+            gridDimX: r.blocks / size * size,
             gridDimY: 1,
             gridDimZ: 1,
             blockDimX: r.threads(),
@@ -2178,11 +2196,9 @@ impl Kernels {
         };
         let mut n = 0i32;
         // SAFETY: `cfg` and `attr` outlive the call; a loaded function.
-        let got = unsafe {
-            sys::cuOccupancyMaxActiveClusters(&mut n, self.func("gemv_ring"), &cfg).result()
-        };
+        let got = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &cfg).result() };
         ck(got, "gemv_ring clusters")?;
-        Ok(2 * n as u32 >= r.blocks)
+        Ok(n.max(0) as u32)
     }
 
     /// A chain of one-row stages in one persistent launch of one block an SM (all resident:

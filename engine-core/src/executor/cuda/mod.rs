@@ -999,6 +999,15 @@ impl CudaExecutor {
         ck(unsafe { dr::stream::synchronize(st) }, "sync after capture")
     }
 
+    /// Clusters of `size` blocks of the decode ring's launch that can be resident at once
+    /// (`None` without a ring): `harrier-cuda-tool ring-clusters`, for designs that would
+    /// take a KV head's stages into a cluster (docs/cuda.md, "The decode ring").
+    pub fn ring_max_clusters(&self, size: u32) -> anyhow::Result<Option<u32>> {
+        self.model
+            .with_ring_launch(|l| self.kernels.ring_max_clusters(l, size))
+            .transpose()
+    }
+
     /// Whether batch-1 decode steps run as the decode ring now.
     pub fn decode_ring(&self) -> bool {
         self.model.ring_on()

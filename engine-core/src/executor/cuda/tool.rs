@@ -48,6 +48,10 @@
 //! - `bench-ring --model DIR [--mlp fused|plain] [--residual] [--layers N] [--rounds N]
 //!   [--slots N] [--no-check]`: measurement only: the model's one-row projections as one persistent
 //!   `gemv_ring` launch against the skinny launches (see [`bench_ring`]).
+//! - `ring-clusters --model DIR [--sizes 1,2,4,8,16]`: how many clusters of each size of the
+//!   model's decode-ring launch (its blocks, threads and shared memory) can be resident at once
+//!   (sizes past 8 are non-portable): whether a design taking a KV head's stages into a cluster
+//!   would have every block resident.
 //! - `check-graphs --model DIR [--fused-max-rows N] [--decode-ring auto|on|off]`: greedy tokens with CUDA graphs against eager through the
 //!   real engine (see `executor::cuda::graph_check`).
 //!
@@ -634,6 +638,7 @@ fn main() -> anyhow::Result<()> {
     match cmd.as_str() {
         "parity" => parity(&a),
         "bench" => bench(&a),
+        "ring-clusters" => ring_clusters(&a),
         "check-attention" => check_attention(&a),
         "check-sampling" => check_sampling(&a),
         "check-penalties" => check_penalties(&a),
@@ -2235,6 +2240,26 @@ impl Driver {
             Dtype::Bf16,
         )
     }
+}
+
+/// `ring-clusters`: resident clusters of each size of the model's decode-ring launch.
+fn ring_clusters(a: &HashMap<String, String>) -> anyhow::Result<()> {
+    let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
+    let sizes: Vec<u32> = list_arg(a, "sizes", "1,2,4,8,16")?;
+    let d = Driver::new(&dir, 1, 64, 128, None, &[], Dtype::Bf16)?;
+    for size in sizes {
+        match d.exec.ring_max_clusters(size)? {
+            None => bail!(
+                "{}: no decode ring (see the log's reason)",
+                dir.path.display()
+            ),
+            Some(n) => println!(
+                "clusters of {size:>2}: {n:>3} resident ({} blocks)",
+                n * size
+            ),
+        }
+    }
+    Ok(())
 }
 
 /// One greedy run of `prompts` on the driver: tokens `[step][row]` (the prefill's, then

@@ -440,6 +440,13 @@ impl GpuModel {
         Ok(paired)
     }
 
+    /// What `f` says of the ring's launch (`None` without a ring).
+    pub(crate) fn with_ring_launch<T>(&self, f: impl FnOnce(&RingLaunch) -> T) -> Option<T> {
+        self.ring
+            .as_ref()
+            .map(|r| f(&r.launch(RingStep::default())))
+    }
+
     /// Dynamic shared memory of the ring's launches (0 without a ring).
     pub(crate) fn ring_smem(&self) -> usize {
         self.ring
