@@ -550,33 +550,33 @@ mod tests {
                 name: name.into(),
             })
         };
-        let (stalls, silent) = (
+        let (talks, silent) = (
             PeerId(Bytes::from_static(b"a")),
             PeerId(Bytes::from_static(b"b")),
         );
-        for p in [&stalls, &silent] {
+        for p in [&talks, &silent] {
             b.on_message(p.clone(), hello("fe"));
         }
-        b.on_message(stalls.clone(), request("r"));
+        b.on_message(talks.clone(), request("r"));
         assert!(matches!(input_rx.try_recv(), Ok(EngineInput::Request(..))));
-        let origin = b.peers[&stalls].origin;
-        // Ticks on time; `silent` is forgotten past 5 s, `stalls` keeps sending heartbeats.
+        let origin = b.peers[&talks].origin;
+        // Ticks on time; `silent` is forgotten past 5 s, `talks` keeps sending heartbeats.
         let mut t = 0;
         while b.peers.contains_key(&silent) {
             t += 250;
             assert!(t <= 5_250, "never forgotten");
-            b.peers.get_mut(&stalls).unwrap().last_seen = t0 + ms(t);
+            b.peers.get_mut(&talks).unwrap().last_seen = t0 + ms(t);
             b.on_heartbeat(Duration::from_secs(5), t0 + ms(t));
         }
         assert_eq!(t, 5_250);
-        // Then the engine's process stalls 20 s: the next tick forgets no one, though `stalls`
+        // Then the engine's process stalls 20 s: the next tick forgets no one, though `talks`
         // last spoke 20 s before it.
         b.on_heartbeat(Duration::from_secs(5), t0 + ms(t + 20_000));
-        assert!(b.peers.contains_key(&stalls));
+        assert!(b.peers.contains_key(&talks));
         // Silence after the stall counts again: forgotten 5 s on (the engine thread told, to
         // abort its request).
         let mut u = t + 20_000;
-        while b.peers.contains_key(&stalls) {
+        while b.peers.contains_key(&talks) {
             u += 250;
             assert!(u <= t + 26_000, "never forgotten after the stall");
             b.on_heartbeat(Duration::from_secs(5), t0 + ms(u));

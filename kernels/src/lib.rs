@@ -2168,6 +2168,7 @@ impl Kernels {
     /// limit, are allowed for `gemv_ring` here first (which only asks: the kernel itself runs
     /// in clusters of at most two).
     pub fn ring_max_clusters(&self, r: &RingLaunch, size: u32) -> anyhow::Result<u32> {
+        anyhow::ensure!(size > 0, "a cluster of no blocks");
         let f = self.func("gemv_ring");
         if size > 8 {
             // SAFETY: a loaded function; a documented attribute.
