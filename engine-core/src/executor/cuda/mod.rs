@@ -505,22 +505,13 @@ impl CudaExecutor {
             let optin = attr(
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )?;
-            let prepared = (major >= 9).then(|| {
-                model.prepare_ring(sms, optin)?;
-                kernels.allow_ring_smem(model.ring_smem())?;
-                model.pair_ring(|l| kernels.ring_pairs_fit(l))
-            });
-            match prepared {
+            match (major >= 9).then(|| model.setup_ring(sms, optin, &kernels)) {
                 Some(Ok(pairs)) => tracing::info!(
                     sms,
                     pairs,
                     "batch-1 decode steps run as one persistent launch (the decode ring)"
                 ),
-                Some(Err(why)) => {
-                    // (prepare_ring may have succeeded before the launch's setup failed.)
-                    model.drop_ring();
-                    tracing::info!("decode ring off: {why:#}")
-                }
+                Some(Err(why)) => tracing::info!("decode ring off: {why:#}"),
                 None => tracing::info!("decode ring off: it needs sm_90"),
             }
         }

@@ -202,11 +202,32 @@ fn transposed(w: &DevBuf, rows: usize, cols: usize) -> anyhow::Result<DevBuf> {
 }
 
 impl GpuModel {
-    /// Prepares the decode ring on a device of `sms` SMs with `smem_optin` bytes of shared
-    /// memory a block (before the KV cache is sized: the transposed o and down projections
-    /// take memory). Returns why not when the model does not fit it (the launches then run every
-    /// step).
-    pub(crate) fn prepare_ring(&mut self, sms: usize, smem_optin: usize) -> anyhow::Result<()> {
+    /// Sets the decode ring up for `kernels`' launches on a device of `sms` SMs with
+    /// `smem_optin` bytes of shared memory a block (before the KV cache is sized: the
+    /// transposed o and down projections take memory): prepared, its shared memory allowed,
+    /// its blocks paired where they fit. Returns whether they are paired, or why there is no
+    /// ring (the launches then run every step): on any failure the model keeps none, so a ring
+    /// it has is one that launches.
+    pub(crate) fn setup_ring(
+        &mut self,
+        sms: usize,
+        smem_optin: usize,
+        kernels: &Kernels,
+    ) -> anyhow::Result<bool> {
+        let set = (|| {
+            self.prepare_ring(sms, smem_optin)?;
+            kernels.allow_ring_smem(self.ring_smem())?;
+            self.pair_ring(|l| kernels.ring_pairs_fit(l))
+        })();
+        if set.is_err() {
+            self.ring = None;
+        }
+        set
+    }
+
+    /// Prepares the decode ring (see [`GpuModel::setup_ring`]); returns why not when the model
+    /// does not fit it.
+    fn prepare_ring(&mut self, sms: usize, smem_optin: usize) -> anyhow::Result<()> {
         if let Some(why) = unsupported(self, sms) {
             anyhow::bail!("{why}");
         }
@@ -411,11 +432,6 @@ impl GpuModel {
         self.ring.as_ref().is_some_and(|r| r.on)
     }
 
-    /// Forgets a ring whose launch could not be set up (its copies' memory is freed).
-    pub(crate) fn drop_ring(&mut self) {
-        self.ring = None;
-    }
-
     /// Turns the ring on or off: `None` without a ring, else whether that changed it.
     pub(crate) fn set_ring(&mut self, on: bool) -> Option<bool> {
         self.ring
@@ -427,7 +443,7 @@ impl GpuModel {
     /// [`harrier_kernels::Kernels::ring_pairs_fit`] of the launch) unless `HARRIER_RING_PAIRS=0`:
     /// each pair adds the o and MLP stages' split-K sums once, half the atomics. Returns
     /// whether it does.
-    pub(crate) fn pair_ring(
+    fn pair_ring(
         &mut self,
         fits: impl FnOnce(&RingLaunch) -> anyhow::Result<bool>,
     ) -> anyhow::Result<bool> {
@@ -449,9 +465,7 @@ impl GpuModel {
 
     /// Dynamic shared memory of the ring's launches (0 without a ring).
     pub(crate) fn ring_smem(&self) -> usize {
-        self.ring
-            .as_ref()
-            .map_or(0, |r| r.launch(RingStep::default()).smem())
+        self.with_ring_launch(RingLaunch::smem).unwrap_or(0)
     }
 
     /// Whether step `m` of `gemm_rows` rows runs as the ring: one token, sampled, no prefill
