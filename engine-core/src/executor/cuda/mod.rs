@@ -219,8 +219,8 @@ pub struct CudaExecutorConfig {
     /// only, see [`GpuModel::forward`]); 0 turns it off.
     pub fused_max_rows: usize,
     /// Batch-1 decode steps of models it takes run as one persistent launch (the decode
-    /// ring, [`model`]'s `ring`): `Some(on)`, or `None` for hidden sizes of at least
-    /// [`RING_AUTO_MIN_HIDDEN`].
+    /// ring, [`model`]'s `ring`): `Some(on)`, or `None` where its copies fit in
+    /// 1/[`RING_AUTO_MEMORY_DIVISOR`] of the device's memory (`model::ring_auto`).
     pub decode_ring: Option<bool>,
     /// Store the projections and the output head in FP8 (`--quantization fp8`; bf16 only).
     /// FP8 checkpoints are FP8 without it.
@@ -384,7 +384,7 @@ pub struct CudaExecutor {
 unsafe impl Send for CudaExecutor {}
 
 /// `--decode-ring auto` takes the ring where its transposed copies of o and down
-/// ([`model::ring_copy_bytes`], a quarter of a Llama's weight bytes, taken from the KV cache)
+/// (`model::ring_copy_bytes`, a quarter of a Llama's weight bytes, taken from the KV cache)
 /// fit in at most this fraction of the device's memory (1/16: 5 GB of an 80 GB H100, the 8B's
 /// 4.8 GB; a 70B's 48 GB never). The ring wins at every size it takes (session 23 on an H200,
 /// batch 1, context 512, against the launches in one process: the 1B 0.927 vs 0.951 ms a step,
