@@ -94,12 +94,20 @@ struct TraceScope {
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
 
-// Round to nearest even; NaN stays NaN.
+// Round to nearest even; NaN stays NaN. (sm_80 on: the conversion instruction, the same bits
+// but a NaN's, which becomes the canonical one; the bit arithmetic took ~6 instructions and a
+// branch, inlined wherever a value is rounded: 568 of the decode ring's 9,768.)
 __device__ __forceinline__ bf16 f2bf(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return (bf16)r;
+#else
     u32 u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (bf16)(u >> 16);
+#endif
 }
 
 // Rounds through bf16 (a bf16 tensor op's result).
@@ -993,7 +1001,15 @@ extern "C" __global__ void attention_combine(elem* out, const float* part, int n
 #define PF_WARPS 4
 #define PF_QT (16 * PF_WARPS)
 
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 r;  // (one conversion for both: a to the upper half, b to the lower)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+#endif
+}
 
 // c += a (16x16 bf16, row-major fragments) * b (16x8 bf16, column fragments), fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
@@ -2586,7 +2602,7 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 // Every dependent global round trip here runs while the weight stream saturates HBM (1-2 us
 // each), so the block first copies its first tile's K and V rows from the cache into shared
 // memory (cp.async; their slots need only the step's metadata) and only then waits: after the
-// wait, one round trip for q|k|v. G hd <= 2 nct, hd % 16 == 0, hd <= 256.
+// wait, one round trip for q|k|v. G hd <= 2 nct, hd a power of two from 16 to 256, the block size a power of two.
 // `tr` (a traced launch's stage entry, else null): with -DRING_ATTN_TRACE (measurement: a
 // build with the stamps always in took the untraced 1B 0.985 ms where session 21's other calls
 // had 0.965-0.976, on another machine; not settled, so they stay out) thread 0 stamps its
@@ -2614,20 +2630,27 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
     const int k0 = min(sp * per, n), k1 = min(k0 + per, n);
     const bool has_new = k0 <= pos && pos < k1;
     const int* bt = step.block_tables + (size_t)step.tok_row[0] * step.bt_stride;
-    const int bs = step.block_size, cpr = hd / 8;  // 16-byte chunks a row
+    // The block size and hd are powers of two (the host's condition): shifts, not divisions
+    // (each division inlined ~25 instructions wherever a tile loads: session 24).
+    const int bsh = __ffs(step.block_size) - 1, csh = __ffs(hd) - 4;  // (16-byte chunks a row: hd / 8)
     const size_t kv_stride = (size_t)st.nkv * hd;
     // Tile [t0, t0 + kt)'s K (v = 0) or V (v = 1) rows into shared memory as one cp.async
     // group: the cached ones, and the new token's from knew / vnew (the first tile, loaded
     // before those exist, gets it later).
     auto load_rows = [&](int v, int t0, int kt) {
-        for (int u = ct; u < kt * cpr; u += nct) {
-            const int j = u / cpr, c = u - j * cpr, p = t0 + j;
+        bf16* rows = v ? vs : ks;
+        const int ld = v ? hd : ldk;
+        const bf16* cache = (v ? st.v_cache : st.k_cache) + (size_t)kh * hd;
+#pragma unroll 1  // (one or two rows a thread: unrolled, the four copies took ~1,000 instructions)
+        for (int u = ct; u < kt << csh; u += nct) {
+            const int j = u >> csh, c = (u & ((1 << csh) - 1)) * 8, p = t0 + j;
+            bf16* dst = rows + j * ld + c;
             if (p == pos) {
-                if (t0 > k0) *(uint4*)((v ? vs + j * hd : ks + j * ldk) + c * 8) = *(const uint4*)((v ? vnew : knew) + c * 8);
+                if (t0 > k0) *(uint4*)dst = *(const uint4*)((v ? vnew : knew) + c);
                 continue;
             }
-            const size_t at = (size_t)(bt[p / bs] * bs + p % bs) * kv_stride + (size_t)kh * hd + c * 8;
-            cp_async16((v ? vs + j * hd : ks + j * ldk) + c * 8, (v ? st.v_cache : st.k_cache) + at);
+            const int at = (bt[p >> bsh] << bsh) + (p & ((1 << bsh) - 1));
+            cp_async16(dst, cache + (size_t)at * kv_stride + c);
         }
         cp_async_commit();
     };
@@ -2653,7 +2676,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         st.v_cache[slot * kv_stride + (size_t)kh * hd + ct + hh] = vb;
     }
     for (int u = ct; u < (G + 1) * hh; u += nct) {
-        const int g = u / hh, i = u - g * hh, r = rope_row(i, 1);
+        const int g = u >> (csh + 2), i = u & (hh - 1), r = rope_row(i, 1);  // (hh = hd / 2)
         const bool key = g == G;
         if (key && !has_new) continue;
         const size_t src = (size_t)(key ? st.nh + kh : kh * G + g) * hd;
@@ -2705,7 +2728,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
                 const uint4* kr = (const uint4*)(ks + j * ldk);
                 const float4* qr = (const float4*)(qs + g * hd);
                 float dot = 0.0f;
-                for (int c = 0; c < cpr; c++) {
+                for (int c = 0; c < hd / 8; c++) {
                     const uint4 kv = kr[c];
                     const float4 qa = qr[2 * c], qb = qr[2 * c + 1];
                     const float q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
@@ -2752,7 +2775,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         for (int i = 0; i < 2; i++) {
             const int u = ct + i * nct;
             if (u >= G * hd) break;
-            const int g = u / hd, d = u - g * hd;
+            const int g = u >> (csh + 3), d = u & (hd - 1);
             float a = acc[i] * mls[2 * G + g];
             for (int j = 0; j < kt; j++) a += sc[j * G + g] * bf2f(vs[j * hd + d]);
             acc[i] = a;
@@ -3030,6 +3053,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
             }
 #endif
+#pragma unroll 1  // (a word or none a thread)
             for (int i = za + ct; i < zb; i += nct) st.zero[i] = 0ull;
             if (s + 1 < n) fetch_desc(s + 1);
         };
@@ -3199,26 +3223,26 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         };
         if (st.kind == RING_CVT) {
             for (int i = ca + ct; i < cb; i += nct) st.y[i] = ring_sum(st.x, i, st.x_len);
-        } else if (st.kind == RING_GEMVT) {
-            const int cr = ring_chunk_rows(st.N);
-            float acc[RING_MLP_COLS];
+        } else if (st.kind == RING_GEMVT || st.kind == RING_MLP) {
+          // Split-K stages: column sums in registers, added once at the end (one add_out in
+          // the code for both: it is large).
+          float acc[RING_MLP_COLS];
 #pragma unroll
-            for (int q = 0; q < RING_MLP_COLS; q++) acc[q] = 0.0f;
+          for (int q = 0; q < RING_MLP_COLS; q++) acc[q] = 0.0f;
+          const int cols = st.kind == RING_GEMVT ? st.N : st.K;
+          if (st.kind == RING_GEMVT) {
+            const int cr = ring_chunk_rows(st.N);
             for (int c = 0; c < count; c++) {
                 const uint4* d = take();
 #pragma unroll 4
                 for (int r = 0; r < cr; r++) add_rows(acc, d, r, xr[c * cr + r], st.N);
                 release();
             }
-            if (count > 0 || csize == 2) add_out(acc, st.N);  // (a pair meets even with nothing)
-        } else if (st.kind == RING_MLP) {
+          } else {
             // A chunk: cr rows of gate, of up and of down^T, a slot each (cr K bf16 <= RING_SLOT);
             // gate|up: warp w < cr * parts reduces row w / parts, columns 1024 (w % parts) on.
             const int cr = ring_chunk_rows(st.K), parts = st.K / 1024;
             const bool dots = warp < cr * parts;
-            float acc[RING_MLP_COLS];
-#pragma unroll
-            for (int q = 0; q < RING_MLP_COLS; q++) acc[q] = 0.0f;
             for (int c = 0; c < count; c++) {
                 // The gate and up slots together (their loads and shuffles interleave).
                 const uint4* gs = take();
@@ -3273,9 +3297,12 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 release(), take(), release(), take(), release();
 #endif
             }
-#ifndef RING_NO_RED
-            if (count > 0 || csize == 2) add_out(acc, st.K);
+          }
+          bool add = count > 0 || csize == 2;  // (a pair meets even with nothing)
+#ifdef RING_NO_RED
+          add = add && st.kind != RING_MLP;
 #endif
+          if (add) add_out(acc, cols);
         } else {
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
             float acc = 0.0f;

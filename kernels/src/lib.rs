@@ -2092,13 +2092,13 @@ pub fn ring_mlp_supports(n: usize, k: usize, slot: usize) -> bool {
 }
 
 /// Whether `gemv_ring`'s attention stage takes these heads: `g * hd` at most two a consumer
-/// thread, `hd % 16 == 0` (the paired RoPE order), `hd <= 256`.
+/// thread, `hd` a power of two from 16 (the paired RoPE order; shifts for its rows) to 256.
 pub fn ring_attn_supports(nh: usize, nkv: usize, hd: usize) -> bool {
     nkv > 0
         && nh.is_multiple_of(nkv)
         && (nh / nkv) * hd <= 2 * (RING_SLOT / 2048) * 32
-        && hd.is_multiple_of(16)
-        && hd <= 256
+        && hd.is_power_of_two()
+        && (16..=256).contains(&hd)
 }
 
 /// One [`Kernels::gemv_ring`] launch.
@@ -2460,7 +2460,13 @@ mod tests {
         for (nh, nkv, hd) in [(32, 8, 64), (24, 8, 128), (32, 8, 128), (64, 8, 128)] {
             assert!(ring_attn_supports(nh, nkv, hd), "{nh}/{nkv}/{hd}");
         }
-        for (nh, nkv, hd) in [(128, 8, 128), (32, 8, 72), (32, 6, 64), (8, 8, 512)] {
+        for (nh, nkv, hd) in [
+            (128, 8, 128),
+            (32, 8, 72),
+            (32, 8, 96),
+            (32, 6, 64),
+            (8, 8, 512),
+        ] {
             assert!(!ring_attn_supports(nh, nkv, hd), "{nh}/{nkv}/{hd}");
         }
         // Every query head and split holds (max, sum, hd outputs).

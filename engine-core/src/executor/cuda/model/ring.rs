@@ -131,7 +131,7 @@ fn stage_count(layers: usize) -> usize {
 fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
     let c = &m.config;
     let (hid, q) = (c.hidden_size, c.num_heads * c.head_dim);
-    let checks: [(bool, &str); 10] = [
+    let checks: [(bool, &str); 11] = [
         (m.dtype == Dtype::Bf16 && !m.fp8, "bf16 weights only"),
         (
             m.layers
@@ -164,6 +164,10 @@ fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
         (
             ring_attn_supports(c.num_heads, c.num_kv_heads, c.head_dim) && blocks >= c.num_kv_heads,
             "the attention heads",
+        ),
+        (
+            m.block_size.is_power_of_two(),
+            "a KV block size that is not a power of two",
         ),
         (
             [c.qkv_dim() * hid, hid * q, c.vocab_size * hid]
