@@ -2542,7 +2542,9 @@ __device__ __forceinline__ void ring_share(int items, int& off, int& start, int&
     off = (off + rem) % g;
 }
 // Where block b's even share of len elements starts (block b + 1's start ends it).
-__device__ __forceinline__ int ring_block_part(int len, unsigned int b) { return (int)((long long)len * b / gridDim.x); }
+// (32-bit: len gridDim < 2^32, as len <= the vocabulary, whose head has vocab hidden < 2^31
+// weights; a 64-bit division was ~70 instructions at each of four sites.)
+__device__ __forceinline__ int ring_block_part(int len, unsigned int b) { return (int)((unsigned int)len * b / gridDim.x); }
 // The items (slots, or chunks) a stage of `kind`, N and K streams: none for ATTN and CVT.
 __device__ __forceinline__ int ring_items(int kind, int N, int K) {
     if (kind == RING_ATTN || kind == RING_CVT) return 0;
@@ -2897,12 +2899,15 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         if (lane != 0) return;
         unsigned long long pol;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-        unsigned int k = 0;
-        // The next slot, once the consumers have released it from the round before.
+        // The next slot (index ki of round kr: counted, not divided: session 24), once the
+        // consumers have released it from the round before.
+        unsigned int ki = 0, kr = 0;
         auto slot = [&]() -> unsigned int {
-            const unsigned int idx = k % nslots, round = k / nslots;
-            if (round > 0) mbar_wait(smem_addr(empty + idx), (round - 1) & 1);
-            return idx;
+            if (kr > 0) mbar_wait(smem_addr(empty + ki), (kr - 1) & 1);
+            return ki;
+        };
+        auto next = [&]() {
+            if (++ki == (unsigned int)nslots) ki = 0, kr++;
         };
         // A piece of weights into the next slot, tagged with its item (the mbarrier's arrive
         // releases the tag with the slot).
@@ -2929,14 +2934,14 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                              : "memory");
 #endif
             }
-            k++;
+            next();
         };
         // A claimed stage's end: a slot with no data, tagged -1.
         auto put_end = [&]() {
             const unsigned int idx = slot();
             slot_item[idx] = -1;
             asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(full + idx)) : "memory");
-            k++;
+            next();
         };
         // Item i of a stage: its piece(s), tagged i.
         auto put_item = [&](const RingStage& st, unsigned int i) {
@@ -2982,17 +2987,20 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
     PDL_ENTER();
     const int ct = threadIdx.x, nct = RING_CW * 32;
     u32 pair_phase = 0;  // pair_ready's phase (add_out)
-    unsigned int k = 0;
-    // The next slot, waited for; `release` hands it back.
-    auto take = [&]() -> const uint4* {
-        const unsigned int idx = k % nslots;
-        mbar_wait(smem_addr(full + idx), (k / nslots) & 1);
+    // The next slot (index ki, its full barrier's phase kp: counted, not divided, in the
+    // hot loops: session 24), or the one after it (ahead = 1), waited for; `release` hands the
+    // next one back.
+    unsigned int ki = 0, kp = 0;
+    auto take = [&](unsigned int ahead = 0) -> const uint4* {
+        unsigned int idx = ki + ahead, ph = kp;
+        if (idx >= (unsigned int)nslots) idx -= nslots, ph ^= 1u;
+        mbar_wait(smem_addr(full + idx), ph);
         return ring + (size_t)idx * SLOT_UNITS;
     };
     auto release = [&]() {
         __syncwarp();
-        if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(empty + k % nslots)) : "memory");
-        k++;
+        if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(empty + ki)) : "memory");
+        if (++ki == (unsigned int)nslots) ki = 0, kp ^= 1u;
     };
     // Warp w's 1024 weights of a slot against the staged input from column `col` (units of
     // 8): the warp's sum, in every lane.
@@ -3247,9 +3255,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 // The gate and up slots together (their loads and shuffles interleave).
                 const uint4* gs = take();
 #ifndef RING_NO_MATH
-                k++;
-                const uint4* us = take();
-                k--;
+                const uint4* us = take(1);
                 if (dots) {
                     const int col = (warp % parts) * 128;  // units of 8 weights
                     float pg[4], pu[4];
@@ -3305,11 +3311,15 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
           if (add) add_out(acc, cols);
         } else {
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
+            // A warp's 1024 weights are piece e / 1024 of the matrix, row piece / parts: a
+            // multiply-high by ceil(2^32 / parts), exact for pieces < 2^28 (N K < 2^31), not
+            // a division every slot.
+            const unsigned int parts = (unsigned int)st.K / 1024, rmul = 0xffffffffu / parts + 1u;
             float acc = 0.0f;
             int row = -1, unit = -1;  // a row's sum over consecutive slots of one unit (or run)
             for (int i = 0; claim > 0 || i < count; i++) {
                 const uint4* src = take();
-                const int item = claim > 0 ? slot_item[k % nslots] : start + i;
+                const int item = claim > 0 ? slot_item[ki] : start + i;
                 if (item < 0) {
                     release();
                     break;
@@ -3317,8 +3327,9 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 const unsigned int e = (unsigned int)item * (RING_SLOT / 2) + warp * 1024;
 #ifndef RING_NO_MATH
                 if (e < elems) {  // (the last slot of a stage may be short)
-                    const int r = (int)(e / (unsigned int)st.K), un = claim > 0 ? item / claim : 0;
-                    const float v = warp_dot(src, (int)(e - (unsigned int)r * st.K) / 8);
+                    const unsigned int piece = e / 1024, pr = parts == 1 ? piece : __umulhi(piece, rmul);
+                    const int r = (int)pr, un = claim > 0 ? item >> 1 : 0;  // (a claim is two slots)
+                    const float v = warp_dot(src, (int)(piece - pr * parts) * 128);
                     if (r != row || un != unit) {
                         if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
                         row = r, unit = un;
