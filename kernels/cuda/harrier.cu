@@ -2820,22 +2820,26 @@ __device__ __forceinline__ void ring_merge(float& M, float& L, float& O, float m
 // partials, rounded to bf16. A merged row takes P lanes (S rounded up to a power of two, at
 // most 32), lane l loading splits l, l + P, ..: every split's loads in one round trip, then
 // log2 P shuffle steps (loading eight splits a thread at a time took two dependent round trips
-// at S = 16). Warp-uniform loop: every lane of a warp reaches the shuffles.
-__device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows, int ct, int nct) {
+// at S = 16). Warp-uniform loop: every lane of a warp reaches the shuffles. G (q heads a KV
+// head) and S come from the caller, worked out before the stage's wait; after it, shifts and a
+// multiply-high (hd a power of two; h / G exact for h < 2^28), no divisions.
+__device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows, int ct, int nct, int G, int S) {
     if (st.x_form != RING_X_PARTS) {
         for (int r = ct; r < rows; r += nct) xr[r] = ring_sum(st.x, r0 + r, st.x_len);
         return;
     }
-    const int hd = st.hd, nh = st.nh, G = nh / st.nkv, S = max(1, (int)gridDim.x / st.nkv);
-    int P = 1;
-    while (P < S && P < 32) P <<= 1;
+    const int hd = st.hd, nh = st.nh, hsh = __ffs(hd) - 1;
+    const unsigned int gm = 0xffffffffu / (unsigned int)G + 1u;  // (G == 1: 0, unused)
+    int P = 1, pl = 0;
+    while (P < S && P < 32) P <<= 1, pl++;
     const int lane = ct & 31, l = lane & (P - 1);
     const float* ml = st.x + (size_t)S * nh * hd;
     for (int u0 = ct - lane; u0 < rows * P; u0 += nct) {
-        const int i = (u0 + lane) / P;
+        const int i = (u0 + lane) >> pl;
         float M = NEG_INF, L = 0.0f, O = 0.0f;
         if (i < rows) {
-            const int r = r0 + i, h = r / hd, d = r - h * hd, base = (h / G) * S * G + h % G;
+            const int r = r0 + i, h = r >> hsh, d = r & (hd - 1);
+            const int kvh = G == 1 ? h : (int)__umulhi((unsigned int)h, gm), base = kvh * S * G + h - kvh * G;
             for (int sp = l; sp < S; sp += P) {
                 const int idx = base + sp * G;
                 ring_merge(M, L, O, __ldcg(ml + 2 * idx), __ldcg(ml + 2 * idx + 1), __ldcg(st.x + (size_t)idx * hd + d));
@@ -3044,6 +3048,9 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         // worked out before the wait (1B 0.976 -> 0.971 ms, 3B 2.265 -> 2.242; session 21).
         const int za = ring_block_part(st.zero_len, blockIdx.x), zb = ring_block_part(st.zero_len, blockIdx.x + 1);
         const int ca = st.kind == RING_CVT ? ring_block_part(st.N, blockIdx.x) : 0;
+        // An o stage's heads: G q heads a KV head, S attention splits (divisions, before the wait).
+        const int aG = st.x_form == RING_X_PARTS ? st.nh / st.nkv : 1;
+        const int aS = st.x_form == RING_X_PARTS ? max(1, (int)gridDim.x / st.nkv) : 1;
         const int cb = st.kind == RING_CVT ? ring_block_part(st.N, blockIdx.x + 1) : 0;
         // Waits until every block has counted the stage before done, then zeroes this stage's
         // share of `zero` and fetches the next descriptor (every thread has read
@@ -3150,7 +3157,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         float* xr = (float*)xs;  // GEMVT: the block's input rows, f32
         if (st.kind == RING_GEMVT) {
             const int cr = ring_chunk_rows(st.N), r0 = start * cr;
-            ring_gemvt_rows(st, xr, r0, count * cr, ct, nct);
+            ring_gemvt_rows(st, xr, r0, count * cr, ct, nct, aG, aS);
         }
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
         if (tr && ct == 0) tr[1] = ring_now();
@@ -3251,13 +3258,13 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             // gate|up: warp w < cr * parts reduces row w / parts, columns 1024 (w % parts) on.
             const int cr = ring_chunk_rows(st.K), parts = st.K / 1024;
             const bool dots = warp < cr * parts;
+            const int col = (warp % parts) * 128;  // (units of 8 weights)
             for (int c = 0; c < count; c++) {
                 // The gate and up slots together (their loads and shuffles interleave).
                 const uint4* gs = take();
 #ifndef RING_NO_MATH
                 const uint4* us = take(1);
                 if (dots) {
-                    const int col = (warp % parts) * 128;  // units of 8 weights
                     float pg[4], pu[4];
 #pragma unroll
                     for (int it = 0; it < 4; it++) {
