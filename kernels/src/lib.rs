@@ -2735,7 +2735,7 @@ mod tests {
             // (Variants of different kernels share a compile.)
             "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP",
             "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4",
-            "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT",
+            "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT -DRING_PV_UNROLL=8",
         ];
         for defs in VARIANTS {
             let opts: Vec<String> = defs.split_whitespace().map(String::from).collect();
