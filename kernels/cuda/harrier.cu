@@ -2606,7 +2606,8 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 // Every dependent global round trip here runs while the weight stream saturates HBM (1-2 us
 // each), so the block first copies its first tile's K and V rows from the cache into shared
 // memory (cp.async; their slots need only the step's metadata) and only then waits: after the
-// wait, one round trip for q|k|v. G hd <= 2 nct, hd a power of two from 16 to 256, the block size a power of two.
+// wait, one round trip for q|k|v. G hd <= 2 nct, hd a power of two from 16 to 256, the KV
+// block size a power of two.
 // `tr` (a traced launch's stage entry, else null): with -DRING_ATTN_TRACE (measurement: a
 // build with the stamps always in took the untraced 1B 0.985 ms where session 21's other calls
 // had 0.965-0.976, on another machine; not settled, so they stay out) thread 0 stamps its
@@ -3056,7 +3057,8 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         // worked out before the wait (1B 0.976 -> 0.971 ms, 3B 2.265 -> 2.242; session 21).
         const int za = ring_block_part(st.zero_len, blockIdx.x), zb = ring_block_part(st.zero_len, blockIdx.x + 1);
         const int ca = st.kind == RING_CVT ? ring_block_part(st.N, blockIdx.x) : 0;
-        // An o stage's heads: G q heads a KV head, S attention splits (divisions, before the wait).
+        // An o stage's heads: G q heads a KV head, S attention splits (divisions, before the
+        // wait; in this order in the measured build).
         const int aG = st.x_form == RING_X_PARTS ? st.nh / st.nkv : 1;
         const int aS = st.x_form == RING_X_PARTS ? max(1, (int)gridDim.x / st.nkv) : 1;
         const int cb = st.kind == RING_CVT ? ring_block_part(st.N, blockIdx.x + 1) : 0;
@@ -3247,83 +3249,84 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         if (st.kind == RING_CVT) {
             for (int i = ca + ct; i < cb; i += nct) st.y[i] = ring_sum(st.x, i, st.x_len);
         } else if (st.kind == RING_GEMVT || st.kind == RING_MLP) {
-          // Split-K stages: column sums in registers, added once at the end (one add_out in
-          // the code for both: it is large).
-          float acc[RING_MLP_COLS];
+            // Split-K stages: column sums in registers, added once at the end (one add_out in
+            // the code for both: it is large).
+            float acc[RING_MLP_COLS];
 #pragma unroll
-          for (int q = 0; q < RING_MLP_COLS; q++) acc[q] = 0.0f;
-          const int cols = st.kind == RING_GEMVT ? st.N : st.K;
-          if (st.kind == RING_GEMVT) {
-            const int cr = ring_chunk_rows(st.N);
-            for (int c = 0; c < count; c++) {
-                const uint4* d = take();
+            for (int q = 0; q < RING_MLP_COLS; q++) acc[q] = 0.0f;
+            const int cols = st.kind == RING_GEMVT ? st.N : st.K;
+            if (st.kind == RING_GEMVT) {
+                const int cr = ring_chunk_rows(st.N);
+                for (int c = 0; c < count; c++) {
+                    const uint4* d = take();
 #pragma unroll 4
-                for (int r = 0; r < cr; r++) add_rows(acc, d, r, xr[c * cr + r], st.N);
-                release();
-            }
-          } else {
-            // A chunk: cr rows of gate, of up and of down^T, a slot each (cr K bf16 <= RING_SLOT);
-            // gate|up: warp w < cr * parts reduces row w / parts, columns 1024 (w % parts) on.
-            const int cr = ring_chunk_rows(st.K), parts = st.K / 1024;
-            const bool dots = warp < cr * parts;
-            const int col = (warp % parts) * 128;  // (units of 8 weights)
-            for (int c = 0; c < count; c++) {
-                // The gate and up slots together (their loads and shuffles interleave).
-                const uint4* gs = take();
+                    for (int r = 0; r < cr; r++) add_rows(acc, d, r, xr[c * cr + r], st.N);
+                    release();
+                }
+            } else {
+                // A chunk: cr rows of gate, of up and of down^T, a slot each (cr K bf16 <=
+                // RING_SLOT); gate|up: warp w < cr * parts reduces row w / parts, columns
+                // 1024 (w % parts) on.
+                const int cr = ring_chunk_rows(st.K), parts = st.K / 1024;
+                const bool dots = warp < cr * parts;
+                const int col = (warp % parts) * 128;  // (units of 8 weights)
+                for (int c = 0; c < count; c++) {
+                    // The gate and up slots together (their loads and shuffles interleave).
+                    const uint4* gs = take();
 #ifndef RING_NO_MATH
-                const uint4* us = take(1);
-                if (dots) {
-                    float pg[4], pu[4];
+                    const uint4* us = take(1);
+                    if (dots) {
+                        float pg[4], pu[4];
 #pragma unroll
-                    for (int it = 0; it < 4; it++) {
-                        const uint4 xv = xs[col + it * 32 + lane];
-                        pg[it] = dot8(gs[warp * 128 + it * 32 + lane], xv);
-                        pu[it] = dot8(us[warp * 128 + it * 32 + lane], xv);
-                    }
-                    float g = (pg[0] + pg[1]) + (pg[2] + pg[3]);
-                    float u = (pu[0] + pu[1]) + (pu[2] + pu[3]);
+                        for (int it = 0; it < 4; it++) {
+                            const uint4 xv = xs[col + it * 32 + lane];
+                            pg[it] = dot8(gs[warp * 128 + it * 32 + lane], xv);
+                            pu[it] = dot8(us[warp * 128 + it * 32 + lane], xv);
+                        }
+                        float g = (pg[0] + pg[1]) + (pg[2] + pg[3]);
+                        float u = (pu[0] + pu[1]) + (pu[2] + pu[3]);
 #pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) {
-                        g += __shfl_xor_sync(0xffffffffu, g, o);
-                        u += __shfl_xor_sync(0xffffffffu, u, o);
+                        for (int o = 16; o > 0; o >>= 1) {
+                            g += __shfl_xor_sync(0xffffffffu, g, o);
+                            u += __shfl_xor_sync(0xffffffffu, u, o);
+                        }
+                        if (lane == 0) {
+                            part[c & 1][0][warp] = g;
+                            part[c & 1][1][warp] = u;
+                        }
                     }
-                    if (lane == 0) {
-                        part[c & 1][0][warp] = g;
-                        part[c & 1][1][warp] = u;
-                    }
-                }
-                release();
-                release();
+                    release();
+                    release();
 #ifndef RING_MLP_NO_BAR
-                asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+                    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
 #endif
-                // Lane r < cr forms activation r (rounded as the skinny SiLU epilogue); the
-                // warp takes them by shuffle.
-                float hl = 0.0f;
-                if (lane < cr) {
-                    float g = 0.0f, u = 0.0f;
-                    for (int p = 0; p < parts; p++) {
-                        g += part[c & 1][0][lane * parts + p];
-                        u += part[c & 1][1][lane * parts + p];
+                    // Lane r < cr forms activation r (rounded as the skinny SiLU epilogue); the
+                    // warp takes them by shuffle.
+                    float hl = 0.0f;
+                    if (lane < cr) {
+                        float g = 0.0f, u = 0.0f;
+                        for (int p = 0; p < parts; p++) {
+                            g += part[c & 1][0][lane * parts + p];
+                            u += part[c & 1][1][lane * parts + p];
+                        }
+                        hl = rbf(act_mul(rbf(g), rbf(u), false));
                     }
-                    hl = rbf(act_mul(rbf(g), rbf(u), false));
-                }
-                const uint4* d = take();
+                    const uint4* d = take();
 #ifndef RING_MLP_NO_DOWN
 #pragma unroll 4
-                for (int r = 0; r < cr; r++) add_rows(acc, d, r, __shfl_sync(0xffffffffu, hl, r), st.K);
+                    for (int r = 0; r < cr; r++) add_rows(acc, d, r, __shfl_sync(0xffffffffu, hl, r), st.K);
 #endif
-                release();
+                    release();
 #else
-                release(), take(), release(), take(), release();
+                    release(), take(), release(), take(), release();
 #endif
+                }
             }
-          }
-          bool add = count > 0 || csize == 2;  // (a pair meets even with nothing)
+            bool add = count > 0 || csize == 2;  // (a pair meets even with nothing)
 #ifdef RING_NO_RED
-          add = add && st.kind != RING_MLP;
+            add = add && st.kind != RING_MLP;
 #endif
-          if (add) add_out(acc, cols);
+            if (add) add_out(acc, cols);
         } else {
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
             // A warp's 1024 weights are piece e / 1024 of the matrix, row piece / parts: a
