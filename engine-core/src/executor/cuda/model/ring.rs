@@ -127,7 +127,7 @@ fn stage_count(layers: usize) -> usize {
 /// Why the ring cannot run this model's decode steps, or `None` when it can: Llama-shaped bf16
 /// blocks (no q/k norms, sandwich norms, sliding windows, embedding scale), SiLU, the paired
 /// RoPE order, and shapes the kernel takes (reductions of whole 1,024-weight warps, the fused
-/// MLP's chunks, the attention stage's heads).
+/// MLP's chunks, the attention stage's heads, a KV block size it can shift by).
 fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
     let c = &m.config;
     let (hid, q) = (c.hidden_size, c.num_heads * c.head_dim);
