@@ -2541,6 +2541,13 @@ __device__ __forceinline__ void ring_share(int items, int& off, int& start, int&
     start = v * base + min(v, rem);
     off = (off + rem) % g;
 }
+// n / d for a divisor d fixed over a loop, by a multiply-high with m = ring_div_magic(d) =
+// ceil(2^32 / d) (2^32 / d for a power of two; d == 1 takes n): exact for n < 2^28 and d <= 16,
+// as n (m d - 2^32) < 2^32. A division by a runtime value is ~20 instructions.
+__device__ __forceinline__ unsigned int ring_div_magic(unsigned int d) { return 0xffffffffu / d + 1u; }
+__device__ __forceinline__ unsigned int ring_div(unsigned int n, unsigned int d, unsigned int m) {
+    return d == 1 ? n : __umulhi(n, m);
+}
 // Where block b's even share of len elements starts (block b + 1's start ends it).
 // (32-bit: len gridDim < 2^32, as len <= the vocabulary, whose head has vocab hidden < 2^31
 // weights; a 64-bit division was ~70 instructions at each of four sites.)
@@ -2637,7 +2644,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
     const int* bt = step.block_tables + (size_t)step.tok_row[0] * step.bt_stride;
     // The block size and hd are powers of two (the host's condition): shifts, not divisions
     // (each division inlined ~25 instructions wherever a tile loads: session 24).
-    const int bsh = __ffs(step.block_size) - 1, csh = __ffs(hd) - 4;  // (16-byte chunks a row: hd / 8)
+    const int bsh = __ffs(step.block_size) - 1, hsh = __ffs(hd) - 1, csh = hsh - 3;  // (csh: hd / 8 chunks a row)
     const size_t kv_stride = (size_t)st.nkv * hd;
     // Tile [t0, t0 + kt)'s K (v = 0) or V (v = 1) rows into shared memory as one cp.async
     // group: the cached ones, and the new token's from knew / vnew (the first tile, loaded
@@ -2681,7 +2688,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         st.v_cache[slot * kv_stride + (size_t)kh * hd + ct + hh] = vb;
     }
     for (int u = ct; u < (G + 1) * hh; u += nct) {
-        const int g = u >> (csh + 2), i = u & (hh - 1), r = rope_row(i, 1);  // (hh = hd / 2)
+        const int g = u >> (hsh - 1), i = u & (hh - 1), r = rope_row(i, 1);  // (hh = hd / 2)
         const bool key = g == G;
         if (key && !has_new) continue;
         const size_t src = (size_t)(key ? st.nh + kh : kh * G + g) * hd;
@@ -2780,7 +2787,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         for (int i = 0; i < 2; i++) {
             const int u = ct + i * nct;
             if (u >= G * hd) break;
-            const int g = u >> (csh + 3), d = u & (hd - 1);
+            const int g = u >> hsh, d = u & (hd - 1);
             float a = acc[i] * mls[2 * G + g];
             // (Four keys at a time: 0.2% faster than the compiler's full unroll of the loop,
             // ~7 KB of code more, and as fast as eight; one at a time 0.6% slower. Session 24.)
@@ -2838,7 +2845,7 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
         return;
     }
     const int hd = st.hd, nh = st.nh, hsh = __ffs(hd) - 1;
-    const unsigned int gm = 0xffffffffu / (unsigned int)G + 1u;  // (G == 1: 0, unused)
+    const unsigned int gm = ring_div_magic((unsigned int)G);
     int P = 1, pl = 0;
     while (P < S && P < 32) P <<= 1, pl++;
     const int lane = ct & 31, l = lane & (P - 1);
@@ -2848,7 +2855,7 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
         float M = NEG_INF, L = 0.0f, O = 0.0f;
         if (i < rows) {
             const int r = r0 + i, h = r >> hsh, d = r & (hd - 1);
-            const int kvh = G == 1 ? h : (int)__umulhi((unsigned int)h, gm), base = kvh * S * G + h - kvh * G;
+            const int kvh = (int)ring_div((unsigned int)h, (unsigned int)G, gm), base = kvh * S * G + h - kvh * G;
             for (int sp = l; sp < S; sp += P) {
                 const int idx = base + sp * G;
                 ring_merge(M, L, O, __ldcg(ml + 2 * idx), __ldcg(ml + 2 * idx + 1), __ldcg(st.x + (size_t)idx * hd + d));
@@ -3329,10 +3336,9 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             if (add) add_out(acc, cols);
         } else {
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
-            // A warp's 1024 weights are piece e / 1024 of the matrix, row piece / parts: a
-            // multiply-high by ceil(2^32 / parts), exact for pieces < 2^28 (N K < 2^31), not
-            // a division every slot.
-            const unsigned int parts = (unsigned int)st.K / 1024, rmul = 0xffffffffu / parts + 1u;
+            // A warp's 1024 weights are piece e / 1024 of the matrix, row piece / parts
+            // (ring_div: pieces < 2^21 as N K < 2^31), not a division every slot.
+            const unsigned int parts = (unsigned int)st.K / 1024, rmul = ring_div_magic(parts);
             float acc = 0.0f;
             int row = -1, unit = -1;  // a row's sum over consecutive slots of one unit (or run)
             for (int i = 0; claim > 0 || i < count; i++) {
@@ -3345,7 +3351,7 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 const unsigned int e = (unsigned int)item * (RING_SLOT / 2) + warp * 1024;
 #ifndef RING_NO_MATH
                 if (e < elems) {  // (the last slot of a stage may be short)
-                    const unsigned int piece = e / 1024, pr = parts == 1 ? piece : __umulhi(piece, rmul);
+                    const unsigned int piece = e / 1024, pr = ring_div(piece, parts, rmul);
                     const int r = (int)pr, un = claim > 0 ? item >> 1 : 0;  // (a claim is two slots)
                     const float v = warp_dot(src, (int)(piece - pr * parts) * 128);
                     if (r != row || un != unit) {
