@@ -2478,6 +2478,8 @@ struct RingStage {
     float scale;
     int zero_len;
     int x_len;
+    const float* ws;   // FP8 weights where not null (gemv_ring_f8): w's scales, one an output channel
+    const float* ws2;  // and w2's (MLP: down^T's columns)
 };
 // The decode step's token (RING_ATTN stages): the engine's step metadata for one row.
 struct RingStep {
@@ -2494,11 +2496,15 @@ struct RingStep {
 #define RING_SLOT 32768
 #endif
 #define RING_MAX_SLOTS 32
+// f32 beside each slot of gemv_ring_f8: an FP8 GEMV or gate|up slot's row scales (from the
+// 16-byte boundary at or before its first row: at most 32 rows of 1,024 weights and 3 before).
+#define RING_SLOT_SCALES 64
 #define RING_MLP_COLS 16  // down sums a thread keeps: K <= RING_CW * 32 * 16
-// Intermediate rows of a fused MLP chunk: the largest power of two with 2 CR K <= RING_SLOT.
-__device__ __forceinline__ int ring_chunk_rows(int K) {
+// Rows of K weights of wb bytes (2: bf16, 1: FP8) in a chunk (an MLP chunk's intermediate rows,
+// a GEMVT chunk's input rows): the largest power of two with CR K wb <= RING_SLOT.
+__device__ __forceinline__ int ring_chunk_rows(int K, int wb = 2) {
     int cr = 1;
-    while (4 * cr * K <= RING_SLOT) cr *= 2;
+    while (2 * wb * cr * K <= RING_SLOT) cr *= 2;
     return cr;
 }
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -2553,23 +2559,23 @@ __device__ __forceinline__ unsigned int ring_div(unsigned int n, unsigned int d,
 // weights; a 64-bit division was ~70 instructions at each of four sites.)
 __device__ __forceinline__ int ring_block_part(int len, unsigned int b) { return (int)((unsigned int)len * b / gridDim.x); }
 // The items (slots, or chunks) a stage of `kind`, N and K streams: none for ATTN and CVT.
-__device__ __forceinline__ int ring_items(int kind, int N, int K) {
+__device__ __forceinline__ int ring_items(int kind, int N, int K, int wb = 2) {
     if (kind == RING_ATTN || kind == RING_CVT) return 0;
-    if (kind == RING_MLP) return N / ring_chunk_rows(K);
-    if (kind == RING_GEMVT) return K / ring_chunk_rows(N);
-    const unsigned int bytes = (unsigned int)N * (unsigned int)K * 2u;
+    if (kind == RING_MLP) return N / ring_chunk_rows(K, wb);
+    if (kind == RING_GEMVT) return K / ring_chunk_rows(N, wb);
+    const unsigned int bytes = (unsigned int)N * (unsigned int)K * (unsigned int)wb;
     return (int)((bytes + RING_SLOT - 1) / RING_SLOT);
 }
-__device__ __forceinline__ int ring_items(const RingStage& st) { return ring_items(st.kind, st.N, st.K); }
+__device__ __forceinline__ int ring_items(const RingStage& st, int wb = 2) { return ring_items(st.kind, st.N, st.K, wb); }
 // Slots a claim takes, or 0 where a stage's items are shared out in fixed runs (see the
 // kernel's header): GEMV stages of at least 8 slots a block (the output head, the 8B's
 // q|k|v), two slots a claim (fewer slots are as even in fixed runs, and a claim's round trip
 // would show).
-__device__ __forceinline__ int ring_unit(int kind, int N, int K) {
+__device__ __forceinline__ int ring_unit(int kind, int N, int K, int wb = 2) {
 #ifdef RING_NO_CLAIM  // measurement: fixed runs only
     return 0;
 #endif
-    return kind == RING_GEMV && ring_items(kind, N, K) >= 8 * (int)gridDim.x ? 2 : 0;
+    return kind == RING_GEMV && ring_items(kind, N, K, wb) >= 8 * (int)gridDim.x ? 2 : 0;
 }
 // c = hi + lo as the sums' halves take it (see the kernel's header).
 __device__ __forceinline__ void ring_split(float c, float& hi, float& lo) {
@@ -2583,6 +2589,105 @@ __device__ __forceinline__ void ring_add(float* y, size_t i, size_t len, float c
     ring_split(c, hi, lo);
     atomicAdd(y + i, hi);
     atomicAdd(y + len + i, lo);
+}
+// FP8 weights in the ring (gemv_ring_f8; session 25): e4m3 multiplied on the tensor cores
+// (mma.sync m16n8k16: e4m3 converts to f16 exactly, products and sums in f32) against the
+// stage's input as f16 (bf16 to f16 is exact but for magnitudes past 65,504, saturated, or
+// below 2^-14, where f16 keeps fewer bits: far from a normed input's range). On the CUDA cores
+// an e4m3 weight took ~5 instructions (session 20: the consumer, not the stream, was the FP8
+// ring's limit); here 16 weights take about 15 a lane.
+// Four e4m3 (bytes 0..3 of p) as two f16x2: bytes 0, 1 in lo (byte 0 the low half), 2, 3 in hi.
+__device__ __forceinline__ void e4m3x4_f16x2(u32 p, u32& lo, u32& hi) {
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+        : "=r"(lo), "=r"(hi)
+        : "r"(p));
+}
+// f16x2 of (lo, hi), saturated to f16's range.
+__device__ __forceinline__ u32 f16x2_sat(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// c += A B for one m16n8k16 tile (f16 operands, f32 sums).
+__device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// Where natural 8-element unit j of an FP8 stage's f16 input goes in shared memory: the 16
+// inputs of lane l's 16 weights of a 512-weight piece (k from 16 (32 piece + l)) are uint4
+// 64 piece + l and 64 piece + 32 + l (consecutive lanes, consecutive uint4: no bank conflicts).
+__device__ __forceinline__ int ring_f8_xpos(int j) { return ((j >> 6) << 6) + ((j & 1) << 5) + ((j >> 1) & 31); }
+// The dot product of a 1024-weight e4m3 unit `w` of one row with its input `xh` (the unit's
+// f16 input at ring_f8_xpos order: uint4 col0 / 8 on), by the diagonal of tensor-core tiles:
+// lane l's 16 weights of a piece are A's rows g = l / 4 and g + 8 at k 2t.. (t = l % 4; A
+// elements as loaded, no shuffle), and the lane's 16 inputs B's column g, so that C[g][g] and
+// C[g + 8][g] are the lanes' dot products (the rest of C is unused). Returns the lane's part:
+// nonzero in the 8 diagonal lanes, to be summed over the warp.
+__device__ __forceinline__ float ring_f8_dot(const uint4* w, const uint4* xh, int lane) {
+    float ca[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int it = 0; it < 2; it++) {
+        const uint4 v = w[it * 32 + lane], x0 = xh[it * 64 + lane], x1 = xh[it * 64 + 32 + lane];
+        u32 a[8];
+        e4m3x4_f16x2(v.x, a[0], a[1]);
+        e4m3x4_f16x2(v.y, a[2], a[3]);
+        e4m3x4_f16x2(v.z, a[4], a[5]);
+        e4m3x4_f16x2(v.w, a[6], a[7]);
+        mma_f16(ca, a[0], a[1], a[2], a[3], x0.x, x0.z);
+        mma_f16(cb, a[0], a[1], a[2], a[3], x0.y, x0.w);
+        mma_f16(ca, a[4], a[5], a[6], a[7], x1.x, x1.z);
+        mma_f16(cb, a[4], a[5], a[6], a[7], x1.y, x1.w);
+    }
+    const int g = lane >> 2;
+    return (lane & 3) == (g >> 1) ? ((g & 1) ? ca[1] + cb[3] : ca[0] + cb[2]) : 0.0f;
+}
+// Eight bf16 as f16 (saturated), in the same order.
+__device__ __forceinline__ uint4 bf16x8_f16(uint4 v) {
+    const u32 a[4] = {v.x, v.y, v.z, v.w};
+    u32 r[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) r[i] = f16x2_sat(__uint_as_float(a[i] << 16), __uint_as_float(a[i] & 0xffff0000u));
+    return make_uint4(r[0], r[1], r[2], r[3]);
+}
+// Pairs of 32 columns an FP8 split-K warp keeps, at most (RING_F8_OCT accumulator sets of 8).
+#define RING_F8_OCT 2
+// FP8 split-K rows (an MLP chunk's down^T, a GEMVT chunk): c += h^T d over the chunk's `rows`
+// (4 to 16, a multiple of 4) rows of `cols` e4m3, for this warp's P pairs of 32 columns from
+// pair p0, on the tensor cores. The host rotates row r's columns by 32 ((r % rows) / 4) bytes,
+// so that a lane's 4-byte loads meet no bank twice. Lane (g, t) (g = lane / 4, t = lane % 4)
+// loads rows 4t..4t+3 of a pair's columns 4g..4g+3: A is two tiles (columns 4g, 4g+1 and 4g+2,
+// 4g+3 as tile rows g, g+8; row 4t+i as k 2t+i, or 2t+6+i for i >= 2), B is h (hb0 = h[4t],
+// h[4t+1], hb1 = h[4t+2], h[4t+3] as f16x2) in column n = p % 8 alone, so one accumulator set
+// takes eight pairs: lane (g, t) ends with pair 8o+2t's columns 4g..4g+3 in c[o][0, 2, 4, 6]
+// and pair 8o+2t+1's in c[o][1, 3, 5, 7].
+__device__ __forceinline__ void ring_f8_rows(float (&c)[RING_F8_OCT][8], const unsigned char* d, int cols, int rows, int p0, int P,
+                                             u32 hb0, u32 hb1, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const bool on = 4 * t < rows;
+    const unsigned char* rw = d + (size_t)(4 * t) * cols;
+#pragma unroll
+    for (int o = 0; o < RING_F8_OCT; o++) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (8 * o + j >= P) break;
+            const u32 b0 = g == j ? hb0 : 0u, b1 = g == j ? hb1 : 0u;
+            u32 r[4] = {0u, 0u, 0u, 0u};
+            if (on) {
+                int col = 32 * (p0 + 8 * o + j) + 4 * g + 32 * t;
+                if (col >= cols) col -= cols;
+#pragma unroll
+                for (int i = 0; i < 4; i++) r[i] = *(const u32*)(rw + i * cols + col);
+            }
+            u32 a0, a1, a2, a3;
+            e4m3x4_f16x2(__byte_perm(r[0], r[1], 0x5140), a0, a1);
+            e4m3x4_f16x2(__byte_perm(r[2], r[3], 0x5140), a2, a3);
+            mma_f16(c[o], a0, a1, a2, a3, b0, b1);
+            e4m3x4_f16x2(__byte_perm(r[0], r[1], 0x7362), a0, a1);
+            e4m3x4_f16x2(__byte_perm(r[2], r[3], 0x7362), a2, a3);
+            mma_f16(c[o] + 4, a0, a1, a2, a3, b0, b1);
+        }
+    }
 }
 // The global timer (ns), for traces.
 __device__ __forceinline__ unsigned long long ring_now() {
@@ -2875,9 +2980,12 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // (no waits for inputs), RING_NO_MATH (slots released unread), RING_NO_RED (MLP sums never
 // added), RING_MLP_NO_DOWN (down slots released unread) and RING_MLP_NO_BAR (no barrier
 // between a chunk's gate|up and down) are measurement variants with wrong outputs.
-extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(const RingStage* stages, int n, unsigned int* done,
-                                                                           int nslots, unsigned long long* trace,
-                                                                           RingStep step) {
+// F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
+// the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
+// session 20).
+template <bool F8>
+__device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, unsigned int* done, int nslots,
+                                               unsigned long long* trace, RingStep step) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int SLOT_UNITS = RING_SLOT / 16;
     static_assert(SLOT_UNITS == RING_CW * 128, "a warp reduces 1024 weights of a slot");
@@ -2886,8 +2994,15 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
     uint4* ring = (uint4*)smem;
     unsigned long long* full = (unsigned long long*)(smem + (size_t)nslots * RING_SLOT);
     unsigned long long* empty = full + nslots;
-    uint4* xs = (uint4*)(empty + nslots);  // the stage's input, bf16 (or an ATTN stage's state)
-    __shared__ float part[2][2][RING_CW];   // MLP: [chunk parity][gate, up][warp]
+    // F8: RING_SLOT_SCALES f32 a slot, the row scales of an FP8 GEMV or gate|up slot, which the
+    // producer copies with its weights (a consumer's own load cost a round trip a row: the FP8
+    // head ran at half the stream, session 20).
+    float* sscale = (float*)(empty + nslots);
+    // The stage's input, bf16 (or an ATTN stage's state); F8 GEMV and MLP stages the same as
+    // f16 (ring_f8_xpos order) from 2 K bytes on; F8 o and MLP stages their f32 column scales
+    // from 4 N bytes on (N the stage's outputs), past the pairs' f32 sums.
+    uint4* xs = (uint4*)(sscale + (F8 ? nslots * RING_SLOT_SCALES : 0));
+    __shared__ float part[2][2][F8 ? 2 * RING_CW : RING_CW];  // MLP: [chunk parity][gate, up][unit]
     __shared__ float red_ss[RING_CW];       // the input norm's sum of squares, by warp
     __shared__ int slot_item[RING_MAX_SLOTS];  // the item a full slot holds (-1: a stage's end)
     __shared__ __align__(8) unsigned long long pair_ready;  // the pair's sums staged (clusters of two)
@@ -2930,12 +3045,19 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             if (++ki == (unsigned int)nslots) ki = 0, kr++;
         };
         // A piece of weights into the next slot, tagged with its item (the mbarrier's arrive
-        // releases the tag with the slot).
-        auto put = [&](const void* src, unsigned int len, int item) {
+        // releases the tag with the slot), and (F8) `slen` bytes of row scales from `ssrc`
+        // beside it (both 16-byte multiples).
+        auto put = [&](const void* src, unsigned int len, int item, const float* ssrc = nullptr, unsigned int slen = 0) {
             const unsigned int idx = slot();
             slot_item[idx] = item;
             const u32 fb = smem_addr(full + idx);
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fb), "r"(len) : "memory");
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fb), "r"(len + slen) : "memory");
+            if (F8 && slen > 0) {
+                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                                 smem_addr(sscale + idx * RING_SLOT_SCALES)),
+                             "l"(ssrc), "r"(slen), "r"(fb)
+                             : "memory");
+            }
 #ifndef RING_COPY_PARTS  // measurement: a slot in this many bulk copies
 #define RING_COPY_PARTS 1
 #endif
@@ -2964,19 +3086,31 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             next();
         };
         // Item i of a stage: its piece(s), tagged i.
+        // (F8: a GEMV slot's and a gate or up slot's row scales beside it.)
         auto put_item = [&](const RingStage& st, unsigned int i) {
+            const unsigned int wb = F8 && st.ws ? 1 : 2;
             if (st.kind == RING_GEMVT) {
-                const unsigned int len = ring_chunk_rows(st.N) * st.N * 2;
+                const unsigned int len = ring_chunk_rows(st.N, wb) * st.N * wb;
                 put((const unsigned char*)st.w + (size_t)i * len, len, i);
             } else if (st.kind == RING_MLP) {
-                const unsigned int len = ring_chunk_rows(st.K) * st.K * 2;
+                const unsigned int cr = ring_chunk_rows(st.K, wb), len = cr * st.K * wb;
                 const size_t r = (size_t)i * len;
-                put((const unsigned char*)st.w + r, len, i);
-                put((const unsigned char*)st.w + (size_t)st.N * st.K * 2 + r, len, i);
+                const float* gsc = F8 && wb == 1 ? st.ws + (size_t)i * cr : nullptr;  // (cr >= 4)
+                const unsigned int sl = F8 && wb == 1 ? 4 * cr : 0;
+                put((const unsigned char*)st.w + r, len, i, gsc, sl);
+                put((const unsigned char*)st.w + (size_t)st.N * st.K * wb + r, len, i, gsc + (sl ? st.N : 0), sl);
                 put((const unsigned char*)st.w2 + r, len, i);
             } else {
-                const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * 2u, at = i * RING_SLOT;
-                put((const unsigned char*)st.w + at, min((unsigned int)RING_SLOT, bytes - at), i);
+                const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * wb, at = i * RING_SLOT;
+                const unsigned int len = min((unsigned int)RING_SLOT, bytes - at);
+                if (F8 && wb == 1) {
+                    // The slot's rows' scales from the 16-byte boundary at or before its first
+                    // (the host rounds the scales' allocation to 16 bytes: the copy stays in it).
+                    const unsigned int r0 = at / st.K & ~3u, r1 = (at + len - 1) / st.K + 1;
+                    put((const unsigned char*)st.w + at, len, i, st.ws + r0, (r1 - r0 + 3) / 4 * 16);
+                } else {
+                    put((const unsigned char*)st.w + at, len, i);
+                }
             }
         };
         int off = 0;
@@ -2984,7 +3118,8 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         for (int s = 0; s < n; s++) {
             const RingStage st = nxt;
             if (s + 1 < n) nxt = stages[s + 1];  // (in flight while this stage's copies issue)
-            const unsigned int items = (unsigned int)ring_items(st), u = ring_unit(st.kind, st.N, st.K);
+            const int wb = F8 && st.ws ? 1 : 2;
+            const unsigned int items = (unsigned int)ring_items(st, wb), u = ring_unit(st.kind, st.N, st.K, wb);
             if (u > 0) {
                 // Units claimed one ahead: the claim's round trip runs while the unit before
                 // streams (or waits for its slots).
@@ -3058,8 +3193,10 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         // wait: its divisions off the path from the wait to the stage's first slot (session 20,
         // docs/benchmarks.md).
         int start = 0, count = 0;
-        const int claim = ring_unit(st.kind, st.N, st.K);
-        if (claim == 0 && st.kind != RING_ATTN && st.kind != RING_CVT) ring_share(ring_items(st), off, start, count);
+        const bool f8 = F8 && st.ws;  // (F8: every o and MLP stage; GEMV stages where they are)
+        const int wb = f8 ? 1 : 2;
+        const int claim = ring_unit(st.kind, st.N, st.K, wb);
+        if (claim == 0 && st.kind != RING_ATTN && st.kind != RING_CVT) ring_share(ring_items(st, wb), off, start, count);
         // This block's share of the zeroing, and of a CVT stage's sums: 64-bit divisions, also
         // worked out before the wait (1B 0.976 -> 0.971 ms, 3B 2.265 -> 2.242; session 21).
         const int za = ring_block_part(st.zero_len, blockIdx.x), zb = ring_block_part(st.zero_len, blockIdx.x + 1);
@@ -3096,6 +3233,15 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
 #pragma unroll
             for (int i = 0; i < 2; i++)
                 if (ct + i * nct < st.K / 8) gw[i] = *((const uint4*)st.norm_w + ct + i * nct);
+        }
+        // F8 o and MLP stages: their column scales (o^T's, down^T's: one an output) copied into
+        // shared memory before the wait too (read at the stage's end, after a wait_all).
+        const int f8cols = st.kind == RING_GEMVT ? st.N : st.K;
+        float* f8cs = (float*)xs + f8cols;
+        if (F8 && (st.kind == RING_GEMVT || st.kind == RING_MLP)) {
+            if (!f8) __trap();  // (the host's rule: FP8 layers throughout)
+            const float* src = st.kind == RING_GEMVT ? st.ws : st.ws2;
+            for (int i = ct; i < f8cols / 4; i += nct) cp_async16(f8cs + 4 * i, src + 4 * i);
         }
         // The end of a stage: the barrier orders every consumer's stores and atomics before
         // thread 0's count (the pattern of a cooperative grid sync: one fence a block, not a
@@ -3171,9 +3317,14 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
                 xs[j] = rms_norm8(xs[j], gw[q], inv, 0.0f);
             }
         }
+        if (f8 && st.kind != RING_GEMVT) {
+            // FP8: the input as f16 for the tensor cores (each thread its own units).
+            uint4* xh = xs + st.K / 8;
+            for (int j = ct; j < st.K / 8; j += nct) xh[ring_f8_xpos(j)] = bf16x8_f16(xs[j]);
+        }
         float* xr = (float*)xs;  // GEMVT: the block's input rows, f32
         if (st.kind == RING_GEMVT) {
-            const int cr = ring_chunk_rows(st.N), r0 = start * cr;
+            const int cr = ring_chunk_rows(st.N, wb), r0 = start * cr;
             ring_gemvt_rows(st, xr, r0, count * cr, ct, nct, aG, aS);
         }
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
@@ -3197,18 +3348,21 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
         // (the input's place, free once every warp is past its last slot), and each adds the
         // pair's sum of every other 8 columns (own + partner's: the same bits in either
         // block), halving the atomics.
+        // (F8: the sums are in `red` already, see below.)
         auto add_out = [&](float* acc, int cols) {
             if (csize == 2) {
                 float4* red = (float4*)xs;
-                asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+                if (!F8) {
+                    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
 #pragma unroll
-                for (int q = 0; q < RING_MLP_COLS / 8; q++) {
-                    const int j = q * nct + ct;
-                    if (8 * j >= cols) break;
-                    red[2 * j] = make_float4(acc[q * 8], acc[q * 8 + 1], acc[q * 8 + 2], acc[q * 8 + 3]);
-                    red[2 * j + 1] = make_float4(acc[q * 8 + 4], acc[q * 8 + 5], acc[q * 8 + 6], acc[q * 8 + 7]);
+                    for (int q = 0; q < RING_MLP_COLS / 8; q++) {
+                        const int j = q * nct + ct;
+                        if (8 * j >= cols) break;
+                        red[2 * j] = make_float4(acc[q * 8], acc[q * 8 + 1], acc[q * 8 + 2], acc[q * 8 + 3]);
+                        red[2 * j + 1] = make_float4(acc[q * 8 + 4], acc[q * 8 + 5], acc[q * 8 + 6], acc[q * 8 + 7]);
+                    }
+                    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
                 }
-                asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
                 if (ct == 0) {
                     asm volatile("fence.acq_rel.cluster;" ::: "memory");
                     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
@@ -3262,7 +3416,113 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
 #pragma unroll
             for (int q = 0; q < RING_MLP_COLS; q++) acc[q] = 0.0f;
             const int cols = st.kind == RING_GEMVT ? st.N : st.K;
-            if (st.kind == RING_GEMVT) {
+            if (F8) {
+                // FP8 (every o and MLP stage of the instance): warp w keeps P pairs of 32 columns
+                // from pair w P in tensor-core accumulators (ring_f8_rows).
+                const int cr = ring_chunk_rows(cols, 1), P = cols / 512, p0 = warp * P, t4 = 4 * (lane & 3);
+                float c8[RING_F8_OCT][8];
+#pragma unroll
+                for (int o = 0; o < RING_F8_OCT; o++)
+#pragma unroll
+                    for (int i = 0; i < 8; i++) c8[o][i] = 0.0f;
+                if (st.kind == RING_GEMVT) {
+                    for (int c = 0; c < count; c++) {
+                        const unsigned char* d = (const unsigned char*)take();
+                        float h[4];
+#pragma unroll
+                        for (int i = 0; i < 4; i++) h[i] = t4 + i < cr ? xr[c * cr + t4 + i] : 0.0f;
+                        ring_f8_rows(c8, d, cols, cr, p0, P, f16x2_sat(h[0], h[1]), f16x2_sat(h[2], h[3]), lane);
+                        release();
+                    }
+                } else {
+                    // A chunk: cr rows of gate, of up and of down^T (e4m3, cr K <= RING_SLOT);
+                    // gate|up: the chunk's cr * parts units of 1024 weights (unit v: row v / parts,
+                    // columns 1024 (v % parts) on), warp w units w and w + RING_CW; their row
+                    // scales from beside the slots, taken before the slots are released.
+                    const int parts = st.K / 1024, units = cr * parts;
+                    const int va = warp, vb = warp + RING_CW, ra = va / parts, rb = vb / parts;
+                    const uint4* xh = xs + st.K / 8;
+                    const uint4* xa = xh + (va % parts) * 128;
+                    const uint4* xb = xh + (vb % parts) * 128;
+                    for (int c = 0; c < count; c++) {
+                        const unsigned int gi = ki, ui = ki + 1 == (unsigned int)nslots ? 0u : ki + 1;
+                        const uint4* gs = take();
+                        const uint4* us = take(1);
+                        // The units' rows' scales (rows past the chunk: unused, in the slot's side).
+                        // Each used before the slots are released: a scale read then but used
+                        // after the release (its load still in flight) made steps differ run to
+                        // run, as if the producer's next copy into the slot's side had raced it.
+                        const float s[4] = {sscale[gi * RING_SLOT_SCALES + ra], sscale[ui * RING_SLOT_SCALES + ra],
+                                            sscale[gi * RING_SLOT_SCALES + rb], sscale[ui * RING_SLOT_SCALES + rb]};
+                        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // gate a, up a, gate b, up b
+#ifndef RING_NO_MATH
+                        if (va < units) v[0] = ring_f8_dot(gs + va * 64, xa, lane), v[1] = ring_f8_dot(us + va * 64, xa, lane);
+                        if (vb < units) v[2] = ring_f8_dot(gs + vb * 64, xb, lane), v[3] = ring_f8_dot(us + vb * 64, xb, lane);
+#endif
+#pragma unroll
+                        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                            for (int i = 0; i < 4; i++) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+#pragma unroll
+                        for (int i = 0; i < 4; i++) v[i] *= s[i];  // (before the slots' release)
+                        if (lane == 0) {
+                            if (va < units) part[c & 1][0][va] = v[0], part[c & 1][1][va] = v[1];
+                            if (vb < units) part[c & 1][0][vb] = v[2], part[c & 1][1][vb] = v[3];
+                        }
+                        release();
+                        release();
+                        asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+                        // Lane r < cr forms activation r (of the scaled sums, rounded as the skinny
+                        // FP8 kernels' SiLU epilogue); the lanes take theirs by shuffle.
+                        float hl = 0.0f;
+                        if (lane < cr) {
+                            float g = 0.0f, u = 0.0f;
+                            for (int p = 0; p < parts; p++) {
+                                g += part[c & 1][0][lane * parts + p];
+                                u += part[c & 1][1][lane * parts + p];
+                            }
+                            hl = rbf(act_mul(rbf(g), rbf(u), false));
+                        }
+                        float h[4];
+#pragma unroll
+                        for (int i = 0; i < 4; i++) h[i] = __shfl_sync(0xffffffffu, hl, t4 + i);
+                        const unsigned char* d = (const unsigned char*)take();
+#ifndef RING_NO_MATH
+                        ring_f8_rows(c8, d, cols, cr, p0, P, f16x2_sat(h[0], h[1]), f16x2_sat(h[2], h[3]), lane);
+#endif
+                        release();
+                    }
+                }
+                if (count > 0 || csize == 2) {
+                    // The block's column sums, scaled by their columns' scales, into `red` (the
+                    // input's place: every warp is past its last slot) in column order, then
+                    // thread ct's add_out columns from it.
+                    cp_async_wait_all();  // (the scales)
+                    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+                    float4* red = (float4*)xs;
+                    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+                    for (int o = 0; o < RING_F8_OCT; o++)
+#pragma unroll
+                        for (int k = 0; k < 2; k++) {
+                            const int pl = 8 * o + 2 * t + k;
+                            if (pl >= P) continue;
+                            const int col = 32 * (p0 + pl) + 4 * g;
+                            const float4 sc = *(const float4*)(f8cs + col);
+                            red[col / 4] =
+                                make_float4(c8[o][k] * sc.x, c8[o][2 + k] * sc.y, c8[o][4 + k] * sc.z, c8[o][6 + k] * sc.w);
+                        }
+                    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+#pragma unroll
+                    for (int q = 0; q < RING_MLP_COLS / 8; q++) {
+                        const int j = q * nct + ct;
+                        if (8 * j >= cols) break;
+                        const float4 a = red[2 * j], b = red[2 * j + 1];
+                        acc[q * 8] = a.x, acc[q * 8 + 1] = a.y, acc[q * 8 + 2] = a.z, acc[q * 8 + 3] = a.w;
+                        acc[q * 8 + 4] = b.x, acc[q * 8 + 5] = b.y, acc[q * 8 + 6] = b.z, acc[q * 8 + 7] = b.w;
+                    }
+                }
+            } else if (st.kind == RING_GEMVT) {
                 const int cr = ring_chunk_rows(st.N);
                 for (int c = 0; c < count; c++) {
                     const uint4* d = take();
@@ -3334,6 +3594,54 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
             add = add && st.kind != RING_MLP;
 #endif
             if (add) add_out(acc, cols);
+        } else if (F8 && f8) {
+            // FP8 GEMV: a slot holds 32 pieces of 1024 weights (piece p: row p / parts, columns
+            // 1024 (p % parts) on); warp w reduces pieces w and w + RING_CW (ring_f8_dot), the
+            // two shuffles interleaved, and scales each piece's sum by its row's scale, copied
+            // beside the slot (from row rs on), before the slot's release (see the MLP's).
+            const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
+            const unsigned int parts = (unsigned int)st.K / 1024, rmul = ring_div_magic(parts);
+            const uint4* xh = xs + st.K / 8;
+            float acc = 0.0f, sc = 1.0f;
+            int row = -1, unit = -1;
+            for (int i = 0; claim > 0 || i < count; i++) {
+                const unsigned int si = ki;  // (the slot's index: its row scales)
+                const uint4* src = take();
+                const int item = claim > 0 ? slot_item[si] : start + i;
+                if (item < 0) {
+                    release();
+                    break;
+                }
+#ifndef RING_NO_MATH
+                const unsigned int pc0 = (unsigned int)item * 32u, rs = ring_div(pc0, parts, rmul) & ~3u;
+                float v[2] = {0.0f, 0.0f};
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const unsigned int pc = pc0 + warp + h * RING_CW, pr = ring_div(pc, parts, rmul);
+                    if (pc * 1024u < elems) v[h] = ring_f8_dot(src + (warp + h * RING_CW) * 64, xh + (pc - pr * parts) * 128, lane);
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+                    v[1] += __shfl_xor_sync(0xffffffffu, v[1], o);
+                }
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const unsigned int pc = pc0 + warp + h * RING_CW;
+                    if (pc * 1024u >= elems) break;  // (the last slot of a stage may be short)
+                    const int r = (int)ring_div(pc, parts, rmul), un = claim > 0 ? item >> 1 : 0;
+                    if (r != row || un != unit) {
+                        if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
+                        row = r, unit = un;
+                        acc = 0.0f;
+                        sc = sscale[si * RING_SLOT_SCALES + r - (int)rs];
+                    }
+                    acc += v[h] * sc;
+                }
+#endif
+                release();
+            }
+            if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
         } else {
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
             // A warp's 1024 weights are piece e / 1024 of the matrix, row piece / parts
@@ -3383,6 +3691,16 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(co
 #else
     __trap();
 #endif
+}
+extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(const RingStage* stages, int n, unsigned int* done,
+                                                                           int nslots, unsigned long long* trace,
+                                                                           RingStep step) {
+    gemv_ring_body<false>(stages, n, done, nslots, trace, step);
+}
+extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring_f8(const RingStage* stages, int n,
+                                                                              unsigned int* done, int nslots,
+                                                                              unsigned long long* trace, RingStep step) {
+    gemv_ring_body<true>(stages, n, done, nslots, trace, step);
 }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the

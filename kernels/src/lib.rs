@@ -54,6 +54,7 @@ const KERNELS: &[&str] = &[
     "quantize_fp8_rows",
     "fp8_rescale",
     "gemv_ring",
+    "gemv_ring_f8",
 ];
 
 /// Kernels that only exist in the bf16 build: these, and every tensor-core skinny GEMM and FP8
@@ -65,6 +66,7 @@ const BF16_ONLY: &[&str] = &[
     "quantize_fp8_rows",
     "fp8_rescale",
     "gemv_ring",
+    "gemv_ring_f8",
 ];
 const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_"];
 
@@ -2012,6 +2014,11 @@ pub struct RingStage {
     /// The length of the sums `x` holds (where their second half starts; see
     /// [`RingInput::Sums`]).
     pub x_len: i32,
+    /// FP8 weights where not 0 (`gemv_ring_f8`): `w` (and an MLP's `w2`) hold e4m3 bytes and
+    /// these their f32 scales, one an output channel (`w`'s rows for GEMV and an MLP's
+    /// gate|up; the output columns, `w`'s for GEMVT and `w2`'s for the MLP's down^T).
+    pub ws: u64,
+    pub ws2: u64,
 }
 
 impl RingStage {
@@ -2067,28 +2074,34 @@ pub fn ring_attn_part_floats(blocks: usize, nh: usize, nkv: usize, hd: usize) ->
     (blocks / nkv).max(1) * nh * (hd + 2)
 }
 
-/// Rows of `k` bf16 in a `gemv_ring` chunk with `slot` bytes a slot (the source's
-/// `ring_chunk_rows`, [`RING_SLOT`] unless built otherwise): the largest power of two of rows
-/// that fill at most a slot (an MLP chunk's intermediate rows, a GEMVT chunk's input rows).
-pub fn ring_chunk_rows(k: usize, slot: usize) -> usize {
+/// Rows of `k` weights of `wb` bytes (2: bf16, 1: FP8) in a `gemv_ring` chunk with `slot`
+/// bytes a slot (the source's `ring_chunk_rows`, [`RING_SLOT`] unless built otherwise): the
+/// largest power of two of rows that fill at most a slot (an MLP chunk's intermediate rows, a
+/// GEMVT chunk's input rows).
+pub fn ring_chunk_rows(k: usize, slot: usize, wb: usize) -> usize {
     let mut cr = 1;
-    while 4 * cr * k <= slot {
+    while 2 * wb * cr * k <= slot {
         cr *= 2;
     }
     cr
 }
 
 /// Whether `gemv_ring`'s fused MLP stage takes `n` intermediate rows of hidden size `k` with
-/// `slot` bytes a slot: whole warps of a row (`k % 1024`), a row in a slot, at most 16 down
-/// sums a consumer thread, whole chunks, a warp a gate (or up) part.
-pub fn ring_mlp_supports(n: usize, k: usize, slot: usize) -> bool {
-    let (cw, cr) = (slot / 2048, ring_chunk_rows(k, slot));
+/// `slot` bytes a slot and weights of `wb` bytes: whole warps of a row (`k % 1024`), a row in
+/// a slot, at most 16 down sums a consumer thread, whole chunks, a warp a gate (or up) part
+/// (bf16), or (FP8) chunks of 4 to 16 rows, which the tensor cores take as one tile's k.
+pub fn ring_mlp_supports(n: usize, k: usize, slot: usize, wb: usize) -> bool {
+    let (cw, cr) = (slot / 2048, ring_chunk_rows(k, slot, wb));
     k > 0
         && k.is_multiple_of(1024)
-        && 2 * k <= slot
+        && wb * k <= slot
         && k <= 32 * cw * 16
         && n.is_multiple_of(cr)
-        && cr * k / 1024 <= cw
+        && match wb {
+            2 => cr * k / 1024 <= cw,
+            1 => (4..=16).contains(&cr),
+            _ => false,
+        }
 }
 
 /// Whether `gemv_ring`'s attention stage takes these heads: `g * hd` at most two a consumer
@@ -2128,12 +2141,33 @@ pub struct RingLaunch {
     pub cluster: u32,
     /// The token of the attention stages (zeros without them).
     pub step: RingStep,
+    /// FP8 layers ([`RingStage::ws`]): the `gemv_ring_f8` instance, else `gemv_ring` (which
+    /// has no FP8 code).
+    pub fp8: bool,
 }
+
+/// Shared-memory bytes beside each `gemv_ring` slot: its two mbarriers, and (`gemv_ring_f8`)
+/// `RING_SLOT_SCALES` f32, an FP8 slot's row scales copied with it.
+pub fn ring_slot_side(fp8: bool) -> usize {
+    16 + if fp8 { 4 * RING_SLOT_SCALES } else { 0 }
+}
+
+/// f32 row scales beside a `gemv_ring_f8` slot (`RING_SLOT_SCALES`).
+const RING_SLOT_SCALES: usize = 64;
 
 impl RingLaunch {
     /// Dynamic shared memory of the launch.
     pub fn smem(&self) -> usize {
-        self.slots as usize * (self.slot_bytes + 16) + self.input_bytes
+        self.slots as usize * (self.slot_bytes + ring_slot_side(self.fp8)) + self.input_bytes
+    }
+
+    /// The kernel instance the launch runs.
+    fn kernel(&self) -> &'static str {
+        if self.fp8 {
+            "gemv_ring_f8"
+        } else {
+            "gemv_ring"
+        }
     }
 
     /// Threads a block: a consumer warp a 2048-byte share of a slot, and the producer's.
@@ -2143,18 +2177,21 @@ impl RingLaunch {
 }
 
 impl Kernels {
-    /// Lets `gemv_ring` launches take `bytes` of dynamic shared memory (once, where the ring
-    /// is set up: not a driver call every eager step).
+    /// Lets `gemv_ring` launches (both instances) take `bytes` of dynamic shared memory (once,
+    /// where the ring is set up: not a driver call every eager step).
     pub fn allow_ring_smem(&self, bytes: usize) -> anyhow::Result<()> {
-        // SAFETY: a loaded function; the attribute only raises its own limit.
-        let raised = unsafe {
-            dr::function::set_function_attribute(
-                self.func("gemv_ring"),
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-        };
-        ck(raised, "gemv_ring shared memory")
+        for name in ["gemv_ring", "gemv_ring_f8"] {
+            // SAFETY: a loaded function; the attribute only raises its own limit.
+            let raised = unsafe {
+                dr::function::set_function_attribute(
+                    self.func(name),
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+            };
+            ck(raised, "gemv_ring shared memory")?;
+        }
+        Ok(())
     }
 
     /// Whether `r`'s blocks can all run at once in clusters of two (an even count, and that
@@ -2169,7 +2206,7 @@ impl Kernels {
     /// in clusters of at most two).
     pub fn ring_max_clusters(&self, r: &RingLaunch, size: u32) -> anyhow::Result<u32> {
         anyhow::ensure!(size > 0, "a cluster of no blocks");
-        let f = self.func("gemv_ring");
+        let f = self.func(r.kernel());
         if size > 8 {
             // SAFETY: a loaded function; a documented attribute.
             let set = unsafe {
@@ -2221,7 +2258,7 @@ impl Kernels {
         // SAFETY: argument types match the kernel's; the caller vouches for the rest.
         unsafe {
             self.launch_smem(
-                "gemv_ring",
+                r.kernel(),
                 (r.blocks, 1, 1),
                 r.threads(),
                 smem as u32,
@@ -2445,18 +2482,34 @@ mod tests {
     /// chunk rule is the source's.
     #[test]
     fn ring_shape_rules() {
-        assert!(SOURCE.contains("int cr = 1;\n    while (4 * cr * K <= RING_SLOT) cr *= 2;"));
+        assert!(SOURCE.contains("int cr = 1;\n    while (2 * wb * cr * K <= RING_SLOT) cr *= 2;"));
         assert_eq!(
-            [1024, 2048, 3072, 4096, 8192].map(|k| ring_chunk_rows(k, RING_SLOT)),
+            [1024, 2048, 3072, 4096, 8192].map(|k| ring_chunk_rows(k, RING_SLOT, 2)),
             [16, 8, 4, 4, 2]
         );
-        for (n, k) in [(8192, 2048), (8192, 3072), (14336, 4096)] {
-            assert!(ring_mlp_supports(n, k, RING_SLOT), "{n} x {k}");
+        // FP8: twice the rows of a chunk.
+        assert_eq!(
+            [1024, 2048, 3072, 4096, 8192].map(|k| ring_chunk_rows(k, RING_SLOT, 1)),
+            [32, 16, 8, 8, 4]
+        );
+        for wb in [1, 2] {
+            for (n, k) in [(8192, 2048), (8192, 3072), (14336, 4096)] {
+                assert!(ring_mlp_supports(n, k, RING_SLOT, wb), "{n} x {k}, {wb}");
+            }
+            // Not whole warps of a row; not whole chunks; a 16 KB row past a slot's half.
+            for (n, k) in [(8192, 1000), (8196, 2048), (8192, 32768)] {
+                assert!(!ring_mlp_supports(n, k, RING_SLOT, wb), "{n} x {k}, {wb}");
+            }
         }
-        // Not whole warps of a row; not whole chunks; a 16 KB row past a slot's half.
-        for (n, k) in [(8192, 1000), (8196, 2048), (8192, 32768)] {
-            assert!(!ring_mlp_supports(n, k, RING_SLOT), "{n} x {k}");
-        }
+        // FP8's chunks of 16 rows (hidden 2,048) must be whole, bf16's are of 8; FP8 chunks of
+        // 32 rows (hidden 1,024) are past a tile's k; 3-byte weights are no format.
+        assert!(ring_mlp_supports(8200, 2048, RING_SLOT, 2));
+        assert!(!ring_mlp_supports(8200, 2048, RING_SLOT, 1));
+        assert!(ring_mlp_supports(4096, 1024, RING_SLOT, 2));
+        assert!(!ring_mlp_supports(4096, 1024, RING_SLOT, 1));
+        assert!(!ring_mlp_supports(8192, 2048, RING_SLOT, 3));
+        assert!(SOURCE.contains("#define RING_SLOT_SCALES 64\n"));
+        assert_eq!(ring_slot_side(true), 16 + 4 * 64);
         for (nh, nkv, hd) in [(32, 8, 64), (24, 8, 128), (32, 8, 128), (64, 8, 128)] {
             assert!(ring_attn_supports(nh, nkv, hd), "{nh}/{nkv}/{hd}");
         }
@@ -2525,12 +2578,13 @@ mod tests {
         // SkinnyIn: five pointers, two floats, four ints, then SkinnyRope (five pointers, four
         // ints) at offset 64; the epilogue codes and block shape.
         assert!(SOURCE.contains("struct SkinnyIn {") && SOURCE.contains("struct SkinnyRope {"));
-        // RingStage: twelve pointers, then ints and floats as the source's; RingStep; the
+        // RingStage: twelve pointers, then ints and floats as the source's, then two pointers; RingStep; the
         // kinds, the attention tile and its shared memory; the slot and warp defaults (a
         // consumer warp a 2048-byte share of a slot).
-        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    const float* res;\n    float* res_out;\n    const bf16* norm_w;\n    bf16* k_cache;\n    bf16* v_cache;\n    const float* inv_freq;\n    float* part;\n    unsigned long long* zero;\n    int kind;\n    int N, K;\n    float eps;\n    int x_form;\n    int nh, nkv, hd;\n    float scale;\n    int zero_len;\n    int x_len;\n};"));
+        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    const float* res;\n    float* res_out;\n    const bf16* norm_w;\n    bf16* k_cache;\n    bf16* v_cache;\n    const float* inv_freq;\n    float* part;\n    unsigned long long* zero;\n    int kind;\n    int N, K;\n    float eps;\n    int x_form;\n    int nh, nkv, hd;\n    float scale;\n    int zero_len;\n    int x_len;\n    const float* ws;   // FP8 weights where not null (gemv_ring_f8): w's scales, one an output channel\n    const float* ws2;  // and w2's (MLP: down^T's columns)\n};"));
         assert_eq!(std::mem::offset_of!(RingStage, kind), 12 * 8);
-        assert_eq!(std::mem::size_of::<RingStage>(), 12 * 8 + 11 * 4 + 4);
+        assert_eq!(std::mem::offset_of!(RingStage, ws), 12 * 8 + 11 * 4 + 4);
+        assert_eq!(std::mem::size_of::<RingStage>(), 14 * 8 + 11 * 4 + 4);
         assert!(SOURCE.contains("struct RingStep {\n    const int* positions;\n    const int* slot_mapping;\n    const int* block_tables;\n    const int* tok_row;\n    int bt_stride, block_size;\n};"));
         assert_eq!(std::mem::size_of::<RingStep>(), 4 * 8 + 2 * 4);
         assert!(SOURCE.contains(

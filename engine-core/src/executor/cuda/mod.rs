@@ -111,8 +111,12 @@ pub struct DevBuf {
 
 impl DevBuf {
     pub fn new(bytes: usize) -> anyhow::Result<DevBuf> {
-        // SAFETY: a plain allocation; zero-size requests allocate one word.
-        let ptr = ck(unsafe { dr::malloc_sync(bytes.max(4)) }, "cuMemAlloc")?;
+        // SAFETY: a plain allocation, rounded up to 16 bytes (a 16-byte vector or bulk copy of
+        // a buffer's tail stays inside it: the decode ring copies FP8 row scales so).
+        let ptr = ck(
+            unsafe { dr::malloc_sync(bytes.max(1).next_multiple_of(16)) },
+            "cuMemAlloc",
+        )?;
         Ok(DevBuf { ptr, bytes })
     }
     pub fn at(&self, byte_offset: usize) -> u64 {

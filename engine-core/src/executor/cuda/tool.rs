@@ -1712,7 +1712,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         bail!("bench-ring: --slot-bytes {slot_bytes}: a multiple of 2048 (a warp's 1024 weights)");
     }
     let consumer_warps = slot_bytes / 2048;
-    let can_fuse = harrier_kernels::ring_mlp_supports(inter, h, slot_bytes);
+    let can_fuse = harrier_kernels::ring_mlp_supports(inter, h, slot_bytes, 2);
     let fused = match a.get("mlp").map(String::as_str) {
         None => can_fuse,
         Some("fused") if can_fuse => true,
@@ -1904,6 +1904,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             trace: 0,
             cluster: 1, // (its input region is sized for the inputs alone)
             step: Default::default(),
+            fp8: false,
         };
         k.allow_ring_smem(launch.smem())?;
         // The launches: bf16 input and outputs, a buffer a stage (gate|up's holds the SiLU

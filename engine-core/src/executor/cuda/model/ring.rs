@@ -4,6 +4,9 @@
 //! never waits for an activation. Only the embedding runs before it (a launch of its own,
 //! which also takes the token the last step sampled on the device); the sampler reads the
 //! logits it leaves in row 0. docs/cuda.md ("The decode ring") says why and what it measured.
+//! Models whose layers are FP8 (e4m3, a scale an output channel: `--quantization fp8` or an
+//! FP8 checkpoint) run the kernel's FP8 instance, `gemv_ring_f8`, which streams the bytes as
+//! stored and multiplies them on the tensor cores (the head may be bf16 or FP8).
 //!
 //! It needs, beside the model's own weights, each layer's down and o projections transposed
 //! (`[intermediate, hidden]`: a block streams a chunk's gate, up and down^T rows as three
@@ -16,22 +19,24 @@ use anyhow::Context;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
     ring_attn_part_floats, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_mlp_supports,
-    Dtype, Kernels, RingInput, RingKind, RingLaunch, RingStage, RingStep, RING_MAX_SLOTS,
-    RING_SLOT, RING_TRACE_WORDS,
+    ring_slot_side, Dtype, Kernels, RingInput, RingKind, RingLaunch, RingStage, RingStep,
+    RING_MAX_SLOTS, RING_SLOT, RING_TRACE_WORDS,
 };
 
 use super::super::RING_AUTO_MEMORY_DIVISOR;
-use super::{DevBuf, GpuModel, StepMeta};
+use super::{DevBuf, GpuModel, Proj, StepMeta};
 use crate::model::{Activation, ModelConfig};
 
-/// Shared memory the kernel declares statically (the MLP's partial sums, the norm's, flags),
-/// left beside the dynamic part.
-const STATIC_SMEM: usize = 1024;
+/// Shared memory the kernel declares statically (the MLP's partial sums, the norm's, the
+/// slots' tags, the stage descriptors: 896 bytes in ptxas's count, 1,152 in the FP8
+/// instance), left beside the dynamic part.
+const STATIC_SMEM: usize = 1280;
 
 /// The ring's state for one model: the transposed o and down projections, the stage list
 /// (built once the KV cache exists) and the launch shape.
 pub(super) struct RingDecode {
-    /// Per layer the down and o projections transposed (`[inter, hidden]`, `[q, hidden]`).
+    /// Per layer the down and o projections transposed (`[inter, hidden]`, `[q, hidden]`; FP8:
+    /// e4m3, rows rotated as [`transposed`] says).
     down_t: Vec<DevBuf>,
     o_t: Vec<DevBuf>,
     /// Stage sums and residuals, the attention partials, the head's sums, then u32 counters:
@@ -46,6 +51,8 @@ pub(super) struct RingDecode {
     /// 2 where the blocks run in pairs (clusters) that add their split-K sums once
     /// ([`GpuModel::pair_ring`]), else 1.
     cluster: u32,
+    /// FP8 layers: launches take the kernel's FP8 instance.
+    fp8: bool,
     /// Steps take the ring (the executor's switch; off: the launches, to compare).
     pub on: bool,
     /// Measurement only (`HARRIER_RING_TRACE=1`): every launch writes its per-stage times
@@ -68,6 +75,7 @@ impl RingDecode {
             trace: self.trace.as_ref().map_or(0, |t| t.ptr),
             cluster: self.cluster,
             step,
+            fp8: self.fp8,
         }
     }
 }
@@ -124,15 +132,47 @@ fn stage_count(layers: usize) -> usize {
     4 * layers + 2
 }
 
-/// Why the ring cannot run this model's decode steps, or `None` when it can: Llama-shaped bf16
-/// blocks (no q/k norms, sandwich norms, sliding windows, embedding scale), SiLU, the paired
-/// RoPE order, and shapes the kernel takes (reductions of whole 1,024-weight warps, the fused
-/// MLP's chunks, the attention stage's heads, a KV block size it can shift by).
+/// Whether the ring's layers are FP8: `Some(true)` where every layer projection is (the head
+/// either way), `Some(false)` where none is and the head neither, `None` for a mix the kernel
+/// does not take.
+fn ring_fp8(m: &GpuModel) -> Option<bool> {
+    let fp8 = |p: &Proj| p.scale.is_some();
+    let mut projs = m
+        .layers
+        .iter()
+        .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]);
+    let first = fp8(projs.next()?);
+    let uniform = projs.all(|p| fp8(p) == first);
+    let head_fp8 = m.lm_head.as_ref().is_some_and(fp8);
+    (uniform && (first || !head_fp8)).then_some(first)
+}
+
+/// Bytes a ring weight takes: 1 for FP8 layers, 2 for bf16.
+fn weight_bytes(fp8: bool) -> usize {
+    if fp8 {
+        1
+    } else {
+        2
+    }
+}
+
+/// Why the ring cannot run this model's decode steps, or `None` when it can: Llama-shaped
+/// blocks of bf16 activations (no q/k norms, sandwich norms, sliding windows, embedding
+/// scale) whose projections are all bf16 or all FP8, SiLU, the paired RoPE order, and shapes
+/// the kernel takes (reductions of whole 1,024-weight warps, the fused MLP's chunks (FP8: 4 to
+/// 16 rows, a tensor-core tile's k), the attention stage's heads, a KV block size it can shift
+/// by).
 fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
     let c = &m.config;
     let (hid, q) = (c.hidden_size, c.num_heads * c.head_dim);
+    let Some(fp8) = ring_fp8(m) else {
+        return Some(
+            "layers mixing bf16 and FP8 projections, or an FP8 head on bf16 layers".into(),
+        );
+    };
+    let wb = weight_bytes(fp8);
     let checks: [(bool, &str); 11] = [
-        (m.dtype == Dtype::Bf16 && !m.fp8, "bf16 weights only"),
+        (m.dtype == Dtype::Bf16, "bf16 activations only"),
         (
             m.layers
                 .iter()
@@ -157,8 +197,8 @@ fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
             "hidden size and q width must be multiples of 1,024",
         ),
         (
-            ring_mlp_supports(c.intermediate_size, hid, RING_SLOT)
-                && q.is_multiple_of(ring_chunk_rows(hid, RING_SLOT)),
+            ring_mlp_supports(c.intermediate_size, hid, RING_SLOT, wb)
+                && q.is_multiple_of(ring_chunk_rows(hid, RING_SLOT, wb)),
             "the MLP's or o's shape (chunks of intermediate or head rows)",
         ),
         (
@@ -182,27 +222,60 @@ fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
         .map(|(_, why)| why.to_string())
 }
 
-/// `w` (`rows x cols` bf16 on the device) transposed into a new buffer.
-fn transposed(w: &DevBuf, rows: usize, cols: usize) -> anyhow::Result<DevBuf> {
-    let mut host = vec![0u16; rows * cols];
-    // SAFETY: `w` holds rows * cols bf16; the host vector as many.
+/// `p`'s weights (`rows x cols` on the device) transposed into a new buffer: bf16, or (FP8,
+/// chunks of `cr` transposed rows, [`ring_chunk_rows`]) e4m3 with transposed row `j`'s
+/// elements rotated by `32 ((j % cr) / 4)` places (element `i` at `(i + that) % rows`), the
+/// layout `ring_f8_rows` reads without bank conflicts. An FP8 projection's scales stay as
+/// they are: one an output channel, now a column.
+fn transposed(p: &Proj, rows: usize, cols: usize, cr: usize) -> anyhow::Result<DevBuf> {
+    match p.scale {
+        Some(_) => transposed_as::<u8>(&p.w, rows, cols, cr),
+        None => transposed_as::<u16>(&p.w, rows, cols, 0),
+    }
+}
+
+/// Where element `i` of transposed row `j` goes in an FP8 copy (see [`transposed`]); `cr` 0:
+/// in place.
+fn rotated(i: usize, j: usize, rows: usize, cr: usize) -> usize {
+    match cr {
+        0 => i,
+        _ => (i + 32 * ((j % cr) / 4)) % rows,
+    }
+}
+
+/// `w` (`rows x cols` elements of `T` on the device) transposed into a new buffer, each
+/// transposed row rotated as [`rotated`] says.
+fn transposed_as<T: Copy + Default>(
+    w: &DevBuf,
+    rows: usize,
+    cols: usize,
+    cr: usize,
+) -> anyhow::Result<DevBuf> {
+    let mut host = vec![T::default(); rows * cols];
+    // SAFETY: `w` holds rows * cols elements of T; the host vector as many.
     unsafe { dr::memcpy_dtoh_sync(&mut host, w.ptr) }.context("reading a projection")?;
-    let mut t = vec![0u16; rows * cols];
+    let t = transpose_rotated(&host, rows, cols, cr);
+    let out = DevBuf::new(rows * cols * std::mem::size_of::<T>())?;
+    // SAFETY: `out` holds rows * cols elements of T.
+    unsafe { dr::memcpy_htod_sync(out.ptr, &t) }.context("writing a transposed projection")?;
+    Ok(out)
+}
+
+/// `host` (`rows x cols`) transposed, transposed row `c` rotated as [`rotated`] says.
+fn transpose_rotated<T: Copy + Default>(host: &[T], rows: usize, cols: usize, cr: usize) -> Vec<T> {
+    let mut t = vec![T::default(); rows * cols];
     // Blocks of 64 x 64 keep both sides in cache.
     const B: usize = 64;
     for r0 in (0..rows).step_by(B) {
         for c0 in (0..cols).step_by(B) {
             for r in r0..(r0 + B).min(rows) {
                 for c in c0..(c0 + B).min(cols) {
-                    t[c * rows + r] = host[r * cols + c];
+                    t[c * rows + rotated(r, c, rows, cr)] = host[r * cols + c];
                 }
             }
         }
     }
-    let out = DevBuf::new(rows * cols * 2)?;
-    // SAFETY: `out` holds rows * cols bf16.
-    unsafe { dr::memcpy_htod_sync(out.ptr, &t) }.context("writing a transposed projection")?;
-    Ok(out)
+    t
 }
 
 impl GpuModel {
@@ -235,18 +308,23 @@ impl GpuModel {
         if let Some(why) = unsupported(self, sms) {
             anyhow::bail!("{why}");
         }
+        let fp8 = ring_fp8(self).context("mixed weight formats")?;
         let c = &self.config;
         let (hid, inter) = (c.hidden_size, c.intermediate_size);
         let g = c.num_heads / c.num_kv_heads;
         // Beside the ring: an attention stage's state, the o stage's rows (f32: a block's run
         // of chunks of input rows), or the hidden-wide f32 split-K sums a cluster's pair stages
-        // for each other (room for every stage's bf16 input too).
+        // for each other (room for every stage's bf16 input too; FP8: the input again as f16,
+        // within those 4 hidden bytes, and the o and down column scales, f32, past them).
         let q = c.num_heads * c.head_dim;
-        let cr = ring_chunk_rows(hid, RING_SLOT);
+        let cr = ring_chunk_rows(hid, RING_SLOT, weight_bytes(fp8));
         let o_rows = q.div_ceil(cr).div_ceil(sms) * cr;
-        let input_bytes = (4 * hid).max(ring_attn_smem(g, c.head_dim)).max(4 * o_rows);
-        let slots = (smem_optin.saturating_sub(input_bytes + STATIC_SMEM) / (RING_SLOT + 16))
-            .min(RING_MAX_SLOTS);
+        let input_bytes = (if fp8 { 8 * hid } else { 4 * hid })
+            .max(ring_attn_smem(g, c.head_dim))
+            .max(4 * o_rows);
+        let slots = (smem_optin.saturating_sub(input_bytes + STATIC_SMEM)
+            / (RING_SLOT + ring_slot_side(fp8)))
+        .min(RING_MAX_SLOTS);
         if slots < 2 {
             anyhow::bail!("{smem_optin} bytes of shared memory a block hold {slots} ring slots");
         }
@@ -255,12 +333,12 @@ impl GpuModel {
         let down_t = self
             .layers
             .iter()
-            .map(|l| transposed(&l.down.w, hid, inter))
+            .map(|l| transposed(&l.down, hid, inter, cr))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let o_t = self
             .layers
             .iter()
-            .map(|l| transposed(&l.o.w, hid, q))
+            .map(|l| transposed(&l.o, hid, q, cr))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let scratch = DevBuf::new(layout.total)?;
         // SAFETY: the buffer holds `total` bytes.
@@ -278,6 +356,7 @@ impl GpuModel {
             input_bytes,
             on: true,
             cluster: 1,
+            fp8,
             // (Off unless set: every traced launch writes its times.)
             trace: match std::env::var("HARRIER_RING_TRACE").is_ok_and(|v| v == "1") {
                 true => {
@@ -335,6 +414,7 @@ impl GpuModel {
             stages.push(RingStage {
                 kind: RingKind::Gemv,
                 w: w.qkv.w.ptr,
+                ws: w.qkv.scale_ptr(),
                 x,
                 x_form,
                 x_len: hid_len,
@@ -364,6 +444,7 @@ impl GpuModel {
             stages.push(RingStage {
                 kind: RingKind::GemvT,
                 w: r.o_t[i].ptr,
+                ws: w.o.scale_ptr(),
                 x: at(l.part),
                 x_form: RingInput::AttnParts,
                 nh: nh as i32,
@@ -378,6 +459,8 @@ impl GpuModel {
                 kind: RingKind::Mlp,
                 w: w.gate_up.w.ptr,
                 w2: r.down_t[i].ptr,
+                ws: w.gate_up.scale_ptr(),
+                ws2: w.down.scale_ptr(),
                 x: layer(i, l.o),
                 x_len: hid_len,
                 res: res(i, 0),
@@ -391,10 +474,14 @@ impl GpuModel {
             });
         }
         let last = c.num_layers - 1;
-        let head = self.lm_head.as_ref().map_or(self.embed.ptr, |p| p.w.ptr);
+        let (head, head_ws) = self
+            .lm_head
+            .as_ref()
+            .map_or((self.embed.ptr, 0), |p| (p.w.ptr, p.scale_ptr()));
         stages.push(RingStage {
             kind: RingKind::Gemv,
             w: head,
+            ws: head_ws,
             x: layer(last, l.mlp),
             x_len: hid as i32,
             res: res(last, 1),
@@ -557,5 +644,43 @@ mod tests {
     fn a_layer_is_four_stages_then_the_head_and_its_conversion() {
         assert_eq!(stage_count(16), 66);
         assert_eq!(stage_count(1), 6);
+    }
+
+    /// The FP8 copies' layout as `ring_f8_rows` reads it: lane (g, t) of a warp takes
+    /// transposed rows 4t..4t+3 of a chunk at logical columns 32 p + 4g.. (p a 32-column pair),
+    /// 4 bytes at `(32 p + 4g + 32 t) % len`: they hold the right weights, and for each row
+    /// offset i a warp's 32 loads fall in 32 different banks. (The 1B's and 3B's shapes.)
+    #[test]
+    fn fp8_copies_are_rotated_as_the_tensor_core_loads_read_them() {
+        for (rows, cols, cr) in [(2048, 48, 16), (3072, 24, 8)] {
+            assert_eq!(ring_chunk_rows(rows, RING_SLOT, 1), cr);
+            let host: Vec<u32> = (0..rows * cols).map(|i| i as u32).collect();
+            let t = transpose_rotated(&host, rows, cols, cr);
+            for chunk in 0..cols / cr {
+                for p in 0..rows / 32 {
+                    for i in 0..4 {
+                        let mut banks = std::collections::HashSet::new();
+                        for lane in 0..32 {
+                            let (g, tt) = (lane / 4, lane % 4);
+                            if 4 * tt >= cr {
+                                continue;
+                            }
+                            let j = chunk * cr + 4 * tt + i;
+                            let at = (32 * p + 4 * g + 32 * tt) % rows;
+                            for k in 0..4 {
+                                assert_eq!(
+                                    t[j * rows + at + k],
+                                    host[(32 * p + 4 * g + k) * cols + j]
+                                );
+                            }
+                            assert!(banks.insert((j * rows + at) / 4 % 32), "bank conflict");
+                        }
+                    }
+                }
+            }
+        }
+        // bf16 copies are plain transposes.
+        let host: Vec<u16> = (0..6).collect();
+        assert_eq!(transpose_rotated(&host, 2, 3, 0), [0, 3, 1, 4, 2, 5]);
     }
 }
