@@ -2597,6 +2597,8 @@ __device__ __forceinline__ void ring_add(float* y, size_t i, size_t len, float c
 // an e4m3 weight took ~5 instructions (session 20: the consumer, not the stream, was the FP8
 // ring's limit); here 16 weights take about 15 a lane.
 // Four e4m3 (bytes 0..3 of p) as two f16x2: bytes 0, 1 in lo (byte 0 the low half), 2, 3 in hi.
+// (The conversion instruction, F2FP: moving each byte into f16's fields with integer operations,
+// as e4m3x2_bf16x2 does for bf16, took the FP8 1B's step 0.665 -> 0.757 ms; session 25.)
 __device__ __forceinline__ void e4m3x4_f16x2(u32 p, u32& lo, u32& hi) {
     asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
         : "=r"(lo), "=r"(hi)
@@ -3596,9 +3598,11 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             if (add) add_out(acc, cols);
         } else if (F8 && f8) {
             // FP8 GEMV: a slot holds 32 pieces of 1024 weights (piece p: row p / parts, columns
-            // 1024 (p % parts) on); warp w reduces pieces w and w + RING_CW (ring_f8_dot), the
-            // two shuffles interleaved, and scales each piece's sum by its row's scale, copied
-            // beside the slot (from row rs on), before the slot's release (see the MLP's).
+            // 1024 (p % parts) on); warp w reduces pieces 2w and 2w + 1 (ring_f8_dot; one row
+            // where K % 2048 == 0, one atomic add: w and w + RING_CW, two rows, cost the head
+            // its atomics twice), the two shuffles interleaved, and scales each piece's sum by
+            // its row's scale, copied beside the slot (from row rs on), before the slot's
+            // release (see the MLP's).
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
             const unsigned int parts = (unsigned int)st.K / 1024, rmul = ring_div_magic(parts);
             const uint4* xh = xs + st.K / 8;
@@ -3617,8 +3621,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 float v[2] = {0.0f, 0.0f};
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const unsigned int pc = pc0 + warp + h * RING_CW, pr = ring_div(pc, parts, rmul);
-                    if (pc * 1024u < elems) v[h] = ring_f8_dot(src + (warp + h * RING_CW) * 64, xh + (pc - pr * parts) * 128, lane);
+                    const unsigned int pc = pc0 + 2 * warp + h, pr = ring_div(pc, parts, rmul);
+                    if (pc * 1024u < elems) v[h] = ring_f8_dot(src + (2 * warp + h) * 64, xh + (pc - pr * parts) * 128, lane);
                 }
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) {
@@ -3627,7 +3631,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 }
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const unsigned int pc = pc0 + warp + h * RING_CW;
+                    const unsigned int pc = pc0 + 2 * warp + h;
                     if (pc * 1024u >= elems) break;  // (the last slot of a stage may be short)
                     const int r = (int)ring_div(pc, parts, rmul), un = claim > 0 ? item >> 1 : 0;
                     if (r != row || un != unit) {
