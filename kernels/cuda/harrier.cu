@@ -2382,8 +2382,9 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(Skin
 // 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
 
-// The persistent decode step (one token: the engine's batch-1 decode steps of Llama-shaped bf16
-// models, executor `ring`; and `harrier-cuda-tool bench-ring`'s chains of projections): every
+// The persistent decode step (one token: the engine's batch-1 decode steps of Llama-shaped
+// models with bf16 layers, or FP8 ones in gemv_ring_f8 (see "FP8 weights in the ring" above),
+// executor `ring`; and `harrier-cuda-tool bench-ring`'s chains of projections): every
 // layer's projections and attention, and the output head, in one launch of one block an SM,
 // where the weights never wait for the activations. A producer lane streams this block's share
 // of every stage's weights, in order and across stage boundaries, into a ring of
@@ -2437,7 +2438,8 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(
 // rounding of every stage input. (64-bit fixed-point atomics did the same and cost the 1B's
 // step 0.95 -> 1.22 ms, 1.14 with four replicas a sum; session 18.) x_len is the length of
 // the sums a stage reads (where their lo half starts).
-// K % 1024 == 0 (MLP: 2K <= RING_SLOT, K <= 32 * RING_CW * RING_MLP_COLS, N % CR == 0);
+// K % 1024 == 0 (MLP: 2K <= RING_SLOT, K <= 32 * RING_CW * RING_MLP_COLS, N % CR == 0; FP8
+// stages 4 <= CR <= 16, that is 2048 <= K <= 8192, the chunks of GEMVT stages as the MLP's);
 // N * K < 2^31. One block an SM, every block resident (the stages wait on each other across
 // blocks). A stage zeroes `zero` (zero_len u64 words, in block shares) once it has waited:
 // the host points it at the sums of the stage two before, whose readers have all finished, so
