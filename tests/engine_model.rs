@@ -341,7 +341,7 @@ fn fp8_checkpoints_serve_what_quantizing_at_load_serves() {
     let model = micro_model();
     let fp8_dir = tempfile::tempdir().unwrap();
     let fp8 = fp8_dir.path().join("fp8");
-    harrier_engine::quantize::quantize_dir(model.path(), &fp8).unwrap();
+    harrier_engine::quantize::quantize_dir(model.path(), &fp8, false).unwrap();
     let run = |dir: &Path, quantization: Option<Quantization>| {
         let args = EngineCoreArgs {
             max_num_seqs: 16,

@@ -5,8 +5,10 @@
 //! quantizes them at load ([`crate::model::fp8::quantize_rows`]): `<module>.weight` in
 //! `F8_E4M3` and `<module>.weight_scale` `[N, 1]` in f32. A tied output head is written as its
 //! own `lm_head.weight` (and `tie_word_embeddings` becomes false) so the embedding rows stay
-//! as stored. Every other tensor is copied as stored, and every other file of the directory
-//! (tokenizer, generation config, chat template) is copied unchanged.
+//! as stored. With `--keep-head` the head stays as stored instead (tied or not; `"ignore":
+//! ["lm_head"]`), as llm-compressor's FP8 recipes and most published FP8 checkpoints keep it.
+//! Every other tensor is copied as stored, and every other file of the directory (tokenizer,
+//! generation config, chat template) is copied unchanged.
 //!
 //! The whole output is built in memory before it is written (one file): fine for the models
 //! the tests and the device scripts quantize; an 8B model needs about 9 GB of RAM.
@@ -33,10 +35,13 @@ pub struct QuantizeArgs {
     /// Where to write the FP8 copy (created; must not exist or be empty).
     #[arg(long)]
     pub out: PathBuf,
+    /// Keep the output head as stored (bf16, tied or not) instead of quantizing it.
+    #[arg(long)]
+    pub keep_head: bool,
 }
 
 pub fn run(args: &QuantizeArgs) -> anyhow::Result<()> {
-    let n = quantize_dir(&args.model, &args.out)?;
+    let n = quantize_dir(&args.model, &args.out, args.keep_head)?;
     println!(
         "wrote {} ({n} weight matrices in FP8, per-channel scales)",
         args.out.display()
@@ -44,8 +49,9 @@ pub fn run(args: &QuantizeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The `quantization_config` this writer puts in `config.json`.
-pub fn compressed_tensors_config() -> serde_json::Value {
+/// The `quantization_config` this writer puts in `config.json` (the head quantized, or in
+/// the ignore list).
+pub fn compressed_tensors_config(keep_head: bool) -> serde_json::Value {
     json!({
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -57,12 +63,13 @@ pub fn compressed_tensors_config() -> serde_json::Value {
             "input_activations": null,
             "output_activations": null
         }},
-        "ignore": []
+        "ignore": if keep_head { json!(["lm_head"]) } else { json!([]) }
     })
 }
 
-/// Writes the FP8 copy of `src` to `out`; returns how many matrices were quantized.
-pub fn quantize_dir(src: &Path, out: &Path) -> anyhow::Result<usize> {
+/// Writes the FP8 copy of `src` to `out` (the output head as stored with `keep_head`); returns
+/// how many matrices were quantized.
+pub fn quantize_dir(src: &Path, out: &Path, keep_head: bool) -> anyhow::Result<usize> {
     let dir = ModelDir::open(src)
         .with_context(|| format!("opening model directory {}", src.display()))?;
     let c = &dir.config;
@@ -105,8 +112,13 @@ pub fn quantize_dir(src: &Path, out: &Path) -> anyhow::Result<usize> {
             .with_context(|| format!("reading {}", config_path.display()))?,
     )
     .with_context(|| format!("parsing {}", config_path.display()))?;
-    config.insert("quantization_config".into(), compressed_tensors_config());
-    config.insert("tie_word_embeddings".into(), json!(false));
+    config.insert(
+        "quantization_config".into(),
+        compressed_tensors_config(keep_head),
+    );
+    if !keep_head {
+        config.insert("tie_word_embeddings".into(), json!(false));
+    }
     std::fs::write(
         out.join("config.json"),
         serde_json::to_string_pretty(&config)?,
@@ -131,9 +143,9 @@ pub fn quantize_dir(src: &Path, out: &Path) -> anyhow::Result<usize> {
     };
     for (name, shape) in expected_tensors(c) {
         let t = ckpt.get(&name, &shape)?;
-        // Every matrix but the embedding: the layers' projections and an untied head (norms
-        // are vectors).
-        if shape.len() == 2 && name != EMBED {
+        // Every matrix but the embedding: the layers' projections and an untied head unless
+        // kept (norms are vectors).
+        if shape.len() == 2 && name != EMBED && !(keep_head && name == LM_HEAD) {
             push_fp8(&mut tensors, &name, &t.to_f32(), shape[0], shape[1]);
             continue;
         }
@@ -143,7 +155,7 @@ pub fn quantize_dir(src: &Path, out: &Path) -> anyhow::Result<usize> {
             WeightDtype::Bf16 => Dtype::BF16,
         };
         tensors.push((name.clone(), dtype, shape.clone(), Cow::Borrowed(t.bytes)));
-        if name == EMBED && c.tie_word_embeddings {
+        if name == EMBED && c.tie_word_embeddings && !keep_head {
             push_fp8(&mut tensors, LM_HEAD, &t.to_f32(), shape[0], shape[1]);
         }
     }
@@ -219,7 +231,7 @@ mod tests {
     fn the_fp8_checkpoint_equals_quantizing_at_load() {
         let out = tempfile::tempdir().unwrap();
         let q = out.path().join("fp8");
-        let n = quantize_dir(&embedded_model(), &q).unwrap();
+        let n = quantize_dir(&embedded_model(), &q, false).unwrap();
         let src = ModelDir::open(&embedded_model()).unwrap();
         let c = &src.config;
         // Seven projections a layer, and the (untied) output head.
@@ -258,10 +270,59 @@ mod tests {
             assert_ne!(a, logits(&mut original, &p), "FP8 changed nothing");
         }
         // Quantizing twice, or into a directory with files in it, is refused.
-        let e = quantize_dir(&q, &out.path().join("again")).unwrap_err();
+        let e = quantize_dir(&q, &out.path().join("again"), false).unwrap_err();
         assert!(e.to_string().contains("FP8 checkpoint already"), "{e:#}");
-        let e = quantize_dir(&embedded_model(), &q).unwrap_err();
+        let e = quantize_dir(&embedded_model(), &q, false).unwrap_err();
         assert!(e.to_string().contains("not empty"), "{e:#}");
+    }
+
+    /// `--keep-head`: the output head stays as stored (tied stays tied; an untied head keeps
+    /// its dtype and has no scale) and is in the ignore list; the layers are quantized as
+    /// without it, so the logits are neither the original's nor the all-FP8 checkpoint's.
+    #[test]
+    fn keep_head_leaves_the_output_head_as_stored() {
+        use crate::gen_model::{write_model, ModelSpec, Preset};
+        let dir = tempfile::tempdir().unwrap();
+        let gemma = dir.path().join("gemma");
+        std::fs::create_dir_all(&gemma).unwrap();
+        write_model(&gemma, &ModelSpec::from_preset(Preset::MicroGemma3, 3)).unwrap();
+        for (i, src_dir) in [embedded_model(), gemma].iter().enumerate() {
+            let src = ModelDir::open(src_dir).unwrap();
+            let c = &src.config;
+            let (kept, all) = (
+                dir.path().join(format!("kept{i}")),
+                dir.path().join(format!("all{i}")),
+            );
+            let n = quantize_dir(src_dir, &kept, true).unwrap();
+            assert_eq!(n, 7 * c.num_layers, "{}", src_dir.display());
+            quantize_dir(src_dir, &all, false).unwrap();
+            let dq = ModelDir::open(&kept).unwrap();
+            assert_eq!(dq.config.tie_word_embeddings, c.tie_word_embeddings);
+            let config: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(kept.join("config.json")).unwrap()).unwrap();
+            assert_eq!(config["quantization_config"]["ignore"], json!(["lm_head"]));
+            let ckpt = Checkpoint::open(&kept).unwrap();
+            let head = [c.vocab_size, c.hidden_size];
+            assert!(ckpt
+                .get("lm_head.weight_scale", &[c.vocab_size, 1])
+                .is_err());
+            if c.tie_word_embeddings {
+                assert!(ckpt.get(LM_HEAD, &head).is_err(), "a tied head stays tied");
+            } else {
+                let stored = Checkpoint::open(src_dir).unwrap();
+                assert_eq!(
+                    ckpt.get(LM_HEAD, &head).unwrap().bytes,
+                    stored.get(LM_HEAD, &head).unwrap().bytes
+                );
+            }
+            let mut from_kept = CpuModel::load(&dq).unwrap();
+            let mut from_all = CpuModel::load(&ModelDir::open(&all).unwrap()).unwrap();
+            let mut original = CpuModel::load(&src).unwrap();
+            let p = &prompts(c.vocab_size)[0];
+            let a = logits(&mut from_kept, p);
+            assert_ne!(a, logits(&mut from_all, p), "the head was quantized");
+            assert_ne!(a, logits(&mut original, p), "the layers were not");
+        }
     }
 
     /// Qwen3's q/k norms and Gemma 3's sandwich norms and tied head (f16 and bf16 weights):
@@ -275,7 +336,7 @@ mod tests {
             std::fs::create_dir_all(&src_dir).unwrap();
             write_model(&src_dir, &ModelSpec::from_preset(preset, 3)).unwrap();
             let q = dir.path().join("fp8");
-            quantize_dir(&src_dir, &q).unwrap();
+            quantize_dir(&src_dir, &q, false).unwrap();
             let src = ModelDir::open(&src_dir).unwrap();
             let mut a = CpuModel::load(&ModelDir::open(&q).unwrap()).unwrap();
             let mut b = CpuModel::load_with(&src, LoadOptions { round_fp8: true }).unwrap();
@@ -363,7 +424,7 @@ mod tests {
     fn broken_fp8_checkpoints_name_the_problem() {
         let out = tempfile::tempdir().unwrap();
         let q = out.path().join("fp8");
-        quantize_dir(&embedded_model(), &q).unwrap();
+        quantize_dir(&embedded_model(), &q, false).unwrap();
         let good_config = std::fs::read_to_string(q.join("config.json")).unwrap();
         let good_weights = std::fs::read(q.join(SINGLE_FILE)).unwrap();
         let scale = "model.layers.1.mlp.up_proj.weight_scale";

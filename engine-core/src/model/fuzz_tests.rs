@@ -871,7 +871,7 @@ proptest! {
     #[test]
     fn fuzz_fp8_checkpoints(edits in prop::collection::vec(fp8_edit(), 1..5)) {
         let mut config = base_config();
-        config["quantization_config"] = crate::quantize::compressed_tensors_config();
+        config["quantization_config"] = crate::quantize::compressed_tensors_config(false);
         let mut tensors = fp8_tensors();
         let scales: Vec<usize> = (0..tensors.len())
             .filter(|&i| tensors[i].0.ends_with("weight_scale"))
@@ -943,7 +943,7 @@ fn fuzz_base_model_loads() {
     });
     // The FP8 starting point loads with its projections in FP8.
     let mut config = base_config();
-    config["quantization_config"] = crate::quantize::compressed_tensors_config();
+    config["quantization_config"] = crate::quantize::compressed_tensors_config(false);
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
     std::fs::write(
