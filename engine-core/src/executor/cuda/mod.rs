@@ -492,10 +492,10 @@ impl CudaExecutor {
             Some(on) => on,
             None => {
                 let total = ck(dr::mem_get_info(), "cuMemGetInfo")?.1;
-                let auto = model::ring_auto(&mc, total);
+                let auto = model::ring_auto(&mc, model.fp8, total);
                 if !auto {
                     tracing::info!(
-                        copies_mib = model::ring_copy_bytes(&mc) >> 20,
+                        copies_mib = model::ring_copy_bytes(&mc, model.fp8) >> 20,
                         device_mib = total >> 20,
                         "decode ring off (auto): its transposed copies would take more than 1/{RING_AUTO_MEMORY_DIVISOR} of the device's memory (--decode-ring on takes it)"
                     );

@@ -600,15 +600,19 @@ impl GpuModel {
 }
 
 /// Bytes of the ring's transposed copies of o and down (`[q, hidden]` and `[intermediate,
-/// hidden]` bf16 a layer), made at load beside the model's own weights.
-pub(crate) fn ring_copy_bytes(c: &ModelConfig) -> usize {
-    c.num_layers * c.hidden_size * (c.num_heads * c.head_dim + c.intermediate_size) * 2
+/// hidden]` a layer, bf16 or, for FP8 layers, e4m3), made at load beside the model's own
+/// weights.
+pub(crate) fn ring_copy_bytes(c: &ModelConfig, fp8: bool) -> usize {
+    c.num_layers
+        * c.hidden_size
+        * (c.num_heads * c.head_dim + c.intermediate_size)
+        * weight_bytes(fp8)
 }
 
-/// `--decode-ring auto`: the ring where its copies take at most
+/// `--decode-ring auto`: the ring where its copies (of FP8 layers with `fp8`) take at most
 /// 1/[`RING_AUTO_MEMORY_DIVISOR`] of the device's `total` bytes.
-pub(crate) fn ring_auto(c: &ModelConfig, total: usize) -> bool {
-    ring_copy_bytes(c) * RING_AUTO_MEMORY_DIVISOR <= total
+pub(crate) fn ring_auto(c: &ModelConfig, fp8: bool, total: usize) -> bool {
+    ring_copy_bytes(c, fp8) * RING_AUTO_MEMORY_DIVISOR <= total
 }
 
 #[cfg(test)]
@@ -624,20 +628,27 @@ mod tests {
             cfg("llama-3.2-3b"),
             cfg("llama-3.1-8b"),
         );
-        // 16 x 2048 x (2048 + 8192) bf16; the 8B's 32 x 4096 x (4096 + 14336).
-        assert_eq!(ring_copy_bytes(&b1), 671_088_640);
-        assert_eq!(ring_copy_bytes(&b8), 4_831_838_208);
+        // 16 x 2048 x (2048 + 8192) bf16; the 8B's 32 x 4096 x (4096 + 14336); FP8 half.
+        assert_eq!(ring_copy_bytes(&b1, false), 671_088_640);
+        assert_eq!(ring_copy_bytes(&b8, false), 4_831_838_208);
+        assert_eq!(ring_copy_bytes(&b8, true), 2_415_919_104);
         // An 80 GB H100 reports ~79.1 GiB: every Llama to the 8B; a 70B's 48 GB, no.
         let h100 = 81_079_000_000;
-        assert!([&b1, &b3, &b8].iter().all(|c| ring_auto(c, h100)));
+        assert!([&b1, &b3, &b8].iter().all(|c| ring_auto(c, false, h100)));
         let mut l70 = b8.clone();
         (l70.num_layers, l70.hidden_size, l70.intermediate_size) = (80, 8192, 28672);
         (l70.num_heads, l70.head_dim) = (64, 128);
-        assert!(!ring_auto(&l70, h100));
-        assert!(ring_auto(&l70, 16 * ring_copy_bytes(&l70)));
-        assert!(!ring_auto(&l70, 16 * ring_copy_bytes(&l70) - 1));
-        // A 24 GiB card: the 1B's 0.67 GB (x 16: 10.7 GB), not the 3B's 1.9 GB (x 16: 31 GB).
-        assert!(ring_auto(&b1, 24 << 30) && !ring_auto(&b3, 24 << 30));
+        assert!(!ring_auto(&l70, false, h100) && !ring_auto(&l70, true, h100));
+        assert!(ring_auto(&l70, false, 16 * ring_copy_bytes(&l70, false)));
+        assert!(!ring_auto(
+            &l70,
+            false,
+            16 * ring_copy_bytes(&l70, false) - 1
+        ));
+        // A 24 GiB card: the 1B's 0.67 GB (x 16: 10.7 GB), not the 3B's 1.9 GB (x 16: 31 GB);
+        // the 3B in FP8 (0.94 GB, x 16: 15 GB), yes.
+        assert!(ring_auto(&b1, false, 24 << 30) && !ring_auto(&b3, false, 24 << 30));
+        assert!(ring_auto(&b3, true, 24 << 30));
     }
 
     #[test]
