@@ -3411,6 +3411,20 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 }
             }
         };
+        // An MLP chunk's activations: lane r < cr forms activation r from the chunk's gate and
+        // up part sums (rounded as the skinny SiLU epilogue); the lanes take theirs by shuffle.
+        auto chunk_act = [&](int c, int cr, int parts) -> float {
+            float hl = 0.0f;
+            if (lane < cr) {
+                float g = 0.0f, u = 0.0f;
+                for (int p = 0; p < parts; p++) {
+                    g += part[c & 1][0][lane * parts + p];
+                    u += part[c & 1][1][lane * parts + p];
+                }
+                hl = rbf(act_mul(rbf(g), rbf(u), false));
+            }
+            return hl;
+        };
         if (st.kind == RING_CVT) {
             for (int i = ca + ct; i < cb; i += nct) st.y[i] = ring_sum(st.x, i, st.x_len);
         } else if (st.kind == RING_GEMVT || st.kind == RING_MLP) {
@@ -3476,17 +3490,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                         release();
                         release();
                         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
-                        // Lane r < cr forms activation r (of the scaled sums, rounded as the skinny
-                        // FP8 kernels' SiLU epilogue); the lanes take theirs by shuffle.
-                        float hl = 0.0f;
-                        if (lane < cr) {
-                            float g = 0.0f, u = 0.0f;
-                            for (int p = 0; p < parts; p++) {
-                                g += part[c & 1][0][lane * parts + p];
-                                u += part[c & 1][1][lane * parts + p];
-                            }
-                            hl = rbf(act_mul(rbf(g), rbf(u), false));
-                        }
+                        // The activations of the scaled sums (as the skinny FP8 kernels' epilogue).
+                        const float hl = chunk_act(c, cr, parts);
                         float h[4];
 #pragma unroll
                         for (int i = 0; i < 4; i++) h[i] = __shfl_sync(0xffffffffu, hl, t4 + i);
@@ -3571,17 +3576,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
 #ifndef RING_MLP_NO_BAR
                     asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
 #endif
-                    // Lane r < cr forms activation r (rounded as the skinny SiLU epilogue); the
-                    // warp takes them by shuffle.
-                    float hl = 0.0f;
-                    if (lane < cr) {
-                        float g = 0.0f, u = 0.0f;
-                        for (int p = 0; p < parts; p++) {
-                            g += part[c & 1][0][lane * parts + p];
-                            u += part[c & 1][1][lane * parts + p];
-                        }
-                        hl = rbf(act_mul(rbf(g), rbf(u), false));
-                    }
+                    const float hl = chunk_act(c, cr, parts);
                     const uint4* d = take();
 #ifndef RING_MLP_NO_DOWN
 #pragma unroll 4
