@@ -2499,7 +2499,7 @@ struct RingStep {
 #endif
 #define RING_MAX_SLOTS 32
 // f32 beside each slot of gemv_ring_f8: an FP8 GEMV or gate|up slot's row scales (from the
-// 16-byte boundary at or before its first row: at most 32 rows of 1,024 weights and 3 before).
+// 16-byte boundary at or before its first row: with K >= 2048, at most 16 rows and 3 before).
 #define RING_SLOT_SCALES 64
 #define RING_MLP_COLS 16  // down sums a thread keeps: K <= RING_CW * 32 * 16
 // Rows of K weights of wb bytes (2: bf16, 1: FP8) in a chunk (an MLP chunk's intermediate rows,
@@ -3616,10 +3616,13 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
 #ifndef RING_NO_MATH
                 const unsigned int pc0 = (unsigned int)item * 32u, rs = ring_div(pc0, parts, rmul) & ~3u;
                 float v[2] = {0.0f, 0.0f};
+                unsigned int pr[2];  // the pieces' rows
+                const bool in[2] = {(pc0 + 2 * warp) * 1024u < elems, (pc0 + 2 * warp + 1) * 1024u < elems};  // (a last slot may be short)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const unsigned int pc = pc0 + 2 * warp + h, pr = ring_div(pc, parts, rmul);
-                    if (pc * 1024u < elems) v[h] = ring_f8_dot(src + (2 * warp + h) * 64, xh + (pc - pr * parts) * 128, lane);
+                    const unsigned int pc = pc0 + 2 * warp + h;
+                    pr[h] = ring_div(pc, parts, rmul);
+                    if (in[h]) v[h] = ring_f8_dot(src + (2 * warp + h) * 64, xh + (pc - pr[h] * parts) * 128, lane);
                 }
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) {
@@ -3628,9 +3631,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 }
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const unsigned int pc = pc0 + 2 * warp + h;
-                    if (pc * 1024u >= elems) break;  // (the last slot of a stage may be short)
-                    const int r = (int)ring_div(pc, parts, rmul), un = claim > 0 ? item >> 1 : 0;
+                    if (!in[h]) break;
+                    const int r = (int)pr[h], un = claim > 0 ? item >> 1 : 0;
                     if (r != row || un != unit) {
                         if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
                         row = r, unit = un;
