@@ -156,19 +156,17 @@ fn weight_bytes(fp8: bool) -> usize {
     }
 }
 
-/// Why the ring cannot run this model's decode steps, or `None` when it can: Llama-shaped
-/// blocks of bf16 activations (no q/k norms, sandwich norms, sliding windows, embedding
+/// Whether the ring's layers are FP8 where it can run this model's decode steps, or why it
+/// cannot: Llama-shaped blocks of bf16 activations (no q/k norms, sandwich norms, sliding windows, embedding
 /// scale) whose projections are all bf16 or all FP8, SiLU, the paired RoPE order, and shapes
 /// the kernel takes (reductions of whole 1,024-weight warps, the fused MLP's chunks (FP8: 4 to
 /// 16 rows, a tensor-core tile's k), the attention stage's heads, a KV block size it can shift
 /// by).
-fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
+fn ring_layers(m: &GpuModel, blocks: usize) -> Result<bool, String> {
     let c = &m.config;
     let (hid, q) = (c.hidden_size, c.num_heads * c.head_dim);
     let Some(fp8) = ring_fp8(m) else {
-        return Some(
-            "layers mixing bf16 and FP8 projections, or an FP8 head on bf16 layers".into(),
-        );
+        return Err("layers mixing bf16 and FP8 projections, or an FP8 head on bf16 layers".into());
     };
     let wb = weight_bytes(fp8);
     let checks: [(bool, &str); 11] = [
@@ -216,10 +214,10 @@ fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
             "a projection of 2^31 weights or more",
         ),
     ];
-    checks
-        .iter()
-        .find(|(ok, _)| !ok)
-        .map(|(_, why)| why.to_string())
+    match checks.iter().find(|(ok, _)| !ok) {
+        Some((_, why)) => Err(why.to_string()),
+        None => Ok(fp8),
+    }
 }
 
 /// `p`'s weights (`rows x cols` on the device) transposed into a new buffer: bf16, or (FP8,
@@ -229,17 +227,17 @@ fn unsupported(m: &GpuModel, blocks: usize) -> Option<String> {
 /// they are: one an output channel, now a column.
 fn transposed(p: &Proj, rows: usize, cols: usize, cr: usize) -> anyhow::Result<DevBuf> {
     match p.scale {
-        Some(_) => transposed_as::<u8>(&p.w, rows, cols, cr),
-        None => transposed_as::<u16>(&p.w, rows, cols, 0),
+        Some(_) => transposed_as::<u8>(&p.w, rows, cols, Some(cr)),
+        None => transposed_as::<u16>(&p.w, rows, cols, None),
     }
 }
 
-/// Where element `i` of transposed row `j` goes in an FP8 copy (see [`transposed`]); `cr` 0:
-/// in place.
-fn rotated(i: usize, j: usize, rows: usize, cr: usize) -> usize {
+/// Where element `i` of transposed row `j` goes: rotated within chunks of `cr` rows (an FP8
+/// copy, see [`transposed`]), or in place.
+fn rotated(i: usize, j: usize, rows: usize, cr: Option<usize>) -> usize {
     match cr {
-        0 => i,
-        _ => (i + 32 * ((j % cr) / 4)) % rows,
+        None => i,
+        Some(cr) => (i + 32 * ((j % cr) / 4)) % rows,
     }
 }
 
@@ -249,7 +247,7 @@ fn transposed_as<T: Copy + Default>(
     w: &DevBuf,
     rows: usize,
     cols: usize,
-    cr: usize,
+    cr: Option<usize>,
 ) -> anyhow::Result<DevBuf> {
     let mut host = vec![T::default(); rows * cols];
     // SAFETY: `w` holds rows * cols elements of T; the host vector as many.
@@ -262,7 +260,12 @@ fn transposed_as<T: Copy + Default>(
 }
 
 /// `host` (`rows x cols`) transposed, transposed row `c` rotated as [`rotated`] says.
-fn transpose_rotated<T: Copy + Default>(host: &[T], rows: usize, cols: usize, cr: usize) -> Vec<T> {
+fn transpose_rotated<T: Copy + Default>(
+    host: &[T],
+    rows: usize,
+    cols: usize,
+    cr: Option<usize>,
+) -> Vec<T> {
     let mut t = vec![T::default(); rows * cols];
     // Blocks of 64 x 64 keep both sides in cache.
     const B: usize = 64;
@@ -305,10 +308,7 @@ impl GpuModel {
     /// Prepares the decode ring (see [`GpuModel::setup_ring`]); returns why not when the model
     /// does not fit it.
     fn prepare_ring(&mut self, sms: usize, smem_optin: usize) -> anyhow::Result<()> {
-        if let Some(why) = unsupported(self, sms) {
-            anyhow::bail!("{why}");
-        }
-        let fp8 = ring_fp8(self).context("mixed weight formats")?;
+        let fp8 = ring_layers(self, sms).map_err(|why| anyhow::anyhow!("{why}"))?;
         let c = &self.config;
         let (hid, inter) = (c.hidden_size, c.intermediate_size);
         let g = c.num_heads / c.num_kv_heads;
@@ -666,7 +666,7 @@ mod tests {
         for (rows, cols, cr) in [(2048, 48, 16), (3072, 24, 8)] {
             assert_eq!(ring_chunk_rows(rows, RING_SLOT, 1), cr);
             let host: Vec<u32> = (0..rows * cols).map(|i| i as u32).collect();
-            let t = transpose_rotated(&host, rows, cols, cr);
+            let t = transpose_rotated(&host, rows, cols, Some(cr));
             for chunk in 0..cols / cr {
                 for p in 0..rows / 32 {
                     for i in 0..4 {
@@ -692,6 +692,6 @@ mod tests {
         }
         // bf16 copies are plain transposes.
         let host: Vec<u16> = (0..6).collect();
-        assert_eq!(transpose_rotated(&host, 2, 3, 0), [0, 3, 1, 4, 2, 5]);
+        assert_eq!(transpose_rotated(&host, 2, 3, None), [0, 3, 1, 4, 2, 5]);
     }
 }
