@@ -826,6 +826,18 @@ pub fn ptx_for(arch: &'static str, dtype: Dtype) -> anyhow::Result<(String, bool
     Ok((ptx, false))
 }
 
+/// A module image as `cuModuleLoadData` takes it: an ELF cubin as it is, PTX text with a NUL
+/// appended (refused if it holds one: the driver would read a truncated module).
+fn module_image(mut image: Vec<u8>) -> anyhow::Result<Vec<u8>> {
+    if !image.starts_with(b"\x7fELF") {
+        if image.contains(&0) {
+            bail!("PTX contains a NUL byte");
+        }
+        image.push(0);
+    }
+    Ok(image)
+}
+
 /// A CUDA failure with the call that made it.
 /// The launch attribute for clusters of `n` blocks along x.
 fn cluster_attr(n: u32) -> sys::CUlaunchAttribute {
@@ -933,10 +945,32 @@ macro_rules! params {
 impl Kernels {
     /// Compiles (or reads from the cache) and loads every kernel for `arch` and `dtype` into
     /// the current context.
+    ///
+    /// Measurement only: `HARRIER_KERNEL_IMAGE` names a PTX or cubin file of [`SOURCE`] built
+    /// beforehand (for `arch` and `dtype`, any `-D` variant: NVRTC and `ptxas` run on a machine
+    /// without a GPU), loaded instead of compiling, so that a device call spends no minute of
+    /// NVRTC a variant.
     pub fn load(arch: &'static str, dtype: Dtype) -> anyhow::Result<Kernels> {
-        let (ptx, from_cache) = ptx_for(arch, dtype)?;
+        let (image, from_cache) = match std::env::var_os("HARRIER_KERNEL_IMAGE") {
+            Some(path) => {
+                let bytes = std::fs::read(&path)
+                    .with_context(|| format!("HARRIER_KERNEL_IMAGE {}", path.to_string_lossy()))?;
+                (bytes, false)
+            }
+            None => {
+                let (ptx, from_cache) = ptx_for(arch, dtype)?;
+                (ptx.into_bytes(), from_cache)
+            }
+        };
         let w8 = switch_on("HARRIER_SKINNY_W8");
-        Self::load_ptx(ptx, dtype, from_cache, SKINNY_WARPS, w8, pdl_default(arch))
+        Self::load_image(
+            image,
+            dtype,
+            from_cache,
+            SKINNY_WARPS,
+            w8,
+            pdl_default(arch),
+        )
     }
 
     /// A build with the skinny GEMM's launch shape overridden (`SK_WARPS` warps per block,
@@ -959,21 +993,30 @@ impl Kernels {
                 format!("-DSK_LOADS={skinny_loads}"),
             ],
         )?;
-        Self::load_ptx(ptx, dtype, false, skinny_warps, false, pdl_default(arch))
+        Self::load_image(
+            ptx.into_bytes(),
+            dtype,
+            false,
+            skinny_warps,
+            false,
+            pdl_default(arch),
+        )
     }
 
-    fn load_ptx(
-        ptx: String,
+    /// Loads a module image: PTX text (NUL-terminated here) or an ELF cubin.
+    fn load_image(
+        image: Vec<u8>,
         dtype: Dtype,
         from_cache: bool,
         skinny_warps: u32,
         skinny_w8: bool,
         pdl: bool,
     ) -> anyhow::Result<Kernels> {
-        let c = std::ffi::CString::new(ptx).context("PTX contains a NUL byte")?;
-        // SAFETY: `c` is a NUL-terminated PTX image; a context is current (caller's contract).
+        let image = module_image(image)?;
+        // SAFETY: `image` is a NUL-terminated PTX text or a cubin; a context is current (the
+        // caller's contract).
         let module = ck(
-            unsafe { dr::module::load_data(c.as_ptr() as *const c_void) },
+            unsafe { dr::module::load_data(image.as_ptr() as *const c_void) },
             "cuModuleLoadData",
         )?;
         let mut k = Kernels {
@@ -1934,7 +1977,7 @@ impl Kernels {
         let grid = (blocks, 1, 1);
         let warps = if w8 { 8 } else { self.skinny_warps };
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
-        // dynamic shared memory is within what `load_ptx` allowed.
+        // dynamic shared memory is within what `load_image` allowed.
         unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a, 1) }
     }
 }
@@ -2715,6 +2758,17 @@ mod tests {
     }
 
     #[test]
+    fn module_images_are_terminated_ptx_or_untouched_cubins() {
+        assert_eq!(
+            module_image(b".version 8.0".to_vec()).unwrap(),
+            b".version 8.0\0"
+        );
+        let cubin = b"\x7fELF\x02\x01\0\0rest".to_vec();
+        assert_eq!(module_image(cubin.clone()).unwrap(), cubin);
+        assert!(module_image(b".version\0 8.0".to_vec()).is_err());
+    }
+
+    #[test]
     fn cache_key_depends_on_arch() {
         assert_ne!(
             cache_key("sm_80", Dtype::Bf16),
@@ -2784,8 +2838,8 @@ mod tests {
             return;
         }
         const VARIANTS: &[&str] = &[
-            "-DATT_EXIT_AFTER_WAIT",
-            "-DHARRIER_TRACE",
+            "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE",
+            "-DHARRIER_TRACE -DRING_MLP_TRACE=2",
             // (Variants of different kernels share a compile.)
             "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP",
             "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4",
@@ -2796,7 +2850,7 @@ mod tests {
             let ptx = compile_ptx_with("sm_90", Dtype::Bf16, &opts)
                 .unwrap_or_else(|e| panic!("{defs}: {e:#}"));
             assert!(ptx.contains(".entry paged_attention("), "{defs}");
-            if *defs == "-DHARRIER_TRACE" {
+            if defs.starts_with("-DHARRIER_TRACE") {
                 assert!(
                     ptx.contains(&format!(" {TRACE_SYMBOL}[")),
                     "the trace buffer"
