@@ -2115,6 +2115,29 @@ fn print_ring_trace(t: &[u64], names: &[&str], layers: usize, blocks: usize) {
             d[0], d[1], d[2], d[3], d[4], d[5]
         );
     }
+    if let Some(d) = names
+        .iter()
+        .position(|n| *n == "mlp")
+        .and_then(|j| mlp_split(t, per, j, layers, blocks))
+    {
+        println!(
+            "mlp, us after its input was staged: first gate|up slots taken {:.2}, last down slot taken {:.2}, chunks done {:.2}, sums added {:.2}, counted {:.2}; thread 0 waited for full slots {:.2}",
+            d[0], d[1], d[2], d[3], d[4], d[5]
+        );
+        // (-DRING_MLP_TRACE=2: words 3 and 5 are other points, read them from here.)
+        println!(
+            "mlp words after word 1 (us): 3: {:.2}, 5: {:.2}, 6: {:.2}, 7: {:.2}, 2: {:.2}",
+            d[6], d[7], d[8], d[9], d[10]
+        );
+    }
+    for (j, name) in names.iter().enumerate() {
+        if let Some(d) = pair_split(t, per, j, layers, blocks) {
+            println!(
+                "{name}, pairs (-DRING_MLP_TRACE=2): sums staged {:.2} us after the input, partners {:.2} apart, partner's sums ready {:.2} after the later of the two, added {:.2} after",
+                d[0], d[1], d[2], d[3]
+            );
+        }
+    }
     // Stages past the layers' (the decode ring's output head).
     let stages = t.len() / (W * blocks);
     for s in per * layers..stages {
@@ -2158,6 +2181,76 @@ fn attention_split(
                     .map(|&b| at(s, b, w[1]) - at(s, b, w[0]))
                     .collect(),
             );
+        }
+    }
+    Some(d.map(|v| v / ls.len() as f64))
+}
+
+/// Inside stage `j` of every layer of a `-DRING_MLP_TRACE` trace, the decode ring's MLP: the
+/// median block's times (us) from its input staged to its first chunk's gate and up slots
+/// taken, its last down slot taken, its chunks done, its sums added and the stage counted
+/// (each from the point before), and the time its thread 0 waited for full slots, then words 3,
+/// 5, 6, 7 and 2 each from word 1, averaged as [`attention_split`]'s; `None` unless every such
+/// layer has a block that stamped them.
+fn mlp_split(t: &[u64], per: usize, j: usize, layers: usize, blocks: usize) -> Option<[f64; 11]> {
+    let at = |s: usize, b: usize, i: usize| trace_us(t, blocks, s, b, i);
+    let ls = traced_layers(layers);
+    let points = [1, 3, 5, 6, 7, 2];
+    let mut d = [0.0; 11];
+    for &l in &ls {
+        let s = per * l + j;
+        let stamped: Vec<usize> = (0..blocks)
+            .filter(|&b| {
+                at(s, b, 3) >= at(s, b, 1) && at(s, b, 7) >= at(s, b, 6) && at(s, b, 6) > 0.0
+            })
+            .collect();
+        if stamped.is_empty() {
+            return None;
+        }
+        for (k, w) in points.windows(2).enumerate() {
+            d[k] += median(
+                stamped
+                    .iter()
+                    .map(|&b| at(s, b, w[1]) - at(s, b, w[0]))
+                    .collect(),
+            );
+        }
+        for (k, w) in [3, 5, 6, 7, 2].into_iter().enumerate() {
+            d[6 + k] += median(stamped.iter().map(|&b| at(s, b, w) - at(s, b, 1)).collect());
+        }
+        d[5] += median(stamped.iter().map(|&b| at(s, b, 4)).collect());
+    }
+    Some(d.map(|v| v / ls.len() as f64))
+}
+
+/// Inside stage `j` of every layer of a `-DRING_MLP_TRACE=2` trace of the ring in pairs
+/// (blocks 2k and 2k + 1), medians over blocks, averaged as [`attention_split`]'s: word 3 (the
+/// block's sums staged) from word 1, the pair's distance in word 3, word 5 (the partner's sums
+/// seen) from the later of the pair's words 3, and word 7 (added) from word 5; `None` unless
+/// every block stamped words 3, 5 and 7 in order.
+fn pair_split(t: &[u64], per: usize, j: usize, layers: usize, blocks: usize) -> Option<[f64; 4]> {
+    let at = |s: usize, b: usize, i: usize| trace_us(t, blocks, s, b, i);
+    let ls = traced_layers(layers);
+    let mut d = [0.0; 4];
+    for &l in &ls {
+        let s = per * l + j;
+        let ok = |b: usize| {
+            at(s, b, 3) >= at(s, b, 1) && at(s, b, 5) >= at(s, b, 3) && at(s, b, 7) >= at(s, b, 5)
+        };
+        if !blocks.is_multiple_of(2) || !(0..blocks).all(|b| ok(b) && at(s, b, 1) > 0.0) {
+            return None;
+        }
+        let later = |b: usize| at(s, b, 3).max(at(s, b ^ 1, 3));
+        let per_block: [Vec<f64>; 4] = [
+            (0..blocks).map(|b| at(s, b, 3) - at(s, b, 1)).collect(),
+            (0..blocks)
+                .map(|b| (at(s, b, 3) - at(s, b ^ 1, 3)).abs())
+                .collect(),
+            (0..blocks).map(|b| at(s, b, 5) - later(b)).collect(),
+            (0..blocks).map(|b| at(s, b, 7) - at(s, b, 5)).collect(),
+        ];
+        for (k, v) in per_block.into_iter().enumerate() {
+            d[k] += median(v);
         }
     }
     Some(d.map(|v| v / ls.len() as f64))
@@ -2778,7 +2871,7 @@ fn check_fp8_gemm(
 
 #[cfg(test)]
 mod tests {
-    use super::{attention_split, parse_args};
+    use super::{attention_split, mlp_split, pair_split, parse_args};
 
     #[test]
     fn the_attention_split_takes_the_median_stamped_block_of_later_layers() {
@@ -2807,6 +2900,55 @@ mod tests {
         put(&mut t, 1, 0, [0, 1000, 9000, 0, 0, 0, 0, 0]);
         put(&mut t, 1, 1, [0, 1000, 9000, 0, 0, 0, 0, 0]);
         assert!(attention_split(&t, per, 0, layers, blocks).is_none());
+    }
+
+    /// A trace of one stage a layer, two layers, two blocks (one pair), layer 1 as given.
+    fn two_block_trace(b0: [u64; 8], b1: [u64; 8]) -> Vec<u64> {
+        const W: usize = harrier_kernels::RING_TRACE_WORDS;
+        let mut t = vec![0u64; 2 * 2 * W];
+        t[..W].copy_from_slice(&[1, 2, 99, 3, 4, 5, 6, 7]); // layer 0, block 0: left out
+        t[2 * W..3 * W].copy_from_slice(&b0);
+        t[3 * W..4 * W].copy_from_slice(&b1);
+        t
+    }
+
+    fn close(a: &[f64], b: &[f64]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9)
+    }
+
+    #[test]
+    fn the_mlp_split_takes_segments_and_offsets_of_the_median_block() {
+        // Words: wait start, staged, counted, first slots, waited (ns), last down, done, added.
+        let t = two_block_trace(
+            [0, 1000, 9000, 1500, 500, 6000, 7000, 8500],
+            [0, 2000, 12000, 2500, 1500, 8000, 9000, 11000],
+        );
+        let d = mlp_split(&t, 1, 0, 2, 2).unwrap();
+        let want = [0.5, 5.5, 1.0, 2.0, 1.0, 1.5, 0.5, 6.0, 7.0, 9.0, 10.0];
+        assert!(close(&d, &want), "{d:?}");
+        // Chunks never stamped done: nothing to say.
+        let t = two_block_trace(
+            [0, 1000, 9000, 1500, 500, 6000, 0, 8500],
+            [0, 2000, 12000, 2500, 1500, 8000, 0, 11000],
+        );
+        assert!(mlp_split(&t, 1, 0, 2, 2).is_none());
+    }
+
+    #[test]
+    fn the_pair_split_measures_the_partner_from_the_later_of_the_two() {
+        // Words 3, 5, 7: sums staged, the partner's seen, added.
+        let t = two_block_trace(
+            [0, 1000, 9000, 3000, 0, 5000, 0, 5500],
+            [0, 1000, 9500, 3500, 0, 5200, 0, 6000],
+        );
+        let d = pair_split(&t, 1, 0, 2, 2).unwrap();
+        assert!(close(&d, &[2.5, 0.5, 1.7, 0.8]), "{d:?}");
+        // A partner seen before the block's own staging is no pair trace.
+        let t = two_block_trace(
+            [0, 1000, 9000, 3000, 0, 2000, 0, 5500],
+            [0, 1000, 9500, 3500, 0, 5200, 0, 6000],
+        );
+        assert!(pair_split(&t, 1, 0, 2, 2).is_none());
     }
 
     #[test]
