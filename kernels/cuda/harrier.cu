@@ -2638,21 +2638,25 @@ __device__ __forceinline__ float ring_f8_dot(const uint4* w, const uint4* xh, in
         e4m3x4_f16x2(v.y, a[2], a[3]);
         e4m3x4_f16x2(v.z, a[4], a[5]);
         e4m3x4_f16x2(v.w, a[6], a[7]);
-        mma_f16(ca, a[0], a[1], a[2], a[3], x0.x, x0.z);
-        mma_f16(cb, a[0], a[1], a[2], a[3], x0.y, x0.w);
-        mma_f16(ca, a[4], a[5], a[6], a[7], x1.x, x1.z);
-        mma_f16(cb, a[4], a[5], a[6], a[7], x1.y, x1.w);
+        // (x0, x1 as bf16x8_f16 stages them: B's two registers of each tile adjacent.)
+        mma_f16(ca, a[0], a[1], a[2], a[3], x0.x, x0.y);
+        mma_f16(cb, a[0], a[1], a[2], a[3], x0.z, x0.w);
+        mma_f16(ca, a[4], a[5], a[6], a[7], x1.x, x1.y);
+        mma_f16(cb, a[4], a[5], a[6], a[7], x1.z, x1.w);
     }
     const int g = lane >> 2;
     return (lane & 3) == (g >> 1) ? ((g & 1) ? ca[1] + cb[3] : ca[0] + cb[2]) : 0.0f;
 }
-// Eight bf16 as f16 (saturated), in the same order.
+// Eight bf16 (elements 0..7) as f16 (saturated), pairs 01, 45, 23, 67: ring_f8_dot's B
+// operands of one tile (01 with 45, 23 with 67) in adjacent registers as loaded (in natural
+// order the MMAs' operands took moves: 89 more in the FP8 ring's code, FP8 1B 0.666 against
+// 0.659 ms; session 26).
 __device__ __forceinline__ uint4 bf16x8_f16(uint4 v) {
     const u32 a[4] = {v.x, v.y, v.z, v.w};
     u32 r[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) r[i] = f16x2_sat(__uint_as_float(a[i] << 16), __uint_as_float(a[i] & 0xffff0000u));
-    return make_uint4(r[0], r[1], r[2], r[3]);
+    return make_uint4(r[0], r[2], r[1], r[3]);
 }
 // Pairs of 32 columns an FP8 split-K warp keeps, at most (RING_F8_OCT accumulator sets of 8).
 #define RING_F8_OCT 2
@@ -2701,6 +2705,26 @@ __device__ __forceinline__ unsigned long long ring_now() {
 }
 // u64 a stage and block of a trace (`trace`, below).
 #define RING_TRACE_WORDS 8
+// RING_MLP_TRACE (measurement): an MLP stage's thread 0 also stamps words 3 (the first chunk's
+// gate and up slots taken), 5 (the last chunk's down slot taken), 6 (its chunks done), 7 (its
+// sums added) and stores in word 4 the ns it waited for full slots in the stage;
+// RING_MLP_TRACE=2 (FP8) stamps in 3 its sums staged in shared memory instead, and in 5 its
+// partner's sums ready (a pair's), and the o stages too (3, 5, 7).
+#ifdef RING_MLP_TRACE
+#define RING_MLP_STAMP(i) \
+    if (tr && ct == 0) tr[i] = ring_now()
+#if RING_MLP_TRACE == 2
+#define RING_MLP_STAMP1(i)
+#define RING_MLP_STAMP2(i) RING_MLP_STAMP(i)
+#else
+#define RING_MLP_STAMP1(i) RING_MLP_STAMP(i)
+#define RING_MLP_STAMP2(i)
+#endif
+#else
+#define RING_MLP_STAMP(i)
+#define RING_MLP_STAMP1(i)
+#define RING_MLP_STAMP2(i)
+#endif
 // Keys of an attention tile (RING_ATTN), and the shared memory an ATTN stage takes beside the
 // ring (in the input's place; the host sizes that region for both): the tile's K and V rows
 // (bf16, KT hd each; a K row padded by 8 so that the scores' lanes, a key each, read
@@ -3150,10 +3174,19 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
     // hot loops: session 24), or the one after it (ahead = 1), waited for; `release` hands the
     // next one back.
     unsigned int ki = 0, kp = 0;
+#ifdef RING_MLP_TRACE
+    unsigned long long blocked = 0;  // ns thread 0 waited in take() this stage
+#endif
     auto take = [&](unsigned int ahead = 0) -> const uint4* {
         unsigned int idx = ki + ahead, ph = kp;
         if (idx >= (unsigned int)nslots) idx -= nslots, ph ^= 1u;
+#ifdef RING_MLP_TRACE
+        const unsigned long long t0 = ct == 0 ? ring_now() : 0ull;
+#endif
         mbar_wait(smem_addr(full + idx), ph);
+#ifdef RING_MLP_TRACE
+        if (ct == 0) blocked += ring_now() - t0;
+#endif
         return ring + (size_t)idx * SLOT_UNITS;
     };
     auto release = [&]() {
@@ -3333,6 +3366,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         }
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
         if (tr && ct == 0) tr[1] = ring_now();
+#ifdef RING_MLP_TRACE
+        blocked = 0;
+#endif
         // Thread ct's down (or GEMVT) sums: columns 8 ct .., then 8 (ct + nct) .. (wider rows).
         auto add_rows = [&](float* acc, const uint4* d, int r, float h, int cols) {
 #pragma unroll
@@ -3354,7 +3390,10 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // block), halving the atomics.
         // (F8: the sums are in `red` already, see below.)
         auto add_out = [&](float* acc, int cols) {
-            if (csize == 2) {
+            // (The MLP's pairs too: its blocks each adding all their sums lost, FP8 1B 0.657-0.662
+            // against 0.642-0.644 ms, bf16 0.879 against 0.875; session 26.)
+            const bool paired = csize == 2;
+            if (paired) {
                 float4* red = (float4*)xs;
                 if (!F8) {
                     asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
@@ -3368,19 +3407,22 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
                 }
                 if (ct == 0) {
-                    asm volatile("fence.acq_rel.cluster;" ::: "memory");
+                    // (No fence before it: the arrive's release is cumulative over the block's
+                    // staging stores, which the barrier before ordered before it; a
+                    // fence.acq_rel.cluster here cost 1%, bf16 and FP8 alike, session 26.)
                     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
                                      cluster_map(smem_addr(&pair_ready), crank ^ 1u))
                                  : "memory");
                 }
                 mbar_wait_cluster(smem_addr(&pair_ready), pair_phase);
                 pair_phase ^= 1u;
+                RING_MLP_STAMP2(5);
             }
 #pragma unroll
             for (int q = 0; q < RING_MLP_COLS / 8; q++) {
                 const int j = q * nct + ct;
                 if (8 * j >= cols) break;
-                if (csize == 2) {
+                if (paired) {
                     if ((u32)(j & 1) != crank) continue;
                     const u32 pa = cluster_map(smem_addr((float4*)xs + 2 * j), crank ^ 1u);
                     float p[8];
@@ -3466,6 +3508,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                         const unsigned int gi = ki, ui = ki + 1 == (unsigned int)nslots ? 0u : ki + 1;
                         const uint4* gs = take();
                         const uint4* us = take(1);
+                        if (c == 0) RING_MLP_STAMP1(3);
                         // The units' rows' scales (rows past the chunk: unused, in the slot's side).
                         // Each used before the slots are released: a scale read then but used
                         // after the release (its load still in flight) made steps differ run to
@@ -3474,8 +3517,16 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                                             sscale[gi * RING_SLOT_SCALES + rb], sscale[ui * RING_SLOT_SCALES + rb]};
                         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // gate a, up a, gate b, up b
 #ifndef RING_NO_MATH
-                        if (va < units) v[0] = ring_f8_dot(gs + va * 64, xa, lane), v[1] = ring_f8_dot(us + va * 64, xa, lane);
-                        if (vb < units) v[2] = ring_f8_dot(gs + vb * 64, xb, lane), v[3] = ring_f8_dot(us + vb * 64, xb, lane);
+                        // Both units' four dots in one branch-free block (a unit past the chunk's
+                        // is unit 0 again, read and dropped), so that their MMA chains interleave:
+                        // behind a branch each, FP8 1B 0.656 against 0.645-0.649 ms (session 26).
+                        {
+                            const int ua = va < units ? va : 0, ub = vb < units ? vb : 0;
+                            v[0] = ring_f8_dot(gs + ua * 64, xa, lane), v[1] = ring_f8_dot(us + ua * 64, xa, lane);
+                            v[2] = ring_f8_dot(gs + ub * 64, xb, lane), v[3] = ring_f8_dot(us + ub * 64, xb, lane);
+                            if (va >= units) v[0] = v[1] = 0.0f;
+                            if (vb >= units) v[2] = v[3] = 0.0f;
+                        }
 #endif
 #pragma unroll
                         for (int o = 16; o > 0; o >>= 1)
@@ -3489,18 +3540,22 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                         }
                         release();
                         release();
+#ifndef RING_MLP_NO_BAR
                         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+#endif
                         // The activations of the scaled sums (as the skinny FP8 kernels' epilogue).
                         const float hl = chunk_act(c, cr, parts);
                         float h[4];
 #pragma unroll
                         for (int i = 0; i < 4; i++) h[i] = __shfl_sync(0xffffffffu, hl, t4 + i);
                         const unsigned char* d = (const unsigned char*)take();
-#ifndef RING_NO_MATH
+                        if (c == count - 1) RING_MLP_STAMP1(5);
+#if !defined(RING_NO_MATH) && !defined(RING_MLP_NO_DOWN)
                         ring_f8_rows(c8, d, cols, cr, p0, P, f16x2_sat(h[0], h[1]), f16x2_sat(h[2], h[3]), lane);
 #endif
                         release();
                     }
+                    RING_MLP_STAMP(6);
                 }
                 if (count > 0 || csize == 2) {
                     // The block's column sums, scaled by their columns' scales, into `red` (the
@@ -3530,6 +3585,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                         acc[q * 8] = a.x, acc[q * 8 + 1] = a.y, acc[q * 8 + 2] = a.z, acc[q * 8 + 3] = a.w;
                         acc[q * 8 + 4] = b.x, acc[q * 8 + 5] = b.y, acc[q * 8 + 6] = b.z, acc[q * 8 + 7] = b.w;
                     }
+                    RING_MLP_STAMP2(3);
                 }
             } else if (st.kind == RING_GEMVT) {
                 const int cr = ring_chunk_rows(st.N);
@@ -3551,6 +3607,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     const uint4* gs = take();
 #ifndef RING_NO_MATH
                     const uint4* us = take(1);
+                    if (c == 0) RING_MLP_STAMP1(3);
                     if (dots) {
                         float pg[4], pu[4];
 #pragma unroll
@@ -3578,6 +3635,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
 #endif
                     const float hl = chunk_act(c, cr, parts);
                     const uint4* d = take();
+                    if (c == count - 1) RING_MLP_STAMP1(5);
 #ifndef RING_MLP_NO_DOWN
 #pragma unroll 4
                     for (int r = 0; r < cr; r++) add_rows(acc, d, r, __shfl_sync(0xffffffffu, hl, r), st.K);
@@ -3587,12 +3645,21 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     release(), take(), release(), take(), release();
 #endif
                 }
+                RING_MLP_STAMP(6);
             }
             bool add = count > 0 || csize == 2;  // (a pair meets even with nothing)
 #ifdef RING_NO_RED
             add = add && st.kind != RING_MLP;
 #endif
             if (add) add_out(acc, cols);
+#if RING_MLP_TRACE == 2
+            RING_MLP_STAMP(7);
+#else
+            if (st.kind == RING_MLP) RING_MLP_STAMP(7);
+#endif
+#ifdef RING_MLP_TRACE
+            if (st.kind == RING_MLP && tr && ct == 0) tr[4] = blocked;
+#endif
         } else if (F8 && f8) {
             // FP8 GEMV: a slot holds 32 pieces of 1024 weights (piece p: row p / parts, columns
             // 1024 (p % parts) on); warp w reduces pieces 2w and 2w + 1 (ring_f8_dot; one row
@@ -3622,7 +3689,10 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 for (int h = 0; h < 2; h++) {
                     const unsigned int pc = pc0 + 2 * warp + h;
                     pr[h] = ring_div(pc, parts, rmul);
-                    if (in[h]) v[h] = ring_f8_dot(src + (2 * warp + h) * 64, xh + (pc - pr[h] * parts) * 128, lane);
+                    // (Unconditional, as the MLP's: a piece past a short last slot reads stale
+                    // bytes of the slot, dropped.)
+                    v[h] = ring_f8_dot(src + (2 * warp + h) * 64, xh + (pc - pr[h] * parts) * 128, lane);
+                    if (!in[h]) v[h] = 0.0f;
                 }
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) {
