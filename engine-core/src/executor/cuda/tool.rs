@@ -2174,16 +2174,26 @@ fn attention_split(
         if stamped.is_empty() {
             return None;
         }
-        for (k, w) in points.windows(2).enumerate() {
-            d[k] += median(
-                stamped
-                    .iter()
-                    .map(|&b| at(s, b, w[1]) - at(s, b, w[0]))
-                    .collect(),
-            );
+        for (k, v) in point_steps(t, blocks, s, &stamped, &points).enumerate() {
+            d[k] += v;
         }
     }
     Some(d.map(|v| v / ls.len() as f64))
+}
+
+/// Stage `s` of a ring trace: for each two successive words of `points`, the median over the
+/// `stamped` blocks of the time between them (us).
+fn point_steps<'a>(
+    t: &'a [u64],
+    blocks: usize,
+    s: usize,
+    stamped: &'a [usize],
+    points: &'a [usize],
+) -> impl Iterator<Item = f64> + 'a {
+    let at = move |b: usize, i: usize| trace_us(t, blocks, s, b, i);
+    points
+        .windows(2)
+        .map(move |w| median(stamped.iter().map(|&b| at(b, w[1]) - at(b, w[0])).collect()))
 }
 
 /// Inside stage `j` of every layer of a `-DRING_MLP_TRACE` trace, the decode ring's MLP: the
@@ -2207,13 +2217,8 @@ fn mlp_split(t: &[u64], per: usize, j: usize, layers: usize, blocks: usize) -> O
         if stamped.is_empty() {
             return None;
         }
-        for (k, w) in points.windows(2).enumerate() {
-            d[k] += median(
-                stamped
-                    .iter()
-                    .map(|&b| at(s, b, w[1]) - at(s, b, w[0]))
-                    .collect(),
-            );
+        for (k, v) in point_steps(t, blocks, s, &stamped, &points).enumerate() {
+            d[k] += v;
         }
         for (k, w) in [3, 5, 6, 7, 2].into_iter().enumerate() {
             d[6 + k] += median(stamped.iter().map(|&b| at(s, b, w) - at(s, b, 1)).collect());
