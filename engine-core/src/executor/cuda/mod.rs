@@ -405,6 +405,8 @@ pub struct CudaStartInfo {
     pub arch: &'static str,
     pub dtype: Dtype,
     pub weight_bytes: usize,
+    /// The weight bytes a decode step reads (`model::step_weight_bytes`).
+    pub decode_bytes: usize,
     pub activation_bytes: usize,
     pub kv_blocks: u32,
     pub kv_tokens: u64,
@@ -729,6 +731,7 @@ impl CudaExecutor {
             arch,
             dtype: cfg.dtype,
             weight_bytes: model.weight_bytes,
+            decode_bytes: model.decode_bytes,
             activation_bytes: scratch_sizes.total(),
             kv_blocks: usable,
             kv_tokens: usable as u64 * caps.block_size as u64,

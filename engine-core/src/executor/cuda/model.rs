@@ -124,10 +124,26 @@ pub(crate) struct StepMeta {
     pub gemm_rows: Option<usize>,
 }
 
+/// The weight bytes one decode step reads whatever its batch, of `loaded` bytes loaded (before
+/// any copy of the decode ring's): every layer's as loaded (FP8 with its scales), the norms and
+/// the output head, but not the embedding when the head is a matrix of its own (untied, or a
+/// tied head's FP8 copy): a step reads one embedding row a token. The bandwidth floor's bytes
+/// (`harrier-cuda-tool bench`).
+pub fn step_weight_bytes(loaded: usize, embed: usize, separate_head: bool) -> usize {
+    if separate_head {
+        loaded - embed
+    } else {
+        loaded
+    }
+}
+
 pub struct GpuModel {
     pub config: ModelConfig,
     pub dtype: Dtype,
+    /// Every weight byte loaded (the decode ring's transposed copies added when it takes them).
     pub weight_bytes: usize,
+    /// The weight bytes a decode step reads whatever its batch: see [`step_weight_bytes`].
+    pub decode_bytes: usize,
     embed: DevBuf,
     /// `None` when tied to the embedding and not quantized (`--quantization fp8` gives a tied
     /// head its own FP8 copy).
@@ -630,7 +646,9 @@ impl GpuModel {
         }
         progress.finish();
         let (v, h) = (c.vocab_size, c.hidden_size);
+        let before_embed = total.get();
         let embed = one(&[(EMBED.to_string(), vec![v, h])])?;
+        let embed_bytes = total.get() - before_embed;
         // `--quantization fp8` gives the output head its own FP8 copy even when tied (the
         // embedding rows stay as stored), as the CPU's and `harrier quantize` do; an FP8
         // checkpoint's head stays as the checkpoint stores it (often bf16, its ignore list).
@@ -696,6 +714,7 @@ impl GpuModel {
             config: c,
             dtype,
             weight_bytes: total.get(),
+            decode_bytes: step_weight_bytes(total.get(), embed_bytes, lm_head.is_some()),
             embed,
             lm_head,
             fp8,
@@ -1211,6 +1230,29 @@ impl GpuModel {
 mod tests {
     use super::*;
     use crate::gen_model::Preset;
+
+    /// A decode step reads the head once and one embedding row a token: the floor's bytes leave
+    /// the embedding out where the head is its own matrix, and keep it where it is the head.
+    #[test]
+    fn a_step_reads_the_head_not_an_untied_embedding() {
+        let wide = Preset::from_name("llama-3.1-8b").unwrap().config();
+        let small = Preset::from_name("llama-3.2-1b").unwrap().config();
+        assert!(!wide.tie_word_embeddings && small.tie_word_embeddings);
+        let embed = |c: &ModelConfig| c.vocab_size * c.hidden_size * 2;
+        // The 8B in bf16: 16.06 GB loaded, 15.01 GB read a step.
+        let loaded = super::super::layout::weight_bytes(&wide, 2);
+        let step = step_weight_bytes(loaded, embed(&wide), true);
+        assert_eq!(step, loaded - embed(&wide));
+        assert!((15.0e9..15.02e9).contains(&(step as f64)), "{step}");
+        // The 1B in bf16: its embedding is its head.
+        let loaded = super::super::layout::weight_bytes(&small, 2);
+        assert_eq!(step_weight_bytes(loaded, embed(&small), false), loaded);
+        // The 1B with FP8 layers and an FP8 copy of its tied head: the bf16 embedding is not
+        // read (0.97 GB of layers, 0.26 GB of head, scales aside).
+        let fp8 = super::super::layout::weight_bytes(&small, 1) + embed(&small);
+        let step = step_weight_bytes(fp8, embed(&small), true);
+        assert!((1.2e9..1.25e9).contains(&(step as f64)), "{step}");
+    }
 
     /// `HARRIER_SKIP_STAGES` names stages; an unknown name is an error.
     #[test]

@@ -436,8 +436,9 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         bw / 1e9,
         flops / 1e12
     );
-    // The floor's weight bytes: what the model loaded (FP8 models read about half).
-    let mut wbytes = layout::weight_bytes(&mc, 2) as f64;
+    // The floor's weight bytes: what a decode step reads (not the embedding of an untied model,
+    // nor the ring's copies: until session 26 the floor counted both, so the 8B's percentages
+    // and every FP8 one read high).
     let kv_tok = (layout::kv_bytes_per_block(&mc, 16, 2) / 16) as f64;
     let maxb = *batches.iter().max().unwrap_or(&1);
     // Up to six modes of warm-up + measured steps per batch.
@@ -451,9 +452,7 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         &graph_sizes(a, maxb as usize),
         Dtype::Bf16,
     )?;
-    if d.exec.fp8() {
-        wbytes = d.info.weight_bytes as f64;
-    }
+    let wbytes = d.info.decode_bytes as f64;
     let mut rows = Vec::new();
     let greedy = SamplingParams {
         ignore_eos: true,
@@ -613,7 +612,7 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
         );
     }
     let report = serde_json::json!({
-        "model": dir.name, "copy_bw_gbs": bw / 1e9, "gemm_tflops": flops / 1e12, "weight_bytes": wbytes,
+        "model": dir.name, "copy_bw_gbs": bw / 1e9, "gemm_tflops": flops / 1e12, "decode_weight_bytes": wbytes,
         "decode": rows,
         "graphs": {"sizes": d.info.graph_sizes, "count": d.info.graph_count, "capture_ms": d.info.graph_capture_ms, "bytes": d.info.graph_bytes},
         "prefill": prefill,
