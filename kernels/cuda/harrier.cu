@@ -3007,7 +3007,8 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // stage done; with RING_ATTN_TRACE attention stages stamp five more (ring_attention). RING_NO_DEP
 // (no waits for inputs), RING_NO_MATH (slots released unread), RING_NO_RED (MLP sums never
 // added), RING_MLP_NO_DOWN (down slots released unread) and RING_MLP_NO_BAR (no barrier
-// between a chunk's gate|up and down) are measurement variants with wrong outputs.
+// between a chunk's gate|up and down) and RING_PAIR_RELAXED (a pair's arrive without its
+// release) are measurement variants with wrong outputs.
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
@@ -3410,9 +3411,17 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     // (No fence before it: the arrive's release is cumulative over the block's
                     // staging stores, which the barrier before ordered before it; a
                     // fence.acq_rel.cluster here cost 1%, bf16 and FP8 alike, session 26.)
+#ifdef RING_PAIR_RELAXED
+                    // (Measurement, wrong ordering: whether the release itself is the MLP pair's
+                    // 2.6-2.8 us, e.g. by draining the block's memory operations in flight.)
+                    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(
+                                     cluster_map(smem_addr(&pair_ready), crank ^ 1u))
+                                 : "memory");
+#else
                     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
                                      cluster_map(smem_addr(&pair_ready), crank ^ 1u))
                                  : "memory");
+#endif
                 }
                 mbar_wait_cluster(smem_addr(&pair_ready), pair_phase);
                 pair_phase ^= 1u;
