@@ -2232,7 +2232,7 @@ impl Kernels {
                     bytes as i32,
                 )
             };
-            ck(raised, "gemv_ring shared memory")?;
+            ck(raised, &format!("{name} shared memory"))?;
         }
         Ok(())
     }
