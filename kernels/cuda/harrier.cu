@@ -3007,7 +3007,7 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // stage done; with RING_ATTN_TRACE attention stages stamp five more (ring_attention). RING_NO_DEP
 // (no waits for inputs), RING_NO_MATH (slots released unread), RING_NO_RED (MLP sums never
 // added), RING_MLP_NO_DOWN (down slots released unread) and RING_MLP_NO_BAR (no barrier
-// between a chunk's gate|up and down) and RING_PAIR_RELAXED (a pair's arrive without its
+// between a chunk's gate|up and down) and RING_COUNT_RELAXED (a stage's count without its
 // release) are measurement variants with wrong outputs.
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
@@ -3027,14 +3027,16 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
     // producer copies with its weights (a consumer's own load cost a round trip a row: the FP8
     // head ran at half the stream, session 20).
     float* sscale = (float*)(empty + nslots);
-    // The stage's input, bf16 (or an ATTN stage's state); F8 GEMV and MLP stages the same as
-    // f16 (ring_f8_xpos order) from 2 K bytes on; F8 o and MLP stages their f32 column scales
-    // from 4 N bytes on (N the stage's outputs), past the pairs' f32 sums.
+    // The stage's input, bf16 (or an ATTN stage's state, or an o stage's f32 input rows), and
+    // from 2 H bytes on (H the hidden size: o's N, the MLP's K) the pair's receiving region
+    // (add_out). F8: the pair's receiving region first; FP8 GEMV and MLP stages' input as f16
+    // (ring_f8_xpos order) from 2 K bytes on, or an o stage's rows from 2 H on, and a paired
+    // block's own sums there at the end; F8 o and MLP stages' f32 column scales from 4 H on.
     uint4* xs = (uint4*)(sscale + (F8 ? nslots * RING_SLOT_SCALES : 0));
     __shared__ float part[2][2][F8 ? 2 * RING_CW : RING_CW];  // MLP: [chunk parity][gate, up][unit]
     __shared__ float red_ss[RING_CW];       // the input norm's sum of squares, by warp
     __shared__ int slot_item[RING_MAX_SLOTS];  // the item a full slot holds (-1: a stage's end)
-    __shared__ __align__(8) unsigned long long pair_ready;  // the pair's sums staged (clusters of two)
+    __shared__ __align__(8) unsigned long long pair_ready;  // the partner's sums pushed (clusters of two)
     u32 crank, csize;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(crank));
     asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(csize));
@@ -3290,7 +3292,11 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
             if (tr && ct == 0) tr[2] = ring_now();
             if (s + 1 == n) return true;
+#ifdef RING_COUNT_RELAXED
+            if (ct == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
+#else
             if (ct == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
+#endif
             return false;
         };
         if (st.kind == RING_ATTN) {  // (it waits inside, once its keys are on their way)
@@ -3303,8 +3309,16 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         }
         wait();
         float ss = 0.0f;
+        // A thread's (at most two) 8-input units, kept in registers through the norm: an FP8
+        // stage writes only their f16 copy (the bf16 one's place is the pair's receiving
+        // region, see add_out).
+        uint4 xv[2] = {};
+        const bool f16_only = f8 && st.kind != RING_GEMVT;
         // A GEMVT stage stages only its own input rows, as f32 (below).
-        for (int j = ct; j < st.K / 8 && st.kind != RING_GEMVT; j += nct) {
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const int j = ct + q * nct;
+            if (j >= st.K / 8 || st.kind == RING_GEMVT) break;
             float v[8];
             if (st.x_form == RING_X_BF16) {
                 const uint4 xb = __ldcg((const uint4*)st.x + j);
@@ -3336,7 +3350,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 ((float4*)st.res_out)[2 * j] = make_float4(v[0], v[1], v[2], v[3]);
                 ((float4*)st.res_out)[2 * j + 1] = make_float4(v[4], v[5], v[6], v[7]);
             }
-            xs[j] = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
+            xv[q] = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
         }
         if (st.norm_w) {
             // Every block the whole vector's sum of squares (a few KB from L2), then each thread
@@ -3349,18 +3363,18 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             for (int w = 0; w < RING_CW; w++) ss += red_ss[w];
             const float inv = rsqrtf(ss / st.K + st.eps);
 #pragma unroll
-            for (int q = 0; q < 2; q++) {
-                const int j = ct + q * nct;
-                if (j >= st.K / 8) break;
-                xs[j] = rms_norm8(xs[j], gw[q], inv, 0.0f);
-            }
+            for (int q = 0; q < 2; q++) xv[q] = rms_norm8(xv[q], gw[q], inv, 0.0f);
         }
-        if (f8 && st.kind != RING_GEMVT) {
-            // FP8: the input as f16 for the tensor cores (each thread its own units).
-            uint4* xh = xs + st.K / 8;
-            for (int j = ct; j < st.K / 8; j += nct) xh[ring_f8_xpos(j)] = bf16x8_f16(xs[j]);
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const int j = ct + q * nct;
+            if (j >= st.K / 8 || st.kind == RING_GEMVT) break;
+            // FP8: the input as f16 for the tensor cores only.
+            if (f16_only) xs[st.K / 8 + ring_f8_xpos(j)] = bf16x8_f16(xv[q]);
+            else xs[j] = xv[q];
         }
-        float* xr = (float*)xs;  // GEMVT: the block's input rows, f32
+        // GEMVT: the block's input rows, f32 (F8: past the pair's receiving region).
+        float* xr = (float*)(F8 ? xs + st.N / 8 : xs);
         if (st.kind == RING_GEMVT) {
             const int cr = ring_chunk_rows(st.N, wb), r0 = start * cr;
             ring_gemvt_rows(st, xr, r0, count * cr, ct, nct, aG, aS);
@@ -3385,64 +3399,62 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             }
         };
         // A split-K stage's column sums into y. In a cluster of two (the host's choice where
-        // the pairs fit), the pair adds once: each block stages its sums in shared memory
-        // (the input's place, free once every warp is past its last slot), and each adds the
-        // pair's sum of every other 8 columns (own + partner's: the same bits in either
-        // block), halving the atomics.
-        // (F8: the sums are in `red` already, see below.)
+        // the pairs fit), the pair adds once: the columns' 8-wide groups j alternate between
+        // the pair's blocks (j % 2 == rank), each block pushes its sums of the partner's groups
+        // into the partner's receiving region with st.async, which counts their bytes on the
+        // partner's pair_ready (no fence: the barrier's phase completes when the bytes have
+        // landed), and adds its own sums plus the partner's of its groups (the same bits in
+        // either block), halving the atomics. The region: 2 `cols` bytes (f32, the groups a
+        // block adds, j / 2), xs's second quarter (bf16) or first (F8, whose stages keep no
+        // bf16 input there), free while the stage runs. (Session 26's pull, each block staging
+        // its sums for the partner to read after a remote arrive with release, waited 2.6-2.8
+        // us a layer in the MLP's tail for the release's MEMBAR.GPU; session 27.)
+        // F8: the sums of the partner's groups were pushed, and this block's own are in `acc`,
+        // before add_out (see below).
+        auto pair_recv = [&](int cols) { return (float4*)(F8 ? xs : xs + cols / 8); };
+        auto push = [&](u32 peer_recv, u32 peer_ready, int j, int half, float a, float b, float c, float d) {
+            asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                             peer_recv + 32u * (u32)(j >> 1) + 16u * (u32)half),
+                         "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(__float_as_uint(c)), "r"(__float_as_uint(d)),
+                         "r"(peer_ready)
+                         : "memory");
+        };
         auto add_out = [&](float* acc, int cols) {
             // (The MLP's pairs too: its blocks each adding all their sums lost, FP8 1B 0.657-0.662
             // against 0.642-0.644 ms, bf16 0.879 against 0.875; session 26.)
             const bool paired = csize == 2;
+            float4* const recv = pair_recv(cols);
             if (paired) {
-                float4* red = (float4*)xs;
                 if (!F8) {
-                    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+                    const u32 peer_recv = cluster_map(smem_addr(recv), crank ^ 1u);
+                    const u32 peer_ready = cluster_map(smem_addr(&pair_ready), crank ^ 1u);
 #pragma unroll
                     for (int q = 0; q < RING_MLP_COLS / 8; q++) {
                         const int j = q * nct + ct;
                         if (8 * j >= cols) break;
-                        red[2 * j] = make_float4(acc[q * 8], acc[q * 8 + 1], acc[q * 8 + 2], acc[q * 8 + 3]);
-                        red[2 * j + 1] = make_float4(acc[q * 8 + 4], acc[q * 8 + 5], acc[q * 8 + 6], acc[q * 8 + 7]);
+                        if ((u32)(j & 1) == crank) continue;
+                        push(peer_recv, peer_ready, j, 0, acc[q * 8], acc[q * 8 + 1], acc[q * 8 + 2], acc[q * 8 + 3]);
+                        push(peer_recv, peer_ready, j, 1, acc[q * 8 + 4], acc[q * 8 + 5], acc[q * 8 + 6], acc[q * 8 + 7]);
                     }
-                    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
                 }
                 if (ct == 0) {
-                    // (No fence before it: the arrive's release is cumulative over the block's
-                    // staging stores, which the barrier before ordered before it; a
-                    // fence.acq_rel.cluster here cost 1%, bf16 and FP8 alike, session 26.)
-#ifdef RING_PAIR_RELAXED
-                    // (Measurement, wrong ordering: whether the release itself is the MLP pair's
-                    // 2.6-2.8 us, e.g. by draining the block's memory operations in flight.)
-                    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(
-                                     cluster_map(smem_addr(&pair_ready), crank ^ 1u))
+                    // This phase's arrival and the bytes the partner pushes (its groups j % 2 ==
+                    // crank; they may land before this: the phase waits for the arrival too).
+                    const u32 bytes = 32u * (u32)((cols / 8 + 1 - (int)crank) / 2);
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&pair_ready)), "r"(bytes)
                                  : "memory");
-#else
-                    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
-                                     cluster_map(smem_addr(&pair_ready), crank ^ 1u))
-                                 : "memory");
-#endif
                 }
                 mbar_wait_cluster(smem_addr(&pair_ready), pair_phase);
                 pair_phase ^= 1u;
                 RING_MLP_STAMP2(5);
             }
-#pragma unroll
             for (int q = 0; q < RING_MLP_COLS / 8; q++) {
                 const int j = q * nct + ct;
                 if (8 * j >= cols) break;
                 if (paired) {
                     if ((u32)(j & 1) != crank) continue;
-                    const u32 pa = cluster_map(smem_addr((float4*)xs + 2 * j), crank ^ 1u);
-                    float p[8];
-                    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                                 : "=f"(p[0]), "=f"(p[1]), "=f"(p[2]), "=f"(p[3])
-                                 : "r"(pa)
-                                 : "memory");
-                    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                                 : "=f"(p[4]), "=f"(p[5]), "=f"(p[6]), "=f"(p[7])
-                                 : "r"(pa + 16)
-                                 : "memory");
+                    const float4 a = recv[2 * (j >> 1)], b = recv[2 * (j >> 1) + 1];
+                    const float p[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
                     for (int i = 0; i < 8; i++) acc[q * 8 + i] += p[i];
                 }
@@ -3566,13 +3578,18 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     }
                     RING_MLP_STAMP(6);
                 }
-                if (count > 0 || csize == 2) {
-                    // The block's column sums, scaled by their columns' scales, into `red` (the
-                    // input's place: every warp is past its last slot) in column order, then
-                    // thread ct's add_out columns from it.
+                const bool paired = csize == 2;
+                if (count > 0 || paired) {
+                    // The block's column sums, scaled by their columns' scales, in column order
+                    // into `red`, then thread ct's add_out columns from it: every column, in the
+                    // input's place, or paired, only the block's own groups (j % 2 == crank, at
+                    // j / 2) past the receiving region (the f16 input's place: every warp is past
+                    // its last slot), the partner's pushed to it (add_out).
                     cp_async_wait_all();  // (the scales)
                     asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
-                    float4* red = (float4*)xs;
+                    float4* red = paired ? (float4*)(xs + cols / 8) : (float4*)xs;
+                    const u32 peer_recv = cluster_map(smem_addr(pair_recv(cols)), crank ^ 1u);
+                    const u32 peer_ready = cluster_map(smem_addr(&pair_ready), crank ^ 1u);
                     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
                     for (int o = 0; o < RING_F8_OCT; o++)
@@ -3580,17 +3597,22 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                         for (int k = 0; k < 2; k++) {
                             const int pl = 8 * o + 2 * t + k;
                             if (pl >= P) continue;
-                            const int col = 32 * (p0 + pl) + 4 * g;
+                            const int col = 32 * (p0 + pl) + 4 * g, j = col >> 3, half = (col >> 2) & 1;
                             const float4 sc = *(const float4*)(f8cs + col);
-                            red[col / 4] =
+                            const float4 v =
                                 make_float4(c8[o][k] * sc.x, c8[o][2 + k] * sc.y, c8[o][4 + k] * sc.z, c8[o][6 + k] * sc.w);
+                            if (!paired) red[col / 4] = v;
+                            else if ((u32)(j & 1) == crank) red[2 * (j >> 1) + half] = v;
+                            else push(peer_recv, peer_ready, j, half, v.x, v.y, v.z, v.w);
                         }
                     asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
 #pragma unroll
                     for (int q = 0; q < RING_MLP_COLS / 8; q++) {
                         const int j = q * nct + ct;
                         if (8 * j >= cols) break;
-                        const float4 a = red[2 * j], b = red[2 * j + 1];
+                        if (paired && (u32)(j & 1) != crank) continue;
+                        const int r = paired ? j >> 1 : j;
+                        const float4 a = red[2 * r], b = red[2 * r + 1];
                         acc[q * 8] = a.x, acc[q * 8 + 1] = a.y, acc[q * 8 + 2] = a.z, acc[q * 8 + 3] = a.w;
                         acc[q * 8 + 4] = b.x, acc[q * 8 + 5] = b.y, acc[q * 8 + 6] = b.z, acc[q * 8 + 7] = b.w;
                     }

@@ -312,13 +312,19 @@ impl GpuModel {
         let c = &self.config;
         let (hid, inter) = (c.hidden_size, c.intermediate_size);
         let g = c.num_heads / c.num_kv_heads;
-        // Beside the ring: an attention stage's state, the o stage's rows (f32: a block's run
-        // of chunks of input rows), or the hidden-wide f32 split-K sums a cluster's pair stages
-        // for each other (room for every stage's bf16 input too; FP8: the input again as f16,
-        // within those 4 hidden bytes, and the o and down column scales, f32, past them).
+        // Beside the ring: an attention stage's state, or a stage's input (bf16; the o stage's
+        // rows, f32: a block's run of chunks of input rows) in 2 hidden bytes and the half of
+        // the hidden-wide f32 split-K sums a cluster's pair pushes to each block in the next 2
+        // (FP8: that region first, then the input as f16 or o's rows, then the o and down
+        // column scales, f32, in 4 hidden bytes).
         let q = c.num_heads * c.head_dim;
         let cr = ring_chunk_rows(hid, RING_SLOT, weight_bytes(fp8));
         let o_rows = q.div_ceil(cr).div_ceil(sms) * cr;
+        if 4 * o_rows > 2 * hid {
+            anyhow::bail!(
+                "the o stage's {o_rows} input rows a block do not fit beside the pair's sums"
+            );
+        }
         let input_bytes = (if fp8 { 8 * hid } else { 4 * hid })
             .max(ring_attn_smem(g, c.head_dim))
             .max(4 * o_rows);
