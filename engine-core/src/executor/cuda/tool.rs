@@ -40,10 +40,12 @@
 //!   where the model has it, the decode ring against both and against a second run of itself
 //!   (which must give the same bits). `--prompt-len N` (40): past 768 the ring's attention
 //!   splits take more than one tile.
-//! - `check-fp8 --model DIR [--rows 1,2,4,8,16,32,64] [--batches 1,8] [--steps 32]`: FP8
-//!   weights: `dequant_fp8_rows` bit for bit against the host, the FP8 skinny GEMM against
-//!   cuBLAS over the dequantized weights (and timed beside bf16), then the model loaded in
-//!   bf16 and in FP8 on the same prompts (logits, argmax, log-probability error, greedy tokens).
+//! - `check-fp8 --model DIR [--rows 1,2,4,8,16,32,64] [--batches 1,8] [--steps 32]
+//!   [--decode-ring on|off]`: FP8 weights: `dequant_fp8_rows` bit for bit against the host, the
+//!   FP8 skinny GEMM against cuBLAS over the dequantized weights (and timed beside bf16), then
+//!   the model loaded in bf16 and in FP8 on the same prompts (logits, argmax, log-probability
+//!   error, greedy tokens; batch-1 steps by the decode ring where the model has one, unless
+//!   `--decode-ring off`; `--batches 1,1,1,1` runs four one-row prompts).
 //! - `--quantization fp8` (any command): models load with FP8 weights.
 //! - `bench-ring --model DIR [--mlp fused|plain] [--residual] [--layers N] [--rounds N]
 //!   [--slots N] [--no-check]`: measurement only: the model's one-row projections as one persistent
@@ -2701,11 +2703,23 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .iter()
         .map(|&b| random_prompts(&mut rng, b, prompt_len, c.vocab_size))
         .collect();
+    // `--decode-ring off`: batch-1 steps by the launches (default on: the ring where the model
+    // has one, as the server's `auto` where its copies fit).
+    let ring = match a.get("decode-ring").map_or("on", String::as_str) {
+        "on" => true,
+        "off" => false,
+        v => bail!("--decode-ring {v}: on or off"),
+    };
     let mut runs: Vec<Vec<GreedyRun>> = Vec::new();
     for fp8_on in [false, true] {
         TOOL_FP8.store(fp8_on, std::sync::atomic::Ordering::Relaxed);
         let mut d = Driver::for_runs(&dir, a, maxb, prompt_len, steps)?;
-        eprintln!("fp8 {fp8_on}: {} weight bytes", d.info.weight_bytes);
+        let has_ring = d.exec.set_decode_ring(ring)?;
+        eprintln!(
+            "fp8 {fp8_on}: {} weight bytes, decode ring {}",
+            d.info.weight_bytes,
+            if has_ring && ring { "on" } else { "off" }
+        );
         runs.push(
             prompts
                 .iter()
