@@ -3255,9 +3255,12 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             if (s > 0) {
                 if (ct == 0) {
                     unsigned int v;
+                    // (Relaxed polls, then one acquire fence: the acquire pattern without an L1
+                    // invalidation a poll.)
                     do {
-                        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(done + s - 1) : "memory");
+                        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(done + s - 1) : "memory");
                     } while (v < gridDim.x);
+                    asm volatile("fence.acquire.gpu;" ::: "memory");
                 }
                 asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
             }
@@ -3488,6 +3491,16 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             }
             return hl;
         };
+        // A chunk's gate and up slots done with: released, then (the barrier) every warp's part
+        // sums in, and the activations formed.
+        auto gate_up_done = [&](int c, int cr, int parts) -> float {
+            release();
+            release();
+#ifndef RING_MLP_NO_BAR
+            asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+#endif
+            return chunk_act(c, cr, parts);
+        };
         if (st.kind == RING_CVT) {
             for (int i = ca + ct; i < cb; i += nct) st.y[i] = ring_sum(st.x, i, st.x_len);
         } else if (st.kind == RING_GEMVT || st.kind == RING_MLP) {
@@ -3559,13 +3572,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                             if (va < units) part[c & 1][0][va] = v[0], part[c & 1][1][va] = v[1];
                             if (vb < units) part[c & 1][0][vb] = v[2], part[c & 1][1][vb] = v[3];
                         }
-                        release();
-                        release();
-#ifndef RING_MLP_NO_BAR
-                        asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
-#endif
                         // The activations of the scaled sums (as the skinny FP8 kernels' epilogue).
-                        const float hl = chunk_act(c, cr, parts);
+                        const float hl = gate_up_done(c, cr, parts);
                         float h[4];
 #pragma unroll
                         for (int i = 0; i < 4; i++) h[i] = __shfl_sync(0xffffffffu, hl, t4 + i);
@@ -3659,12 +3667,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                             part[c & 1][1][warp] = u;
                         }
                     }
-                    release();
-                    release();
-#ifndef RING_MLP_NO_BAR
-                    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
-#endif
-                    const float hl = chunk_act(c, cr, parts);
+                    const float hl = gate_up_done(c, cr, parts);
                     const uint4* d = take();
                     if (c == count - 1) RING_MLP_STAMP1(5);
 #ifndef RING_MLP_NO_DOWN
