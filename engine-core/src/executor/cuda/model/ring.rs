@@ -311,23 +311,9 @@ impl GpuModel {
         let fp8 = ring_layers(self, sms).map_err(|why| anyhow::anyhow!("{why}"))?;
         let c = &self.config;
         let (hid, inter) = (c.hidden_size, c.intermediate_size);
-        let g = c.num_heads / c.num_kv_heads;
-        // Beside the ring: an attention stage's state, or a stage's input (bf16; the o stage's
-        // rows, f32: a block's run of chunks of input rows) in 2 hidden bytes and the half of
-        // the hidden-wide f32 split-K sums a cluster's pair pushes to each block in the next 2
-        // (FP8: that region first, then the input as f16 or o's rows, then the o and down
-        // column scales, f32, in 4 hidden bytes).
         let q = c.num_heads * c.head_dim;
         let cr = ring_chunk_rows(hid, RING_SLOT, weight_bytes(fp8));
-        let o_rows = q.div_ceil(cr).div_ceil(sms) * cr;
-        if 4 * o_rows > 2 * hid {
-            anyhow::bail!(
-                "the o stage's {o_rows} input rows a block do not fit beside the pair's sums"
-            );
-        }
-        let input_bytes = (if fp8 { 8 * hid } else { 4 * hid })
-            .max(ring_attn_smem(g, c.head_dim))
-            .max(4 * o_rows);
+        let input_bytes = ring_input_bytes(c, fp8, sms)?;
         let slots = (smem_optin.saturating_sub(input_bytes + STATIC_SMEM)
             / (RING_SLOT + ring_slot_side(fp8)))
         .min(RING_MAX_SLOTS);
@@ -605,6 +591,26 @@ impl GpuModel {
     }
 }
 
+/// Shared memory beside a ring block's slots for its stage's input: an attention stage's
+/// state, or (bf16) the stage's bf16 input, or the o stage's rows (f32: a block's run of
+/// chunks of input rows), in 2 hidden-size bytes, then the half of the hidden-wide f32 split-K
+/// sums a cluster's partner pushes to the block in the next 2 (`add_out`); FP8 that region
+/// first, then the input as f16 or o's rows, then the o and down column scales (f32) in 4
+/// hidden-size bytes. An error where o's rows would reach past their 2 hidden-size bytes.
+pub(crate) fn ring_input_bytes(c: &ModelConfig, fp8: bool, sms: usize) -> anyhow::Result<usize> {
+    let hid = c.hidden_size;
+    let q = c.num_heads * c.head_dim;
+    let cr = ring_chunk_rows(hid, RING_SLOT, weight_bytes(fp8));
+    let o_rows = q.div_ceil(cr).div_ceil(sms) * cr;
+    if 4 * o_rows > 2 * hid {
+        anyhow::bail!(
+            "the o stage's {o_rows} input rows a block do not fit beside the pair's sums"
+        );
+    }
+    Ok((if fp8 { 8 * hid } else { 4 * hid })
+        .max(ring_attn_smem(c.num_heads / c.num_kv_heads, c.head_dim)))
+}
+
 /// Bytes of the ring's transposed copies of o and down (`[q, hidden]` and `[intermediate,
 /// hidden]` a layer, bf16 or, for FP8 layers, e4m3), made at load beside the model's own
 /// weights.
@@ -655,6 +661,23 @@ mod tests {
         // the 3B in FP8 (0.94 GB, x 16: 15 GB), yes.
         assert!(ring_auto(&b1, false, 24 << 30) && !ring_auto(&b3, false, 24 << 30));
         assert!(ring_auto(&b3, true, 24 << 30));
+    }
+
+    #[test]
+    fn the_input_region_holds_the_pairs_sums_beside_the_input() {
+        let cfg = |name| Preset::from_name(name).unwrap().config();
+        let (b1, b8) = (cfg("llama-3.2-1b"), cfg("llama-3.1-8b"));
+        // 4 hidden-size bytes (bf16), 8 (FP8), or an attention state larger than that.
+        assert_eq!(
+            ring_input_bytes(&b1, false, 132).unwrap(),
+            (4 * 2048).max(ring_attn_smem(4, 64))
+        );
+        assert_eq!(ring_input_bytes(&b8, true, 132).unwrap(), 8 * 4096);
+        // o's rows a block: the 1B's 8-row chunks over 132 blocks, 2 chunks (64 bytes); on
+        // a device of one SM all 2,048 rows (8 KB), past the 4 KB before the pair's sums.
+        assert!(ring_input_bytes(&b1, false, 2).is_ok());
+        let e = ring_input_bytes(&b1, false, 1).unwrap_err().to_string();
+        assert!(e.contains("2048 input rows"), "{e}");
     }
 
     #[test]
