@@ -2708,8 +2708,9 @@ __device__ __forceinline__ unsigned long long ring_now() {
 // RING_MLP_TRACE (measurement): an MLP stage's thread 0 also stamps words 3 (the first chunk's
 // gate and up slots taken), 5 (the last chunk's down slot taken), 6 (its chunks done), 7 (its
 // sums added) and stores in word 4 the ns it waited for full slots in the stage;
-// RING_MLP_TRACE=2 (FP8) stamps in 3 its sums staged in shared memory instead, and in 5 its
-// partner's sums ready (a pair's), and the o stages too (3, 5, 7).
+// RING_MLP_TRACE=2 (FP8) stamps in 3 its sums staged instead (its own in shared memory, the
+// partner's pushed), and in 5 its partner's sums landed (a pair's), and the o stages too (3, 5,
+// 7).
 #ifdef RING_MLP_TRACE
 #define RING_MLP_STAMP(i) \
     if (tr && ct == 0) tr[i] = ring_now()

@@ -2841,7 +2841,7 @@ mod tests {
             "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE",
             "-DHARRIER_TRACE -DRING_MLP_TRACE=2",
             // (Variants of different kernels share a compile.)
-            "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_PAIR_RELAXED",
+            "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_COUNT_RELAXED",
             "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4",
             "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT -DRING_PV_UNROLL=8",
         ];

@@ -2231,7 +2231,7 @@ fn mlp_split(t: &[u64], per: usize, j: usize, layers: usize, blocks: usize) -> O
 
 /// Inside stage `j` of every layer of a `-DRING_MLP_TRACE=2` trace of the ring in pairs
 /// (blocks 2k and 2k + 1), medians over blocks, averaged as [`attention_split`]'s: word 3 (the
-/// block's sums staged) from word 1, the pair's distance in word 3, word 5 (the partner's sums
+/// block's sums staged, the partner's pushed) from word 1, the pair's distance in word 3, word 5 (the partner's sums
 /// seen) from the later of the pair's words 3, and word 7 (added) from word 5; `None` unless
 /// every block stamped words 3, 5 and 7 in order.
 fn pair_split(t: &[u64], per: usize, j: usize, layers: usize, blocks: usize) -> Option<[f64; 4]> {
