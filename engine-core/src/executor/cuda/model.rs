@@ -181,6 +181,9 @@ pub struct GpuModel {
     /// FP8 skinny steps take the fused path's norm prologues and residual epilogues too
     /// (`HARRIER_FP8_FUSED=1`, to compare; see [`ProjPlan::new`] for why they do not).
     fp8_fused: bool,
+    /// Measurement only: the norm prologues' row limit for every width
+    /// (`HARRIER_NORM_MAX_ROWS=N`; default [`norm_prologue_max_rows`]).
+    norm_max_rows: Option<usize>,
     /// The batch-1 decode step as one persistent launch ([`ring`]), when prepared.
     ring: Option<ring::RingDecode>,
 }
@@ -269,11 +272,29 @@ const FP8_SKINNY_MAX_ROWS_WITH_GEMM: usize = 8;
 /// block reads all input rows of its reduction.
 const FUSED_MULTI_ROW_MAX_HIDDEN: usize = 3072;
 
-/// Steps of at most this many rows norm inside the q|k|v and gate|up GEMMs. Every block of
-/// the launch normalises the whole input again: at 1 row that costs 2.5 us over the plain
-/// skinny GEMM on the 1B's q|k|v, less than a separate `add_rmsnorm` launch; at 8 rows 7.7 us,
-/// more (H100, `check-gemv`; docs/benchmarks.md).
+/// Steps of at most this many rows norm inside the q|k|v and gate|up GEMMs (models up to
+/// [`NORM_PROLOGUE_NARROW`] wide: [`NORM_PROLOGUE_MAX_ROWS_NARROW`]). Every block of the launch
+/// normalises the whole input again: at 1 row that costs 2.5 us over the plain skinny GEMM on
+/// the 1B's q|k|v, less than a separate `add_rmsnorm` launch; at 8 rows 7.7 us, more (H100,
+/// `check-gemv`; docs/benchmarks.md).
 const NORM_PROLOGUE_MAX_ROWS: usize = 2;
+/// Models at most this wide norm in the prologues up to [`NORM_PROLOGUE_MAX_ROWS_NARROW`] rows:
+/// measured on the H200 (session 28, graphs, context 512, ms per step, prologue vs
+/// `add_rmsnorm` launches) the 1B shape gains at 3 to 6 rows (3: 1.030 vs 1.046, 4: 1.068 vs
+/// 1.081, 5: 1.145 vs 1.163, 6: 1.164 vs 1.172) and loses at 8 (1.167 vs 1.133), Qwen3-0.6B
+/// (1,024 wide) gains at 4 (1.043 vs 1.051) and loses at 6 (1.213 vs 1.190), the 3B (3,072
+/// wide) loses from 4 rows (2.727 vs 2.709).
+const NORM_PROLOGUE_NARROW: usize = 2048;
+const NORM_PROLOGUE_MAX_ROWS_NARROW: usize = 4;
+
+/// The norm prologues' row limit for a model `hidden` wide.
+fn norm_prologue_max_rows(hidden: usize) -> usize {
+    if hidden <= NORM_PROLOGUE_NARROW {
+        NORM_PROLOGUE_MAX_ROWS_NARROW
+    } else {
+        NORM_PROLOGUE_MAX_ROWS
+    }
+}
 
 /// How one step runs its projections.
 ///
@@ -306,11 +327,12 @@ impl ProjPlan {
     /// takes skinny kernels with the residual adds (blocks without sandwich norms) and, where
     /// `norm_fits(rows, hidden)` and the step is small enough, the norms fused; FP8 weights
     /// take the skinny kernels up to their limit, without the fusions unless `fuse_fp8`
-    /// (`HARRIER_FP8_FUSED=1`, to compare): then as bf16 within both limits.
+    /// (`HARRIER_FP8_FUSED=1`, to compare): then as bf16 within both limits. `norm_rows`
+    /// overrides [`norm_prologue_max_rows`] (measurement).
     fn new(
         c: &ModelConfig,
         (dtype, fp8): (Dtype, Option<usize>),
-        fuse_fp8: bool,
+        (fuse_fp8, norm_rows): (bool, Option<usize>),
         fused_max_rows: usize,
         rows: usize,
         norm_fits: impl Fn(usize, usize) -> bool,
@@ -332,7 +354,9 @@ impl ProjPlan {
         ProjPlan {
             skinny,
             residual,
-            norm: residual && rows <= NORM_PROLOGUE_MAX_ROWS && norm_fits(rows, c.hidden_size),
+            norm: residual
+                && rows <= norm_rows.unwrap_or_else(|| norm_prologue_max_rows(c.hidden_size))
+                && norm_fits(rows, c.hidden_size),
         }
     }
 }
@@ -734,6 +758,10 @@ impl GpuModel {
             rope_epilogue: harrier_kernels::switch_on("HARRIER_ROPE_EPILOGUE"),
             skip: SkipStages::from_env()?,
             fp8_fused: std::env::var("HARRIER_FP8_FUSED").is_ok_and(|v| v == "1"),
+            norm_max_rows: match std::env::var("HARRIER_NORM_MAX_ROWS") {
+                Ok(v) => Some(v.parse().context("HARRIER_NORM_MAX_ROWS")?),
+                Err(_) => None,
+            },
             ring: None,
         })
     }
@@ -830,7 +858,7 @@ impl GpuModel {
         ProjPlan::new(
             &self.config,
             (self.dtype, self.fp8.then(|| self.fp8_skinny_max_rows())),
-            self.fp8_fused,
+            (self.fp8_fused, self.norm_max_rows),
             self.fused_max_rows,
             rows,
             |m, kk| k.skinny_norm_supports(m, kk),
@@ -1276,16 +1304,18 @@ mod tests {
         let gemma = Preset::from_name("gemma-3-1b").unwrap().config();
         let fits = |_: usize, _: usize| true;
         let plan = |c: &ModelConfig, st: (Dtype, Option<usize>), max: usize, rows: usize| {
-            let p = ProjPlan::new(c, st, false, max, rows, fits);
+            let p = ProjPlan::new(c, st, (false, None), max, rows, fits);
             (p.skinny, p.residual, p.norm)
         };
         let bf16 = (Dtype::Bf16, None);
         let fp8 = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS));
         let fp8_gemm = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS_WITH_GEMM));
-        // bf16, fused path on up to 8 rows: norms fused up to 2 rows, residual adds up to 8.
+        // bf16, fused path on up to 8 rows: norms fused up to 4 rows (2,048 wide; 2 rows
+        // wider), residual adds up to 8.
         assert_eq!(plan(&llama, bf16, 8, 1), (true, true, true));
         assert_eq!(plan(&llama, bf16, 8, 2), (true, true, true));
-        assert_eq!(plan(&llama, bf16, 8, 3), (true, true, false));
+        assert_eq!(plan(&llama, bf16, 8, 4), (true, true, true));
+        assert_eq!(plan(&llama, bf16, 8, 5), (true, true, false));
         assert_eq!(plan(&llama, bf16, 8, 8), (true, true, false));
         assert_eq!(plan(&llama, bf16, 8, 9), (false, false, false));
         // Off, and never for f32.
@@ -1297,7 +1327,10 @@ mod tests {
         // Gemma's sandwich norms: skinny kernels without the residual fusions.
         assert_eq!(plan(&gemma, bf16, 8, 1), (true, false, false));
         // A norm that does not fit shared memory stays separate.
-        assert!(!ProjPlan::new(&llama, bf16, false, 8, 1, |_, _| false).norm);
+        assert!(!ProjPlan::new(&llama, bf16, (false, None), 8, 1, |_, _| false).norm);
+        // HARRIER_NORM_MAX_ROWS overrides the limit.
+        assert!(!ProjPlan::new(&llama, bf16, (false, Some(2)), 8, 3, fits).norm);
+        assert!(ProjPlan::new(&llama, bf16, (false, Some(8)), 8, 8, fits).norm);
         // The default limit: up to 8 rows, models wider than 3,072 at 1 row only.
         let default = crate::config::FUSED_DECODE_MAX_ROWS;
         assert_eq!(plan(&llama, bf16, default, 1), (true, true, true));
@@ -1307,6 +1340,8 @@ mod tests {
         assert_eq!(plan(&wide, bf16, default, 1), (true, true, true));
         assert_eq!(plan(&wide, bf16, default, 2), (false, false, false));
         let mid = Preset::from_name("llama-3.2-3b").unwrap().config();
+        assert_eq!(plan(&mid, bf16, default, 2), (true, true, true));
+        assert_eq!(plan(&mid, bf16, default, 3), (true, true, false));
         assert_eq!(plan(&mid, bf16, default, 8), (true, true, false));
         // FP8: skinny up to 16 rows whatever the fused limit, never with the fusions.
         assert_eq!(plan(&llama, fp8, 0, 1), (true, false, false));
@@ -1326,10 +1361,11 @@ mod tests {
         // HARRIER_FP8_FUSED: the fusions within both limits, the plain FP8 skinny path past
         // the fused one.
         let fused_fp8 = |max, rows| {
-            let p = ProjPlan::new(&llama, fp8, true, max, rows, fits);
+            let p = ProjPlan::new(&llama, fp8, (true, None), max, rows, fits);
             (p.skinny, p.residual, p.norm)
         };
         assert_eq!(fused_fp8(8, 1), (true, true, true));
+        assert_eq!(fused_fp8(8, 4), (true, true, true));
         assert_eq!(fused_fp8(8, 8), (true, true, false));
         assert_eq!(fused_fp8(8, 12), (true, false, false));
         assert_eq!(fused_fp8(8, FP8_SKINNY_MAX_ROWS + 1), (false, false, false));
@@ -1343,7 +1379,7 @@ mod tests {
         let bf16 = (Dtype::Bf16, None);
         let fp8 = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS_WITH_GEMM));
         let on = (true, true);
-        let p = |st, rows| ProjPlan::new(&llama, st, false, 1, rows, fits);
+        let p = |st, rows| ProjPlan::new(&llama, st, (false, None), 1, rows, fits);
         assert!(rope_in_epilogue(p(bf16, 1), false, on));
         assert!(!rope_in_epilogue(p(bf16, 2), false, on), "cuBLAS step");
         assert!(rope_in_epilogue(p(fp8, 8), false, on), "FP8 skinny step");
