@@ -287,7 +287,9 @@ const NORM_PROLOGUE_MAX_ROWS: usize = 2;
 const NORM_PROLOGUE_NARROW: usize = 2048;
 const NORM_PROLOGUE_MAX_ROWS_NARROW: usize = 4;
 
-/// The norm prologues' row limit for a model `hidden` wide.
+/// The norm prologues' row limit for a model `hidden` wide. (Both limits are powers of two: a
+/// batch and the default graph bucket it pads to take the same plan, so graph replays and
+/// eager steps normalise alike, as `layout::decode_attention_splits` rounds for attention.)
 fn norm_prologue_max_rows(hidden: usize) -> usize {
     if hidden <= NORM_PROLOGUE_NARROW {
         NORM_PROLOGUE_MAX_ROWS_NARROW
