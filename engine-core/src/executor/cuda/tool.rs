@@ -41,7 +41,7 @@
 //!   (which must give the same bits). `--prompt-len N` (40): past 768 the ring's attention
 //!   splits take more than one tile.
 //! - `check-fp8 --model DIR [--rows 1,2,4,8,16,32,64] [--batches 1,8] [--steps 32]
-//!   [--decode-ring on|off]`: FP8 weights: `dequant_fp8_rows` bit for bit against the host, the
+//!   [--decode-ring auto|on|off]`: FP8 weights: `dequant_fp8_rows` bit for bit against the host, the
 //!   FP8 skinny GEMM against cuBLAS over the dequantized weights (and timed beside bf16), then
 //!   the model loaded in bf16 and in FP8 on the same prompts (logits, argmax, log-probability
 //!   error, greedy tokens; batch-1 steps by the decode ring where the model has one, unless
@@ -650,12 +650,7 @@ fn main() -> anyhow::Result<()> {
                 .map(|v| v.parse())
                 .transpose()?
                 .unwrap_or(harrier_engine::config::FUSED_DECODE_MAX_ROWS),
-            {
-                use clap::ValueEnum;
-                let v = a.get("decode-ring").map_or("auto", String::as_str);
-                harrier_engine::cli::DecodeRing::from_str(v, true)
-                    .map_err(|e| anyhow::anyhow!("--decode-ring {v}: {e}"))?
-            },
+            decode_ring_arg(&a)?,
         ),
         "check-spec" | "bench-spec" => {
             let path = |k: &str| -> anyhow::Result<std::path::PathBuf> {
@@ -2342,6 +2337,14 @@ impl Driver {
     }
 }
 
+/// `--decode-ring auto|on|off` (default `auto`), as the server spells it.
+fn decode_ring_arg(a: &HashMap<String, String>) -> anyhow::Result<harrier_engine::cli::DecodeRing> {
+    use clap::ValueEnum;
+    let v = a.get("decode-ring").map_or("auto", String::as_str);
+    harrier_engine::cli::DecodeRing::from_str(v, true)
+        .map_err(|e| anyhow::anyhow!("--decode-ring {v}: {e}"))
+}
+
 /// `ring-clusters`: resident clusters of each size of the model's decode-ring launch.
 fn ring_clusters(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let dir = ModelDir::open(a.get("model").context("--model")?.as_ref())?;
@@ -2703,13 +2706,9 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .iter()
         .map(|&b| random_prompts(&mut rng, b, prompt_len, c.vocab_size))
         .collect();
-    // `--decode-ring off`: batch-1 steps by the launches (default on: the ring where the model
-    // has one, as the server's `auto` where its copies fit).
-    let ring = match a.get("decode-ring").map_or("on", String::as_str) {
-        "on" => true,
-        "off" => false,
-        v => bail!("--decode-ring {v}: on or off"),
-    };
+    // `--decode-ring off`: batch-1 steps by the launches (`auto`, the default, and `on`: the
+    // ring where the model has one, as the server's `auto` where its copies fit).
+    let ring = decode_ring_arg(a)? != harrier_engine::cli::DecodeRing::Off;
     let mut runs: Vec<Vec<GreedyRun>> = Vec::new();
     for fp8_on in [false, true] {
         TOOL_FP8.store(fp8_on, std::sync::atomic::Ordering::Relaxed);
