@@ -2032,9 +2032,26 @@ struct SkinnyIn {
     const bf16* norm_w;
     const float* scale;  // _f8 instances: one scale per weight row (gated: [gate; up] rows)
     float eps, w_off;
-    int M, N, K, epi;
-    SkinnyRope rope;
+    int M, N, K, epi;  // epi: SK_* | SK_NORM_IN | SK_NORM_OUT
+    union {
+        SkinnyRope rope;  // SK_ROPE
+        struct {
+            bf16* u;
+            float* ss;
+        } dout;  // SK_NORM_OUT
+    };
 };
+// Deferred norms (the RMSNorm of the next GEMM's input split between two launches; docs/cuda.md).
+// The flags reuse fields, so that the struct keeps its 120 bytes: at 152 NVRTC passed it by
+// address, skinny_gemm_8 read its fields through generic loads (89 registers to 60) and the 1B's
+// steps ran 2-5% slower (session 29).
+//   SK_NORM_OUT (with SK_RESID): also writes dout.u = bf16(norm_weight(y', norm_w)) of the new
+//   residual y' (norm_w: the next norm's weights, no prologue) and, per 16 columns, the sums of
+//   squares of y' (dout.ss[m * ceil(N / 16) + n / 16], a fixed order).
+//   SK_NORM_IN: x is such a u and norm_w the f32 partials (no prologue); row m's sums are
+//   multiplied by rsqrt(sum of the K / 16 partials / K + eps) before the epilogue.
+#define SK_NORM_IN 16
+#define SK_NORM_OUT 32
 
 // Eight e4m3 bytes (k, k + 1, ... in v.x then v.y) as eight bf16 of the same values (exact:
 // e4m3's 4-bit exponent and 3-bit mantissa fit bf16). Each byte goes to the high byte of a
@@ -2091,15 +2108,22 @@ __device__ __forceinline__ void cp_async_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-template <int NT, int R, bool F8, int W = SK_WARPS>
+// DN: the _dn instances (bf16, up to 8 rows), the only ones that read SK_NORM_IN / SK_NORM_OUT;
+// the others compile as before the deferred norms (their extra epilogue code cost the 1B's
+// prologue steps ~2% when every instance had it: session 29).
+template <int NT, int R, bool F8, int W = SK_WARPS, bool DN = false>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
     __shared__ float red[W / 2][R][NT][32][4];
-    __shared__ float inv_sh[8];
+    __shared__ float inv_sh[8];  // the rows' 1 / rms (norm prologue; deferred norm: ss_in)
     __shared__ float ss_sh[W][8];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const bool gated = p.epi == SK_SILU || p.epi == SK_GELU;
+    static_assert(!DN || (NT == 1 && !F8), "deferred norms: bf16, up to 8 rows");
+    const int epi = DN ? p.epi & 15 : p.epi;
+    const float* ss_in = DN && (p.epi & SK_NORM_IN) ? (const float*)p.norm_w : nullptr;
+    const bool norm_out = DN && (p.epi & SK_NORM_OUT) && epi == SK_RESID;
+    const bool gated = epi == SK_SILU || epi == SK_GELU;
     // Tile i, plain: rows n0 + 16 i + g and + 8. Gated: gate row n0 + 8 i + g, up row N + that.
     const int n0 = blockIdx.x * (gated ? 8 * R : 16 * R);
     const uint4* wa[R];
@@ -2115,7 +2139,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         wb[i] = (const uint4*)((const char*)p.w + (size_t)(v1 ? r1 : 0) * row_bytes) + t;
     }
     const int nchunks = p.K >> (F8 ? 6 : 5);
-    const bool norm = p.norm_w != 0;
+    const bool norm = p.norm_w != 0 && !(DN && (p.epi & (SK_NORM_IN | SK_NORM_OUT)));
     const uint4 zero = make_uint4(0, 0, 0, 0);
     uint4 a[R][U], b[R][U];
     int c0 = warp;
@@ -2146,21 +2170,28 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     __shared__ u32 pre_res[PRE ? 8 * NT : 1][8 * R];  // residual rows n0 .. n0 + 16 R - 1, bf16 pairs
     __shared__ int pre_pos[8 * NT], pre_slot[8 * NT];
     __shared__ float pre_freq[128];  // RoPE frequencies (hd <= 256)
+    __shared__ u32 pre_nw[DN ? 8 * R : 1];  // SK_NORM_OUT: the next norm's weights of the block's columns
     if (warp == 0) {
         const bf16* y = (const bf16*)p.y;
+        if (norm_out) {
+            for (int e = lane; e < 8 * R; e += 32) {
+                const int n = n0 + 2 * e;
+                cp_async4(pre_nw + e, p.norm_w + n, p.norm_w, n < p.N);
+            }
+        }
         if (F8) {
             for (int e = lane; e < 16 * R; e += 32) {
                 const int n = gated ? (e < 8 * R ? n0 + e : p.N + n0 + e - 8 * R) : n0 + e;
                 cp_async4(pre_sc + e, p.scale + n, p.scale, (gated ? n0 + e % (8 * R) : n) < p.N);
             }
         }
-        if (PRE && p.epi == SK_RESID) {
+        if (PRE && epi == SK_RESID) {
             for (int e = lane; e < 8 * NT * 8 * R; e += 32) {
                 const int m = e / (8 * R), n = n0 + 2 * (e - m * 8 * R);
                 cp_async4(&pre_res[PRE ? m : 0][e - m * 8 * R], y + (size_t)m * p.N + n, y, m < p.M && n < p.N);
             }
         }
-        if (p.epi == SK_ROPE) {
+        if (epi == SK_ROPE) {
             for (int e = lane; e < 8 * NT; e += 32) {
                 cp_async4(pre_pos + e, p.rope.positions + e, p.rope.positions, e < p.rope.rows);
                 cp_async4(pre_slot + e, p.rope.slot_mapping + e, p.rope.slot_mapping, e < p.rope.rows);
@@ -2172,10 +2203,19 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
 #ifdef SK_NO_EARLY
     load(c0);
 #endif
+    extern __shared__ uint4 xs_dyn[];
+    // Deferred norm: the M rows' partial sums of squares (written by the launch before) copied
+    // into dynamic shared memory now, added up by the second half's warps during the reduction
+    // tree (every thread waits for its copies before the tree's first barrier).
+    if (DN && ss_in) {
+        float* ssd = (float*)xs_dyn;
+        const int n = p.M * ((p.K + 15) >> 4);
+        for (int e = threadIdx.x; e < n; e += blockDim.x) cp_async4(ssd + e, ss_in + e, ss_in, true);
+        cp_async_commit();
+    }
     // The normed input, staged once per block in dynamic shared memory ([M][K] bf16 after the
     // norm weights [K]): one round of loads (issued behind the first weight loads), the sums of
     // squares, then the rows normalised in place. The main loop then reads x from shared memory.
-    extern __shared__ uint4 xs_dyn[];
     uint4* xs = xs_dyn + (p.K >> 3);
     if (norm) {
         const int kc = p.K >> 3;
@@ -2258,6 +2298,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         if (c0 >= nchunks) break;
         load(c0);
     }
+    if (DN && ss_in) cp_async_wait_all();
     // Pairwise tree over the warps: warp w += warp w + h for h = W / 2, ..., 1.
 #pragma unroll
     for (int h = W / 2; h > 0; h >>= 1) {
@@ -2278,13 +2319,30 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
 #pragma unroll
                     for (int r = 0; r < 4; r++) acc[i][j][r] += red[warp][i][j][lane][r];
         }
+        // Deferred norm, while the first half adds (off warp 0's path): warp W / 2 + i takes
+        // rows i, i + W / 2, ...; row m's 1 / rms from its K / 16 partials in a fixed order
+        // (lane l adds partials l, l + 32, ..., then a butterfly), so a row's scale never
+        // depends on M or on the launch shape. (One warp for all 8 rows: the 1B's batch 8 took
+        // 1.140 ms against 1.083, H200, session 29.)
+        if (DN && ss_in && h == W / 2 && warp >= h) {
+            const float* ssd = (const float*)xs_dyn;
+            const int parts = (p.K + 15) >> 4;
+            for (int m = warp - h; m < p.M && m < 8; m += h) {
+                float v = 0.0f;
+                for (int e = lane; e < parts; e += 32) v += ssd[m * parts + e];
+                v = warp_sum(v);
+                if (lane == 0) inv_sh[m] = rsqrtf(v / (float)p.K + p.eps);
+            }
+        }
         __syncthreads();
     }
     if (warp != 0) return;
     cp_async_wait_all();
     __syncwarp();
+    // Row m's sum v, scaled by its deferred norm's 1 / rms.
+    auto row_scale = [&](float v, int m) { return DN && ss_in ? v * inv_sh[m] : v; };
     // Value r of lane (g, t) in tile i, n-tile j: row (r < 2 ? g : g + 8), input row 8 j + 2 t + r % 2.
-    if (p.epi == SK_ROPE) {
+    if (epi == SK_ROPE) {
         // Rows n and n + 8 of a tile are a RoPE pair of q or k (paired order), or two rows of
         // v: as rope_kv_write with the product rounded to bf16 first (what it would read).
         const SkinnyRope& ro = p.rope;
@@ -2300,8 +2358,8 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
                 for (int r = 0; r < 2; r++) {
                     const int m = 8 * j + 2 * t + r;
                     if (m >= ro.rows) continue;
-                    const float a = rbf(acc[i][j][r] * (F8 ? pre_sc[16 * i + g] : 1.0f));
-                    const float b = rbf(acc[i][j][r + 2] * (F8 ? pre_sc[16 * i + g + 8] : 1.0f));
+                    const float a = rbf(row_scale(acc[i][j][r] * (F8 ? pre_sc[16 * i + g] : 1.0f), m));
+                    const float b = rbf(row_scale(acc[i][j][r + 2] * (F8 ? pre_sc[16 * i + g + 8] : 1.0f), m));
                     const long long slot = pre_slot[m];
                     if (h >= ro.nh + ro.nkv) {
                         bf16* dst = ro.v_cache + (size_t)(slot * ro.nkv + (h - ro.nh - ro.nkv)) * ro.hd + s;
@@ -2320,6 +2378,12 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         }
         return;
     }
+    // SK_NORM_OUT: lane (g, t)'s squares of the new residual, per tile i, n-tile j, row parity.
+    float sq[R][NT][2];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) sq[i][j][0] = sq[i][j][1] = 0.0f;
 #pragma unroll
     for (int i = 0; i < R; i++) {
 #pragma unroll
@@ -2332,23 +2396,48 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
                 if (n >= p.N) continue;
                 // The row's place in the block: plain 16 i + g (+ 8); gated gate 8 i + g, up + 8 R.
                 const int e = n - n0;
-                const float v = acc[i][j][r] * (F8 ? pre_sc[e] : 1.0f);
+                const float v = row_scale(acc[i][j][r] * (F8 ? pre_sc[e] : 1.0f), m);
                 const size_t o = (size_t)m * p.N + n;
                 if (gated) {
-                    const float up = acc[i][j][r + 2] * (F8 ? pre_sc[e + 8 * R] : 1.0f);
-                    ((bf16*)p.y)[o] = f2bf(act_mul(rbf(v), rbf(up), p.epi == SK_GELU));
-                } else if (p.epi == SK_STORE_F32) {
+                    const float up = row_scale(acc[i][j][r + 2] * (F8 ? pre_sc[e + 8 * R] : 1.0f), m);
+                    ((bf16*)p.y)[o] = f2bf(act_mul(rbf(v), rbf(up), epi == SK_GELU));
+                } else if (epi == SK_STORE_F32) {
                     ((float*)p.y)[o] = v;
-                } else if (p.epi == SK_RESID) {
+                } else if (epi == SK_RESID) {
                     bf16* y = (bf16*)p.y;
                     const u32 pr = pre_res[PRE ? m : 0][e >> 1];
                     const float res = PRE ? bf2f((bf16)(e & 1 ? pr >> 16 : pr & 0xffffu)) : bf2f(y[o]);
-                    y[o] = f2bf(res + rbf(v));
+                    const bf16 yn = f2bf(res + rbf(v));
+                    y[o] = yn;
+                    if (DN && norm_out) {
+                        const float hv = bf2f(yn);
+                        const u32 nw = pre_nw[e >> 1];
+                        const float w = bf2f((bf16)(e & 1 ? nw >> 16 : nw & 0xffffu));
+                        p.dout.u[o] = f2bf(norm_weight(hv, w, p.w_off));
+                        sq[i][j][r & 1] += hv * hv;
+                    }
                 } else {
                     ((bf16*)p.y)[o] = f2bf(v);
                 }
             }
         }
+    }
+    if (DN && norm_out) {
+        // A 16-column tile's sum for row m: lanes (0..7, t) hold its columns g and g + 8.
+        const int parts = (p.N + 15) >> 4;
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float v = sq[i][j][h];
+                    v += __shfl_xor_sync(0xffffffffu, v, 4);
+                    v += __shfl_xor_sync(0xffffffffu, v, 8);
+                    v += __shfl_xor_sync(0xffffffffu, v, 16);
+                    const int m = 8 * j + 2 * t + h, tile = (n0 >> 4) + i;
+                    if (g == 0 && m < p.M && tile < parts) p.dout.ss[m * parts + tile] = v;
+                }
     }
 }
 
@@ -2381,6 +2470,13 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(Skin
 // an SM (at most 64 registers; 62, no spills, where the unbound one takes 90), so a launch of
 // 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
+// The deferred norms' instances (SK_NORM_IN / SK_NORM_OUT launches; bf16, up to 8 rows), one for
+// each 8-row bf16 instance above.
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_dn(SkinnyIn p) { skinny_gemm<1, 1, false, SK_WARPS, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_r4_dn(SkinnyIn p) { skinny_gemm<1, 4, false, SK_WARPS, true>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_dn(SkinnyIn p) { skinny_gemm<1, 1, false, 8, true>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_r4_w8_dn(SkinnyIn p) { skinny_gemm<1, 4, false, 8, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_dn(SkinnyIn p) { skinny_gemm<1, 1, false, SK_WARPS, true>(p); }
 
 // The persistent decode step (one token: the engine's batch-1 decode steps of Llama-shaped
 // models with bf16 layers, or FP8 ones in gemv_ring_f8 (see "FP8 weights in the ring" above),

@@ -208,10 +208,9 @@ pub struct SkinnyRope {
     pub rows: i32,
 }
 
-/// One `skinny_gemm_*` launch (mirrors `struct SkinnyIn`): `y[m, n] = epilogue(x'[m, :] ·
-/// w[n, :])` for `m < m_rows`, where x' is x, or RMSNorm(x) by `norm_w` (weights scaled by
-/// `w_off + w` when `w_off` is not 0) when `norm_w` is not 0.
-#[repr(C)]
+/// One `skinny_gemm_*` launch (passed to the kernel as [`SkinnyAbi`], `struct SkinnyIn`):
+/// `y[m, n] = epilogue(x'[m, :] · w[n, :])` for `m < m_rows`, where x' is x, or RMSNorm(x) by
+/// `norm_w` (weights scaled by `w_off + w` when `w_off` is not 0) when `norm_w` is not 0.
 #[derive(Debug, Clone, Copy)]
 pub struct SkinnyInputs {
     pub x: u64,
@@ -228,6 +227,12 @@ pub struct SkinnyInputs {
     pub epi: i32,
     /// Read with [`SkinnyEpilogue::Rope`] only.
     pub rope: SkinnyRope,
+    /// Deferred norm, writer side ([`SkinnyInputs::norm_out`]).
+    pub u_out: u64,
+    pub u_norm_w: u64,
+    pub ss_out: u64,
+    /// Deferred norm, reader side ([`SkinnyInputs::norm_in`]).
+    pub ss_in: u64,
 }
 
 impl SkinnyInputs {
@@ -252,6 +257,10 @@ impl SkinnyInputs {
             k: k as i32,
             epi: epi as i32,
             rope: SkinnyRope::default(),
+            u_out: 0,
+            u_norm_w: 0,
+            ss_out: 0,
+            ss_in: 0,
         }
     }
 
@@ -270,6 +279,35 @@ impl SkinnyInputs {
         SkinnyInputs { scale, ..self }
     }
 
+    /// The writer half of a deferred RMSNorm (a [`SkinnyEpilogue::Residual`] launch): besides
+    /// the new residual `y' = bf16(y + bf16(acc))` it writes `u = bf16(norm_w * y')` (`[m_rows,
+    /// n]` at `u`; `w_off + norm_w` scaling as [`Kernels::add_rmsnorm`] when `w_off` is not 0)
+    /// and the sums of squares of `y'` over each 16 columns, `ss[m * ceil(n / 16) + n / 16]`
+    /// (f32, in a fixed order). The next launch reads `u` with [`SkinnyInputs::norm_in`].
+    pub fn norm_out(self, (u, norm_w, ss): (u64, u64, u64), w_off: f32) -> SkinnyInputs {
+        SkinnyInputs {
+            u_out: u,
+            u_norm_w: norm_w,
+            ss_out: ss,
+            w_off,
+            ..self
+        }
+    }
+
+    /// The reader half of a deferred RMSNorm: `x` is the `u` a [`SkinnyInputs::norm_out`] launch
+    /// wrote over `k` columns and `ss` its partial sums; each row's sums are multiplied by its
+    /// `rsqrt(mean(y'^2) + eps)` before the epilogue. That is RMSNorm with the scale applied
+    /// after the product instead of before it: the same value but for rounding (`u` rounds
+    /// `norm_w * y'` where the launched norm rounds `y' * inv` and then `norm_w * that`), no
+    /// prologue and no norm launch (docs/cuda.md, "Deferred norms").
+    pub fn norm_in(self, ss: u64, eps: f32) -> SkinnyInputs {
+        SkinnyInputs {
+            ss_in: ss,
+            eps,
+            ..self
+        }
+    }
+
     /// The input RMSNormed first (weights `norm_w`, `(eps, w_off)` as [`Kernels::add_rmsnorm`]).
     pub fn normed(self, norm_w: u64, (eps, w_off): (f32, f32)) -> SkinnyInputs {
         SkinnyInputs {
@@ -281,11 +319,94 @@ impl SkinnyInputs {
     }
 }
 
+/// The deferred norm's writer operands in `struct SkinnyIn`'s union (`dout`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SkinnyNormOut {
+    u: u64,
+    ss: u64,
+}
+
+/// `struct SkinnyIn`'s union: RoPE's operands or the deferred norm's writer's.
+#[repr(C)]
+#[derive(Clone, Copy)]
+union SkinnyEpilogueArgs {
+    rope: SkinnyRope,
+    dout: SkinnyNormOut,
+}
+
+/// `struct SkinnyIn` as the kernel reads it: 120 bytes, fields reused by the deferred norm's
+/// flags (`SK_NORM_IN`: `norm_w` holds the partials; `SK_NORM_OUT`: `norm_w` the next norm's
+/// weights and the union `u` and the partials). Keep it at most 128 bytes: NVRTC passed a
+/// 152-byte one by address, and `skinny_gemm_8` read every field through generic loads (89 ->
+/// 60 registers, the 1B 2-5% slower; session 29).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SkinnyAbi {
+    x: u64,
+    w: u64,
+    y: u64,
+    norm_w: u64,
+    scale: u64,
+    eps: f32,
+    w_off: f32,
+    m_rows: i32,
+    n: i32,
+    k: i32,
+    epi: i32,
+    args: SkinnyEpilogueArgs,
+}
+
+/// `SK_NORM_IN` and `SK_NORM_OUT` in the source: flags beside the epilogue in `epi`.
+const SK_NORM_IN: i32 = 16;
+const SK_NORM_OUT: i32 = 32;
+
+impl SkinnyInputs {
+    /// The kernel's argument (see [`SkinnyAbi`]).
+    fn abi(&self) -> SkinnyAbi {
+        let (norm_w, flags, args) = match (self.ss_in, self.ss_out) {
+            (0, 0) => (self.norm_w, 0, SkinnyEpilogueArgs { rope: self.rope }),
+            (ss, 0) => (ss, SK_NORM_IN, SkinnyEpilogueArgs { rope: self.rope }),
+            (_, ss) => (
+                self.u_norm_w,
+                SK_NORM_OUT,
+                SkinnyEpilogueArgs {
+                    dout: SkinnyNormOut { u: self.u_out, ss },
+                },
+            ),
+        };
+        SkinnyAbi {
+            x: self.x,
+            w: self.w,
+            y: self.y,
+            norm_w,
+            scale: self.scale,
+            eps: self.eps,
+            w_off: self.w_off,
+            m_rows: self.m_rows,
+            n: self.n,
+            k: self.k,
+            epi: self.epi | flags,
+            args,
+        }
+    }
+}
+
 /// Dynamic shared memory the skinny kernels ask for (the normed input and the norm weights):
 /// a 4,096-wide model at 8 rows. GPUs whose opt-in limit is lower (99 KiB per block on
 /// sm_86/89, with up to 32 KiB of static reduction buffers) get [`SKINNY_SMEM_FALLBACK`].
 const SKINNY_SMEM_MAX: usize = 80 << 10;
 const SKINNY_SMEM_FALLBACK: usize = 16 << 10;
+
+/// The f32 partial sums of squares a deferred norm keeps for `m` rows of `k` columns (one a 16
+/// columns and row; [`SkinnyInputs::norm_out`]).
+pub fn deferred_norm_partials(m: usize, k: usize) -> usize {
+    m * k.div_ceil(16)
+}
+
+fn deferred_norm_smem(m: usize, k: usize) -> usize {
+    deferred_norm_partials(m, k) * 4
+}
 
 /// Whether `skinny_gemm_*` takes an `m`-row product over `k`.
 pub fn skinny_supports(m: usize, k: usize) -> bool {
@@ -323,7 +444,27 @@ pub fn kernel_names() -> impl Iterator<Item = &'static str> {
         .iter()
         .chain(SKINNY_INSTANCES.iter().flatten())
         .chain([&SKINNY_B2])
+        .chain(SKINNY_DN.iter().map(|(_, dn)| dn))
         .copied()
+}
+
+/// Each bf16 8-row instance and its deferred-norm twin (`skinny_gemm<.., DN = true>`, the only
+/// ones that read `SK_NORM_IN` / `SK_NORM_OUT`: the extra epilogue code in every instance cost
+/// the 1B's other fused steps ~2%, session 29).
+const SKINNY_DN: [(&str, &str); 5] = [
+    ("skinny_gemm_8", "skinny_gemm_8_dn"),
+    ("skinny_gemm_8_r4", "skinny_gemm_8_r4_dn"),
+    ("skinny_gemm_8_w8", "skinny_gemm_8_w8_dn"),
+    ("skinny_gemm_8_r4_w8", "skinny_gemm_8_r4_w8_dn"),
+    (SKINNY_B2, "skinny_gemm_8_b2_dn"),
+];
+
+/// The deferred-norm twin of instance `name`, if it has one (bf16, up to 8 rows).
+fn skinny_dn_instance(name: &str) -> Option<&'static str> {
+    SKINNY_DN
+        .iter()
+        .find(|(k, _)| *k == name)
+        .map(|(_, dn)| *dn)
 }
 
 /// The instance of an `m`-row launch (`r4`: 4 row tiles a block, m <= 16; `w8`: 8-warp blocks,
@@ -1918,6 +2059,12 @@ impl Kernels {
         skinny_supports(m, k) && m <= 8 && (m + 1) * k * 2 <= self.skinny_smem
     }
 
+    /// Whether a skinny launch of `m` rows can read a deferred norm's partials over `k`
+    /// ([`SkinnyInputs::norm_in`]; they are staged in dynamic shared memory).
+    pub fn skinny_deferred_norm_supports(&self, m: usize, k: usize) -> bool {
+        skinny_supports(m, k) && m <= 8 && deferred_norm_smem(m, k) <= self.skinny_smem
+    }
+
     /// The tensor-core skinny GEMM (see [`SkinnyInputs`]); the instance with the fewest 8-row
     /// tiles that covers `p.m_rows`.
     ///
@@ -1965,15 +2112,42 @@ impl Kernels {
             true => SKINNY_B2,
             false => skinny_instance(m, r4, f8, w8),
         };
+        let name = match p.ss_in != 0 || p.ss_out != 0 {
+            true => skinny_dn_instance(name).with_context(|| {
+                format!("skinny_gemm: no deferred-norm instance for {name} (bf16, up to 8 rows)")
+            })?,
+            false => name,
+        };
+        if p.ss_out != 0
+            && (p.epi != SkinnyEpilogue::Residual as i32
+                || p.u_out == 0
+                || p.u_norm_w == 0
+                || p.ss_in != 0
+                || p.norm_w != 0)
+        {
+            bail!(
+                "skinny_gemm: a deferred norm's writer needs the residual epilogue, u and the \
+                 norm's weights, and no input norm"
+            );
+        }
         let smem = if p.norm_w != 0 {
-            if !self.skinny_norm_supports(m, k) {
-                bail!("skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory");
+            if !self.skinny_norm_supports(m, k) || p.ss_in != 0 {
+                bail!(
+                    "skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory \
+                     (or is also a deferred norm's reader)"
+                );
             }
             ((m + 1) * k * 2) as u32
+        } else if p.ss_in != 0 {
+            if !self.skinny_deferred_norm_supports(m, k) {
+                bail!("skinny_gemm: a deferred norm of {m} rows x {k} exceeds the shared memory");
+            }
+            deferred_norm_smem(m, k) as u32
         } else {
             0
         };
-        let mut a = params![*p];
+        let abi = p.abi();
+        let mut a = params![abi];
         let grid = (blocks, 1, 1);
         let warps = if w8 { 8 } else { self.skinny_warps };
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
@@ -2484,6 +2658,14 @@ mod tests {
         // The instance table names every skinny kernel once, FP8 ones in the FP8 row.
         let mut table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
         table.push(SKINNY_B2);
+        table.extend(SKINNY_DN.iter().map(|(_, dn)| *dn));
+        // Every deferred-norm twin is a bf16 8-row instance's.
+        for (base, dn) in SKINNY_DN {
+            assert!(table.contains(&base) && !base.contains("_f8_") && !base.contains("_16"));
+            assert_eq!(skinny_dn_instance(base), Some(dn));
+        }
+        assert_eq!(skinny_dn_instance("skinny_gemm_16"), None);
+        assert_eq!(skinny_dn_instance("skinny_gemm_f8_8"), None);
         let listed: Vec<&str> = kernel_names()
             .filter(|k| k.starts_with("skinny_gemm_"))
             .collect();
@@ -2661,10 +2843,20 @@ mod tests {
         assert!(SOURCE.contains(&format!("#define RING_MAX_SLOTS {RING_MAX_SLOTS}\n")));
         assert!(SOURCE.contains(&format!("#define RING_CW {}\n", RING_SLOT / 2048)));
         assert_eq!(std::mem::size_of::<SkinnyRope>(), 5 * 8 + 4 * 4);
-        assert_eq!(std::mem::offset_of!(SkinnyInputs, rope), 5 * 8 + 6 * 4);
+        assert_eq!(std::mem::offset_of!(SkinnyAbi, args), 5 * 8 + 6 * 4);
+        // At most 128 bytes (see SkinnyAbi), the union no larger than the RoPE operands.
         assert_eq!(
-            std::mem::size_of::<SkinnyInputs>(),
+            std::mem::size_of::<SkinnyAbi>(),
             5 * 8 + 6 * 4 + 5 * 8 + 4 * 4
+        );
+        assert!(std::mem::size_of::<SkinnyAbi>() <= 128);
+        assert_eq!(
+            std::mem::size_of::<SkinnyEpilogueArgs>(),
+            std::mem::size_of::<SkinnyRope>()
+        );
+        assert_eq!(
+            (define("SK_NORM_IN"), define("SK_NORM_OUT")),
+            (SK_NORM_IN as u32, SK_NORM_OUT as u32)
         );
         assert_eq!(
             (define("SK_WARPS"), define("SK_ROWS")),
@@ -2681,7 +2873,7 @@ mod tests {
         // (The thread count; a `_w8` instance may add a minimum of blocks per SM.)
         let threads = |k: &str| bounds(k).map(|b| b.split(',').next().unwrap_or("").to_string());
         for k in kernel_names().filter(|k| k.starts_with("skinny_gemm_")) {
-            let want = if k.ends_with("_w8") {
+            let want = if k.ends_with("_w8") || k.ends_with("_w8_dn") {
                 "8 * 32"
             } else {
                 "SK_WARPS * 32"
@@ -2706,6 +2898,11 @@ mod tests {
             assert_eq!(bounds(k).as_deref(), Some("8 * 32, 3"), "{k}");
         }
         assert_eq!(bounds(SKINNY_B2).as_deref(), Some("SK_WARPS * 32, 2"));
+        // A deferred-norm twin launches as its base instance does.
+        for (base, dn) in SKINNY_DN {
+            assert!(bounds(dn).is_some(), "{dn}");
+            assert_eq!(bounds(dn), bounds(base), "{dn}");
+        }
         // Two blocks an SM for the one-wave launches (1B q|k|v, 3B and 8B o) and the long
         // reductions (3B and 8B down), not for the 1B's 128-block o and down, the 3B and 8B
         // q|k|v (320, 384 blocks), FP8, 4-tile blocks or more than 8 rows.
@@ -2766,6 +2963,42 @@ mod tests {
         let cubin = b"\x7fELF\x02\x01\0\0rest".to_vec();
         assert_eq!(module_image(cubin.clone()).unwrap(), cubin);
         assert!(module_image(b".version\0 8.0".to_vec()).is_err());
+    }
+
+    /// The deferred norm's operands land in the fields `struct SkinnyIn` reads them from.
+    #[test]
+    fn deferred_norms_reuse_the_kernel_argument_fields() {
+        let base = SkinnyInputs::new((1, 2, 3), 8, 2048, 2048, SkinnyEpilogue::Residual);
+        let plain = base.abi();
+        assert_eq!(
+            (plain.norm_w, plain.epi),
+            (0, SkinnyEpilogue::Residual as i32)
+        );
+        let out = base.norm_out((10, 11, 12), 0.0).abi();
+        assert_eq!(out.norm_w, 11, "the next norm's weights");
+        assert_eq!(out.epi, SkinnyEpilogue::Residual as i32 | SK_NORM_OUT);
+        // SAFETY: a writer's argument carries the `dout` member.
+        let dout = unsafe { out.args.dout };
+        assert_eq!((dout.u, dout.ss), (10, 12));
+        let rope = SkinnyRope {
+            positions: 7,
+            rows: 5,
+            ..SkinnyRope::default()
+        };
+        let qkv = SkinnyInputs::new((1, 2, 3), 8, 3072, 2048, SkinnyEpilogue::Store).roped(rope);
+        let inp = qkv.norm_in(20, 1e-5).abi();
+        assert_eq!(inp.norm_w, 20, "the partials");
+        assert_eq!(inp.epi, SkinnyEpilogue::Rope as i32 | SK_NORM_IN);
+        assert_eq!(inp.eps, 1e-5);
+        // SAFETY: a RoPE launch's argument carries the `rope` member.
+        let r = unsafe { inp.args.rope };
+        assert_eq!((r.positions, r.rows), (7, 5));
+        // A prologue norm passes its weights unflagged.
+        let normed = qkv.normed(30, (1e-6, 1.0)).abi();
+        assert_eq!(
+            (normed.norm_w, normed.epi, normed.w_off),
+            (30, SkinnyEpilogue::Rope as i32, 1.0)
+        );
     }
 
     #[test]

@@ -363,6 +363,9 @@ pub struct ScratchSizes {
     pub final_h: usize,
     /// f32 partials of split decode attention: `max_seqs * nh * splits * (hd + 2)`.
     pub attn_part: usize,
+    /// f32 partial sums of squares of a deferred RMSNorm (fused steps of up to
+    /// `SKINNY_MAX_M` rows; `harrier_kernels::deferred_norm_partials`).
+    pub norm_ss: usize,
     /// Penalty state of every row: u16 output counts `[max_seqs, vocab]` and prompt bits
     /// `[max_seqs, ceil(vocab / 32)]` u32 (see `init_row_state` in harrier.cu).
     pub penalty_counts: usize,
@@ -388,6 +391,10 @@ impl ScratchSizes {
             // Splits only when batch * heads < DECODE_TARGET_BLOCKS, so batch * heads * splits
             // < 2 * DECODE_TARGET_BLOCKS.
             attn_part: 2 * DECODE_TARGET_BLOCKS * (m.head_dim + 2) * 4,
+            norm_ss: harrier_kernels::deferred_norm_partials(
+                t.min(harrier_kernels::SKINNY_MAX_M),
+                m.hidden_size,
+            ) * 4,
             penalty_counts: c.max_seqs * m.vocab_size * 2,
             penalty_seen: c.max_seqs * m.vocab_size.div_ceil(32) * 4,
             logit_bias: 2 * c.max_seqs * harrier_kernels::LOGIT_BIAS_CAP * 4,
@@ -405,6 +412,7 @@ impl ScratchSizes {
             + self.logits
             + self.final_h
             + self.attn_part
+            + self.norm_ss
             + self.penalty_counts
             + self.penalty_seen
             + self.logit_bias
@@ -673,6 +681,8 @@ mod tests {
         assert_eq!(s.gate_up, 2048 * 2 * 8192 * 2);
         assert!(s.total() > s.logits);
         assert_eq!(s.attn_part, 2 * 256 * 66 * 4);
+        // A deferred norm's partials: 64 rows x 2,048 / 16 columns.
+        assert_eq!(s.norm_ss, 64 * 128 * 4);
         // Penalty state: 2 bytes per (row, token) plus one bit.
         assert_eq!(s.penalty_counts, 256 * 128_256 * 2);
         assert_eq!(s.penalty_seen, 256 * 4008 * 4);

@@ -78,6 +78,8 @@ struct Scratch {
     logits: DevBuf,
     final_h: DevBuf,
     attn_part: DevBuf,
+    /// A deferred norm's partial sums of squares ([`NormAt::Deferred`]).
+    norm_ss: DevBuf,
     /// FP8 models: a bf16 copy of one projection (or a slice of the output head) for the
     /// steps the skinny kernels do not take.
     wdq: Option<DevBuf>,
@@ -184,6 +186,9 @@ pub struct GpuModel {
     /// Measurement only: the norm prologues' row limit for every width
     /// (`HARRIER_NORM_MAX_ROWS=N`; default [`norm_prologue_max_rows`]).
     norm_max_rows: Option<usize>,
+    /// Fused bf16 steps defer their norms ([`NormAt::Deferred`]); `HARRIER_DEFERRED_NORM=0`
+    /// takes the prologues or launches instead (to compare).
+    deferred_norm: bool,
     /// The batch-1 decode step as one persistent launch ([`ring`]), when prepared.
     ring: Option<ring::RingDecode>,
 }
@@ -298,6 +303,23 @@ fn norm_prologue_max_rows(hidden: usize) -> usize {
     }
 }
 
+/// Where a fused step's q|k|v and gate|up input norms run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NormAt {
+    /// `add_rmsnorm` launches.
+    Launch,
+    /// In the GEMMs' prologues: every block normalises the whole input again (cheap for few
+    /// rows, not for many: [`norm_prologue_max_rows`]).
+    Prologue,
+    /// Deferred: the o and down launches before write the residual times the norm's weights
+    /// and its partial sums of squares; the q|k|v and gate|up launches multiply each row's sums
+    /// by its 1 / rms in their epilogue (`SkinnyInputs::norm_out` / `norm_in`). No norm launch
+    /// and no prologue but layer 0's input norm (after the embedding), launched. The same value
+    /// as RMSNorm but for rounding: the GEMM reads `bf16(w * x)` where the launch rounds
+    /// `bf16(w * bf16(x * inv))`.
+    Deferred,
+}
+
 /// How one step runs its projections.
 ///
 /// ```text
@@ -306,9 +328,11 @@ fn norm_prologue_max_rows(hidden: usize) -> usize {
 /// skinny:    norm, sk     sk           norm(+add), sk+act     sk            8
 /// +residual: norm, sk     sk+add       norm, sk+act           sk+add        7
 /// +norm:     norm+sk      sk+add       norm+sk+act            sk+add        5
+/// +deferred: sk/inv       sk+add+ss    sk/inv+act             sk+add+ss     5
 /// ```
 /// (`sk`: `skinny_gemm`; `+add`: the residual add in the epilogue; `+act`: the gated
-/// activation in gate|up's epilogue.) Gemma's sandwich norms need norm(delta) before the add,
+/// activation in gate|up's epilogue; `+ss`: a deferred norm's writer, `/inv` its reader:
+/// [`NormAt::Deferred`].) Gemma's sandwich norms need norm(delta) before the add,
 /// so its blocks stop at `skinny`. Every skinny q|k|v launch of a model without q/k norms also
 /// rotates q and k and writes the KV cache in its epilogue (one `rope_kv_write` less a layer;
 /// see [`pair_rope_rows`]).
@@ -318,26 +342,33 @@ struct ProjPlan {
     skinny: bool,
     /// Residual adds in the o and down epilogues (blocks without sandwich norms).
     residual: bool,
-    /// RMSNorms in the q|k|v and gate|up prologues (implies `residual`).
-    norm: bool,
+    /// Where the q|k|v and gate|up input norms run (not `Launch` implies `residual`).
+    norm: NormAt,
 }
 
 impl ProjPlan {
     /// The plan for a step of `rows` GEMM rows of a model `c` stored as `(dtype, fp8)`, where
     /// `fp8` is the FP8 skinny kernels' row limit when the weights are FP8. The fused path
     /// (bf16 weights, up to `fused_max_rows` rows, every reduction width a multiple of 32)
-    /// takes skinny kernels with the residual adds (blocks without sandwich norms) and, where
-    /// `norm_fits(rows, hidden)` and the step is small enough, the norms fused; FP8 weights
-    /// take the skinny kernels up to their limit, without the fusions unless `fuse_fp8`
-    /// (`HARRIER_FP8_FUSED=1`, to compare): then as bf16 within both limits. `norm_rows`
-    /// overrides [`norm_prologue_max_rows`] (measurement).
+    /// takes skinny kernels with the residual adds (blocks without sandwich norms) and the
+    /// norms deferred ([`NormAt::Deferred`]) where `fits(NormAt::Deferred, rows, hidden)`;
+    /// with `deferred` off (`HARRIER_DEFERRED_NORM=0`, to compare) or where it does not fit, in
+    /// the prologues where the step is small enough ([`norm_prologue_max_rows`], overridden by
+    /// `norm_rows`) and `fits(NormAt::Prologue, ..)`, else launched. Measured on the H200
+    /// (session 29, graphs, context 512, ms per step, deferred vs prologue or launches): 1B
+    /// batch 2 0.957 vs 0.981-0.985, 4 1.021-1.023 vs 1.065-1.067, 5 1.069-1.075 vs 1.112-1.114,
+    /// 8 1.080-1.083 vs 1.123-1.126; 3B 2 2.268-2.272 vs 2.340-2.364, 4 2.599-2.602 vs
+    /// 2.690-2.697, 8 2.894-2.896 vs 2.963-2.980; Qwen3-0.6B (batch 1 without the ring) 1
+    /// 0.853-0.859 vs 0.877, 8 1.158-1.159 vs 1.207. FP8 weights take the skinny kernels up to
+    /// their limit, without the fusions unless `fuse_fp8` (`HARRIER_FP8_FUSED=1`, to compare):
+    /// then as bf16 within both limits, never deferred.
     fn new(
         c: &ModelConfig,
         (dtype, fp8): (Dtype, Option<usize>),
-        (fuse_fp8, norm_rows): (bool, Option<usize>),
+        (fuse_fp8, norm_rows, deferred): (bool, Option<usize>, bool),
         fused_max_rows: usize,
         rows: usize,
-        norm_fits: impl Fn(usize, usize) -> bool,
+        fits: impl Fn(NormAt, usize, usize) -> bool,
     ) -> ProjPlan {
         // FP8 weights keep the skinny kernels without the fusions: measured at 1 row (H100,
         // session 8) the norm prologue and residual epilogues cost the FP8 3B and 8B 2-2.5%
@@ -353,12 +384,20 @@ impl ProjPlan {
                 .all(|&(_, _, k)| skinny_supports(rows, k));
         let skinny = fused || fp8.is_some_and(|max| (1..=max).contains(&rows));
         let residual = fused && !c.architecture.sandwich_norms();
+        let hid = c.hidden_size;
+        let prologue_rows = norm_rows.unwrap_or_else(|| norm_prologue_max_rows(hid));
+        // (The deferred norms' kernels are bf16 ones: HARRIER_FP8_FUSED takes the others.)
+        let norm = match residual {
+            true if deferred && fp8.is_none() && fits(NormAt::Deferred, rows, hid) => {
+                NormAt::Deferred
+            }
+            true if rows <= prologue_rows && fits(NormAt::Prologue, rows, hid) => NormAt::Prologue,
+            _ => NormAt::Launch,
+        };
         ProjPlan {
             skinny,
             residual,
-            norm: residual
-                && rows <= norm_rows.unwrap_or_else(|| norm_prologue_max_rows(c.hidden_size))
-                && norm_fits(rows, c.hidden_size),
+            norm,
         }
     }
 }
@@ -722,6 +761,7 @@ impl GpuModel {
             logits: DevBuf::new(sizes.logits)?,
             final_h: DevBuf::new(sizes.final_h)?,
             attn_part: DevBuf::new(sizes.attn_part)?,
+            norm_ss: DevBuf::new(sizes.norm_ss)?,
             // The largest layer projection; the output head goes through it in slices.
             wdq: match fp8 {
                 true => {
@@ -764,6 +804,7 @@ impl GpuModel {
                 Ok(v) => Some(v.parse().context("HARRIER_NORM_MAX_ROWS")?),
                 Err(_) => None,
             },
+            deferred_norm: harrier_kernels::switch_on("HARRIER_DEFERRED_NORM"),
             ring: None,
         })
     }
@@ -860,10 +901,14 @@ impl GpuModel {
         ProjPlan::new(
             &self.config,
             (self.dtype, self.fp8.then(|| self.fp8_skinny_max_rows())),
-            (self.fp8_fused, self.norm_max_rows),
+            (self.fp8_fused, self.norm_max_rows, self.deferred_norm),
             self.fused_max_rows,
             rows,
-            |m, kk| k.skinny_norm_supports(m, kk),
+            |at, m, kk| match at {
+                NormAt::Prologue => k.skinny_norm_supports(m, kk),
+                NormAt::Deferred => k.skinny_deferred_norm_supports(m, kk),
+                NormAt::Launch => true,
+            },
         )
     }
 
@@ -972,6 +1017,9 @@ impl GpuModel {
             // The pending residual delta (the previous layer's MLP output) and, for Gemma, the
             // norm it takes before its add.
             let mut pending: (u64, u64) = (0, 0);
+            // Deferred norms: the o and down launches write h = x * norm weights and the
+            // partials at norm_ss for the gate|up and next q|k|v launches (NormAt::Deferred).
+            let deferred = plan.norm == NormAt::Deferred;
             for (li, w) in self.layers.iter().enumerate() {
                 let (k_off, v_off, local) = self.kv_layers[li];
                 let (kc, vc) = (kv.at(k_off), kv.at(v_off));
@@ -1008,10 +1056,15 @@ impl GpuModel {
                     }
                 };
                 // Llama-style blocks on the fused path keep the residual in x and never have a
-                // pending delta: the input norm runs inside the q|k|v GEMM or on x alone.
-                if plan.norm {
+                // pending delta: the input norm runs inside the q|k|v GEMM, was deferred into
+                // the down launch before it, or runs on x alone.
+                if plan.norm == NormAt::Prologue {
                     if skip.runs(Stage::Qkv) {
                         k.skinny_gemm(stream, &qkv_launch(s.x.ptr).normed(w.input_norm.ptr, eps))?;
+                    }
+                } else if deferred && li > 0 {
+                    if skip.runs(Stage::Qkv) {
+                        k.skinny_gemm(stream, &qkv_launch(s.h.ptr).norm_in(s.norm_ss.ptr, eps.0))?;
                     }
                 } else {
                     if skip.runs(Stage::Norm) {
@@ -1102,17 +1155,27 @@ impl GpuModel {
                     let into_x = |p: &Proj, input, k_dim| {
                         p.skinny((input, s.x.ptr), gemm_rows, hid, k_dim, Epi::Residual)
                     };
+                    // A deferred norm's writer: h = x * norm_w, and x's partial sums of squares.
+                    let norm_out = |p: SkinnyInputs, norm_w: u64| match deferred {
+                        true => p.norm_out((s.h.ptr, norm_w, s.norm_ss.ptr), eps.1),
+                        false => p,
+                    };
                     // x += o(attn); act = act(gate) * up of norm(x).
                     if skip.runs(Stage::O) {
-                        k.skinny_gemm(stream, &into_x(&w.o, s.attn.ptr, nh * hd))?;
+                        let o = into_x(&w.o, s.attn.ptr, nh * hd);
+                        k.skinny_gemm(stream, &norm_out(o, w.post_norm.ptr))?;
                     }
                     let gate_up = |x| {
                         w.gate_up
                             .skinny((x, s.act.ptr), gemm_rows, inter, hid, gated)
                     };
-                    if plan.norm {
+                    if plan.norm == NormAt::Prologue {
                         if skip.runs(Stage::GateUp) {
                             k.skinny_gemm(stream, &gate_up(s.x.ptr).normed(w.post_norm.ptr, eps))?;
+                        }
+                    } else if deferred {
+                        if skip.runs(Stage::GateUp) {
+                            k.skinny_gemm(stream, &gate_up(s.h.ptr).norm_in(s.norm_ss.ptr, eps.0))?;
                         }
                     } else {
                         if skip.runs(Stage::Norm) {
@@ -1132,9 +1195,14 @@ impl GpuModel {
                             k.skinny_gemm(stream, &gate_up(s.h.ptr))?;
                         }
                     }
-                    // x += down(act).
+                    // x += down(act) (and the next layer's deferred input norm).
                     if skip.runs(Stage::Down) {
-                        k.skinny_gemm(stream, &into_x(&w.down, s.act.ptr, inter))?;
+                        let down = into_x(&w.down, s.act.ptr, inter);
+                        let down = match self.layers.get(li + 1) {
+                            Some(next) => norm_out(down, next.input_norm.ptr),
+                            None => down,
+                        };
+                        k.skinny_gemm(stream, &down)?;
                     }
                     continue;
                 }
@@ -1302,86 +1370,92 @@ mod tests {
     /// Which kernels a step's projections take, by step size, storage and model.
     #[test]
     fn projection_plans_follow_the_row_limits() {
+        use NormAt::{Deferred as D, Launch as L, Prologue as P};
         let llama = Preset::from_name("llama-3.2-1b").unwrap().config();
         let gemma = Preset::from_name("gemma-3-1b").unwrap().config();
-        let fits = |_: usize, _: usize| true;
+        let fits = |_: NormAt, _: usize, _: usize| true;
         let plan = |c: &ModelConfig, st: (Dtype, Option<usize>), max: usize, rows: usize| {
-            let p = ProjPlan::new(c, st, (false, None), max, rows, fits);
+            let p = ProjPlan::new(c, st, (false, None, true), max, rows, fits);
             (p.skinny, p.residual, p.norm)
         };
         let bf16 = (Dtype::Bf16, None);
         let fp8 = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS));
         let fp8_gemm = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS_WITH_GEMM));
-        // bf16, fused path on up to 8 rows: norms fused up to 4 rows (2,048 wide; 2 rows
-        // wider), residual adds up to 8.
-        assert_eq!(plan(&llama, bf16, 8, 1), (true, true, true));
-        assert_eq!(plan(&llama, bf16, 8, 2), (true, true, true));
-        assert_eq!(plan(&llama, bf16, 8, 4), (true, true, true));
-        assert_eq!(plan(&llama, bf16, 8, 5), (true, true, false));
-        assert_eq!(plan(&llama, bf16, 8, 8), (true, true, false));
-        assert_eq!(plan(&llama, bf16, 8, 9), (false, false, false));
+        // bf16, fused path on up to 8 rows: residual adds and deferred norms.
+        for rows in 1..=8 {
+            assert_eq!(plan(&llama, bf16, 8, rows), (true, true, D), "{rows}");
+        }
+        assert_eq!(plan(&llama, bf16, 8, 9), (false, false, L));
         // Off, and never for f32.
-        assert_eq!(plan(&llama, bf16, 0, 1), (false, false, false));
-        assert_eq!(
-            plan(&llama, (Dtype::F32, None), 8, 1),
-            (false, false, false)
-        );
+        assert_eq!(plan(&llama, bf16, 0, 1), (false, false, L));
+        assert_eq!(plan(&llama, (Dtype::F32, None), 8, 1), (false, false, L));
         // Gemma's sandwich norms: skinny kernels without the residual fusions.
-        assert_eq!(plan(&gemma, bf16, 8, 1), (true, false, false));
-        // A norm that does not fit shared memory stays separate.
-        assert!(!ProjPlan::new(&llama, bf16, (false, None), 8, 1, |_, _| false).norm);
-        // HARRIER_NORM_MAX_ROWS overrides the limit.
-        assert!(!ProjPlan::new(&llama, bf16, (false, Some(2)), 8, 3, fits).norm);
-        assert!(ProjPlan::new(&llama, bf16, (false, Some(8)), 8, 8, fits).norm);
+        assert_eq!(plan(&gemma, bf16, 8, 1), (true, false, L));
+        assert_eq!(plan(&gemma, bf16, 8, 8), (true, false, L));
+        let norm = |c: &ModelConfig, opts, rows, fits: &dyn Fn(NormAt, usize, usize) -> bool| {
+            ProjPlan::new(c, bf16, opts, 8, rows, fits).norm
+        };
+        // Deferred norms that do not fit shared memory fall back to the prologues (up to 4
+        // rows at 2,048 wide), then to launches.
+        let no_deferred = |at, _, _| at != D;
+        assert_eq!(norm(&llama, (false, None, true), 4, &no_deferred), P);
+        assert_eq!(norm(&llama, (false, None, true), 5, &no_deferred), L);
+        assert_eq!(norm(&llama, (false, None, true), 1, &|_, _, _| false), L);
+        // HARRIER_DEFERRED_NORM=0: the prologues up to 4 rows (2,048 wide; 2 rows wider),
+        // launches past them; HARRIER_NORM_MAX_ROWS moves the prologues' limit.
+        let off = (false, None, false);
+        assert_eq!(norm(&llama, off, 4, &fits), P);
+        assert_eq!(norm(&llama, off, 5, &fits), L);
+        assert_eq!(norm(&llama, (false, Some(2), false), 3, &fits), L);
+        assert_eq!(norm(&llama, (false, Some(8), false), 8, &fits), P);
+        assert_eq!(norm(&llama, (false, Some(0), false), 1, &fits), L);
+        let mid = Preset::from_name("llama-3.2-3b").unwrap().config();
+        assert_eq!(norm(&mid, off, 2, &fits), P);
+        assert_eq!(norm(&mid, off, 3, &fits), L);
         // The default limit: up to 8 rows, models wider than 3,072 at 1 row only.
         let default = crate::config::FUSED_DECODE_MAX_ROWS;
-        assert_eq!(plan(&llama, bf16, default, 1), (true, true, true));
-        assert_eq!(plan(&llama, bf16, default, 8), (true, true, false));
-        assert_eq!(plan(&llama, bf16, default, 9), (false, false, false));
+        assert_eq!(plan(&llama, bf16, default, 1), (true, true, D));
+        assert_eq!(plan(&llama, bf16, default, 8), (true, true, D));
+        assert_eq!(plan(&llama, bf16, default, 9), (false, false, L));
         let wide = Preset::from_name("llama-3.1-8b").unwrap().config();
-        assert_eq!(plan(&wide, bf16, default, 1), (true, true, true));
-        assert_eq!(plan(&wide, bf16, default, 2), (false, false, false));
-        let mid = Preset::from_name("llama-3.2-3b").unwrap().config();
-        assert_eq!(plan(&mid, bf16, default, 2), (true, true, true));
-        assert_eq!(plan(&mid, bf16, default, 3), (true, true, false));
-        assert_eq!(plan(&mid, bf16, default, 8), (true, true, false));
+        assert_eq!(plan(&wide, bf16, default, 1), (true, true, D));
+        assert_eq!(plan(&wide, bf16, default, 2), (false, false, L));
+        assert_eq!(plan(&mid, bf16, default, 3), (true, true, D));
+        assert_eq!(plan(&mid, bf16, default, 8), (true, true, D));
         // FP8: skinny up to 16 rows whatever the fused limit, never with the fusions.
-        assert_eq!(plan(&llama, fp8, 0, 1), (true, false, false));
-        assert_eq!(
-            plan(&llama, fp8, 0, FP8_SKINNY_MAX_ROWS),
-            (true, false, false)
-        );
+        assert_eq!(plan(&llama, fp8, 0, 1), (true, false, L));
+        assert_eq!(plan(&llama, fp8, 0, FP8_SKINNY_MAX_ROWS), (true, false, L));
         assert_eq!(
             plan(&llama, fp8, 0, FP8_SKINNY_MAX_ROWS + 1),
-            (false, false, false)
+            (false, false, L)
         );
-        assert_eq!(plan(&llama, fp8, 8, 1), (true, false, false));
+        assert_eq!(plan(&llama, fp8, 8, 1), (true, false, L));
         // With FP8 tensor-core GEMMs the skinny kernels stop earlier.
-        assert_eq!(plan(&llama, fp8_gemm, 0, 8), (true, false, false));
-        assert_eq!(plan(&llama, fp8_gemm, 0, 9), (false, false, false));
-        assert_eq!(plan(&llama, fp8, 8, 16), (true, false, false));
-        // HARRIER_FP8_FUSED: the fusions within both limits, the plain FP8 skinny path past
-        // the fused one.
+        assert_eq!(plan(&llama, fp8_gemm, 0, 8), (true, false, L));
+        assert_eq!(plan(&llama, fp8_gemm, 0, 9), (false, false, L));
+        assert_eq!(plan(&llama, fp8, 8, 16), (true, false, L));
+        // HARRIER_FP8_FUSED: the fusions within both limits (the prologues, never deferred:
+        // those kernels are bf16 ones), the plain FP8 skinny path past the fused one.
         let fused_fp8 = |max, rows| {
-            let p = ProjPlan::new(&llama, fp8, (true, None), max, rows, fits);
+            let p = ProjPlan::new(&llama, fp8, (true, None, true), max, rows, fits);
             (p.skinny, p.residual, p.norm)
         };
-        assert_eq!(fused_fp8(8, 1), (true, true, true));
-        assert_eq!(fused_fp8(8, 4), (true, true, true));
-        assert_eq!(fused_fp8(8, 8), (true, true, false));
-        assert_eq!(fused_fp8(8, 12), (true, false, false));
-        assert_eq!(fused_fp8(8, FP8_SKINNY_MAX_ROWS + 1), (false, false, false));
+        assert_eq!(fused_fp8(8, 1), (true, true, P));
+        assert_eq!(fused_fp8(8, 4), (true, true, P));
+        assert_eq!(fused_fp8(8, 8), (true, true, L));
+        assert_eq!(fused_fp8(8, 12), (true, false, L));
+        assert_eq!(fused_fp8(8, FP8_SKINNY_MAX_ROWS + 1), (false, false, L));
     }
 
     /// RoPE runs in the q|k|v epilogue on skinny steps of layers without q/k norms only.
     #[test]
     fn rope_runs_in_the_epilogue_of_skinny_steps_without_qk_norms() {
         let llama = Preset::from_name("llama-3.2-1b").unwrap().config();
-        let fits = |_: usize, _: usize| true;
+        let fits = |_: NormAt, _: usize, _: usize| true;
         let bf16 = (Dtype::Bf16, None);
         let fp8 = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS_WITH_GEMM));
         let on = (true, true);
-        let p = |st, rows| ProjPlan::new(&llama, st, (false, None), 1, rows, fits);
+        let p = |st, rows| ProjPlan::new(&llama, st, (false, None, true), 1, rows, fits);
         assert!(rope_in_epilogue(p(bf16, 1), false, on));
         assert!(!rope_in_epilogue(p(bf16, 2), false, on), "cuBLAS step");
         assert!(rope_in_epilogue(p(fp8, 8), false, on), "FP8 skinny step");

@@ -1521,29 +1521,40 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
             };
             let w = rand(n * kk, &mut rng);
             let x = rand(maxm * kk, &mut rng);
-            let nw = rand(kk, &mut rng);
+            let nw = rand(kk.max(n), &mut rng); // (a deferred norm's writer reads n)
             let dw = dr::malloc_sync(w.len() * 2)?;
             let dx = dr::malloc_sync(x.len() * 2)?;
             let dnw = dr::malloc_sync(nw.len() * 2)?;
             let dy1 = dr::malloc_sync(maxm * n * 4)?;
             let dy2 = dr::malloc_sync(maxm * n * 4)?;
             let dy3 = dr::malloc_sync(maxm * n * 4)?;
+            // A deferred norm's u and partials (sums of squares of ones: every row's 1 / rms
+            // is finite).
+            let du = dr::malloc_sync(maxm * n * 2)?;
+            let parts = harrier_kernels::deferred_norm_partials(maxm, n.max(kk));
+            let dss = dr::malloc_sync(parts * 4)?;
             dr::memcpy_htod_sync(dw, &w)?;
             dr::memcpy_htod_sync(dx, &x)?;
             dr::memcpy_htod_sync(dnw, &nw)?;
-            // What the engine launches for this shape (into a scratch output).
-            // (The engine norms inside the GEMM only where the kernel can: up to 8 rows.)
+            dr::memcpy_htod_sync(dss, &vec![16.0f32; parts])?;
+            // What the engine launches for this shape (into a scratch output): its deferred
+            // norms where the kernel takes them (up to 8 rows), else the prologue's.
             let fused_launch = |name: &str, m: usize| {
                 let p = |nn, e| SkinnyInputs::new((dx, dw, dy2), m, nn, kk, e);
-                let norm = |s: SkinnyInputs| match k.skinny_norm_supports(m, kk) {
-                    true => s.normed(dnw, (1e-5, 0.0)),
-                    false => s,
+                let deferred = k.skinny_deferred_norm_supports(m, kk);
+                let norm = |s: SkinnyInputs| match (deferred, k.skinny_norm_supports(m, kk)) {
+                    (true, _) => s.norm_in(dss, 1e-5),
+                    (false, true) => s.normed(dnw, (1e-5, 0.0)),
+                    (false, false) => s,
                 };
                 match name {
                     "qkv" => norm(p(n, SkinnyEpilogue::Store)),
                     "gate_up" => norm(p(n / 2, SkinnyEpilogue::SiluMul)),
                     "lm_head" => p(n, SkinnyEpilogue::StoreF32),
-                    _ => p(n, SkinnyEpilogue::Residual),
+                    _ => match deferred {
+                        true => p(n, SkinnyEpilogue::Residual).norm_out((du, dnw, dss), 0.0),
+                        false => p(n, SkinnyEpilogue::Residual),
+                    },
                 }
             };
             for &m in rows_list.iter().filter(|&&m| m <= maxm) {
