@@ -208,31 +208,48 @@ pub struct SkinnyRope {
     pub rows: i32,
 }
 
+/// The RMSNorm a `skinny_gemm_*` launch takes part in (norm weights scaled by `w_off + w`
+/// when `w_off` is not 0, as [`Kernels::add_rmsnorm`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SkinnyNorm {
+    None,
+    /// x is RMSNorm(x) by `w`, computed in the prologue ([`SkinnyInputs::normed`]).
+    Prologue {
+        w: u64,
+        eps: f32,
+        w_off: f32,
+    },
+    /// A deferred norm's writer ([`SkinnyInputs::norm_out`]).
+    Out {
+        u: u64,
+        w: u64,
+        ss: u64,
+        w_off: f32,
+    },
+    /// A deferred norm's reader ([`SkinnyInputs::norm_in`]).
+    In {
+        ss: u64,
+        eps: f32,
+    },
+}
+
 /// One `skinny_gemm_*` launch (passed to the kernel as [`SkinnyAbi`], `struct SkinnyIn`):
-/// `y[m, n] = epilogue(x'[m, :] · w[n, :])` for `m < m_rows`, where x' is x, or RMSNorm(x) by
-/// `norm_w` (weights scaled by `w_off + w` when `w_off` is not 0) when `norm_w` is not 0.
+/// `y[m, n] = epilogue(x'[m, :] · w[n, :])` for `m < m_rows`, where x' is x, or its RMSNorm
+/// by `norm`.
 #[derive(Debug, Clone, Copy)]
 pub struct SkinnyInputs {
     pub x: u64,
     pub w: u64,
     pub y: u64,
-    pub norm_w: u64,
     /// FP8 weights: one f32 scale per weight row (then `w` holds e4m3 bytes); 0 for bf16.
     pub scale: u64,
-    pub eps: f32,
-    pub w_off: f32,
     pub m_rows: i32,
     pub n: i32,
     pub k: i32,
     pub epi: i32,
     /// Read with [`SkinnyEpilogue::Rope`] only.
     pub rope: SkinnyRope,
-    /// Deferred norm, writer side ([`SkinnyInputs::norm_out`]).
-    pub u_out: u64,
-    pub u_norm_w: u64,
-    pub ss_out: u64,
-    /// Deferred norm, reader side ([`SkinnyInputs::norm_in`]).
-    pub ss_in: u64,
+    pub norm: SkinnyNorm,
 }
 
 impl SkinnyInputs {
@@ -248,19 +265,13 @@ impl SkinnyInputs {
             x,
             w,
             y,
-            norm_w: 0,
             scale: 0,
-            eps: 0.0,
-            w_off: 0.0,
             m_rows: m_rows as i32,
             n: n as i32,
             k: k as i32,
             epi: epi as i32,
             rope: SkinnyRope::default(),
-            u_out: 0,
-            u_norm_w: 0,
-            ss_out: 0,
-            ss_in: 0,
+            norm: SkinnyNorm::None,
         }
     }
 
@@ -284,12 +295,9 @@ impl SkinnyInputs {
     /// n]` at `u`; `w_off + norm_w` scaling as [`Kernels::add_rmsnorm`] when `w_off` is not 0)
     /// and the sums of squares of `y'` over each 16 columns, `ss[m * ceil(n / 16) + n / 16]`
     /// (f32, in a fixed order). The next launch reads `u` with [`SkinnyInputs::norm_in`].
-    pub fn norm_out(self, (u, norm_w, ss): (u64, u64, u64), w_off: f32) -> SkinnyInputs {
+    pub fn norm_out(self, (u, w, ss): (u64, u64, u64), w_off: f32) -> SkinnyInputs {
         SkinnyInputs {
-            u_out: u,
-            u_norm_w: norm_w,
-            ss_out: ss,
-            w_off,
+            norm: SkinnyNorm::Out { u, w, ss, w_off },
             ..self
         }
     }
@@ -302,20 +310,22 @@ impl SkinnyInputs {
     /// prologue and no norm launch (docs/cuda.md, "Deferred norms").
     pub fn norm_in(self, ss: u64, eps: f32) -> SkinnyInputs {
         SkinnyInputs {
-            ss_in: ss,
-            eps,
+            norm: SkinnyNorm::In { ss, eps },
             ..self
         }
     }
 
-    /// The input RMSNormed first (weights `norm_w`, `(eps, w_off)` as [`Kernels::add_rmsnorm`]).
-    pub fn normed(self, norm_w: u64, (eps, w_off): (f32, f32)) -> SkinnyInputs {
+    /// The input RMSNormed first (weights `w`, `(eps, w_off)` as [`Kernels::add_rmsnorm`]).
+    pub fn normed(self, w: u64, (eps, w_off): (f32, f32)) -> SkinnyInputs {
         SkinnyInputs {
-            norm_w,
-            eps,
-            w_off,
+            norm: SkinnyNorm::Prologue { w, eps, w_off },
             ..self
         }
+    }
+
+    /// Whether the launch takes part in a deferred norm (the `_dn` instances).
+    fn deferred(&self) -> bool {
+        matches!(self.norm, SkinnyNorm::In { .. } | SkinnyNorm::Out { .. })
     }
 }
 
@@ -364,14 +374,19 @@ const SK_NORM_OUT: i32 = 32;
 impl SkinnyInputs {
     /// The kernel's argument (see [`SkinnyAbi`]).
     fn abi(&self) -> SkinnyAbi {
-        let (norm_w, flags, args) = match (self.ss_in, self.ss_out) {
-            (0, 0) => (self.norm_w, 0, SkinnyEpilogueArgs { rope: self.rope }),
-            (ss, 0) => (ss, SK_NORM_IN, SkinnyEpilogueArgs { rope: self.rope }),
-            (_, ss) => (
-                self.u_norm_w,
+        let rope = SkinnyEpilogueArgs { rope: self.rope };
+        // (norm_w, eps, w_off, flags, union)
+        let (norm_w, eps, w_off, flags, args) = match self.norm {
+            SkinnyNorm::None => (0, 0.0, 0.0, 0, rope),
+            SkinnyNorm::Prologue { w, eps, w_off } => (w, eps, w_off, 0, rope),
+            SkinnyNorm::In { ss, eps } => (ss, eps, 0.0, SK_NORM_IN, rope),
+            SkinnyNorm::Out { u, w, ss, w_off } => (
+                w,
+                0.0,
+                w_off,
                 SK_NORM_OUT,
                 SkinnyEpilogueArgs {
-                    dout: SkinnyNormOut { u: self.u_out, ss },
+                    dout: SkinnyNormOut { u, ss },
                 },
             ),
         };
@@ -381,8 +396,8 @@ impl SkinnyInputs {
             y: self.y,
             norm_w,
             scale: self.scale,
-            eps: self.eps,
-            w_off: self.w_off,
+            eps,
+            w_off,
             m_rows: self.m_rows,
             n: self.n,
             k: self.k,
@@ -2112,40 +2127,25 @@ impl Kernels {
             true => SKINNY_B2,
             false => skinny_instance(m, r4, f8, w8),
         };
-        let name = match p.ss_in != 0 || p.ss_out != 0 {
+        let name = match p.deferred() {
             true => skinny_dn_instance(name).with_context(|| {
                 format!("skinny_gemm: no deferred-norm instance for {name} (bf16, up to 8 rows)")
             })?,
             false => name,
         };
-        if p.ss_out != 0
-            && (p.epi != SkinnyEpilogue::Residual as i32
-                || p.u_out == 0
-                || p.u_norm_w == 0
-                || p.ss_in != 0
-                || p.norm_w != 0)
-        {
-            bail!(
-                "skinny_gemm: a deferred norm's writer needs the residual epilogue, u and the \
-                 norm's weights, and no input norm"
-            );
-        }
-        let smem = if p.norm_w != 0 {
-            if !self.skinny_norm_supports(m, k) || p.ss_in != 0 {
-                bail!(
-                    "skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory \
-                     (or is also a deferred norm's reader)"
-                );
+        // Dynamic shared memory: the normed input, or a deferred norm's partials.
+        let smem = match p.norm {
+            SkinnyNorm::None => 0,
+            SkinnyNorm::Out { .. } if p.epi == SkinnyEpilogue::Residual as i32 => 0,
+            SkinnyNorm::Out { .. } => {
+                bail!("skinny_gemm: a deferred norm's writer needs the residual epilogue")
             }
-            ((m + 1) * k * 2) as u32
-        } else if p.ss_in != 0 {
-            if !self.skinny_deferred_norm_supports(m, k) {
-                bail!("skinny_gemm: a deferred norm of {m} rows x {k} exceeds the shared memory");
+            SkinnyNorm::Prologue { .. } if self.skinny_norm_supports(m, k) => (m + 1) * k * 2,
+            SkinnyNorm::In { .. } if self.skinny_deferred_norm_supports(m, k) => {
+                deferred_norm_smem(m, k)
             }
-            deferred_norm_smem(m, k) as u32
-        } else {
-            0
-        };
+            _ => bail!("skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory"),
+        } as u32;
         let abi = p.abi();
         let mut a = params![abi];
         let grid = (blocks, 1, 1);

@@ -1020,6 +1020,13 @@ impl GpuModel {
             // Deferred norms: the o and down launches write h = x * norm weights and the
             // partials at norm_ss for the gate|up and next q|k|v launches (NormAt::Deferred).
             let deferred = plan.norm == NormAt::Deferred;
+            // The q|k|v or gate|up launch `p` (of its input) with its input norm by `norm_w`
+            // fused as `at` says; `None`: the norm is launched first, into h.
+            let fused_norm = |p: &dyn Fn(u64) -> SkinnyInputs, norm_w: u64, at: NormAt| match at {
+                NormAt::Prologue => Some(p(s.x.ptr).normed(norm_w, eps)),
+                NormAt::Deferred => Some(p(s.h.ptr).norm_in(s.norm_ss.ptr, eps.0)),
+                NormAt::Launch => None,
+            };
             for (li, w) in self.layers.iter().enumerate() {
                 let (k_off, v_off, local) = self.kv_layers[li];
                 let (kc, vc) = (kv.at(k_off), kv.at(v_off));
@@ -1057,14 +1064,15 @@ impl GpuModel {
                 };
                 // Llama-style blocks on the fused path keep the residual in x and never have a
                 // pending delta: the input norm runs inside the q|k|v GEMM, was deferred into
-                // the down launch before it, or runs on x alone.
-                if plan.norm == NormAt::Prologue {
+                // the down launch before it (layer 0's: the embedding has no such epilogue), or
+                // runs on x alone.
+                let qkv_norm = match plan.norm {
+                    NormAt::Deferred if li == 0 => NormAt::Launch,
+                    at => at,
+                };
+                if let Some(p) = fused_norm(&qkv_launch, w.input_norm.ptr, qkv_norm) {
                     if skip.runs(Stage::Qkv) {
-                        k.skinny_gemm(stream, &qkv_launch(s.x.ptr).normed(w.input_norm.ptr, eps))?;
-                    }
-                } else if deferred && li > 0 {
-                    if skip.runs(Stage::Qkv) {
-                        k.skinny_gemm(stream, &qkv_launch(s.h.ptr).norm_in(s.norm_ss.ptr, eps.0))?;
+                        k.skinny_gemm(stream, &p)?;
                     }
                 } else {
                     if skip.runs(Stage::Norm) {
@@ -1169,13 +1177,9 @@ impl GpuModel {
                         w.gate_up
                             .skinny((x, s.act.ptr), gemm_rows, inter, hid, gated)
                     };
-                    if plan.norm == NormAt::Prologue {
+                    if let Some(p) = fused_norm(&gate_up, w.post_norm.ptr, plan.norm) {
                         if skip.runs(Stage::GateUp) {
-                            k.skinny_gemm(stream, &gate_up(s.x.ptr).normed(w.post_norm.ptr, eps))?;
-                        }
-                    } else if deferred {
-                        if skip.runs(Stage::GateUp) {
-                            k.skinny_gemm(stream, &gate_up(s.h.ptr).norm_in(s.norm_ss.ptr, eps.0))?;
+                            k.skinny_gemm(stream, &p)?;
                         }
                     } else {
                         if skip.runs(Stage::Norm) {
