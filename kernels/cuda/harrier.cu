@@ -2599,10 +2599,11 @@ struct RingStep {
 #define RING_SLOT_SCALES 64
 #define RING_MLP_COLS 16  // down sums a thread keeps: K <= RING_CW * 32 * 16
 // Rows of K weights of wb bytes (2: bf16, 1: FP8) in a chunk (an MLP chunk's intermediate rows,
-// a GEMVT chunk's input rows): the largest power of two with CR K wb <= RING_SLOT.
+// a GEMVT chunk's input rows) with SLOT-byte slots: the largest power of two with CR K wb <= SLOT.
+template <int SLOT>
 __device__ __forceinline__ int ring_chunk_rows(int K, int wb = 2) {
     int cr = 1;
-    while (2 * wb * cr * K <= RING_SLOT) cr *= 2;
+    while (2 * wb * cr * K <= SLOT) cr *= 2;
     return cr;
 }
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -2657,23 +2658,26 @@ __device__ __forceinline__ unsigned int ring_div(unsigned int n, unsigned int d,
 // weights; a 64-bit division was ~70 instructions at each of four sites.)
 __device__ __forceinline__ int ring_block_part(int len, unsigned int b) { return (int)((unsigned int)len * b / gridDim.x); }
 // The items (slots, or chunks) a stage of `kind`, N and K streams: none for ATTN and CVT.
+template <int SLOT>
 __device__ __forceinline__ int ring_items(int kind, int N, int K, int wb = 2) {
     if (kind == RING_ATTN || kind == RING_CVT) return 0;
-    if (kind == RING_MLP) return N / ring_chunk_rows(K, wb);
-    if (kind == RING_GEMVT) return K / ring_chunk_rows(N, wb);
+    if (kind == RING_MLP) return N / ring_chunk_rows<SLOT>(K, wb);
+    if (kind == RING_GEMVT) return K / ring_chunk_rows<SLOT>(N, wb);
     const unsigned int bytes = (unsigned int)N * (unsigned int)K * (unsigned int)wb;
-    return (int)((bytes + RING_SLOT - 1) / RING_SLOT);
+    return (int)((bytes + SLOT - 1) / SLOT);
 }
-__device__ __forceinline__ int ring_items(const RingStage& st, int wb = 2) { return ring_items(st.kind, st.N, st.K, wb); }
+template <int SLOT>
+__device__ __forceinline__ int ring_items(const RingStage& st, int wb = 2) { return ring_items<SLOT>(st.kind, st.N, st.K, wb); }
 // Slots a claim takes, or 0 where a stage's items are shared out in fixed runs (see the
 // kernel's header): GEMV stages of at least 8 slots a block (the output head, the 8B's
 // q|k|v), two slots a claim (fewer slots are as even in fixed runs, and a claim's round trip
 // would show).
+template <int SLOT>
 __device__ __forceinline__ int ring_unit(int kind, int N, int K, int wb = 2) {
 #ifdef RING_NO_CLAIM  // measurement: fixed runs only
     return 0;
 #endif
-    return kind == RING_GEMV && ring_items(kind, N, K, wb) >= 8 * (int)gridDim.x ? 2 : 0;
+    return kind == RING_GEMV && ring_items<SLOT>(kind, N, K, wb) >= 8 * (int)gridDim.x ? 2 : 0;
 }
 // c = hi + lo as the sums' halves take it (see the kernel's header).
 __device__ __forceinline__ void ring_split(float c, float& hi, float& lo) {
@@ -3109,16 +3113,16 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
-template <bool F8>
+template <bool F8, int SLOT>
 __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, unsigned int* done, int nslots,
                                                unsigned long long* trace, RingStep step) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr int SLOT_UNITS = RING_SLOT / 16;
-    static_assert(SLOT_UNITS == RING_CW * 128, "a warp reduces 1024 weights of a slot");
-    if (blockDim.x != (RING_CW + 1) * 32) __trap();
+    constexpr int SLOT_UNITS = SLOT / 16, CW = SLOT / 2048;  // CW consumer warps
+    static_assert(SLOT_UNITS == CW * 128, "a warp reduces 1024 weights of a slot");
+    if (blockDim.x != (CW + 1) * 32) __trap();
     extern __shared__ __align__(128) unsigned char smem[];
     uint4* ring = (uint4*)smem;
-    unsigned long long* full = (unsigned long long*)(smem + (size_t)nslots * RING_SLOT);
+    unsigned long long* full = (unsigned long long*)(smem + (size_t)nslots * SLOT);
     unsigned long long* empty = full + nslots;
     // F8: RING_SLOT_SCALES f32 a slot, the row scales of an FP8 GEMV or gate|up slot, which the
     // producer copies with its weights (a consumer's own load cost a round trip a row: the FP8
@@ -3130,8 +3134,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
     // (ring_f8_xpos order) from 2 K bytes on, or an o stage's rows from 2 H on, and a paired
     // block's own sums there at the end; F8 o and MLP stages' f32 column scales from 4 H on.
     uint4* xs = (uint4*)(sscale + (F8 ? nslots * RING_SLOT_SCALES : 0));
-    __shared__ float part[2][2][F8 ? 2 * RING_CW : RING_CW];  // MLP: [chunk parity][gate, up][unit]
-    __shared__ float red_ss[RING_CW];       // the input norm's sum of squares, by warp
+    __shared__ float part[2][2][F8 ? 2 * CW : CW];  // MLP: [chunk parity][gate, up][unit]
+    __shared__ float red_ss[CW];       // the input norm's sum of squares, by warp
     __shared__ int slot_item[RING_MAX_SLOTS];  // the item a full slot holds (-1: a stage's end)
     __shared__ __align__(8) unsigned long long pair_ready;  // the partner's sums pushed (clusters of two)
     u32 crank, csize;
@@ -3144,7 +3148,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
     if (threadIdx.x == 0) {
         for (int i = 0; i < nslots; i++) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(full + i)) : "memory");
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(empty + i)), "r"(RING_CW) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(empty + i)), "r"(CW) : "memory");
         }
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&pair_ready)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -3155,7 +3159,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
         asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
     }
-    if (warp == RING_CW) {
+    if (warp == CW) {
         // The producer: every slot of every stage, in the consumers' order; it waits only for
         // a free slot (the consumers' release of the round before). The weights never change,
         // so it starts before the launches this one depends on have finished (no PDL wait).
@@ -3218,10 +3222,10 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         auto put_item = [&](const RingStage& st, unsigned int i) {
             const unsigned int wb = F8 && st.ws ? 1 : 2;
             if (st.kind == RING_GEMVT) {
-                const unsigned int len = ring_chunk_rows(st.N, wb) * st.N * wb;
+                const unsigned int len = ring_chunk_rows<SLOT>(st.N, wb) * st.N * wb;
                 put((const unsigned char*)st.w + (size_t)i * len, len, i);
             } else if (st.kind == RING_MLP) {
-                const unsigned int cr = ring_chunk_rows(st.K, wb), len = cr * st.K * wb;
+                const unsigned int cr = ring_chunk_rows<SLOT>(st.K, wb), len = cr * st.K * wb;
                 const size_t r = (size_t)i * len;
                 const float* gsc = F8 && wb == 1 ? st.ws + (size_t)i * cr : nullptr;  // (cr >= 4)
                 const unsigned int sl = F8 && wb == 1 ? 4 * cr : 0;
@@ -3229,8 +3233,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 put((const unsigned char*)st.w + (size_t)st.N * st.K * wb + r, len, i, gsc + (sl ? st.N : 0), sl);
                 put((const unsigned char*)st.w2 + r, len, i);
             } else {
-                const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * wb, at = i * RING_SLOT;
-                const unsigned int len = min((unsigned int)RING_SLOT, bytes - at);
+                const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * wb, at = i * SLOT;
+                const unsigned int len = min((unsigned int)SLOT, bytes - at);
                 if (F8 && wb == 1) {
                     // The slot's rows' scales from the 16-byte boundary at or before its first
                     // (the host rounds the scales' allocation to 16 bytes: the copy stays in it).
@@ -3247,7 +3251,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             const RingStage st = nxt;
             if (s + 1 < n) nxt = stages[s + 1];  // (in flight while this stage's copies issue)
             const int wb = F8 && st.ws ? 1 : 2;
-            const unsigned int items = (unsigned int)ring_items(st, wb), u = ring_unit(st.kind, st.N, st.K, wb);
+            const unsigned int items = (unsigned int)ring_items<SLOT>(st, wb), u = ring_unit<SLOT>(st.kind, st.N, st.K, wb);
             if (u > 0) {
                 // Units claimed one ahead: the claim's round trip runs while the unit before
                 // streams (or waits for its slots).
@@ -3268,7 +3272,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         return;
     }
     PDL_ENTER();
-    const int ct = threadIdx.x, nct = RING_CW * 32;
+    const int ct = threadIdx.x, nct = CW * 32;
     u32 pair_phase = 0;  // pair_ready's phase (add_out)
     // The next slot (index ki, its full barrier's phase kp: counted, not divided, in the
     // hot loops: session 24), or the one after it (ahead = 1), waited for; `release` hands the
@@ -3332,8 +3336,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         int start = 0, count = 0;
         const bool f8 = F8 && st.ws;  // (F8: every o and MLP stage; GEMV stages where they are)
         const int wb = f8 ? 1 : 2;
-        const int claim = ring_unit(st.kind, st.N, st.K, wb);
-        if (claim == 0 && st.kind != RING_ATTN && st.kind != RING_CVT) ring_share(ring_items(st, wb), off, start, count);
+        const int claim = ring_unit<SLOT>(st.kind, st.N, st.K, wb);
+        if (claim == 0 && st.kind != RING_ATTN && st.kind != RING_CVT) ring_share(ring_items<SLOT>(st, wb), off, start, count);
         // This block's share of the zeroing, and of a CVT stage's sums: 64-bit divisions, also
         // worked out before the wait (1B 0.976 -> 0.971 ms, 3B 2.265 -> 2.242; session 21).
         const int za = ring_block_part(st.zero_len, blockIdx.x), zb = ring_block_part(st.zero_len, blockIdx.x + 1);
@@ -3460,7 +3464,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             if (lane == 0) red_ss[warp] = ss;
             asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
             ss = 0.0f;
-            for (int w = 0; w < RING_CW; w++) ss += red_ss[w];
+            for (int w = 0; w < CW; w++) ss += red_ss[w];
             const float inv = rsqrtf(ss / st.K + st.eps);
 #pragma unroll
             for (int q = 0; q < 2; q++) xv[q] = rms_norm8(xv[q], gw[q], inv, 0.0f);
@@ -3476,7 +3480,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // GEMVT: the block's input rows, f32 (F8: past the pair's receiving region).
         float* xr = (float*)(F8 ? xs + st.N / 8 : xs);
         if (st.kind == RING_GEMVT) {
-            const int cr = ring_chunk_rows(st.N, wb), r0 = start * cr;
+            const int cr = ring_chunk_rows<SLOT>(st.N, wb), r0 = start * cr;
             ring_gemvt_rows(st, xr, r0, count * cr, ct, nct, aG, aS);
         }
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
@@ -3610,7 +3614,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             if (F8) {
                 // FP8 (every o and MLP stage of the instance): warp w keeps P pairs of 32 columns
                 // from pair w P in tensor-core accumulators (ring_f8_rows).
-                const int cr = ring_chunk_rows(cols, 1), P = cols / 512, p0 = warp * P, t4 = 4 * (lane & 3);
+                const int cr = ring_chunk_rows<SLOT>(cols, 1), P = cols / 512, p0 = warp * P, t4 = 4 * (lane & 3);
                 float c8[RING_F8_OCT][8];
 #pragma unroll
                 for (int o = 0; o < RING_F8_OCT; o++)
@@ -3626,12 +3630,12 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                         release();
                     }
                 } else {
-                    // A chunk: cr rows of gate, of up and of down^T (e4m3, cr K <= RING_SLOT);
+                    // A chunk: cr rows of gate, of up and of down^T (e4m3, cr K <= SLOT);
                     // gate|up: the chunk's cr * parts units of 1024 weights (unit v: row v / parts,
-                    // columns 1024 (v % parts) on), warp w units w and w + RING_CW; their row
+                    // columns 1024 (v % parts) on), warp w units w and w + CW; their row
                     // scales from beside the slots, taken before the slots are released.
                     const int parts = st.K / 1024, units = cr * parts;
-                    const int va = warp, vb = warp + RING_CW, ra = va / parts, rb = vb / parts;
+                    const int va = warp, vb = warp + CW, ra = va / parts, rb = vb / parts;
                     const uint4* xh = xs + st.K / 8;
                     const uint4* xa = xh + (va % parts) * 128;
                     const uint4* xb = xh + (vb % parts) * 128;
@@ -3724,7 +3728,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     RING_MLP_STAMP2(3);
                 }
             } else if (st.kind == RING_GEMVT) {
-                const int cr = ring_chunk_rows(st.N);
+                const int cr = ring_chunk_rows<SLOT>(st.N);
                 for (int c = 0; c < count; c++) {
                     const uint4* d = take();
 #pragma unroll 4
@@ -3733,9 +3737,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 }
             } else {
                 // A chunk: cr rows of gate, of up and of down^T, a slot each (cr K bf16 <=
-                // RING_SLOT); gate|up: warp w < cr * parts reduces row w / parts, columns
+                // SLOT); gate|up: warp w < cr * parts reduces row w / parts, columns
                 // 1024 (w % parts) on.
-                const int cr = ring_chunk_rows(st.K), parts = st.K / 1024;
+                const int cr = ring_chunk_rows<SLOT>(st.K), parts = st.K / 1024;
                 const bool dots = warp < cr * parts;
                 const int col = (warp % parts) * 128;  // (units of 8 weights)
                 for (int c = 0; c < count; c++) {
@@ -3794,7 +3798,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         } else if (F8 && f8) {
             // FP8 GEMV: a slot holds 32 pieces of 1024 weights (piece p: row p / parts, columns
             // 1024 (p % parts) on); warp w reduces pieces 2w and 2w + 1 (ring_f8_dot; one row
-            // where K % 2048 == 0, one atomic add: w and w + RING_CW, two rows, cost the head
+            // where K % 2048 == 0, one atomic add: w and w + CW, two rows, cost the head
             // its atomics twice), the two shuffles interleaved, and scales each piece's sum by
             // its row's scale, copied beside the slot (from row rs on), before the slot's
             // release (see the MLP's).
@@ -3860,7 +3864,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     release();
                     break;
                 }
-                const unsigned int e = (unsigned int)item * (RING_SLOT / 2) + warp * 1024;
+                const unsigned int e = (unsigned int)item * (SLOT / 2) + warp * 1024;
 #ifndef RING_NO_MATH
                 if (e < elems) {  // (the last slot of a stage may be short)
                     const unsigned int piece = e / 1024, pr = ring_div(piece, parts, rmul);
@@ -3899,12 +3903,20 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
 extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(const RingStage* stages, int n, unsigned int* done,
                                                                            int nslots, unsigned long long* trace,
                                                                            RingStep step) {
-    gemv_ring_body<false>(stages, n, done, nslots, trace, step);
+    gemv_ring_body<false, RING_SLOT>(stages, n, done, nslots, trace, step);
 }
 extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring_f8(const RingStage* stages, int n,
                                                                               unsigned int* done, int nslots,
                                                                               unsigned long long* trace, RingStep step) {
-    gemv_ring_body<true>(stages, n, done, nslots, trace, step);
+    gemv_ring_body<true, RING_SLOT>(stages, n, done, nslots, trace, step);
+}
+// bf16 layers in 24 KB slots (12 consumer warps): for hidden sizes whose MLP and o chunks
+// (power-of-two rows of K) fill only 24 KB of a 32 KB slot, as the 3B's 4 rows of 3,072 do;
+// the host's `ring_slot_bytes` picks it (session 30).
+extern "C" __global__ void __launch_bounds__((24576 / 2048 + 1) * 32, 1) gemv_ring_s24(const RingStage* stages, int n,
+                                                                                    unsigned int* done, int nslots,
+                                                                                    unsigned long long* trace, RingStep step) {
+    gemv_ring_body<false, 24576>(stages, n, done, nslots, trace, step);
 }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the

@@ -55,6 +55,7 @@ const KERNELS: &[&str] = &[
     "fp8_rescale",
     "gemv_ring",
     "gemv_ring_f8",
+    "gemv_ring_s24",
 ];
 
 /// Kernels that only exist in the bf16 build: these, and every tensor-core skinny GEMM and FP8
@@ -67,6 +68,7 @@ const BF16_ONLY: &[&str] = &[
     "fp8_rescale",
     "gemv_ring",
     "gemv_ring_f8",
+    "gemv_ring_s24",
 ];
 const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_"];
 
@@ -2268,6 +2270,11 @@ pub struct RingStep {
 /// it, so the block has `RING_SLOT / 2048` consumer warps (`RING_CW`) and the producer's.
 pub const RING_SLOT: usize = 32768;
 
+/// The smaller slot of `gemv_ring_s24` (bf16 layers only; 12 consumer warps): for models whose
+/// MLP and o chunks would fill only 24 KB of a [`RING_SLOT`] (hidden sizes of 3 x 2^k, as the
+/// 3B's 3,072), so that the ring holds a third more of them.
+pub const RING_SLOT_S24: usize = 24576;
+
 /// The most slots a `gemv_ring` launch may have (`RING_MAX_SLOTS`: their tags' array; the
 /// kernel traps past it).
 pub const RING_MAX_SLOTS: usize = 32;
@@ -2321,12 +2328,25 @@ pub fn ring_mlp_supports(n: usize, k: usize, slot: usize, wb: usize) -> bool {
         }
 }
 
-/// Whether `gemv_ring`'s attention stage takes these heads: `g * hd` at most two a consumer
-/// thread, `hd` a power of two from 16 (the paired RoPE order; shifts for its rows) to 256.
-pub fn ring_attn_supports(nh: usize, nkv: usize, hd: usize) -> bool {
+/// The slot size for a ring of `wb`-byte layer weights on hidden size `hidden`:
+/// [`RING_SLOT_S24`] for bf16 where the fused MLP's and o's chunks (the largest power of two of
+/// `hidden`-wide rows in a [`RING_SLOT`]) would fill at most 24 KB of it, else [`RING_SLOT`].
+/// (The 3B's 4 rows of 3,072: a 32 KB slot streams 75% full, and 24 KB slots hold a third more
+/// chunks in the same shared memory: session 28 measured 2.040 -> 2.004 ms a step on an H200.)
+/// FP8 layers keep [`RING_SLOT`] (their split-K assumes 16 consumer warps).
+pub fn ring_slot_bytes(hidden: usize, wb: usize) -> usize {
+    match wb == 2 && ring_chunk_rows(hidden, RING_SLOT, wb) * hidden * wb <= RING_SLOT_S24 {
+        true => RING_SLOT_S24,
+        false => RING_SLOT,
+    }
+}
+
+/// Whether `gemv_ring`'s attention stage takes these heads with `slot` bytes a slot (`slot /
+/// 2048` consumer warps): `g * hd` at most two a consumer thread, `hd` a power of two from 16 (the paired RoPE order; shifts for its rows) to 256.
+pub fn ring_attn_supports(nh: usize, nkv: usize, hd: usize, slot: usize) -> bool {
     nkv > 0
         && nh.is_multiple_of(nkv)
-        && (nh / nkv) * hd <= 2 * (RING_SLOT / 2048) * 32
+        && (nh / nkv) * hd <= 2 * (slot / 2048) * 32
         && hd.is_power_of_two()
         && (16..=256).contains(&hd)
 }
@@ -2347,9 +2367,10 @@ pub struct RingLaunch {
     /// Shared-memory bytes beside the ring: the largest stage input (bf16, `2 K`) or an
     /// attention stage's state ([`ring_attn_smem`]), whichever is larger.
     pub input_bytes: usize,
-    /// Bytes a slot: [`RING_SLOT`] unless the source was built with other `-DRING_SLOT=B
-    /// -DRING_CW=B/2048` (a consumer warp reduces 2048 bytes of a slot, so the block has
-    /// `slot_bytes / 2048` consumer warps and the producer's).
+    /// Bytes a slot: [`RING_SLOT`], or [`RING_SLOT_S24`] (bf16 layers: `gemv_ring_s24`), or
+    /// what a measurement build's `-DRING_SLOT=B -DRING_CW=B/2048` made the default instances
+    /// take (a consumer warp reduces 2048 bytes of a slot, so the block has `slot_bytes / 2048`
+    /// consumer warps and the producer's; the kernel traps on any other block size).
     pub slot_bytes: usize,
     /// 0, or `RING_TRACE_WORDS n blocks` u64 for the per-stage times (see the source).
     pub trace: u64,
@@ -2380,10 +2401,10 @@ impl RingLaunch {
 
     /// The kernel instance the launch runs.
     fn kernel(&self) -> &'static str {
-        if self.fp8 {
-            "gemv_ring_f8"
-        } else {
-            "gemv_ring"
+        match (self.fp8, self.slot_bytes) {
+            (true, _) => "gemv_ring_f8",
+            (false, RING_SLOT_S24) => "gemv_ring_s24",
+            (false, _) => "gemv_ring",
         }
     }
 
@@ -2394,10 +2415,10 @@ impl RingLaunch {
 }
 
 impl Kernels {
-    /// Lets `gemv_ring` launches (both instances) take `bytes` of dynamic shared memory (once,
+    /// Lets `gemv_ring` launches (every instance) take `bytes` of dynamic shared memory (once,
     /// where the ring is set up: not a driver call every eager step).
     pub fn allow_ring_smem(&self, bytes: usize) -> anyhow::Result<()> {
-        for name in ["gemv_ring", "gemv_ring_f8"] {
+        for name in ["gemv_ring", "gemv_ring_f8", "gemv_ring_s24"] {
             // SAFETY: a loaded function; the attribute only raises its own limit.
             let raised = unsafe {
                 dr::function::set_function_attribute(
@@ -2707,7 +2728,7 @@ mod tests {
     /// chunk rule is the source's.
     #[test]
     fn ring_shape_rules() {
-        assert!(SOURCE.contains("int cr = 1;\n    while (2 * wb * cr * K <= RING_SLOT) cr *= 2;"));
+        assert!(SOURCE.contains("int cr = 1;\n    while (2 * wb * cr * K <= SLOT) cr *= 2;"));
         assert_eq!(
             [1024, 2048, 3072, 4096, 8192].map(|k| ring_chunk_rows(k, RING_SLOT, 2)),
             [16, 8, 4, 4, 2]
@@ -2736,8 +2757,15 @@ mod tests {
         assert!(SOURCE.contains("#define RING_SLOT_SCALES 64\n"));
         assert_eq!(ring_slot_side(true), 16 + 4 * 64);
         for (nh, nkv, hd) in [(32, 8, 64), (24, 8, 128), (32, 8, 128), (64, 8, 128)] {
-            assert!(ring_attn_supports(nh, nkv, hd), "{nh}/{nkv}/{hd}");
+            assert!(
+                ring_attn_supports(nh, nkv, hd, RING_SLOT),
+                "{nh}/{nkv}/{hd}"
+            );
         }
+        // 12 consumer warps take up to 768 values a KV head's group: the 3B's 3 x 128, not the
+        // 8 x 128 of 64 heads over 8.
+        assert!(ring_attn_supports(24, 8, 128, RING_SLOT_S24));
+        assert!(!ring_attn_supports(64, 8, 128, RING_SLOT_S24));
         for (nh, nkv, hd) in [
             (128, 8, 128),
             (32, 8, 72),
@@ -2745,8 +2773,31 @@ mod tests {
             (32, 6, 64),
             (8, 8, 512),
         ] {
-            assert!(!ring_attn_supports(nh, nkv, hd), "{nh}/{nkv}/{hd}");
+            assert!(
+                !ring_attn_supports(nh, nkv, hd, RING_SLOT),
+                "{nh}/{nkv}/{hd}"
+            );
         }
+        // 24 KB slots for bf16 hidden sizes of 3 x 2^k (the 3B), where a chunk then fills its
+        // slot and the fused MLP still takes the shape; FP8 and the other Llamas keep 32 KB.
+        assert_eq!(
+            [1024, 2048, 3072, 4096, 6144, 8192].map(|k| ring_slot_bytes(k, 2)),
+            [
+                RING_SLOT,
+                RING_SLOT,
+                RING_SLOT_S24,
+                RING_SLOT,
+                RING_SLOT_S24,
+                RING_SLOT
+            ]
+        );
+        assert_eq!(ring_slot_bytes(3072, 1), RING_SLOT);
+        for (n, k) in [(8192, 3072), (16384, 6144)] {
+            assert!(ring_mlp_supports(n, k, RING_SLOT_S24, 2), "{n} x {k}");
+            assert_eq!(ring_chunk_rows(k, RING_SLOT_S24, 2) * k * 2, RING_SLOT_S24);
+        }
+        assert!(SOURCE.contains("gemv_ring_body<false, 24576>(stages"));
+        assert_eq!(RING_SLOT_S24 % 2048, 0);
         // Every query head and split holds (max, sum, hd outputs).
         assert_eq!(ring_attn_part_floats(132, 32, 8, 64), 16 * 32 * 66);
         assert_eq!(ring_attn_part_floats(4, 32, 8, 64), 32 * 66);

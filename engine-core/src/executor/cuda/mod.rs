@@ -512,11 +512,18 @@ impl CudaExecutor {
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )?;
             match (major >= 9).then(|| model.setup_ring(sms, optin, &kernels)) {
-                Some(Ok(pairs)) => tracing::info!(
-                    sms,
-                    pairs,
-                    "batch-1 decode steps run as one persistent launch (the decode ring)"
-                ),
+                Some(Ok(pairs)) => {
+                    let (slots, slot_bytes) = model
+                        .with_ring_launch(|l| (l.slots, l.slot_bytes))
+                        .unwrap_or_default();
+                    tracing::info!(
+                        sms,
+                        pairs,
+                        slots,
+                        slot_bytes,
+                        "batch-1 decode steps run as one persistent launch (the decode ring)"
+                    )
+                }
                 Some(Err(why)) => tracing::info!("decode ring off: {why:#}"),
                 None => tracing::info!("decode ring off: it needs sm_90"),
             }

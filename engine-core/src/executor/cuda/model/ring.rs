@@ -19,8 +19,8 @@ use anyhow::Context;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
     ring_attn_part_floats, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_mlp_supports,
-    ring_slot_side, Dtype, Kernels, RingInput, RingKind, RingLaunch, RingStage, RingStep,
-    RING_MAX_SLOTS, RING_SLOT, RING_TRACE_WORDS,
+    ring_slot_bytes, ring_slot_side, Dtype, Kernels, RingInput, RingKind, RingLaunch, RingStage,
+    RingStep, RING_MAX_SLOTS, RING_SLOT, RING_SLOT_S24, RING_TRACE_WORDS,
 };
 
 use super::super::RING_AUTO_MEMORY_DIVISOR;
@@ -47,6 +47,8 @@ pub(super) struct RingDecode {
     n_stages: usize,
     blocks: u32,
     slots: i32,
+    /// Bytes a slot ([`ring_slot_choice`]).
+    slot_bytes: usize,
     input_bytes: usize,
     /// 2 where the blocks run in pairs (clusters) that add their split-K sums once
     /// ([`GpuModel::pair_ring`]), else 1.
@@ -71,7 +73,7 @@ impl RingDecode {
             blocks: self.blocks,
             slots: self.slots,
             input_bytes: self.input_bytes,
-            slot_bytes: RING_SLOT,
+            slot_bytes: self.slot_bytes,
             trace: self.trace.as_ref().map_or(0, |t| t.ptr),
             cluster: self.cluster,
             step,
@@ -161,15 +163,15 @@ fn weight_bytes(fp8: bool) -> usize {
 /// scale) whose projections are all bf16 or all FP8, SiLU, the paired RoPE order, and shapes
 /// the kernel takes (reductions of whole 1,024-weight warps, the fused MLP's chunks (FP8: 4 to
 /// 16 rows, a tensor-core tile's k), the attention stage's heads, a KV block size it can shift
-/// by).
-fn ring_layers(m: &GpuModel, blocks: usize) -> Result<bool, String> {
+/// by), with `slot` bytes a slot.
+fn ring_layers(m: &GpuModel, blocks: usize, slot: usize) -> Result<bool, String> {
     let c = &m.config;
     let (hid, q) = (c.hidden_size, c.num_heads * c.head_dim);
     let Some(fp8) = ring_fp8(m) else {
         return Err("layers mixing bf16 and FP8 projections, or an FP8 head on bf16 layers".into());
     };
     let wb = weight_bytes(fp8);
-    let checks: [(bool, &str); 11] = [
+    let checks: [(bool, &str); 12] = [
         (m.dtype == Dtype::Bf16, "bf16 activations only"),
         (
             m.layers
@@ -195,12 +197,17 @@ fn ring_layers(m: &GpuModel, blocks: usize) -> Result<bool, String> {
             "hidden size and q width must be multiples of 1,024",
         ),
         (
-            ring_mlp_supports(c.intermediate_size, hid, RING_SLOT, wb)
-                && q.is_multiple_of(ring_chunk_rows(hid, RING_SLOT, wb)),
+            slot == RING_SLOT || (slot == RING_SLOT_S24 && !fp8),
+            "24 KB slots take bf16 layers only",
+        ),
+        (
+            ring_mlp_supports(c.intermediate_size, hid, slot, wb)
+                && q.is_multiple_of(ring_chunk_rows(hid, slot, wb)),
             "the MLP's or o's shape (chunks of intermediate or head rows)",
         ),
         (
-            ring_attn_supports(c.num_heads, c.num_kv_heads, c.head_dim) && blocks >= c.num_kv_heads,
+            ring_attn_supports(c.num_heads, c.num_kv_heads, c.head_dim, slot)
+                && blocks >= c.num_kv_heads,
             "the attention heads",
         ),
         (
@@ -217,6 +224,31 @@ fn ring_layers(m: &GpuModel, blocks: usize) -> Result<bool, String> {
     match checks.iter().find(|(ok, _)| !ok) {
         Some((_, why)) => Err(why.to_string()),
         None => Ok(fp8),
+    }
+}
+
+/// The ring's layers (FP8 or not) and its slot size where it can run this model's decode
+/// steps, or why not: [`ring_slot_bytes`]'s choice (24 KB for bf16 hidden sizes whose chunks
+/// would fill only that of 32 KB), or [`RING_SLOT`] where the model's shapes fit only that.
+/// `HARRIER_RING_SLOT` (32768 or 24576; read at load) overrides the choice, to measure.
+fn ring_slot_choice(m: &GpuModel, blocks: usize) -> anyhow::Result<(bool, usize)> {
+    let wb = weight_bytes(ring_fp8(m).unwrap_or(false));
+    let forced = match std::env::var("HARRIER_RING_SLOT") {
+        Ok(v) => Some(
+            v.parse::<usize>()
+                .ok()
+                .filter(|&b| b == RING_SLOT || b == RING_SLOT_S24)
+                .with_context(|| format!("HARRIER_RING_SLOT={v}: 32768 or 24576"))?,
+        ),
+        Err(_) => None,
+    };
+    let slot = forced.unwrap_or_else(|| ring_slot_bytes(m.config.hidden_size, wb));
+    match ring_layers(m, blocks, slot) {
+        Ok(fp8) => Ok((fp8, slot)),
+        Err(_) if forced.is_none() && slot != RING_SLOT => ring_layers(m, blocks, RING_SLOT)
+            .map(|fp8| (fp8, RING_SLOT))
+            .map_err(|why| anyhow::anyhow!("{why}")),
+        Err(why) => Err(anyhow::anyhow!("{why}")),
     }
 }
 
@@ -308,14 +340,14 @@ impl GpuModel {
     /// Prepares the decode ring (see [`GpuModel::setup_ring`]); returns why not when the model
     /// does not fit it.
     fn prepare_ring(&mut self, sms: usize, smem_optin: usize) -> anyhow::Result<()> {
-        let fp8 = ring_layers(self, sms).map_err(|why| anyhow::anyhow!("{why}"))?;
+        let (fp8, slot) = ring_slot_choice(self, sms)?;
         let c = &self.config;
         let (hid, inter) = (c.hidden_size, c.intermediate_size);
         let q = c.num_heads * c.head_dim;
-        let cr = ring_chunk_rows(hid, RING_SLOT, weight_bytes(fp8));
-        let input_bytes = ring_input_bytes(c, fp8, sms)?;
+        let cr = ring_chunk_rows(hid, slot, weight_bytes(fp8));
+        let input_bytes = ring_input_bytes(c, fp8, sms, slot)?;
         let slots = (smem_optin.saturating_sub(input_bytes + STATIC_SMEM)
-            / (RING_SLOT + ring_slot_side(fp8)))
+            / (slot + ring_slot_side(fp8)))
         .min(RING_MAX_SLOTS);
         if slots < 2 {
             anyhow::bail!("{smem_optin} bytes of shared memory a block hold {slots} ring slots");
@@ -345,6 +377,7 @@ impl GpuModel {
             n_stages,
             blocks: sms as u32,
             slots: slots as i32,
+            slot_bytes: slot,
             input_bytes,
             on: true,
             cluster: 1,
@@ -597,10 +630,15 @@ impl GpuModel {
 /// sums a cluster's partner pushes to the block in the next 2 (`add_out`); FP8 that region
 /// first, then the input as f16 or o's rows, then the o and down column scales (f32) in 4
 /// hidden-size bytes. An error where o's rows would reach past their 2 hidden-size bytes.
-pub(crate) fn ring_input_bytes(c: &ModelConfig, fp8: bool, sms: usize) -> anyhow::Result<usize> {
+pub(crate) fn ring_input_bytes(
+    c: &ModelConfig,
+    fp8: bool,
+    sms: usize,
+    slot: usize,
+) -> anyhow::Result<usize> {
     let hid = c.hidden_size;
     let q = c.num_heads * c.head_dim;
-    let cr = ring_chunk_rows(hid, RING_SLOT, weight_bytes(fp8));
+    let cr = ring_chunk_rows(hid, slot, weight_bytes(fp8));
     let o_rows = q.div_ceil(cr).div_ceil(sms) * cr;
     if 4 * o_rows > 2 * hid {
         anyhow::bail!(
@@ -669,14 +707,19 @@ mod tests {
         let (b1, b8) = (cfg("llama-3.2-1b"), cfg("llama-3.1-8b"));
         // 4 hidden-size bytes (bf16), 8 (FP8), or an attention state larger than that.
         assert_eq!(
-            ring_input_bytes(&b1, false, 132).unwrap(),
+            ring_input_bytes(&b1, false, 132, RING_SLOT).unwrap(),
             (4 * 2048).max(ring_attn_smem(4, 64))
         );
-        assert_eq!(ring_input_bytes(&b8, true, 132).unwrap(), 8 * 4096);
+        assert_eq!(
+            ring_input_bytes(&b8, true, 132, RING_SLOT).unwrap(),
+            8 * 4096
+        );
         // o's rows a block: the 1B's 8-row chunks over 132 blocks, 2 chunks (64 bytes); on
         // a device of one SM all 2,048 rows (8 KB), past the 4 KB before the pair's sums.
-        assert!(ring_input_bytes(&b1, false, 2).is_ok());
-        let e = ring_input_bytes(&b1, false, 1).unwrap_err().to_string();
+        assert!(ring_input_bytes(&b1, false, 2, RING_SLOT).is_ok());
+        let e = ring_input_bytes(&b1, false, 1, RING_SLOT)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("2048 input rows"), "{e}");
     }
 
