@@ -2485,7 +2485,9 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_
 // where the weights never wait for the activations. A producer lane streams this block's share
 // of every stage's weights, in order and across stage boundaries, into a ring of
 // RING_SLOT-byte shared-memory slots with bulk async copies (cp.async.bulk, mbarrier
-// completion); RING_CW consumer warps wait per stage for the previous stage's outputs (a
+// completion; the body's SLOT, with CW = SLOT / 2048 consumer warps: RING_SLOT and RING_CW in
+// gemv_ring and gemv_ring_f8, 24 KB and 12 in gemv_ring_s24, and below wherever RING_SLOT or
+// RING_CW is named); RING_CW consumer warps wait per stage for the previous stage's outputs (a
 // counter per stage that every block bumps once), stage its input in shared memory as bf16
 // and reduce each slot against it. (Session 17 measured the projections alone against the
 // engine's skinny launches: H200 1.15x / 1.14x / 1.18x on the 1B / 3B / 8B shapes.)

@@ -2299,7 +2299,7 @@ pub fn ring_attn_part_floats(blocks: usize, nh: usize, nkv: usize, hd: usize) ->
 }
 
 /// Rows of `k` weights of `wb` bytes (2: bf16, 1: FP8) in a `gemv_ring` chunk with `slot`
-/// bytes a slot (the source's `ring_chunk_rows`, [`RING_SLOT`] unless built otherwise): the
+/// bytes a slot (the source's `ring_chunk_rows<SLOT>`; [`ring_slot_bytes`] picks the slot): the
 /// largest power of two of rows that fill at most a slot (an MLP chunk's intermediate rows, a
 /// GEMVT chunk's input rows).
 pub fn ring_chunk_rows(k: usize, slot: usize, wb: usize) -> usize {

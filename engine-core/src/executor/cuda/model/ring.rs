@@ -704,7 +704,11 @@ mod tests {
     #[test]
     fn the_input_region_holds_the_pairs_sums_beside_the_input() {
         let cfg = |name| Preset::from_name(name).unwrap().config();
-        let (b1, b8) = (cfg("llama-3.2-1b"), cfg("llama-3.1-8b"));
+        let (b1, b3, b8) = (
+            cfg("llama-3.2-1b"),
+            cfg("llama-3.2-3b"),
+            cfg("llama-3.1-8b"),
+        );
         // 4 hidden-size bytes (bf16), 8 (FP8), or an attention state larger than that.
         assert_eq!(
             ring_input_bytes(&b1, false, 132, RING_SLOT).unwrap(),
@@ -713,6 +717,13 @@ mod tests {
         assert_eq!(
             ring_input_bytes(&b8, true, 132, RING_SLOT).unwrap(),
             8 * 4096
+        );
+        // The 3B in 24 KB slots (its bf16 choice): the same 4-row chunks of o, so the same
+        // region.
+        assert_eq!(ring_slot_bytes(b3.hidden_size, 2), RING_SLOT_S24);
+        assert_eq!(
+            ring_input_bytes(&b3, false, 132, RING_SLOT_S24).unwrap(),
+            ring_input_bytes(&b3, false, 132, RING_SLOT).unwrap()
         );
         // o's rows a block: the 1B's 8-row chunks over 132 blocks, 2 chunks (64 bytes); on
         // a device of one SM all 2,048 rows (8 KB), past the 4 KB before the pair's sums.
