@@ -2409,7 +2409,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
                     const float res = PRE ? bf2f((bf16)(e & 1 ? pr >> 16 : pr & 0xffffu)) : bf2f(y[o]);
                     const bf16 yn = f2bf(res + rbf(v));
                     y[o] = yn;
-                    if (DN && norm_out) {
+                    if (norm_out) {  // (DN instances only: norm_out is false otherwise)
                         const float hv = bf2f(yn);
                         const u32 nw = pre_nw[e >> 1];
                         const float w = bf2f((bf16)(e & 1 ? nw >> 16 : nw & 0xffffu));
@@ -2422,7 +2422,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
             }
         }
     }
-    if (DN && norm_out) {
+    if (norm_out) {
         // A 16-column tile's sum for row m: lanes (0..7, t) hold its columns g and g + 8.
         const int parts = (p.N + 15) >> 4;
 #pragma unroll

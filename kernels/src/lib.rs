@@ -2332,7 +2332,7 @@ pub fn ring_mlp_supports(n: usize, k: usize, slot: usize, wb: usize) -> bool {
 /// [`RING_SLOT_S24`] for bf16 where the fused MLP's and o's chunks (the largest power of two of
 /// `hidden`-wide rows in a [`RING_SLOT`]) would fill at most 24 KB of it, else [`RING_SLOT`].
 /// (The 3B's 4 rows of 3,072: a 32 KB slot streams 75% full, and 24 KB slots hold a third more
-/// chunks in the same shared memory: session 28 measured 2.040 -> 2.004 ms a step on an H200.)
+/// chunks in the same shared memory: 2.020 -> 1.988 ms a step on an H200, session 30.)
 /// FP8 layers keep [`RING_SLOT`] (their split-K assumes 16 consumer warps).
 pub fn ring_slot_bytes(hidden: usize, wb: usize) -> usize {
     match wb == 2 && ring_chunk_rows(hidden, RING_SLOT, wb) * hidden * wb <= RING_SLOT_S24 {
@@ -2342,7 +2342,8 @@ pub fn ring_slot_bytes(hidden: usize, wb: usize) -> usize {
 }
 
 /// Whether `gemv_ring`'s attention stage takes these heads with `slot` bytes a slot (`slot /
-/// 2048` consumer warps): `g * hd` at most two a consumer thread, `hd` a power of two from 16 (the paired RoPE order; shifts for its rows) to 256.
+/// 2048` consumer warps): `g * hd` at most two a consumer thread, `hd` a power of two from 16
+/// (the paired RoPE order; shifts for its rows) to 256.
 pub fn ring_attn_supports(nh: usize, nkv: usize, hd: usize, slot: usize) -> bool {
     nkv > 0
         && nh.is_multiple_of(nkv)
