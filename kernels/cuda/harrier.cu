@@ -2486,7 +2486,7 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_
 // of every stage's weights, in order and across stage boundaries, into a ring of
 // RING_SLOT-byte shared-memory slots with bulk async copies (cp.async.bulk, mbarrier
 // completion; the body's SLOT, with CW = SLOT / 2048 consumer warps: RING_SLOT and RING_CW in
-// gemv_ring and gemv_ring_f8, 24 KB and 12 in gemv_ring_s24, and below wherever RING_SLOT or
+// gemv_ring and gemv_ring_f8, 24 KB and 12 in the _s24 instances, and below wherever RING_SLOT or
 // RING_CW is named); RING_CW consumer warps wait per stage for the previous stage's outputs (a
 // counter per stage that every block bumps once), stage its input in shared memory as bf16
 // and reduce each slot against it. (Session 17 measured the projections alone against the
@@ -3615,8 +3615,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             const int cols = st.kind == RING_GEMVT ? st.N : st.K;
             if (F8) {
                 // FP8 (every o and MLP stage of the instance): warp w keeps P pairs of 32 columns
-                // from pair w P in tensor-core accumulators (ring_f8_rows).
-                const int cr = ring_chunk_rows<SLOT>(cols, 1), P = cols / 512, p0 = warp * P, t4 = 4 * (lane & 3);
+                // from pair w P in tensor-core accumulators (ring_f8_rows; cols % (32 CW) == 0).
+                const int cr = ring_chunk_rows<SLOT>(cols, 1), P = cols / (32 * CW), p0 = warp * P, t4 = 4 * (lane & 3);
                 float c8[RING_F8_OCT][8];
 #pragma unroll
                 for (int o = 0; o < RING_F8_OCT; o++)
@@ -3798,7 +3798,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             if (st.kind == RING_MLP && tr && ct == 0) tr[4] = blocked;
 #endif
         } else if (F8 && f8) {
-            // FP8 GEMV: a slot holds 32 pieces of 1024 weights (piece p: row p / parts, columns
+            // FP8 GEMV: a slot holds 2 CW pieces of 1024 weights (piece p: row p / parts, columns
             // 1024 (p % parts) on); warp w reduces pieces 2w and 2w + 1 (ring_f8_dot; one row
             // where K % 2048 == 0, one atomic add: w and w + CW, two rows, cost the head
             // its atomics twice), the two shuffles interleaved, and scales each piece's sum by
@@ -3818,7 +3818,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     break;
                 }
 #ifndef RING_NO_MATH
-                const unsigned int pc0 = (unsigned int)item * 32u, rs = ring_div(pc0, parts, rmul) & ~3u;
+                const unsigned int pc0 = (unsigned int)item * (2u * CW), rs = ring_div(pc0, parts, rmul) & ~3u;
                 float v[2] = {0.0f, 0.0f};
                 unsigned int pr[2];  // the pieces' rows
                 const bool in[2] = {(pc0 + 2 * warp) * 1024u < elems, (pc0 + 2 * warp + 1) * 1024u < elems};  // (a last slot may be short)
@@ -3912,13 +3912,18 @@ extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring_f8
                                                                               unsigned long long* trace, RingStep step) {
     gemv_ring_body<true, RING_SLOT>(stages, n, done, nslots, trace, step);
 }
-// bf16 layers in 24 KB slots (12 consumer warps): for hidden sizes whose MLP and o chunks
-// (power-of-two rows of K) fill only 24 KB of a 32 KB slot, as the 3B's 4 rows of 3,072 do;
-// the host's `ring_slot_bytes` picks it (session 30).
+// 24 KB slots (12 consumer warps), bf16 and FP8 layers: for hidden sizes whose MLP and o
+// chunks (power-of-two rows of K) fill only 24 KB of a 32 KB slot, as the 3B's 4 rows of 3,072
+// (8 in FP8) do; the host's `ring_slot_bytes` picks them (session 30).
 extern "C" __global__ void __launch_bounds__((24576 / 2048 + 1) * 32, 1) gemv_ring_s24(const RingStage* stages, int n,
                                                                                     unsigned int* done, int nslots,
                                                                                     unsigned long long* trace, RingStep step) {
     gemv_ring_body<false, 24576>(stages, n, done, nslots, trace, step);
+}
+extern "C" __global__ void __launch_bounds__((24576 / 2048 + 1) * 32, 1) gemv_ring_f8_s24(const RingStage* stages, int n,
+                                                                                       unsigned int* done, int nslots,
+                                                                                       unsigned long long* trace, RingStep step) {
+    gemv_ring_body<true, 24576>(stages, n, done, nslots, trace, step);
 }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the

@@ -56,6 +56,7 @@ const KERNELS: &[&str] = &[
     "gemv_ring",
     "gemv_ring_f8",
     "gemv_ring_s24",
+    "gemv_ring_f8_s24",
 ];
 
 /// Kernels that only exist in the bf16 build: these, and every tensor-core skinny GEMM and FP8
@@ -69,6 +70,7 @@ const BF16_ONLY: &[&str] = &[
     "gemv_ring",
     "gemv_ring_f8",
     "gemv_ring_s24",
+    "gemv_ring_f8_s24",
 ];
 const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_"];
 
@@ -2270,9 +2272,9 @@ pub struct RingStep {
 /// it, so the block has `RING_SLOT / 2048` consumer warps (`RING_CW`) and the producer's.
 pub const RING_SLOT: usize = 32768;
 
-/// The smaller slot of `gemv_ring_s24` (bf16 layers only; 12 consumer warps): for models whose
-/// MLP and o chunks would fill only 24 KB of a [`RING_SLOT`] (hidden sizes of 3 x 2^k, as the
-/// 3B's 3,072), so that the ring holds a third more of them.
+/// The smaller slot of `gemv_ring_s24` and `gemv_ring_f8_s24` (12 consumer warps): for models
+/// whose MLP and o chunks would fill only 24 KB of a [`RING_SLOT`] (hidden sizes of 3 x 2^k, as
+/// the 3B's 3,072), so that the ring holds a third more of them.
 pub const RING_SLOT_S24: usize = 24576;
 
 /// The most slots a `gemv_ring` launch may have (`RING_MAX_SLOTS`: their tags' array; the
@@ -2313,7 +2315,9 @@ pub fn ring_chunk_rows(k: usize, slot: usize, wb: usize) -> usize {
 /// Whether `gemv_ring`'s fused MLP stage takes `n` intermediate rows of hidden size `k` with
 /// `slot` bytes a slot and weights of `wb` bytes: whole warps of a row (`k % 1024`), a row in
 /// a slot, at most 16 down sums a consumer thread, whole chunks, a warp a gate (or up) part
-/// (bf16), or (FP8) chunks of 4 to 16 rows, which the tensor cores take as one tile's k.
+/// (bf16), or (FP8) chunks of 4 to 16 rows, which the tensor cores take as one tile's k, two
+/// 1,024-weight gate (or up) units a warp, and the split-K's columns in whole 32-column pairs a
+/// warp (`k % (32 cw) == 0`: o's too, whose columns are the same hidden size).
 pub fn ring_mlp_supports(n: usize, k: usize, slot: usize, wb: usize) -> bool {
     let (cw, cr) = (slot / 2048, ring_chunk_rows(k, slot, wb));
     k > 0
@@ -2323,19 +2327,18 @@ pub fn ring_mlp_supports(n: usize, k: usize, slot: usize, wb: usize) -> bool {
         && n.is_multiple_of(cr)
         && match wb {
             2 => cr * k / 1024 <= cw,
-            1 => (4..=16).contains(&cr),
+            1 => (4..=16).contains(&cr) && cr * k / 1024 <= 2 * cw && k.is_multiple_of(32 * cw),
             _ => false,
         }
 }
 
 /// The slot size for a ring of `wb`-byte layer weights on hidden size `hidden`:
-/// [`RING_SLOT_S24`] for bf16 where the fused MLP's and o's chunks (the largest power of two of
+/// [`RING_SLOT_S24`] where the fused MLP's and o's chunks (the largest power of two of
 /// `hidden`-wide rows in a [`RING_SLOT`]) would fill at most 24 KB of it, else [`RING_SLOT`].
 /// (The 3B's 4 rows of 3,072: a 32 KB slot streams 75% full, and 24 KB slots hold a third more
 /// chunks in the same shared memory: 2.020 -> 1.988 ms a step on an H200, session 30.)
-/// FP8 layers keep [`RING_SLOT`] (their split-K assumes 16 consumer warps).
 pub fn ring_slot_bytes(hidden: usize, wb: usize) -> usize {
-    match wb == 2 && ring_chunk_rows(hidden, RING_SLOT, wb) * hidden * wb <= RING_SLOT_S24 {
+    match ring_chunk_rows(hidden, RING_SLOT, wb) * hidden * wb <= RING_SLOT_S24 {
         true => RING_SLOT_S24,
         false => RING_SLOT,
     }
@@ -2368,7 +2371,7 @@ pub struct RingLaunch {
     /// Shared-memory bytes beside the ring: the largest stage input (bf16, `2 K`) or an
     /// attention stage's state ([`ring_attn_smem`]), whichever is larger.
     pub input_bytes: usize,
-    /// Bytes a slot: [`RING_SLOT`], or [`RING_SLOT_S24`] (bf16 layers: `gemv_ring_s24`), or
+    /// Bytes a slot: [`RING_SLOT`], or [`RING_SLOT_S24`] (the `_s24` instances), or
     /// what a measurement build's `-DRING_SLOT=B -DRING_CW=B/2048` made the default instances
     /// take (a consumer warp reduces 2048 bytes of a slot, so the block has `slot_bytes / 2048`
     /// consumer warps and the producer's; the kernel traps on any other block size).
@@ -2403,6 +2406,7 @@ impl RingLaunch {
     /// The kernel instance the launch runs.
     fn kernel(&self) -> &'static str {
         match (self.fp8, self.slot_bytes) {
+            (true, RING_SLOT_S24) => "gemv_ring_f8_s24",
             (true, _) => "gemv_ring_f8",
             (false, RING_SLOT_S24) => "gemv_ring_s24",
             (false, _) => "gemv_ring",
@@ -2419,7 +2423,12 @@ impl Kernels {
     /// Lets `gemv_ring` launches (every instance) take `bytes` of dynamic shared memory (once,
     /// where the ring is set up: not a driver call every eager step).
     pub fn allow_ring_smem(&self, bytes: usize) -> anyhow::Result<()> {
-        for name in ["gemv_ring", "gemv_ring_f8", "gemv_ring_s24"] {
+        for name in [
+            "gemv_ring",
+            "gemv_ring_f8",
+            "gemv_ring_s24",
+            "gemv_ring_f8_s24",
+        ] {
             // SAFETY: a loaded function; the attribute only raises its own limit.
             let raised = unsafe {
                 dr::function::set_function_attribute(
@@ -2792,11 +2801,20 @@ mod tests {
                 RING_SLOT
             ]
         );
-        assert_eq!(ring_slot_bytes(3072, 1), RING_SLOT);
+        // FP8 alike (8 rows of 3,072 fill 24 KB); the 1B's 16 rows of 2,048 fill 32.
+        assert_eq!(ring_slot_bytes(3072, 1), RING_SLOT_S24);
+        assert_eq!(ring_slot_bytes(2048, 1), RING_SLOT);
+        assert_eq!(ring_slot_bytes(4096, 1), RING_SLOT);
         for (n, k) in [(8192, 3072), (16384, 6144)] {
             assert!(ring_mlp_supports(n, k, RING_SLOT_S24, 2), "{n} x {k}");
             assert_eq!(ring_chunk_rows(k, RING_SLOT_S24, 2) * k * 2, RING_SLOT_S24);
         }
+        // FP8 at 24 KB: 24 units of the 3B's 8-row chunks on 12 warps, 8 column pairs a warp;
+        // 2,048 columns are no whole pairs a warp of 12.
+        assert!(ring_mlp_supports(8192, 3072, RING_SLOT_S24, 1));
+        assert!(!ring_mlp_supports(8192, 2048, RING_SLOT_S24, 1));
+        assert!(SOURCE.contains("P = cols / (32 * CW)"));
+        assert!(SOURCE.contains("gemv_ring_body<true, 24576>(stages"));
         assert!(SOURCE.contains("gemv_ring_body<false, 24576>(stages"));
         assert_eq!(RING_SLOT_S24 % 2048, 0);
         // Every query head and split holds (max, sum, hd outputs).

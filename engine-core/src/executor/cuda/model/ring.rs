@@ -171,7 +171,7 @@ fn ring_layers(m: &GpuModel, blocks: usize, slot: usize) -> Result<bool, String>
         return Err("layers mixing bf16 and FP8 projections, or an FP8 head on bf16 layers".into());
     };
     let wb = weight_bytes(fp8);
-    let checks: [(bool, &str); 12] = [
+    let checks: [(bool, &str); 11] = [
         (m.dtype == Dtype::Bf16, "bf16 activations only"),
         (
             m.layers
@@ -195,10 +195,6 @@ fn ring_layers(m: &GpuModel, blocks: usize, slot: usize) -> Result<bool, String>
         (
             hid % 1024 == 0 && q % 1024 == 0,
             "hidden size and q width must be multiples of 1,024",
-        ),
-        (
-            slot == RING_SLOT || (slot == RING_SLOT_S24 && !fp8),
-            "24 KB slots take bf16 layers only",
         ),
         (
             ring_mlp_supports(c.intermediate_size, hid, slot, wb)
