@@ -21,8 +21,9 @@ use cudarc::driver::sys;
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("../cuda/harrier.cu");
 
-/// The `extern "C"` kernels in [`SOURCE`] but the skinny GEMM instances, which
-/// [`SKINNY_INSTANCES`] and [`SKINNY_B2`] name; [`kernel_names`] lists them all.
+/// The `extern "C"` kernels in [`SOURCE`] but the skinny GEMM and `gemv_ring` instances, which
+/// [`SKINNY_INSTANCES`], [`SKINNY_B2`] and [`RING_INSTANCES`] name; [`kernel_names`] lists them
+/// all.
 const KERNELS: &[&str] = &[
     "embed_tokens",
     "add_rmsnorm",
@@ -53,10 +54,6 @@ const KERNELS: &[&str] = &[
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
-    "gemv_ring",
-    "gemv_ring_f8",
-    "gemv_ring_s24",
-    "gemv_ring_f8_s24",
 ];
 
 /// Kernels that only exist in the bf16 build: these, and every tensor-core skinny GEMM and FP8
@@ -67,12 +64,8 @@ const BF16_ONLY: &[&str] = &[
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
-    "gemv_ring",
-    "gemv_ring_f8",
-    "gemv_ring_s24",
-    "gemv_ring_f8_s24",
 ];
-const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_"];
+const BF16_ONLY_PREFIXES: &[&str] = &["skinny_gemm_", "gemv_ring"];
 
 /// Query tokens per `prefill_attention` tile (`PF_QT` in the source).
 pub const PREFILL_TILE: usize = 64;
@@ -464,6 +457,7 @@ pub fn kernel_names() -> impl Iterator<Item = &'static str> {
         .chain(SKINNY_INSTANCES.iter().flatten())
         .chain([&SKINNY_B2])
         .chain(SKINNY_DN.iter().map(|(_, dn)| dn))
+        .chain(RING_INSTANCES.iter().map(|(_, _, name)| name))
         .copied()
 }
 
@@ -2277,6 +2271,15 @@ pub const RING_SLOT: usize = 32768;
 /// the 3B's 3,072), so that the ring holds a third more of them.
 pub const RING_SLOT_S24: usize = 24576;
 
+/// Every `gemv_ring` instance: (FP8 layers, slot bytes, name). An instance's block has a
+/// consumer warp a 2,048-byte share of its slot, and the producer's.
+const RING_INSTANCES: [(bool, usize, &str); 4] = [
+    (false, RING_SLOT, "gemv_ring"),
+    (true, RING_SLOT, "gemv_ring_f8"),
+    (false, RING_SLOT_S24, "gemv_ring_s24"),
+    (true, RING_SLOT_S24, "gemv_ring_f8_s24"),
+];
+
 /// The most slots a `gemv_ring` launch may have (`RING_MAX_SLOTS`: their tags' array; the
 /// kernel traps past it).
 pub const RING_MAX_SLOTS: usize = 32;
@@ -2403,14 +2406,18 @@ impl RingLaunch {
         self.slots as usize * (self.slot_bytes + ring_slot_side(self.fp8)) + self.input_bytes
     }
 
-    /// The kernel instance the launch runs.
+    /// The kernel instance the launch runs: [`RING_INSTANCES`]' for its layers and slot size,
+    /// or (a measurement build's other `-DRING_SLOT`) the default size's.
     fn kernel(&self) -> &'static str {
-        match (self.fp8, self.slot_bytes) {
-            (true, RING_SLOT_S24) => "gemv_ring_f8_s24",
-            (true, _) => "gemv_ring_f8",
-            (false, RING_SLOT_S24) => "gemv_ring_s24",
-            (false, _) => "gemv_ring",
-        }
+        let of = |slot| {
+            RING_INSTANCES
+                .iter()
+                .find(|&&(f8, s, _)| f8 == self.fp8 && s == slot)
+                .map(|&(_, _, name)| name)
+        };
+        of(self.slot_bytes)
+            .or_else(|| of(RING_SLOT))
+            .unwrap_or("gemv_ring")
     }
 
     /// Threads a block: a consumer warp a 2048-byte share of a slot, and the producer's.
@@ -2423,12 +2430,7 @@ impl Kernels {
     /// Lets `gemv_ring` launches (every instance) take `bytes` of dynamic shared memory (once,
     /// where the ring is set up: not a driver call every eager step).
     pub fn allow_ring_smem(&self, bytes: usize) -> anyhow::Result<()> {
-        for name in [
-            "gemv_ring",
-            "gemv_ring_f8",
-            "gemv_ring_s24",
-            "gemv_ring_f8_s24",
-        ] {
+        for (_, _, name) in RING_INSTANCES {
             // SAFETY: a loaded function; the attribute only raises its own limit.
             let raised = unsafe {
                 dr::function::set_function_attribute(
@@ -2817,6 +2819,33 @@ mod tests {
         assert!(SOURCE.contains("gemv_ring_body<true, 24576>(stages"));
         assert!(SOURCE.contains("gemv_ring_body<false, 24576>(stages"));
         assert_eq!(RING_SLOT_S24 % 2048, 0);
+        // The instance a launch runs, by its layers and slot size (a measurement build's other
+        // size: the default size's), and its block: 12 or 16 consumer warps and the producer.
+        let launch = |fp8, slot_bytes| RingLaunch {
+            stages: 0,
+            n: 0,
+            done: 0,
+            blocks: 1,
+            slots: 2,
+            input_bytes: 0,
+            slot_bytes,
+            trace: 0,
+            cluster: 1,
+            step: RingStep::default(),
+            fp8,
+        };
+        for (fp8, slot, name) in RING_INSTANCES {
+            assert_eq!(launch(fp8, slot).kernel(), name);
+            assert!(
+                SOURCE.contains(&format!(" {name}(const RingStage* stages")),
+                "{name}"
+            );
+        }
+        assert_eq!(launch(true, 16384).kernel(), "gemv_ring_f8");
+        assert_eq!(launch(false, 16384).kernel(), "gemv_ring");
+        assert_eq!(launch(false, RING_SLOT_S24).threads(), 13 * 32);
+        assert_eq!(launch(true, RING_SLOT).threads(), 17 * 32);
+        assert!(kernel_names().any(|k| k == "gemv_ring_f8_s24"));
         // Every query head and split holds (max, sum, hd outputs).
         assert_eq!(ring_attn_part_floats(132, 32, 8, 64), 16 * 32 * 66);
         assert_eq!(ring_attn_part_floats(4, 32, 8, 64), 32 * 66);
