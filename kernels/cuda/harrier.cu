@@ -2526,6 +2526,15 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_
 //   (flash-decoding's combine, rounded to bf16): no block waits on another's merge and none
 //   reads more than its rows' partials.
 // - CVT (no weights; the last stage): y[N] (f32) = x (the head's sums), each block its share.
+// LL words (session 31; NCCL's low-latency protocol): a q|k|v stage (GEMV with `ll`) stores each
+// warp's piece sum (1,024 weights; y[piece], K / 1024 a row) with the launch's tag for its stage
+// in one 8-byte store, and the ATTN stage stores its partials so; their readers (the ATTN stage,
+// the o stage's merge) poll the words they need until each carries the tag. Neither boundary
+// is a grid-wide wait: no count, no release (a MEMBAR.GPU) and no poll before the data's own
+// round trip, and a block waits only for the blocks that write its inputs. A piece's value is
+// one warp's sum, and the reader adds a row's pieces in order: deterministic. Tags: (launch
+// epoch + 1) n + stage (u32); the epoch, done[2n], goes up by one at every launch's end (the
+// last block), so no word of an earlier stage, layer or launch carries a current tag.
 // Every sum (y of GEMV, GEMVT and MLP stages) is split in two f32 halves, y[0, len) and
 // y[len, 2 len) (ring_split): each added value c is cut into hi = c rounded to 2^-8 and
 // lo = c - hi rounded to 2^-25, so every partial sum of either half is exactly representable
@@ -2540,11 +2549,12 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_
 // stages 4 <= CR <= 16, that is 2048 <= K <= 8192, the chunks of GEMVT stages as the MLP's);
 // N * K < 2^31. One block an SM, every block resident (the stages wait on each other across
 // blocks). A stage zeroes `zero` (zero_len u64 words, in block shares) once it has waited:
-// the host points it at the sums of the stage two before, whose readers have all finished, so
-// the next launch finds them zero; the last block to finish zeroes the counters (done[0, n),
-// the stages' blocks done, and done[n, 2n), their claims; a step needs no memset; the first
-// launch needs them zero; a launch must not start before the one before has finished, as PDL
-// with a launch between them guarantees: the producer claims before its PDL wait).
+// the host points it at sums whose readers have all finished (a stage after a grid-wide wait:
+// the host's `zeroed_by`), so the next launch finds them zero; the last block to finish zeroes
+// the counters (done[0, n), the stages' blocks done, and done[n, 2n), their claims; a step
+// needs no memset; the first launch needs them zero; a launch must not start before the one
+// before has finished, as PDL with a launch between them guarantees: the producer claims
+// before its PDL wait) and bumps the LL epoch, done[2n].
 // A stage's input, staged once in every block: x (x_form: the stage before's sums, bf16 for
 // the embedding, or an ATTN stage's partials), or with
 // `res` the residual add r = bf16(res + bf16(x)) (block 0 writes r to `res_out` for the stages
@@ -2578,6 +2588,7 @@ struct RingStage {
     float scale;
     int zero_len;
     int x_len;
+    int ll;            // GEMV: y as LL words, a 1,024-weight piece each (ring_ll_put), for an ATTN stage
     const float* ws;   // FP8 weights where not null (gemv_ring_f8): w's scales, one an output channel
     const float* ws2;  // and w2's (MLP: down^T's columns)
 };
@@ -2688,6 +2699,48 @@ __device__ __forceinline__ void ring_split(float c, float& hi, float& lo) {
 }
 // Sum i of a stage output of `len` sums.
 __device__ __forceinline__ float ring_sum(const float* y, size_t i, size_t len) { return __ldcg(y + i) + __ldcg(y + len + i); }
+// LL words (see the kernel's header): a value and its writer's tag in one single-copy-atomic
+// 8-byte access, relaxed at gpu scope (L2, never a stale L1 line).
+__device__ __forceinline__ void ring_ll_put(unsigned long long* y, size_t i, float v, u32 tag) {
+    const unsigned long long w = ((unsigned long long)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(y + i), "l"(w) : "memory");
+}
+__device__ __forceinline__ unsigned long long ring_ll_ld(const unsigned long long* p) {
+    unsigned long long w;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+    return w;
+}
+// Word w's value once it carries `tag` (polling from p).
+__device__ __forceinline__ float ring_ll_val(unsigned long long w, const unsigned long long* p, u32 tag) {
+#ifdef RING_LL_BACKOFF  // measurement: ns between polls
+    while ((u32)(w >> 32) != tag) __nanosleep(RING_LL_BACKOFF), w = ring_ll_ld(p);
+#else
+    while ((u32)(w >> 32) != tag) w = ring_ll_ld(p);
+#endif
+    return __uint_as_float((u32)w);
+}
+// Rows a and b of a q|k|v stage's LL output (`parts` pieces a row): each the sum of its pieces
+// in order, R pieces of each row a round trip (every load of a round in flight at once; R = 4
+// made the 16-warp instances spill, so they take 2: the 1B's rows in one round, the 8B's two).
+template <int R>
+__device__ __forceinline__ void ring_ll_rows(const unsigned long long* y, int a, int b, int parts, u32 tag, float& va,
+                                             float& vb) {
+    const unsigned long long* pa = y + (size_t)a * parts;
+    const unsigned long long* pb = y + (size_t)b * parts;
+    va = 0.0f, vb = 0.0f;
+    for (int p0 = 0; p0 < parts; p0 += R) {
+        unsigned long long w[2 * R];
+#pragma unroll
+        for (int i = 0; i < R; i++)
+            if (p0 + i < parts) w[i] = ring_ll_ld(pa + p0 + i), w[R + i] = ring_ll_ld(pb + p0 + i);
+#pragma unroll
+        for (int i = 0; i < R; i++)
+            if (p0 + i < parts) va += ring_ll_val(w[i], pa + p0 + i, tag);
+#pragma unroll
+        for (int i = 0; i < R; i++)
+            if (p0 + i < parts) vb += ring_ll_val(w[R + i], pb + p0 + i, tag);
+    }
+}
 __device__ __forceinline__ void ring_add(float* y, size_t i, size_t len, float c) {
     float hi, lo;
     ring_split(c, hi, lo);
@@ -2856,12 +2909,25 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 // had 0.965-0.976, on another machine; not settled, so they stay out) thread 0 stamps its
 // q|k|v loads and RoPE done (tr[3]), the first tile staged (tr[4]), its scores (tr[5]), its
 // P V (tr[6]) and its partial stored (tr[7]).
-template <typename Wait>
+// `tag`: the stage's LL tag (its partials'; the q|k|v words it reads carry tag - 1); LLR:
+// ring_ll_rows's round.
+// The block's split is the same in every layer (a launch decodes one token): its position, key
+// range, new slot, block-table row and first tile's cache rows are read by the first ATTN stage
+// into `meta` (shared memory) and reused, so a later layer's stage issues its first tile's
+// copies with no dependent load before its q|k|v reads (with the LL words, which need no grid
+// wait, the metadata's and the block table's round trips came first: session 31).
+struct RingAttnMeta {
+    long long slot;  // the new token's cache slot
+    int ready, pos, k0, k1, row;
+    int first[RING_KT];  // the cache row of key k0 + j of the first tile (-1: the new token's)
+};
+template <int LLR, typename Wait>
 __device__ void ring_attention(const RingStage& st, const RingStep& step, unsigned char* sm, int ct, int nct, Wait wait,
-                               unsigned long long* tr) {
+                               unsigned long long* tr, u32 tag, RingAttnMeta& meta) {
     const int G = st.nh / st.nkv, hd = st.hd, S = max(1, (int)gridDim.x / st.nkv);
     if ((int)blockIdx.x >= st.nkv * S) {
         wait();
+        if (tr && ct == 0) tr[1] = ring_now();
         return;
     }
     const int kh = blockIdx.x / S, sp = blockIdx.x % S, warp = ct >> 5, lane = ct & 31;
@@ -2873,14 +2939,28 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
     float* qs = (float*)(vnew + hd);         // [G][hd]
     float* sc = qs + G * hd;                 // [KT][G]
     float* mls = sc + RING_KT * G;           // max, sum, correction: [3][G]
-    const int pos = step.positions[0];
-    const int n = max(pos + 1, 0), per = (n + S - 1) / S;
-    const int k0 = min(sp * per, n), k1 = min(k0 + per, n);
-    const bool has_new = k0 <= pos && pos < k1;
-    const int* bt = step.block_tables + (size_t)step.tok_row[0] * step.bt_stride;
     // The block size and hd are powers of two (the host's condition): shifts, not divisions
     // (each division inlined ~25 instructions wherever a tile loads: session 24).
     const int bsh = __ffs(step.block_size) - 1, hsh = __ffs(hd) - 1, csh = hsh - 3;  // (csh: hd / 8 chunks a row)
+    if (!meta.ready) {  // (block-uniform; set below, after every thread has read it)
+        if (ct == 0) {
+            const int p = step.positions[0], r = step.tok_row[0];
+            const long long sl = step.slot_mapping[0];
+            const int n = max(p + 1, 0), per = (n + S - 1) / S, a = min(sp * per, n);
+            meta.pos = p, meta.row = r, meta.slot = sl, meta.k0 = a, meta.k1 = min(a + per, n);
+        }
+        ring_cbar(nct);
+        const int* bt0 = step.block_tables + (size_t)meta.row * step.bt_stride;
+        for (int j = ct; j < min(RING_KT, meta.k1 - meta.k0); j += nct) {
+            const int p = meta.k0 + j;
+            meta.first[j] = p == meta.pos ? -1 : (bt0[p >> bsh] << bsh) + (p & ((1 << bsh) - 1));
+        }
+        ring_cbar(nct);
+        if (ct == 0) meta.ready = 1;
+    }
+    const int pos = meta.pos, k0 = meta.k0, k1 = meta.k1;
+    const bool has_new = k0 <= pos && pos < k1;
+    const int* bt = step.block_tables + (size_t)meta.row * step.bt_stride;
     const size_t kv_stride = (size_t)st.nkv * hd;
     // Tile [t0, t0 + kt)'s K (v = 0) or V (v = 1) rows into shared memory as one cp.async
     // group: the cached ones, and the new token's from knew / vnew (the first tile, loaded
@@ -2897,7 +2977,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
                 if (t0 > k0) *(uint4*)dst = *(const uint4*)((v ? vnew : knew) + c);
                 continue;
             }
-            const int at = (bt[p >> bsh] << bsh) + (p & ((1 << bsh) - 1));
+            const int at = t0 == k0 ? meta.first[j] : (bt[p >> bsh] << bsh) + (p & ((1 << bsh) - 1));
             cp_async16(dst, cache + (size_t)at * kv_stride + c);
         }
         cp_async_commit();
@@ -2907,30 +2987,36 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
     wait();
     // q of the block's heads, rotated (the paired order: a pair sits 8 rows apart), rounded as
     // the skinny RoPE epilogue (the product to bf16, then rope_pair); the new key (into its
-    // tile row and the cache) and value.
+    // tile row and the cache) and value, in one loop of pairs (g == G the key's, G + 1 the
+    // value's dims i and i + hd / 2): every LL load of a thread in one round trip. (An empty
+    // split needs no q.)
     const float fpos = (float)pos;
     const int hh = hd >> 1;
-    const long long slot = step.slot_mapping[0];
+    const long long slot = meta.slot;
     const int jn = pos - k0;  // the new token's row in the first tile (when < KT)
-    // (The new value with them: thread u < hd / 2 also takes dims u and u + hd / 2 of it.)
-    if (has_new && ct < hh) {
-        const size_t vsrc = (size_t)(st.nh + st.nkv + kh) * hd;
-        const float a = ring_sum(st.x, vsrc + ct, st.x_len), b = ring_sum(st.x, vsrc + ct + hh, st.x_len);
-        const bf16 va = f2bf(a), vb = f2bf(b);
-        vnew[ct] = va;
-        vnew[ct + hh] = vb;
-        if (jn < RING_KT) vs[jn * hd + ct] = va, vs[jn * hd + ct + hh] = vb;
-        st.v_cache[slot * kv_stride + (size_t)kh * hd + ct] = va;
-        st.v_cache[slot * kv_stride + (size_t)kh * hd + ct + hh] = vb;
-    }
-    for (int u = ct; u < (G + 1) * hh; u += nct) {
-        const int g = u >> (hsh - 1), i = u & (hh - 1), r = rope_row(i, 1);  // (hh = hd / 2)
+    const unsigned long long* xq = (const unsigned long long*)st.x;
+    const int parts = st.K >> 10;  // (the q|k|v stage's pieces a row)
+    for (int u = ct; u < (G + 2) * hh && k0 < k1; u += nct) {
+        const int g = u >> (hsh - 1), i = u & (hh - 1);
+        if (g >= G && !has_new) break;  // (u grows: the key's and value's pairs are last)
+        if (g == G + 1) {
+            const int vsrc = (st.nh + st.nkv + kh) * hd;
+            float a, b;
+            ring_ll_rows<LLR>(xq, vsrc + i, vsrc + i + hh, parts, tag - 1, a, b);
+            const bf16 va = f2bf(a), vb = f2bf(b);
+            vnew[i] = va;
+            vnew[i + hh] = vb;
+            if (jn < RING_KT) vs[jn * hd + i] = va, vs[jn * hd + i + hh] = vb;
+            st.v_cache[slot * kv_stride + (size_t)kh * hd + i] = va;
+            st.v_cache[slot * kv_stride + (size_t)kh * hd + i + hh] = vb;
+            continue;
+        }
+        const int r = rope_row(i, 1);
         const bool key = g == G;
-        if (key && !has_new) continue;
-        const size_t src = (size_t)(key ? st.nh + kh : kh * G + g) * hd;
-        float o1, o2;
-        rope_pair(rbf(ring_sum(st.x, src + r, st.x_len)), rbf(ring_sum(st.x, src + r + 8, st.x_len)), fpos, st.inv_freq[i], &o1,
-                  &o2);
+        const int src = (key ? st.nh + kh : kh * G + g) * hd;
+        float a, b, o1, o2;
+        ring_ll_rows<LLR>(xq, src + r, src + r + 8, parts, tag - 1, a, b);
+        rope_pair(rbf(a), rbf(b), fpos, st.inv_freq[i], &o1, &o2);
         if (key) {
             const bf16 b1 = f2bf(o1), b2 = f2bf(o2);
             knew[r] = b1;
@@ -2946,6 +3032,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             qs[g * hd + r + 8] = o2;
         }
     }
+    if (tr && ct == 0) tr[1] = ring_now();
 #ifdef RING_ATTN_TRACE
     if (tr && ct == 0) tr[3] = ring_now();
 #endif
@@ -3042,17 +3129,18 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             load_rows(1, t0 + RING_KT, min(RING_KT, k1 - t0 - RING_KT));
         }
     }
-    // The partial of each head: its output sums and (max, sum).
+    // The partial of each head: its output sums and (max, sum), as LL words.
     const int idx = (kh * S + sp) * G;
+    unsigned long long* part = (unsigned long long*)st.part;
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         const int u = ct + i * nct;
-        if (u < G * hd) st.part[(size_t)idx * hd + u] = acc[i];
+        if (u < G * hd) ring_ll_put(part, (size_t)idx * hd + u, acc[i], tag);
     }
-    float* ml = st.part + (size_t)S * st.nh * hd;
+    unsigned long long* ml = part + (size_t)S * st.nh * hd;
     if (ct < G) {
-        ml[2 * (idx + ct)] = mls[ct];
-        ml[2 * (idx + ct) + 1] = mls[G + ct];
+        ring_ll_put(ml, 2 * (idx + ct), mls[ct], tag);
+        ring_ll_put(ml, 2 * (idx + ct) + 1, mls[G + ct], tag);
     }
 #ifdef RING_ATTN_TRACE
     if (tr && ct == 0) tr[7] = ring_now();
@@ -3075,7 +3163,8 @@ __device__ __forceinline__ void ring_merge(float& M, float& L, float& O, float m
 // at S = 16). Warp-uniform loop: every lane of a warp reaches the shuffles. G (q heads a KV
 // head) and S come from the caller, worked out before the stage's wait; after it, shifts and a
 // multiply-high (hd a power of two; h / G exact for h < 2^28), no divisions.
-__device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows, int ct, int nct, int G, int S) {
+__device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows, int ct, int nct, int G, int S,
+                                u32 tag) {
     if (st.x_form != RING_X_PARTS) {
         for (int r = ct; r < rows; r += nct) xr[r] = ring_sum(st.x, r0 + r, st.x_len);
         return;
@@ -3085,7 +3174,9 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
     int P = 1, pl = 0;
     while (P < S && P < 32) P <<= 1, pl++;
     const int lane = ct & 31, l = lane & (P - 1);
-    const float* ml = st.x + (size_t)S * nh * hd;
+    // (The partials are LL words: polled until they carry the ATTN stage's tag.)
+    const unsigned long long* px = (const unsigned long long*)st.x;
+    const unsigned long long* ml = px + (size_t)S * nh * hd;
     for (int u0 = ct - lane; u0 < rows * P; u0 += nct) {
         const int i = (u0 + lane) >> pl;
         float M = NEG_INF, L = 0.0f, O = 0.0f;
@@ -3094,7 +3185,9 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
             const int kvh = (int)ring_div((unsigned int)h, (unsigned int)G, gm), base = kvh * S * G + h - kvh * G;
             for (int sp = l; sp < S; sp += P) {
                 const int idx = base + sp * G;
-                ring_merge(M, L, O, __ldcg(ml + 2 * idx), __ldcg(ml + 2 * idx + 1), __ldcg(st.x + (size_t)idx * hd + d));
+                const unsigned long long *pm = ml + 2 * idx, *po = px + (size_t)idx * hd + d;
+                const unsigned long long wm = ring_ll_ld(pm), wl = ring_ll_ld(pm + 1), wo = ring_ll_ld(po);
+                ring_merge(M, L, O, ring_ll_val(wm, pm, tag), ring_ll_val(wl, pm + 1, tag), ring_ll_val(wo, po, tag));
             }
         }
         for (int o = P >> 1; o > 0; o >>= 1) {
@@ -3106,8 +3199,8 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
     }
 }
 // `trace` (null for none): per stage and block (RING_TRACE_WORDS u64 apart), the global time
-// consumer thread 0 starts waiting for the stage's input, has it staged, and has counted the
-// stage done; with RING_ATTN_TRACE attention stages stamp five more (ring_attention). RING_NO_DEP
+// consumer thread 0 starts waiting for the stage's input, has it staged (ATTN: its q|k|v words
+// read), and has finished the stage; with RING_ATTN_TRACE attention stages stamp five more (ring_attention). RING_NO_DEP
 // (no waits for inputs), RING_NO_MATH (slots released unread), RING_NO_RED (MLP sums never
 // added), RING_MLP_NO_DOWN (down slots released unread) and RING_MLP_NO_BAR (no barrier
 // between a chunk's gate|up and down) and RING_COUNT_RELAXED (a stage's count without its
@@ -3275,6 +3368,17 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
     }
     PDL_ENTER();
     const int ct = threadIdx.x, nct = CW * 32;
+    // This launch's LL tags: (epoch + 1) n + stage (the header; the launch before, which set
+    // the epoch, has finished), read from shared memory where used: held in a register for
+    // the whole launch it made the 16-warp instances (at most 96 registers) spill, and FP8 1B
+    // steps 5% slower (session 31).
+    __shared__ u32 tag_base;
+    __shared__ RingAttnMeta attn_meta;  // (ring_attention's, read by its first stage)
+    if (ct == 0) {  // (both read after the barrier below)
+        tag_base = (__ldcg(done + 2 * n) + 1u) * (u32)n;
+        attn_meta.ready = 0;
+    }
+    const auto tag_of = [&](int stage) -> u32 { return *(volatile u32*)&tag_base + (u32)stage; };
     u32 pair_phase = 0;  // pair_ready's phase (add_out)
     // The next slot (index ki, its full barrier's phase kp: counted, not divided, in the
     // hot loops: session 24), or the one after it (ahead = 1), waited for; `release` hands the
@@ -3351,11 +3455,13 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         const int cb = st.kind == RING_CVT ? ring_block_part(st.N, blockIdx.x + 1) : 0;
         // Waits until every block has counted the stage before done, then zeroes this stage's
         // share of `zero` and fetches the next descriptor (every thread has read
-        // sdesc[(s + 1) & 1] as stage s - 1's before the barrier; stage 0 has no wait, and
-        // nothing reads sdesc[1] before stage 1).
+        // sdesc[(s + 1) & 1] as stage s - 1's before the barrier, or before finish's of stage
+        // s - 1; stage 0 has no wait, and nothing reads sdesc[1] before stage 1). ATTN stages
+        // and o's merge read LL words: no grid-wide wait (and nothing to zero).
+        const bool ll_in = st.kind == RING_ATTN || st.x_form == RING_X_PARTS;
         auto wait = [&]() {
 #ifndef RING_NO_DEP
-            if (s > 0) {
+            if (s > 0 && !ll_in) {
                 if (ct == 0) {
                     unsigned int v;
                     // (Relaxed polls, then one acquire fence: the acquire pattern without an L1
@@ -3393,11 +3499,13 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // thread 0's count (the pattern of a cooperative grid sync: one fence a block, not a
         // fence a thread; 1B 602 -> 582 us on the H200, session 17), and the next descriptor's
         // copy before its reads. Returns whether this was the last stage (not counted here).
+        // Stages whose outputs are LL words (ATTN, q|k|v) count nothing: nobody waits for them.
         auto finish = [&]() -> bool {
             cp_async_wait_all();
             asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
             if (tr && ct == 0) tr[2] = ring_now();
             if (s + 1 == n) return true;
+            if (st.kind == RING_ATTN || (st.kind == RING_GEMV && st.ll)) return false;
 #ifdef RING_COUNT_RELAXED
             if (ct == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
 #else
@@ -3406,10 +3514,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             return false;
         };
         if (st.kind == RING_ATTN) {  // (it waits inside, once its keys are on their way)
-            ring_attention(st, step, (unsigned char*)xs, ct, nct, [&]() {
-                wait();
-                if (tr && ct == 0) tr[1] = ring_now();
-            }, tr);
+            ring_attention<CW == 16 ? 2 : 4>(st, step, (unsigned char*)xs, ct, nct, wait, tr, tag_of(s), attn_meta);
             finish();  // (never the last stage)
             continue;
         }
@@ -3483,7 +3588,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         float* xr = (float*)(F8 ? xs + st.N / 8 : xs);
         if (st.kind == RING_GEMVT) {
             const int cr = ring_chunk_rows<SLOT>(st.N, wb), r0 = start * cr;
-            ring_gemvt_rows(st, xr, r0, count * cr, ct, nct, aG, aS);
+            ring_gemvt_rows(st, xr, r0, count * cr, ct, nct, aG, aS, tag_of(s - 1));
         }
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
         if (tr && ct == 0) tr[1] = ring_now();
@@ -3839,6 +3944,12 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     if (!in[h]) break;
+                    if (st.ll) {  // (the piece's scaled sum as an LL word)
+                        if (lane == 0)
+                            ring_ll_put((unsigned long long*)st.y, pc0 + 2 * warp + h,
+                                        v[h] * sscale[si * RING_SLOT_SCALES + pr[h] - rs], tag_of(s));
+                        continue;
+                    }
                     const int r = (int)pr[h], un = claim > 0 ? item >> 1 : 0;
                     if (r != row || un != unit) {
                         if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
@@ -3872,12 +3983,16 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     const unsigned int piece = e / 1024, pr = ring_div(piece, parts, rmul);
                     const int r = (int)pr, un = claim > 0 ? item >> 1 : 0;  // (a claim is two slots)
                     const float v = warp_dot(src, (int)(piece - pr * parts) * 128);
-                    if (r != row || un != unit) {
-                        if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
-                        row = r, unit = un;
-                        acc = 0.0f;
+                    if (st.ll) {  // (the piece's sum as an LL word)
+                        if (lane == 0) ring_ll_put((unsigned long long*)st.y, piece, v, tag_of(s));
+                    } else {
+                        if (r != row || un != unit) {
+                            if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
+                            row = r, unit = un;
+                            acc = 0.0f;
+                        }
+                        acc += v;
                     }
-                    acc += v;
                 }
 #endif
                 release();
@@ -3896,6 +4011,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
         if (last) {
             for (int i = ct; i < 2 * n; i += nct) done[i] = 0;  // (and the claims)
+            if (ct == 0) done[2 * n] += 1u;                     // (the LL epoch)
         }
     }
 #else

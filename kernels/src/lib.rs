@@ -2197,7 +2197,7 @@ pub enum RingInput {
 /// `RingStage` (see [`RingKind`]). The input is `x` (read as `x_form` says), or with `res` the
 /// residual add `bf16(res + bf16(x))` (block 0 writes it to `res_out`), RMSNormed by `norm_w`
 /// (`eps`) when that is not 0. Attention stages also take the layer's caches, RoPE
-/// frequencies and a split-partials buffer (`part`, [`ring_attn_part_floats`]), which the next
+/// frequencies and a split-partials buffer (`part`, [`ring_attn_part_words`]), which the next
 /// stage reads as [`RingInput::AttnParts`].
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -2229,6 +2229,12 @@ pub struct RingStage {
     /// The length of the sums `x` holds (where their second half starts; see
     /// [`RingInput::Sums`]).
     pub x_len: i32,
+    /// GEMV stages (a layer's q|k|v, read by the attention stage after it): 1 to write `y` as
+    /// LL words, each warp's sum of a 1,024-weight piece with the launch's tag for the stage in
+    /// one 8-byte store (`K / 1024` words a row), which the attention stage polls instead of a
+    /// grid-wide wait; the stage counts nothing. Attention stages always write their partials
+    /// so, and an [`RingInput::AttnParts`] input is read so (see the source's header).
+    pub ll: i32,
     /// FP8 weights where not 0 (`gemv_ring_f8`): `w` (and an MLP's `w2`) hold e4m3 bytes and
     /// these their f32 scales, one an output channel (`w`'s rows for GEMV and an MLP's
     /// gate|up; the output columns, `w`'s for GEMVT and `w2`'s for the MLP's down^T).
@@ -2238,10 +2244,12 @@ pub struct RingStage {
 
 impl RingStage {
     /// Sums its `y` holds ([`RingInput::Sums`]: two f32 halves each): `K` for an MLP stage,
-    /// `N` for GEMV and GEMVT stages, none for attention (partials) and the conversion (f32).
+    /// `N` for GEMV and GEMVT stages, none for attention (partials), the conversion (f32) and
+    /// LL GEMV stages (tagged words, never zeroed).
     pub fn sums_len(&self) -> i32 {
         match self.kind {
             RingKind::Attn | RingKind::Convert => 0,
+            RingKind::Gemv if self.ll != 0 => 0,
             RingKind::Mlp => self.k,
             RingKind::Gemv | RingKind::GemvT => self.n,
         }
@@ -2297,9 +2305,10 @@ pub fn ring_attn_smem(g: usize, hd: usize) -> usize {
     4 * (RING_KT * hd + hd + g * hd + RING_KT * g + 3 * g) + 16 * RING_KT
 }
 
-/// f32s of an attention stage's `part` buffer on `blocks` blocks: `hd` output sums, then
-/// (max, sum), for each query head and split (`blocks / nkv` splits a KV head).
-pub fn ring_attn_part_floats(blocks: usize, nh: usize, nkv: usize, hd: usize) -> usize {
+/// LL words (8 bytes: an f32 and its tag) of an attention stage's `part` buffer on `blocks`
+/// blocks: `hd` output sums, then (max, sum), for each query head and split (`blocks / nkv`
+/// splits a KV head).
+pub fn ring_attn_part_words(blocks: usize, nh: usize, nkv: usize, hd: usize) -> usize {
     (blocks / nkv).max(1) * nh * (hd + 2)
 }
 
@@ -2847,8 +2856,8 @@ mod tests {
         assert_eq!(launch(true, RING_SLOT).threads(), 17 * 32);
         assert!(kernel_names().any(|k| k == "gemv_ring_f8_s24"));
         // Every query head and split holds (max, sum, hd outputs).
-        assert_eq!(ring_attn_part_floats(132, 32, 8, 64), 16 * 32 * 66);
-        assert_eq!(ring_attn_part_floats(4, 32, 8, 64), 32 * 66);
+        assert_eq!(ring_attn_part_words(132, 32, 8, 64), 16 * 32 * 66);
+        assert_eq!(ring_attn_part_words(4, 32, 8, 64), 32 * 66);
         // The sums a stage leaves: an MLP's are hidden-wide (K), a GEMV's or GEMVT's N;
         // attention partials and the f32 logits are none.
         let stage = |kind| RingStage {
@@ -2868,6 +2877,12 @@ mod tests {
             .map(|k| stage(k).sums_len()),
             [8192, 2048, 0, 8192, 0]
         );
+        // A q|k|v stage writing LL words holds no sums (nothing to zero).
+        let ll = RingStage {
+            ll: 1,
+            ..stage(RingKind::Gemv)
+        };
+        assert_eq!(ll.sums_len(), 0);
     }
 
     #[test]
@@ -2902,13 +2917,14 @@ mod tests {
         // SkinnyIn: five pointers, two floats, four ints, then SkinnyRope (five pointers, four
         // ints) at offset 64; the epilogue codes and block shape.
         assert!(SOURCE.contains("struct SkinnyIn {") && SOURCE.contains("struct SkinnyRope {"));
-        // RingStage: twelve pointers, then ints and floats as the source's, then two pointers; RingStep; the
+        // RingStage: twelve pointers, then ints and floats as the source's (`ll` last), then two pointers; RingStep; the
         // kinds, the attention tile and its shared memory; the slot and warp defaults (a
         // consumer warp a 2048-byte share of a slot).
-        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    const float* res;\n    float* res_out;\n    const bf16* norm_w;\n    bf16* k_cache;\n    bf16* v_cache;\n    const float* inv_freq;\n    float* part;\n    unsigned long long* zero;\n    int kind;\n    int N, K;\n    float eps;\n    int x_form;\n    int nh, nkv, hd;\n    float scale;\n    int zero_len;\n    int x_len;\n    const float* ws;   // FP8 weights where not null (gemv_ring_f8): w's scales, one an output channel\n    const float* ws2;  // and w2's (MLP: down^T's columns)\n};"));
+        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    const float* res;\n    float* res_out;\n    const bf16* norm_w;\n    bf16* k_cache;\n    bf16* v_cache;\n    const float* inv_freq;\n    float* part;\n    unsigned long long* zero;\n    int kind;\n    int N, K;\n    float eps;\n    int x_form;\n    int nh, nkv, hd;\n    float scale;\n    int zero_len;\n    int x_len;\n    int ll;            // GEMV: y as LL words, a 1,024-weight piece each (ring_ll_put), for an ATTN stage\n    const float* ws;   // FP8 weights where not null (gemv_ring_f8): w's scales, one an output channel\n    const float* ws2;  // and w2's (MLP: down^T's columns)\n};"));
         assert_eq!(std::mem::offset_of!(RingStage, kind), 12 * 8);
-        assert_eq!(std::mem::offset_of!(RingStage, ws), 12 * 8 + 11 * 4 + 4);
-        assert_eq!(std::mem::size_of::<RingStage>(), 14 * 8 + 11 * 4 + 4);
+        assert_eq!(std::mem::offset_of!(RingStage, ll), 12 * 8 + 11 * 4);
+        assert_eq!(std::mem::offset_of!(RingStage, ws), 12 * 8 + 12 * 4);
+        assert_eq!(std::mem::size_of::<RingStage>(), 14 * 8 + 12 * 4);
         assert!(SOURCE.contains("struct RingStep {\n    const int* positions;\n    const int* slot_mapping;\n    const int* block_tables;\n    const int* tok_row;\n    int bt_stride, block_size;\n};"));
         assert_eq!(std::mem::size_of::<RingStep>(), 4 * 8 + 2 * 4);
         assert!(SOURCE.contains(

@@ -568,6 +568,10 @@ fn bench(a: &HashMap<String, String>) -> anyhow::Result<()> {
             if let (true, Some((t, layers, blocks))) = (ring && bsz == 1, d.exec.ring_trace()?) {
                 println!("decode ring, {tag}, the last step:");
                 print_ring_trace(&t, &["q|k|v", "attention", "o", "mlp"], layers, blocks);
+                // HARRIER_RING_TRACE_DUMP=FILE: every block's words too (CSV, ns), to analyse.
+                if let Ok(path) = std::env::var("HARRIER_RING_TRACE_DUMP") {
+                    dump_ring_trace(&t, blocks, &format!("{path}.{tag}.csv"))?;
+                }
             }
             res.insert(tag, serde_json::json!({"ms_per_step": ms, "gpu_ms_per_step": gpu, "idle_gap_ms": gap, "tok_per_s": bsz as f64 / (ms / 1e3), "floor_ms": floor_ms, "pct_of_floor": 100.0 * floor_ms / ms, "graph_kernels": kernels}));
         }
@@ -1843,7 +1847,8 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let (rx, ry, done) = (
             alloc(h * sum)?,
             alloc(out_len * sum)?,
-            alloc(2 * 4 * per_layer * layers)?, // (the stage counters, then the claims)
+            // (The stage counters, then the claims, then the LL epoch.)
+            alloc((2 * per_layer * layers + 1) * 4)?,
         );
         // x0 as sums: itself, and a second half of zeros.
         let x0_sums: Vec<f32> = x0
@@ -2276,6 +2281,21 @@ fn traced_layers(layers: usize) -> Vec<usize> {
     } else {
         vec![0]
     }
+}
+
+/// Writes a `gemv_ring` trace as CSV: stage, block, then its `RING_TRACE_WORDS` words (ns).
+fn dump_ring_trace(t: &[u64], blocks: usize, path: &str) -> anyhow::Result<()> {
+    use std::fmt::Write as _;
+    const W: usize = harrier_kernels::RING_TRACE_WORDS;
+    let mut s = String::new();
+    for (i, w) in t.chunks(W).enumerate() {
+        let _ = write!(s, "{},{}", i / blocks, i % blocks);
+        for v in w {
+            let _ = write!(s, ",{v}");
+        }
+        s.push('\n');
+    }
+    std::fs::write(path, s).with_context(|| format!("writing {path}"))
 }
 
 /// Word `i` of stage `s`, block `b` of a `gemv_ring` trace over `blocks` blocks, in us.

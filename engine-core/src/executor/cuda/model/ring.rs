@@ -12,13 +12,14 @@
 //! (`[intermediate, hidden]`: a block streams a chunk's gate, up and down^T rows as three
 //! contiguous copies; `[q, hidden]`: a block takes the o rows of a few attention dims, so it
 //! merges only those from the attention's splits), about a quarter of a Llama's weight bytes,
-//! allocated before the KV cache is sized; and a scratch of stage sums, residuals, attention
-//! partials and counters that every launch leaves zeroed for the next (no memset in a step).
+//! allocated before the KV cache is sized; and a scratch of stage sums and counters that every
+//! launch leaves zeroed for the next (no memset in a step), residuals, and the q|k|v outputs
+//! and attention partials as tagged LL words (never zeroed: the tags tell launches apart).
 
 use anyhow::Context;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
-    ring_attn_part_floats, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_mlp_supports,
+    ring_attn_part_words, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_mlp_supports,
     ring_slot_bytes, ring_slot_side, Dtype, Kernels, RingInput, RingKind, RingLaunch, RingStage,
     RingStep, RING_MAX_SLOTS, RING_SLOT, RING_SLOT_S24, RING_TRACE_WORDS,
 };
@@ -28,9 +29,10 @@ use super::{DevBuf, GpuModel, Proj, StepMeta};
 use crate::model::{Activation, ModelConfig};
 
 /// Shared memory the kernel declares statically (the MLP's partial sums, the norm's, the
-/// slots' tags, the stage descriptors: 896 bytes in ptxas's count, 1,152 in the FP8
-/// instance), left beside the dynamic part.
-const STATIC_SMEM: usize = 1280;
+/// slots' tags, the stage descriptors, the attention's metadata, the LL tags' base: 1,024
+/// bytes in ptxas's count, 1,280 in the FP8 instance), left beside the dynamic part. (The
+/// 8B's FP8 ring keeps six slots up to 1,440.)
+const STATIC_SMEM: usize = 1296;
 
 /// The ring's state for one model: the transposed o and down projections, the stage list
 /// (built once the KV cache exists) and the launch shape.
@@ -85,19 +87,21 @@ impl RingDecode {
 /// Byte offsets in [`RingDecode::scratch`].
 #[derive(Debug, Clone, Copy)]
 struct ScratchLayout {
-    /// Per layer: q|k|v sums, o sums, MLP sums (two f32 halves each, see [`RingInput::Sums`]).
+    /// Per layer: q|k|v LL words (`hidden / 1024` a row, see [`RingStage::ll`]), o sums, MLP
+    /// sums (two f32 halves each, see [`RingInput::Sums`]).
     layer: usize,
     qkv: usize,
     o: usize,
     mlp: usize,
     /// Per layer the residual after attention and after the MLP (f32).
     res: usize,
-    /// The attention splits' partials, shared by the layers (o merges them before the next
-    /// layer's attention writes).
+    /// The attention splits' partials (LL words), shared by the layers (o merges them before
+    /// the next layer's attention writes; the tags tell the layers apart).
     part: usize,
     /// The output head's sums (the last stage converts them into the logits).
     head: usize,
-    /// A counter a stage (blocks done), then a claim counter a stage (the next item).
+    /// A counter a stage (blocks done), then a claim counter a stage (the next item), then
+    /// the LL tags' epoch (u32, one up a launch).
     done: usize,
     total: usize,
 }
@@ -106,14 +110,16 @@ impl ScratchLayout {
     fn new(m: &GpuModel, blocks: usize, n_stages: usize) -> ScratchLayout {
         let c = &m.config;
         let (hid, nh, nkv, hd) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
+        // (A sum's two f32 halves, an LL word: 8 bytes.)
         let sum = 8;
-        let (qkv, o, mlp) = (0, c.qkv_dim() * sum, (c.qkv_dim() + hid) * sum);
-        let layer = (c.qkv_dim() + 2 * hid) * sum;
+        let qkv_words = c.qkv_dim() * (hid / 1024);
+        let (qkv, o, mlp) = (0, qkv_words * sum, (qkv_words + hid) * sum);
+        let layer = (qkv_words + 2 * hid) * sum;
         let res = layer * c.num_layers;
         let part = res + 2 * hid * 4 * c.num_layers;
-        let head = part + ring_attn_part_floats(blocks, nh, nkv, hd) * 4;
+        let head = part + ring_attn_part_words(blocks, nh, nkv, hd) * sum;
         let done = head + c.vocab_size * sum;
-        let total = done + 2 * n_stages * 4;
+        let total = done + (2 * n_stages + 1) * 4;
         ScratchLayout {
             layer,
             qkv,
@@ -125,6 +131,23 @@ impl ScratchLayout {
             done,
             total,
         }
+    }
+}
+
+/// The stage whose sums stage `s` of `n` zeroes once it has waited, if any. Only a stage after
+/// a grid-wide wait knows that a buffer's readers have all finished: a q|k|v stage zeroes the
+/// o sums of the layer before (read by that layer's MLP stage), an MLP stage the MLP sums of
+/// the layer before (read by this layer's q|k|v stage, whose every block has since counted
+/// this layer's o stage), the head the last o sums, the conversion the last MLP sums, and the
+/// first q|k|v stage the head's of the launch before. The attention and o stages wait for no
+/// grid (their inputs are LL words, never zeroed) and zero nothing.
+fn zeroed_by(s: usize, n: usize) -> Option<usize> {
+    match s % 4 {
+        _ if s == 0 => Some(n - 2),
+        _ if s + 2 >= n => Some(s - 2),
+        0 => Some(s - 2),
+        3 if s >= 7 => Some(s - 4),
+        _ => None,
     }
 }
 
@@ -446,12 +469,15 @@ impl GpuModel {
                 n: c.qkv_dim() as i32,
                 k: hid as i32,
                 eps,
+                ll: 1,
                 ..Default::default()
             });
             stages.push(RingStage {
                 kind: RingKind::Attn,
                 x: layer(i, l.qkv),
                 x_len: c.qkv_dim() as i32,
+                // (The q|k|v stage's K: its LL words a row are K / 1024.)
+                k: hid as i32,
                 k_cache: kv.at(k_off),
                 v_cache: kv.at(v_off),
                 inv_freq: self.inv_freq.ptr,
@@ -521,13 +547,13 @@ impl GpuModel {
             n: c.vocab_size as i32,
             ..Default::default()
         });
-        // Each stage zeroes the sums of the stage two before (their readers, the stage
-        // between, have finished; the first two stages the last two's of the launch before).
         let n = stages.len();
         for s in 0..n {
-            let z = stages[(s + n - 2) % n];
             // (Two f32 halves a sum: a u64 word each.)
-            (stages[s].zero, stages[s].zero_len) = (z.y, z.sums_len());
+            (stages[s].zero, stages[s].zero_len) = match zeroed_by(s, n) {
+                Some(z) => (stages[z].y, stages[z].sums_len()),
+                None => (0, 0),
+            };
         }
         debug_assert_eq!(n, r.n_stages);
         let d = DevBuf::new(stages.len() * std::mem::size_of::<RingStage>())?;
@@ -665,6 +691,34 @@ pub(crate) fn ring_auto(c: &ModelConfig, fp8: bool, total: usize) -> bool {
 mod tests {
     use super::*;
     use crate::gen_model::Preset;
+
+    #[test]
+    fn every_sum_buffer_is_zeroed_once_after_its_readers_and_no_ll_buffer_is() {
+        // Stage kinds by index: 4 a layer (q|k|v, attention, o, MLP), then the head and the
+        // conversion. A sum buffer's readers: o's the MLP of its layer, the MLP's the next
+        // q|k|v (the last MLP's, the head), the head's the conversion.
+        for layers in [1, 2, 16] {
+            let n = stage_count(layers);
+            let mut zeroed = vec![0; n];
+            for s in 0..n {
+                if let Some(z) = zeroed_by(s, n) {
+                    zeroed[z] += 1;
+                    // The zeroing stage waits for a grid (a q|k|v, MLP, head or conversion
+                    // stage, not the attention or o stage), for every block past the buffer's
+                    // reader, the stage after its writer (the first q|k|v stage zeroes the launch
+                    // before's head).
+                    assert!(s % 4 == 0 || s % 4 == 3 || s + 2 >= n, "stage {s}");
+                    assert!(s == 0 || s > z + 1, "stage {s} zeroes {z}");
+                }
+            }
+            for (z, &times) in zeroed.iter().enumerate() {
+                // o (4l + 2), MLP (4l + 3) and the head (n - 2): once each; q|k|v (LL words),
+                // attention (partials, LL) and the conversion's f32 logits: never.
+                let sums = z + 2 == n || (z + 2 < n && z % 4 >= 2);
+                assert_eq!(times, sums as usize, "stage {z} of {n}");
+            }
+        }
+    }
 
     #[test]
     fn auto_takes_the_ring_where_its_copies_fit_a_sixteenth_of_the_memory() {
