@@ -2166,8 +2166,9 @@ pub enum RingKind {
     /// (`[N, K]`).
     Mlp = 1,
     /// One token's attention over its KV head's cache (no weights): `x` the layer's q|k|v
-    /// sums (q and k rows in the paired RoPE order); the splits' partials go to `part`, the
-    /// new key and value to the cache at the step's slot (see the source).
+    /// LL words (from a GEMV stage with `ll`; `K` that stage's, `K / 1024` words a row; q and k
+    /// rows in the paired RoPE order); the splits' partials go to `part` as LL words, the new
+    /// key and value to the cache at the step's slot (see the source).
     Attn = 2,
     /// `y[N] += W x[K]` from `w = W^T` (`[K, N]`), split over the input rows (a block stages
     /// only its own; [`RingInput::AttnParts`] merges them from an attention stage).
@@ -2188,7 +2189,8 @@ pub enum RingInput {
     Sums = 0,
     /// `K` bf16 (the embedding).
     Bf16 = 1,
-    /// An attention stage's split partials (its `part`), merged while staged ([`RingKind::GemvT`]
+    /// An attention stage's split partials (its `part`, LL words polled until they carry the
+    /// attention stage's tag: no grid-wide wait), merged while staged ([`RingKind::GemvT`]
     /// stages only); the stage carries the attention's `nh`, `nkv` and `hd`, and `K = nh hd`.
     AttnParts = 2,
 }
