@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""Per-block view of a decode-ring trace dump (issue 16, session 31).
+
+`HARRIER_RING_TRACE=1 HARRIER_RING_TRACE_DUMP=PREFIX harrier-cuda-tool bench --batches 1 ...`
+writes PREFIX.MODE.csv: one line per (stage, block), the stage index, the block, then the
+kernel's RING_TRACE_WORDS stamps in ns (word 0: the block starts waiting for the stage's input,
+1: has it staged (an attention stage: its q|k|v words read), 2: has finished the stage; the
+rest only with the kernel's measurement defines). Stages are four a layer (q|k|v, attention,
+o, MLP), then the head and the logits' conversion.
+
+    python3 scripts/gpu/ring_blocks.py PREFIX.graph-async.csv LAYERS [KV_HEADS]
+
+prints, per stage kind (medians over layers 1..LAYERS-1): when blocks have their input staged
+after the previous stage's last block finished, their work, how late the last blocks end
+against the median one and whether the same blocks are late layer after layer; then each
+attention block's start and q|k|v words read relative to the last q|k|v block's finish, by
+(KV head, split). The global timer of an H200 ticks in 256 ns: read the figures as such.
+"""
+import sys
+
+import numpy as np
+
+KINDS = ["q|k|v", "attention", "o", "mlp"]
+
+
+def main():
+    path, layers = sys.argv[1], int(sys.argv[2])
+    nkv = int(sys.argv[3]) if len(sys.argv) > 3 else 8
+    d = np.loadtxt(path, delimiter=",", dtype=np.int64)
+    stages, blocks = d[:, 0].max() + 1, d[:, 1].max() + 1
+    w = d[:, 2:].reshape(stages, blocks, -1).astype(np.float64)
+    w = (w - w[0, :, 0].min()) / 1e3
+    t1, t2 = w[:, :, 1], w[:, :, 2]
+    ls = range(1, layers)
+    print(f"{stages} stages, {blocks} blocks, layers 1..{layers - 1} (us)")
+    for j, name in enumerate(KINDS):
+        staged = [np.median(t1[4 * l + j] - t2[4 * l + j - 1].max()) for l in ls]
+        work = [np.median(t2[4 * l + j] - t1[4 * l + j]) for l in ls]
+        late = np.array([t2[4 * l + j] - np.median(t2[4 * l + j]) for l in ls])
+        corr = [np.corrcoef(late[i], late[i + 1])[0, 1] for i in range(len(late) - 1)]
+        tail = np.sort(late, axis=1).mean(0)
+        print(
+            f"{name:9s} staged {np.mean(staged):5.2f} after the last block before, work {np.mean(work):5.2f}; "
+            f"end - median: last {tail[-1]:.2f}, 5th {tail[-5]:.2f}, 17th {tail[-17]:.2f}, first {tail[0]:.2f}; "
+            f"lateness correlation layer to layer {np.mean(corr):.2f}"
+        )
+    split = blocks // nkv
+    start = np.median([w[4 * l + 1, :, 0] - t2[4 * l].max() for l in ls], 0)
+    read = np.median([t1[4 * l + 1] - t2[4 * l].max() for l in ls], 0)
+    print("attention blocks: start / q|k|v words read, after the last q|k|v block finished")
+    for h in range(nkv):
+        print(f"  KV head {h}: " + " ".join(f"{start[h * split + s]:.2f}/{read[h * split + s]:.2f}" for s in range(split)))
+
+
+if __name__ == "__main__":
+    main()
