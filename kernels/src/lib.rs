@@ -3188,7 +3188,7 @@ mod tests {
             return;
         }
         const VARIANTS: &[&str] = &[
-            "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE",
+            "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE -DRING_LL_BACKOFF=100",
             "-DHARRIER_TRACE -DRING_MLP_TRACE=2",
             // (Variants of different kernels share a compile.)
             "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_COUNT_RELAXED",

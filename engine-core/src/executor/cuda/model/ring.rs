@@ -475,7 +475,6 @@ impl GpuModel {
             stages.push(RingStage {
                 kind: RingKind::Attn,
                 x: layer(i, l.qkv),
-                x_len: c.qkv_dim() as i32,
                 // (The q|k|v stage's K: its LL words a row are K / 1024.)
                 k: hid as i32,
                 k_cache: kv.at(k_off),
