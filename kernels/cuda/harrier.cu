@@ -2606,7 +2606,7 @@ struct RingStep {
 #ifndef RING_SLOT
 #define RING_SLOT 32768
 #endif
-#define RING_MAX_SLOTS 32
+#define RING_MAX_SLOTS 16
 // f32 beside each slot of gemv_ring_f8: an FP8 GEMV or gate|up slot's row scales (from the
 // 16-byte boundary at or before its first row: with K >= 2048, at most 16 rows and 3 before).
 #define RING_SLOT_SCALES 64
@@ -3204,7 +3204,8 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // (no waits for inputs), RING_NO_MATH (slots released unread), RING_NO_RED (MLP sums never
 // added), RING_MLP_NO_DOWN (down slots released unread) and RING_MLP_NO_BAR (no barrier
 // between a chunk's gate|up and down) and RING_COUNT_RELAXED (a stage's count without its
-// release) are measurement variants with wrong outputs.
+// release) are measurement variants with wrong outputs; RING_FREE_RELAXED (the pair_free
+// arrive without its release, see partner_free) one relying on the hardware's ordering.
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
@@ -3233,6 +3234,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
     __shared__ float red_ss[CW];       // the input norm's sum of squares, by warp
     __shared__ int slot_item[RING_MAX_SLOTS];  // the item a full slot holds (-1: a stage's end)
     __shared__ __align__(8) unsigned long long pair_ready;  // the partner's sums pushed (clusters of two)
+    // The partner done with its attention stage's state (in its input region, where this
+    // block's o sums go: see partner_free).
+    __shared__ __align__(8) unsigned long long pair_free;
     u32 crank, csize;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(crank));
     asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(csize));
@@ -3246,6 +3250,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(empty + i)), "r"(CW) : "memory");
         }
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&pair_ready)) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&pair_free)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -3379,7 +3384,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         attn_meta.ready = 0;
     }
     const auto tag_of = [&](int stage) -> u32 { return *(volatile u32*)&tag_base + (u32)stage; };
-    u32 pair_phase = 0;  // pair_ready's phase (add_out)
+    u32 pair_phase = 0, free_phase = 0;  // pair_ready's and pair_free's phases (add_out)
     // The next slot (index ki, its full barrier's phase kp: counted, not divided, in the
     // hot loops: session 24), or the one after it (ahead = 1), waited for; `release` hands the
     // next one back.
@@ -3504,6 +3509,17 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             cp_async_wait_all();
             asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
             if (tr && ct == 0) tr[2] = ring_now();
+            if (st.kind == RING_ATTN && csize == 2 && ct == 0) {  // (see partner_free)
+#ifdef RING_FREE_RELAXED  // measurement: the arrive without its release (MEMBAR.GPU)
+                asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(
+                                 cluster_map(smem_addr(&pair_free), crank ^ 1u))
+                             : "memory");
+#else
+                asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
+                                 cluster_map(smem_addr(&pair_free), crank ^ 1u))
+                             : "memory");
+#endif
+            }
             if (s + 1 == n) return true;
             if (st.kind == RING_ATTN || (st.kind == RING_GEMV && st.ll)) return false;
 #ifdef RING_COUNT_RELAXED
@@ -3630,6 +3646,18 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                          "r"(peer_ready)
                          : "memory");
         };
+        // o stages (paired), before the first push: the partner done with its attention stage,
+        // whose state shares the receiving region (its finish() arrives on this block's
+        // pair_free). No grid-wide wait stands between a layer's attention and o stages, so a
+        // block can reach o's pushes while its partner still attends (session 32: made likely
+        // by the counted sums tried then, which let the blocks drift apart, it made 1B steps
+        // differ run to run). The MLP's pushes need no such wait: a block reaches them only
+        // after the grid-wide wait for every block's o stage.
+        auto partner_free = [&]() {
+            if (st.kind != RING_GEMVT) return;
+            mbar_wait_cluster(smem_addr(&pair_free), free_phase);
+            free_phase ^= 1u;
+        };
         auto add_out = [&](float* acc, int cols) {
             // (The MLP's pairs too: its blocks each adding all their sums lost, FP8 1B 0.657-0.662
             // against 0.642-0.644 ms, bf16 0.879 against 0.875; session 26.)
@@ -3637,6 +3665,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             float4* const recv = pair_recv(cols);
             if (paired) {
                 if (!F8) {
+                    partner_free();
                     const u32 peer_recv = cluster_map(smem_addr(recv), crank ^ 1u);
                     const u32 peer_ready = cluster_map(smem_addr(&pair_ready), crank ^ 1u);
 #pragma unroll
@@ -3804,6 +3833,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     cp_async_wait_all();  // (the scales)
                     asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
                     float4* red = paired ? (float4*)(xs + cols / 8) : (float4*)xs;
+                    if (paired) partner_free();
                     const u32 peer_recv = cluster_map(smem_addr(pair_recv(cols)), crank ^ 1u);
                     const u32 peer_ready = cluster_map(smem_addr(&pair_ready), crank ^ 1u);
                     const int g = lane >> 2, t = lane & 3;
@@ -4001,14 +4031,15 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         }
         if (!finish()) continue;
         // The last stage: the last block to finish it (every block past its last wait) zeroes
-        // the counters for the next launch.
-        __shared__ int last;
-        if (ct == 0) {
-            unsigned int old;
-            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(done + s) : "memory");
-            last = old == gridDim.x - 1;
-        }
-        asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+        // the counters for the next launch. (Thread 0's finding shared by the barrier's
+        // reduction: a shared word for it took the static shared memory a 128-byte unit over.)
+        unsigned int old = 0, last;
+        if (ct == 0) asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(done + s) : "memory");
+        const unsigned int mine = ct == 0 && old + 1u == gridDim.x;
+        asm volatile("{ .reg .pred p, q; setp.ne.u32 p, %1, 0; bar.red.or.pred q, 1, %2, p; selp.u32 %0, 1, 0, q; }"
+                     : "=r"(last)
+                     : "r"(mine), "r"(nct)
+                     : "memory");
         if (last) {
             for (int i = ct; i < 2 * n; i += nct) done[i] = 0;  // (and the claims)
             if (ct == 0) done[2 * n] += 1u;                     // (the LL epoch)
