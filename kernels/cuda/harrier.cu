@@ -3648,11 +3648,12 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         };
         // o stages (paired), before the first push: the partner done with its attention stage,
         // whose state shares the receiving region (its finish() arrives on this block's
-        // pair_free). No grid-wide wait stands between a layer's attention and o stages, so a
-        // block can reach o's pushes while its partner still attends (session 32: made likely
-        // by the counted sums tried then, which let the blocks drift apart, it made 1B steps
-        // differ run to run). The MLP's pushes need no such wait: a block reaches them only
-        // after the grid-wide wait for every block's o stage.
+        // pair_free; every GEMVT stage follows an ATTN stage, as the host lays the stages out).
+        // No grid-wide wait stands between a layer's attention and o stages, so a block can
+        // reach o's pushes while its partner still attends: session 32's counted sums, which
+        // let the blocks drift further apart, made 1B steps differ run to run that way. The
+        // MLP's pushes need no such wait: a block reaches them only after the grid-wide wait
+        // for every block's o stage.
         auto partner_free = [&]() {
             if (st.kind != RING_GEMVT) return;
             mbar_wait_cluster(smem_addr(&pair_free), free_phase);

@@ -487,6 +487,8 @@ impl GpuModel {
                 scale: c.attention_scale(),
                 ..Default::default()
             });
+            // (Right after its attention stage: a paired block's o pushes wait for the
+            // partner's attention stage to end, the kernel's `partner_free`.)
             stages.push(RingStage {
                 kind: RingKind::GemvT,
                 w: r.o_t[i].ptr,
