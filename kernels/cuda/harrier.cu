@@ -3187,7 +3187,11 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
                 const int idx = base + sp * G;
                 const unsigned long long *pm = ml + 2 * idx, *po = px + (size_t)idx * hd + d;
                 const unsigned long long wm = ring_ll_ld(pm), wl = ring_ll_ld(pm + 1), wo = ring_ll_ld(po);
+#ifdef RING_NO_MERGE_WAIT  // measurement: the partials as first read, tag or not
+                ring_merge(M, L, O, __uint_as_float((u32)wm), __uint_as_float((u32)wl), __uint_as_float((u32)wo));
+#else
                 ring_merge(M, L, O, ring_ll_val(wm, pm, tag), ring_ll_val(wl, pm + 1, tag), ring_ll_val(wo, po, tag));
+#endif
             }
         }
         for (int o = P >> 1; o > 0; o >>= 1) {
@@ -3200,12 +3204,14 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 }
 // `trace` (null for none): per stage and block (RING_TRACE_WORDS u64 apart), the global time
 // consumer thread 0 starts waiting for the stage's input, has it staged (ATTN: its q|k|v words
-// read), and has finished the stage; with RING_ATTN_TRACE attention stages stamp five more (ring_attention). RING_NO_DEP
-// (no waits for inputs), RING_NO_MATH (slots released unread), RING_NO_RED (MLP sums never
-// added), RING_MLP_NO_DOWN (down slots released unread) and RING_MLP_NO_BAR (no barrier
-// between a chunk's gate|up and down) and RING_COUNT_RELAXED (a stage's count without its
-// release) are measurement variants with wrong outputs; RING_FREE_RELAXED (the pair_free
-// arrive without its release, see partner_free) one relying on the hardware's ordering.
+// read), and has finished the stage; with RING_ATTN_TRACE attention stages stamp five more
+// (ring_attention). RING_NO_DEP (no grid-wide waits for inputs), RING_NO_MATH (slots released
+// unread), RING_NO_RED (MLP sums never added), RING_MLP_NO_DOWN (down slots released unread),
+// RING_MLP_NO_BAR (no barrier between a chunk's gate|up and down), RING_COUNT_RELAXED (a
+// stage's count without its release) and RING_NO_MERGE_WAIT (o's merge taking the attention
+// partials as first read, whatever their tags) are measurement variants with wrong outputs;
+// RING_FREE_RELAXED (the pair_free arrive without its release, see partner_free) one relying
+// on the hardware's ordering.
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).

@@ -3189,7 +3189,7 @@ mod tests {
         }
         const VARIANTS: &[&str] = &[
             "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE -DRING_LL_BACKOFF=100 -DRING_FREE_RELAXED",
-            "-DHARRIER_TRACE -DRING_MLP_TRACE=2",
+            "-DHARRIER_TRACE -DRING_MLP_TRACE=2 -DRING_NO_MERGE_WAIT",
             // (Variants of different kernels share a compile.)
             "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_COUNT_RELAXED",
             "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4",
