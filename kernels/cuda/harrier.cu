@@ -2108,9 +2108,11 @@ __device__ __forceinline__ void cp_async_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// DN: the _dn instances (bf16, up to 8 rows), the only ones that read SK_NORM_IN / SK_NORM_OUT;
-// the others compile as before the deferred norms (their extra epilogue code cost the 1B's
-// prologue steps ~2% when every instance had it: session 29).
+// DN: the _dn instances (up to 8 rows; bf16, and FP8 ones for HARRIER_FP8_FUSED=1), the only
+// ones that read SK_NORM_IN / SK_NORM_OUT; the others compile as before the deferred norms
+// (their extra epilogue code cost the 1B's prologue steps ~2% when every instance had it:
+// session 29). FP8 changes nothing there: its weights become bf16 before the MMAs, x is read
+// as bf16 either way, and the row scales apply before a deferred norm's 1 / rms.
 template <int NT, int R, bool F8, int W = SK_WARPS, bool DN = false>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
@@ -2119,7 +2121,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     __shared__ float ss_sh[W][8];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    static_assert(!DN || (NT == 1 && !F8), "deferred norms: bf16, up to 8 rows");
+    static_assert(!DN || NT == 1, "deferred norms: up to 8 rows");
     const int epi = DN ? p.epi & 15 : p.epi;
     const float* ss_in = DN && (p.epi & SK_NORM_IN) ? (const float*)p.norm_w : nullptr;
     const bool norm_out = DN && (p.epi & SK_NORM_OUT) && epi == SK_RESID;
@@ -2470,13 +2472,17 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(Skin
 // an SM (at most 64 registers; 62, no spills, where the unbound one takes 90), so a launch of
 // 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
-// The deferred norms' instances (SK_NORM_IN / SK_NORM_OUT launches; bf16, up to 8 rows), one for
-// each 8-row bf16 instance above.
+// The deferred norms' instances (SK_NORM_IN / SK_NORM_OUT launches, up to 8 rows), one for
+// each 8-row instance above (the FP8 ones for HARRIER_FP8_FUSED=1).
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_dn(SkinnyIn p) { skinny_gemm<1, 1, false, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_r4_dn(SkinnyIn p) { skinny_gemm<1, 4, false, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_dn(SkinnyIn p) { skinny_gemm<1, 1, false, 8, true>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_r4_w8_dn(SkinnyIn p) { skinny_gemm<1, 4, false, 8, true>(p); }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_dn(SkinnyIn p) { skinny_gemm<1, 1, false, SK_WARPS, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8_dn(SkinnyIn p) { skinny_gemm<1, 1, true, SK_WARPS, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8_r4_dn(SkinnyIn p) { skinny_gemm<1, 4, true, SK_WARPS, true>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_f8_8_w8_dn(SkinnyIn p) { skinny_gemm<1, 1, true, 8, true>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8_dn(SkinnyIn p) { skinny_gemm<1, 4, true, 8, true>(p); }
 
 // The persistent decode step (one token: the engine's batch-1 decode steps of Llama-shaped
 // models with bf16 layers, or FP8 ones in gemv_ring_f8 (see "FP8 weights in the ring" above),

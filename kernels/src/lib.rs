@@ -461,18 +461,22 @@ pub fn kernel_names() -> impl Iterator<Item = &'static str> {
         .copied()
 }
 
-/// Each bf16 8-row instance and its deferred-norm twin (`skinny_gemm<.., DN = true>`, the only
-/// ones that read `SK_NORM_IN` / `SK_NORM_OUT`: the extra epilogue code in every instance cost
-/// the 1B's other fused steps ~2%, session 29).
-const SKINNY_DN: [(&str, &str); 5] = [
+/// Each 8-row instance and its deferred-norm twin (`skinny_gemm<.., DN = true>`, the only ones
+/// that read `SK_NORM_IN` / `SK_NORM_OUT`: the extra epilogue code in every instance cost the
+/// 1B's other fused steps ~2%, session 29); the FP8 ones serve `HARRIER_FP8_FUSED=1` steps.
+const SKINNY_DN: [(&str, &str); 9] = [
     ("skinny_gemm_8", "skinny_gemm_8_dn"),
     ("skinny_gemm_8_r4", "skinny_gemm_8_r4_dn"),
     ("skinny_gemm_8_w8", "skinny_gemm_8_w8_dn"),
     ("skinny_gemm_8_r4_w8", "skinny_gemm_8_r4_w8_dn"),
     (SKINNY_B2, "skinny_gemm_8_b2_dn"),
+    ("skinny_gemm_f8_8", "skinny_gemm_f8_8_dn"),
+    ("skinny_gemm_f8_8_r4", "skinny_gemm_f8_8_r4_dn"),
+    ("skinny_gemm_f8_8_w8", "skinny_gemm_f8_8_w8_dn"),
+    ("skinny_gemm_f8_8_r4_w8", "skinny_gemm_f8_8_r4_w8_dn"),
 ];
 
-/// The deferred-norm twin of instance `name`, if it has one (bf16, up to 8 rows).
+/// The deferred-norm twin of instance `name`, if it has one (up to 8 rows).
 fn skinny_dn_instance(name: &str) -> Option<&'static str> {
     SKINNY_DN
         .iter()
@@ -2127,7 +2131,7 @@ impl Kernels {
         };
         let name = match p.deferred() {
             true => skinny_dn_instance(name).with_context(|| {
-                format!("skinny_gemm: no deferred-norm instance for {name} (bf16, up to 8 rows)")
+                format!("skinny_gemm: no deferred-norm instance for {name} (up to 8 rows)")
             })?,
             false => name,
         };
@@ -2703,13 +2707,19 @@ mod tests {
         let mut table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
         table.push(SKINNY_B2);
         table.extend(SKINNY_DN.iter().map(|(_, dn)| *dn));
-        // Every deferred-norm twin is a bf16 8-row instance's.
+        // Every deferred-norm twin is an 8-row instance's, and every 8-row instance has one.
         for (base, dn) in SKINNY_DN {
-            assert!(table.contains(&base) && !base.contains("_f8_") && !base.contains("_16"));
+            assert!(table.contains(&base) && !base.contains("_16"));
             assert_eq!(skinny_dn_instance(base), Some(dn));
         }
+        for (m, r4, f8, w8) in
+            (0..16).map(|i| (1 + 7 * (i & 1), i & 2 != 0, i & 4 != 0, i & 8 != 0))
+        {
+            let k = skinny_instance(m, r4, f8, w8);
+            assert!(skinny_dn_instance(k).is_some(), "{k}");
+        }
         assert_eq!(skinny_dn_instance("skinny_gemm_16"), None);
-        assert_eq!(skinny_dn_instance("skinny_gemm_f8_8"), None);
+        assert_eq!(skinny_dn_instance("skinny_gemm_f8_16"), None);
         let listed: Vec<&str> = kernel_names()
             .filter(|k| k.starts_with("skinny_gemm_"))
             .collect();
