@@ -3215,9 +3215,7 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // unread), RING_NO_RED (MLP sums never added), RING_MLP_NO_DOWN (down slots released unread),
 // RING_MLP_NO_BAR (no barrier between a chunk's gate|up and down), RING_COUNT_RELAXED (a
 // stage's count without its release) and RING_NO_MERGE_WAIT (o's merge taking the attention
-// partials as first read, whatever their tags) are measurement variants with wrong outputs;
-// RING_FREE_RELAXED (the pair_free arrive without its release, see partner_free) one relying
-// on the hardware's ordering.
+// partials as first read, whatever their tags) are measurement variants with wrong outputs.
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
@@ -3522,15 +3520,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
             if (tr && ct == 0) tr[2] = ring_now();
             if (st.kind == RING_ATTN && csize == 2 && ct == 0) {  // (see partner_free)
-#ifdef RING_FREE_RELAXED  // measurement: the arrive without its release (MEMBAR.GPU)
-                asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(
-                                 cluster_map(smem_addr(&pair_free), crank ^ 1u))
-                             : "memory");
-#else
                 asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
                                  cluster_map(smem_addr(&pair_free), crank ^ 1u))
                              : "memory");
-#endif
             }
             if (s + 1 == n) return true;
             if (st.kind == RING_ATTN || (st.kind == RING_GEMV && st.ll)) return false;

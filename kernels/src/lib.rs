@@ -3198,7 +3198,7 @@ mod tests {
             return;
         }
         const VARIANTS: &[&str] = &[
-            "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE -DRING_LL_BACKOFF=100 -DRING_FREE_RELAXED",
+            "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE -DRING_LL_BACKOFF=100",
             "-DHARRIER_TRACE -DRING_MLP_TRACE=2 -DRING_NO_MERGE_WAIT",
             // (Variants of different kernels share a compile.)
             "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_COUNT_RELAXED",
