@@ -180,9 +180,9 @@ pub struct GpuModel {
     rope_epilogue: bool,
     /// Measurement only: launches left out of every step ([`SkipStages`]).
     skip: SkipStages,
-    /// FP8 skinny steps take the fused path's residual epilogues and norms (deferred, or in
-    /// the prologues) too (`HARRIER_FP8_FUSED=1`, to compare; see [`ProjPlan::new`] for why
-    /// they do not).
+    /// FP8 skinny steps within the fused limit take the fused path's residual epilogues and
+    /// norms (deferred, or in the prologues) as bf16 ones do (`HARRIER_FP8_FUSED=0`: the plain
+    /// FP8 skinny kernels, to compare; [`ProjPlan::new`] has the numbers).
     fp8_fused: bool,
     /// Measurement only: the norm prologues' row limit for every width
     /// (`HARRIER_NORM_MAX_ROWS=N`; default [`norm_prologue_max_rows`]).
@@ -278,6 +278,16 @@ const FP8_SKINNY_MAX_ROWS_WITH_GEMM: usize = 8;
 /// block reads all input rows of its reduction.
 const FUSED_MULTI_ROW_MAX_HIDDEN: usize = 3072;
 
+/// FP8 steps of models wider than [`NORM_PROLOGUE_NARROW`] take the fusions up to this many
+/// rows (narrower ones up to the fused limit): measured on the H200 (session 33, graphs,
+/// context 512, ms per step, fused with deferred norms vs the plain FP8 skinny kernels) the 3B
+/// gains at 2-4 rows (2: 1.772 vs 1.918-1.927, 3: 1.959-1.961 vs 2.039-2.046, 4: 2.085-2.090
+/// vs 2.205-2.213) and loses at 5-8 (5: 2.224 vs 2.191-2.194, 6: 2.388-2.390 vs 2.379-2.380,
+/// 8: 2.473-2.490 vs 2.435-2.455), where the 1B and Qwen3-0.6B gain at every row count up to
+/// 8. A power of two, as the norm prologues' limits are (a batch and the graph bucket it pads
+/// to take the same plan).
+const FP8_FUSED_MAX_ROWS_WIDE: usize = 4;
+
 /// Steps of at most this many rows norm inside the q|k|v and gate|up GEMMs (models up to
 /// [`NORM_PROLOGUE_NARROW`] wide: [`NORM_PROLOGUE_MAX_ROWS_NARROW`]). Every block of the launch
 /// normalises the whole input again: at 1 row that costs 2.5 us over the plain skinny GEMM on
@@ -361,10 +371,13 @@ impl ProjPlan {
     /// 8 1.080-1.083 vs 1.123-1.126; 3B 2 2.268-2.272 vs 2.340-2.364, 4 2.599-2.602 vs
     /// 2.690-2.697, 8 2.894-2.896 vs 2.963-2.980; Qwen3-0.6B (batch 1 without the ring) 1
     /// 0.853-0.859 vs 0.877, 8 1.158-1.159 vs 1.207. FP8 weights take the skinny kernels up to
-    /// their limit, without the fusions unless `fuse_fp8` (`HARRIER_FP8_FUSED=1`, to compare):
-    /// then as bf16 within both limits, the norms deferred too (the FP8 `_dn` instances, added
-    /// in session 32 and not yet measured: the fusions lost or tied for FP8 before the
-    /// deferred norms existed).
+    /// their limit, and with `fuse_fp8` (`HARRIER_FP8_FUSED=0` turns it off, to compare) the
+    /// fusions as bf16 within both limits and [`fp8_fusion_fits`]. Before the deferred norms
+    /// the fusions lost or tied for FP8 (sessions 8 and 12); with them (H200, session 33, ms
+    /// per step, fused vs plain FP8 skinny): the 1B 2 rows 0.741-0.742 vs 0.807-0.811, 3
+    /// 0.788-0.790 vs 0.847-0.851, 4 0.797 vs 0.858-0.862, 8 0.858-0.868 vs 0.885-0.900;
+    /// Qwen3-0.6B 1 0.756-0.759 vs 0.829-0.830, 8 1.077-1.080 vs 1.113-1.114; the 3B in
+    /// [`FP8_FUSED_MAX_ROWS_WIDE`]'s note.
     fn new(
         c: &ModelConfig,
         (dtype, fp8): (Dtype, Option<usize>),
@@ -379,7 +392,7 @@ impl ProjPlan {
         // epilogue operands read early (H200, session 12) they were mixed: 1B 0.920 vs 0.913
         // at batch 1 and 1.194 vs 1.207 at 8, 3B 1.980 vs 2.039, 8B 3.942 vs 3.878.
         let fused = dtype == Dtype::Bf16
-            && fp8.is_none_or(|max| fuse_fp8 && rows <= max)
+            && fp8.is_none_or(|max| fuse_fp8 && rows <= max && fp8_fusion_fits(c, rows))
             && rows <= fused_max_rows
             && (rows == 1 || c.hidden_size <= FUSED_MULTI_ROW_MAX_HIDDEN)
             && c.layer_gemm_shapes()
@@ -400,6 +413,12 @@ impl ProjPlan {
             norm,
         }
     }
+}
+
+/// Whether an FP8 step of `rows` rows is narrow enough for the fusions
+/// ([`FP8_FUSED_MAX_ROWS_WIDE`]).
+fn fp8_fusion_fits(c: &ModelConfig, rows: usize) -> bool {
+    c.hidden_size <= NORM_PROLOGUE_NARROW || rows <= FP8_FUSED_MAX_ROWS_WIDE
 }
 
 /// Whether a layer's q|k|v launch rotates q and k and writes the KV cache in its epilogue
@@ -799,7 +818,7 @@ impl GpuModel {
             rope_paired,
             rope_epilogue: harrier_kernels::switch_on("HARRIER_ROPE_EPILOGUE"),
             skip: SkipStages::from_env()?,
-            fp8_fused: std::env::var("HARRIER_FP8_FUSED").is_ok_and(|v| v == "1"),
+            fp8_fused: harrier_kernels::switch_on("HARRIER_FP8_FUSED"),
             norm_max_rows: match std::env::var("HARRIER_NORM_MAX_ROWS") {
                 Ok(v) => Some(v.parse().context("HARRIER_NORM_MAX_ROWS")?),
                 Err(_) => None,
@@ -1426,7 +1445,8 @@ mod tests {
         assert_eq!(plan(&wide, bf16, default, 2), (false, false, L));
         assert_eq!(plan(&mid, bf16, default, 3), (true, true, D));
         assert_eq!(plan(&mid, bf16, default, 8), (true, true, D));
-        // FP8: skinny up to 16 rows whatever the fused limit, never with the fusions.
+        // FP8 without its fusions (HARRIER_FP8_FUSED=0): skinny up to 16 rows whatever the
+        // fused limit.
         assert_eq!(plan(&llama, fp8, 0, 1), (true, false, L));
         assert_eq!(plan(&llama, fp8, 0, FP8_SKINNY_MAX_ROWS), (true, false, L));
         assert_eq!(
@@ -1438,9 +1458,9 @@ mod tests {
         assert_eq!(plan(&llama, fp8_gemm, 0, 8), (true, false, L));
         assert_eq!(plan(&llama, fp8_gemm, 0, 9), (false, false, L));
         assert_eq!(plan(&llama, fp8, 8, 16), (true, false, L));
-        // HARRIER_FP8_FUSED: the fusions within both limits (the norms deferred, or with
-        // HARRIER_DEFERRED_NORM=0 in the prologues), the plain FP8 skinny path past the fused
-        // one.
+        // The FP8 fusions (on unless HARRIER_FP8_FUSED=0): within both limits (the norms
+        // deferred, or with HARRIER_DEFERRED_NORM=0 in the prologues), the plain FP8 skinny
+        // path past the fused one; models wider than 2,048 up to 4 rows.
         let fused_fp8 = |max, rows, deferred| {
             let p = ProjPlan::new(&llama, fp8, (true, None, deferred), max, rows, fits);
             (p.skinny, p.residual, p.norm)
@@ -1455,6 +1475,16 @@ mod tests {
             fused_fp8(8, FP8_SKINNY_MAX_ROWS + 1, true),
             (false, false, L)
         );
+        let mid_fp8 = |rows| {
+            let p = ProjPlan::new(&mid, fp8, (true, None, true), 8, rows, fits);
+            (p.skinny, p.residual, p.norm)
+        };
+        assert_eq!(mid_fp8(4), (true, true, D));
+        assert_eq!(mid_fp8(5), (true, false, L));
+        assert_eq!(mid_fp8(8), (true, false, L));
+        let qwen = Preset::from_name("qwen3-0.6b").unwrap().config();
+        let p = ProjPlan::new(&qwen, fp8, (true, None, true), 8, 8, fits);
+        assert_eq!((p.skinny, p.residual, p.norm), (true, true, D));
     }
 
     /// RoPE runs in the q|k|v epilogue on skinny steps of layers without q/k norms only.
