@@ -159,13 +159,22 @@ __device__ float block_max(float v, float* sh) {
     return warp_max(v);
 }
 
+// An RMSNorm weight applied to a normalised value xn: Llama's w * bf16(xn), or with w_off != 0
+// (Gemma) xn * (w_off + w) in fp32 (add_rmsnorm below has the rounding points).
+__device__ __forceinline__ float norm_weight(float xn, float w, float w_off) {
+    return w_off != 0.0f ? xn * (w_off + w) : w * rnd(xn);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding: out[t] = table[token(t)] (times scale when it is not 1: Gemma's sqrt(hidden), already
 // rounded to the storage type by the host, the product rounded as a bf16 multiply), where
 // token(t) = tok_src[t] if >= 0 (from the host), else pending[-tok_src[t] - 1] (the row's last
 // sampled token, written on the device by sampling).
+// With norm_w != 0 also layer 0's input RMSNorm of the row into h[t] (the add_rmsnorm launch it
+// replaces, without a delta: the same loop over a block of the same size, so the same bits).
 extern "C" __global__ void embed_tokens(elem* out, const elem* table, const int* tok_src, const int* pending,
-                                        int hidden, int vocab, float scale) {
+                                        int hidden, int vocab, float scale, elem* h, const elem* norm_w, float eps,
+                                        float w_off) {
     PDL_ENTER();
     int t = blockIdx.x;
     int s = tok_src[t];
@@ -173,7 +182,22 @@ extern "C" __global__ void embed_tokens(elem* out, const elem* table, const int*
     if (tok < 0 || tok >= vocab) tok = 0;
     const elem* row = table + (size_t)tok * hidden;
     elem* o = out + (size_t)t * hidden;
-    if (scale == 1.0f) {
+    if (norm_w) {
+        __shared__ float sh[32];
+        float ss = 0.0f;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            const float v = scale == 1.0f ? e2f(row[j]) : rnd(e2f(row[j]) * scale);
+            o[j] = f2e(v);
+            ss += v * v;
+        }
+        ss = block_sum(ss, sh);
+        const float inv = rsqrtf(ss / (float)hidden + eps);
+        elem* ho = h + (size_t)t * hidden;
+        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+            const float v = scale == 1.0f ? e2f(row[j]) : rnd(e2f(row[j]) * scale);
+            ho[j] = f2e(norm_weight(v * inv, e2f(norm_w[j]), w_off));
+        }
+    } else if (scale == 1.0f) {
         for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = row[i];
     } else {
         for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = f2e(e2f(row[i]) * scale);
@@ -190,9 +214,6 @@ extern "C" __global__ void embed_tokens(elem* out, const elem* table, const int*
 // first, the same way: x = bf16(resid + bf16(norm(delta) * (w_off + delta_w))).
 // Block i handles row src = rows ? rows[i] : i and writes out row i (rows: the final norm over
 // the rows that want logits).
-__device__ __forceinline__ float norm_weight(float xn, float w, float w_off) {
-    return w_off != 0.0f ? xn * (w_off + w) : w * rnd(xn);
-}
 __device__ __forceinline__ float norm_scale(float xn, const elem* w, int j, float w_off) {
     return norm_weight(xn, e2f(w[j]), w_off);
 }

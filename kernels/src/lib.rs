@@ -410,6 +410,18 @@ impl SkinnyInputs {
 const SKINNY_SMEM_MAX: usize = 80 << 10;
 const SKINNY_SMEM_FALLBACK: usize = 16 << 10;
 
+/// Layer 0's input RMSNorm done by `embed_tokens` ([`Kernels::embed_tokens`]).
+#[derive(Debug, Clone, Copy)]
+pub struct EmbedNorm {
+    /// The normed rows (`hidden` a row).
+    pub out: u64,
+    /// The norm's weights (`hidden`).
+    pub w: u64,
+    pub eps: f32,
+    /// The norm weights' offset (Gemma's 1; Llama's 0), as [`Kernels::add_rmsnorm`]'s.
+    pub w_off: f32,
+}
+
 /// The f32 partial sums of squares a deferred norm keeps for `m` rows of `k` columns (one a 16
 /// columns and row; [`SkinnyInputs::norm_out`]).
 pub fn deferred_norm_partials(m: usize, k: usize) -> usize {
@@ -1314,7 +1326,9 @@ impl Kernels {
         )
     }
 
-    /// `out[t] = table[token(t)] * scale`, `t < n` (scale 1: a copy).
+    /// `out[t] = table[token(t)] * scale`, `t < n` (scale 1: a copy). With `norm`, also
+    /// layer 0's input RMSNorm of the rows, the same bits as an [`Kernels::add_rmsnorm`]
+    /// launch without a delta after it (one launch a step fewer).
     ///
     /// # Safety
     /// Device addresses must be valid for `n` tokens of `hidden` bf16 values.
@@ -1330,10 +1344,22 @@ impl Kernels {
         hidden: i32,
         vocab: i32,
         scale: f32,
+        norm: Option<EmbedNorm>,
     ) -> anyhow::Result<()> {
-        let mut p = params![out, table, tok_src, pending, hidden, vocab, scale];
+        let (h, norm_w, eps, w_off, threads) = match norm {
+            Some(EmbedNorm { out, w, eps, w_off }) => {
+                if w == 0 {
+                    bail!("embed_tokens: a norm without weights");
+                }
+                // add_rmsnorm's block size: its loop and block sum, so its bits.
+                (out, w, eps, w_off, NORM_THREADS)
+            }
+            None => (0, 0, 0.0, 0.0, 256),
+        };
+        let mut p =
+            params![out, table, tok_src, pending, hidden, vocab, scale, h, norm_w, eps, w_off];
         // SAFETY: argument types match the kernel's.
-        unsafe { self.launch("embed_tokens", (n, 1, 1), 256, s, &mut p) }
+        unsafe { self.launch("embed_tokens", (n, 1, 1), threads, s, &mut p) }
     }
 
     /// Residual add (when `delta != 0`; the delta RMSNormed by `delta_w` first when that is

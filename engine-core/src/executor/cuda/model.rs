@@ -7,8 +7,8 @@ use anyhow::{anyhow, bail, Context};
 use half::bf16;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
-    skinny_supports, AttentionInputs, Dtype, Kernels, SkinnyEpilogue as Epi, SkinnyInputs,
-    SkinnyRope,
+    skinny_supports, AttentionInputs, Dtype, EmbedNorm, Kernels, SkinnyEpilogue as Epi,
+    SkinnyInputs, SkinnyRope,
 };
 
 mod ring;
@@ -190,6 +190,9 @@ pub struct GpuModel {
     /// Fused steps defer their norms ([`NormAt::Deferred`]); `HARRIER_DEFERRED_NORM=0`
     /// takes the prologues or launches instead (to compare).
     deferred_norm: bool,
+    /// Layer 0's input norm, where a step would launch it, runs in the embedding launch
+    /// (`HARRIER_EMBED_NORM=0`: an `add_rmsnorm` launch after it, to compare).
+    embed_norm: bool,
     /// The batch-1 decode step as one persistent launch ([`ring`]), when prepared.
     ring: Option<ring::RingDecode>,
 }
@@ -325,7 +328,7 @@ enum NormAt {
     /// Deferred: the o and down launches before write the residual times the norm's weights
     /// and its partial sums of squares; the q|k|v and gate|up launches multiply each row's sums
     /// by its 1 / rms in their epilogue (`SkinnyInputs::norm_out` / `norm_in`). No norm launch
-    /// and no prologue but layer 0's input norm (after the embedding), launched. The same value
+    /// and no prologue; layer 0's input norm runs in the embedding launch (`EmbedNorm`). The same value
     /// as RMSNorm but for rounding: the GEMM reads `bf16(w * x)` where the launch rounds
     /// `bf16(w * bf16(x * inv))`.
     Deferred,
@@ -413,6 +416,12 @@ impl ProjPlan {
             norm,
         }
     }
+}
+
+/// Whether a step whose projections norm `at` launches layer 0's input norm (no GEMM before
+/// it to defer it into), which the embedding launch then does instead.
+fn layer0_norm_launched(at: NormAt) -> bool {
+    matches!(at, NormAt::Launch | NormAt::Deferred)
 }
 
 /// Whether an FP8 step of `rows` rows is narrow enough for the fusions
@@ -824,6 +833,7 @@ impl GpuModel {
                 Err(_) => None,
             },
             deferred_norm: harrier_kernels::switch_on("HARRIER_DEFERRED_NORM"),
+            embed_norm: harrier_kernels::switch_on("HARRIER_EMBED_NORM"),
             ring: None,
         })
     }
@@ -1015,6 +1025,24 @@ impl GpuModel {
                 }
             }
         };
+        // Layer 0's input norm where it would be launched (`layer0_norm_launched`): in the
+        // embedding launch instead (not for the ring, which norms in its own launch).
+        let embed_norm = match self.layers.first() {
+            Some(l0)
+                if layer0_norm_launched(plan.norm)
+                    && self.embed_norm
+                    && skip.runs(Stage::Norm)
+                    && !self.ring_takes(m, gemm_rows) =>
+            {
+                Some(EmbedNorm {
+                    out: s.h.ptr,
+                    w: l0.input_norm.ptr,
+                    eps: eps.0,
+                    w_off: eps.1,
+                })
+            }
+            _ => None,
+        };
         // SAFETY: (all launches below) buffers are sized for max_tokens rows (checked above) and
         // the metadata addresses come from the slot (caller's contract).
         unsafe {
@@ -1028,6 +1056,7 @@ impl GpuModel {
                 hid as i32,
                 c.vocab_size as i32,
                 self.embed_scale,
+                embed_norm,
             )?;
             // Batch-1 decode: everything after the embedding in one persistent launch.
             if self.ring_takes(m, gemm_rows) {
@@ -1084,7 +1113,7 @@ impl GpuModel {
                 // Llama-style blocks on the fused path keep the residual in x and never have a
                 // pending delta: the input norm runs inside the q|k|v GEMM, was deferred into
                 // the down launch before it (layer 0's: the embedding has no such epilogue), or
-                // runs on x alone.
+                // runs on x alone (layer 0's in the embedding launch: `embed_norm`).
                 let qkv_norm = match plan.norm {
                     NormAt::Deferred if li == 0 => NormAt::Launch,
                     at => at,
@@ -1094,7 +1123,7 @@ impl GpuModel {
                         k.skinny_gemm(stream, &p)?;
                     }
                 } else {
-                    if skip.runs(Stage::Norm) {
+                    if skip.runs(Stage::Norm) && !(li == 0 && embed_norm.is_some()) {
                         k.add_rmsnorm(
                             stream,
                             s.x.ptr,
@@ -1485,6 +1514,15 @@ mod tests {
         let qwen = Preset::from_name("qwen3-0.6b").unwrap().config();
         let p = ProjPlan::new(&qwen, fp8, (true, None, true), 8, 8, fits);
         assert_eq!((p.skinny, p.residual, p.norm), (true, true, D));
+    }
+
+    /// Layer 0's input norm moves into the embedding launch exactly where the step would
+    /// launch it: not where the q|k|v GEMM norms in its prologue.
+    #[test]
+    fn layer0_norm_goes_into_the_embedding_where_it_is_launched() {
+        assert!(layer0_norm_launched(NormAt::Launch));
+        assert!(layer0_norm_launched(NormAt::Deferred));
+        assert!(!layer0_norm_launched(NormAt::Prologue));
     }
 
     /// RoPE runs in the q|k|v epilogue on skinny steps of layers without q/k norms only.
