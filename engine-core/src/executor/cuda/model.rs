@@ -328,9 +328,9 @@ enum NormAt {
     /// Deferred: the o and down launches before write the residual times the norm's weights
     /// and its partial sums of squares; the q|k|v and gate|up launches multiply each row's sums
     /// by its 1 / rms in their epilogue (`SkinnyInputs::norm_out` / `norm_in`). No norm launch
-    /// and no prologue; layer 0's input norm runs in the embedding launch (`EmbedNorm`). The same value
-    /// as RMSNorm but for rounding: the GEMM reads `bf16(w * x)` where the launch rounds
-    /// `bf16(w * bf16(x * inv))`.
+    /// and no prologue (layer 0's input norm, which no GEMM precedes, runs in the embedding
+    /// launch: `EmbedNorm`). The same value as RMSNorm but for rounding: the GEMM reads
+    /// `bf16(w * x)` where the launch rounds `bf16(w * bf16(x * inv))`.
     Deferred,
 }
 
