@@ -164,6 +164,20 @@ __device__ float block_max(float v, float* sh) {
 __device__ __forceinline__ float norm_weight(float xn, float w, float w_off) {
     return w_off != 0.0f ? xn * (w_off + w) : w * rnd(xn);
 }
+__device__ __forceinline__ float norm_scale(float xn, const elem* w, int j, float w_off) {
+    return norm_weight(xn, e2f(w[j]), w_off);
+}
+
+// An RMSNorm's end, by a whole block over one row: ss is each thread's sum of squares of the
+// row's values x(j) over its j (j = threadIdx.x, + blockDim.x, ...); writes
+// out[j] = norm(x(j)) * w. (add_rmsnorm and embed_tokens: the same loop, so the same bits.)
+template <typename X>
+__device__ __forceinline__ void rms_norm_row(X x, float ss, int hidden, float eps, const elem* w, float w_off,
+                                             elem* out, float* sh) {
+    ss = block_sum(ss, sh);
+    const float inv = rsqrtf(ss / (float)hidden + eps);
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x) out[j] = f2e(norm_scale(x(j) * inv, w, j, w_off));
+}
 
 // ---------------------------------------------------------------------------------------------
 // Embedding: out[t] = table[token(t)] (times scale when it is not 1: Gemma's sqrt(hidden), already
@@ -171,7 +185,7 @@ __device__ __forceinline__ float norm_weight(float xn, float w, float w_off) {
 // token(t) = tok_src[t] if >= 0 (from the host), else pending[-tok_src[t] - 1] (the row's last
 // sampled token, written on the device by sampling).
 // With norm_w != 0 also layer 0's input RMSNorm of the row into h[t] (the add_rmsnorm launch it
-// replaces, without a delta: the same loop over a block of the same size, so the same bits).
+// replaces, without a delta: rms_norm_row over a block of the same size, so the same bits).
 extern "C" __global__ void embed_tokens(elem* out, const elem* table, const int* tok_src, const int* pending,
                                         int hidden, int vocab, float scale, elem* h, const elem* norm_w, float eps,
                                         float w_off) {
@@ -182,26 +196,15 @@ extern "C" __global__ void embed_tokens(elem* out, const elem* table, const int*
     if (tok < 0 || tok >= vocab) tok = 0;
     const elem* row = table + (size_t)tok * hidden;
     elem* o = out + (size_t)t * hidden;
-    if (norm_w) {
-        __shared__ float sh[32];
-        float ss = 0.0f;
-        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-            const float v = scale == 1.0f ? e2f(row[j]) : rnd(e2f(row[j]) * scale);
-            o[j] = f2e(v);
-            ss += v * v;
-        }
-        ss = block_sum(ss, sh);
-        const float inv = rsqrtf(ss / (float)hidden + eps);
-        elem* ho = h + (size_t)t * hidden;
-        for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-            const float v = scale == 1.0f ? e2f(row[j]) : rnd(e2f(row[j]) * scale);
-            ho[j] = f2e(norm_weight(v * inv, e2f(norm_w[j]), w_off));
-        }
-    } else if (scale == 1.0f) {
-        for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = row[i];
-    } else {
-        for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = f2e(e2f(row[i]) * scale);
+    const auto val = [&](int j) { return scale == 1.0f ? e2f(row[j]) : rnd(e2f(row[j]) * scale); };
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+        const float v = val(j);
+        o[j] = f2e(v);
+        if (norm_w) ss += v * v;
     }
+    __shared__ float sh[32];
+    if (norm_w) rms_norm_row(val, ss, hidden, eps, norm_w, w_off, h + (size_t)t * hidden, sh);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -214,10 +217,6 @@ extern "C" __global__ void embed_tokens(elem* out, const elem* table, const int*
 // first, the same way: x = bf16(resid + bf16(norm(delta) * (w_off + delta_w))).
 // Block i handles row src = rows ? rows[i] : i and writes out row i (rows: the final norm over
 // the rows that want logits).
-__device__ __forceinline__ float norm_scale(float xn, const elem* w, int j, float w_off) {
-    return norm_weight(xn, e2f(w[j]), w_off);
-}
-
 extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const elem* delta_w, const elem* w, elem* out,
                                        const int* rows, int hidden, float eps, float w_off) {
     PDL_ENTER();
@@ -247,13 +246,7 @@ extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const ele
         }
         ss += v * v;
     }
-    ss = block_sum(ss, sh);
-    float inv = rsqrtf(ss / (float)hidden + eps);
-    elem* o = out + (size_t)i * hidden;
-    for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-        float v = e2f(x[j]);
-        o[j] = f2e(norm_scale(v * inv, w, j, w_off));
-    }
+    rms_norm_row([&](int j) { return e2f(x[j]); }, ss, hidden, eps, w, w_off, out + (size_t)i * hidden, sh);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -418,10 +418,19 @@ impl ProjPlan {
     }
 }
 
-/// Whether a step whose projections norm `at` launches layer 0's input norm (no GEMM before
-/// it to defer it into), which the embedding launch then does instead.
+/// Where layer `layer`'s q|k|v input norm runs in a step whose projections norm `at`: layer 0's
+/// deferred norm is launched (no GEMM precedes it to defer it into).
+fn qkv_norm_at(at: NormAt, layer: usize) -> NormAt {
+    match at {
+        NormAt::Deferred if layer == 0 => NormAt::Launch,
+        at => at,
+    }
+}
+
+/// Whether a step whose projections norm `at` launches layer 0's input norm, which the
+/// embedding launch then does instead.
 fn layer0_norm_launched(at: NormAt) -> bool {
-    matches!(at, NormAt::Launch | NormAt::Deferred)
+    qkv_norm_at(at, 0) == NormAt::Launch
 }
 
 /// Whether an FP8 step of `rows` rows is narrow enough for the fusions
@@ -1025,6 +1034,7 @@ impl GpuModel {
                 }
             }
         };
+        let ring_step = self.ring_takes(m, gemm_rows);
         // Layer 0's input norm where it would be launched (`layer0_norm_launched`): in the
         // embedding launch instead (not for the ring, which norms in its own launch).
         let embed_norm = match self.layers.first() {
@@ -1032,7 +1042,7 @@ impl GpuModel {
                 if layer0_norm_launched(plan.norm)
                     && self.embed_norm
                     && skip.runs(Stage::Norm)
-                    && !self.ring_takes(m, gemm_rows) =>
+                    && !ring_step =>
             {
                 Some(EmbedNorm {
                     out: s.h.ptr,
@@ -1059,7 +1069,7 @@ impl GpuModel {
                 embed_norm,
             )?;
             // Batch-1 decode: everything after the embedding in one persistent launch.
-            if self.ring_takes(m, gemm_rows) {
+            if ring_step {
                 return self.launch_ring(k, stream, m);
             }
             // The pending residual delta (the previous layer's MLP output) and, for Gemma, the
@@ -1114,10 +1124,7 @@ impl GpuModel {
                 // pending delta: the input norm runs inside the q|k|v GEMM, was deferred into
                 // the down launch before it (layer 0's: the embedding has no such epilogue), or
                 // runs on x alone (layer 0's in the embedding launch: `embed_norm`).
-                let qkv_norm = match plan.norm {
-                    NormAt::Deferred if li == 0 => NormAt::Launch,
-                    at => at,
-                };
+                let qkv_norm = qkv_norm_at(plan.norm, li);
                 if let Some(p) = fused_norm(&qkv_launch, w.input_norm.ptr, qkv_norm) {
                     if skip.runs(Stage::Qkv) {
                         k.skinny_gemm(stream, &p)?;
