@@ -181,9 +181,11 @@ pub struct GpuModel {
     /// Measurement only: launches left out of every step ([`SkipStages`]).
     skip: SkipStages,
     /// FP8 skinny steps within the fused limit take the fused path's residual epilogues and
-    /// norms (deferred, or in the prologues) as bf16 ones do (`HARRIER_FP8_FUSED=0`: the plain
-    /// FP8 skinny kernels, to compare; [`ProjPlan::new`] has the numbers).
-    fp8_fused: bool,
+    /// norms (deferred, or in the prologues) as bf16 ones do, on models wider than
+    /// [`NORM_PROLOGUE_NARROW`] up to this many rows (default [`FP8_FUSED_MAX_ROWS_WIDE`];
+    /// `HARRIER_FP8_FUSED_WIDE_ROWS=N` to measure); `None` with `HARRIER_FP8_FUSED=0`: the
+    /// plain FP8 skinny kernels, to compare ([`ProjPlan::new`] has the numbers).
+    fp8_fused: Option<usize>,
     /// Measurement only: the norm prologues' row limit for every width
     /// (`HARRIER_NORM_MAX_ROWS=N`; default [`norm_prologue_max_rows`]).
     norm_max_rows: Option<usize>,
@@ -384,7 +386,7 @@ impl ProjPlan {
     fn new(
         c: &ModelConfig,
         (dtype, fp8): (Dtype, Option<usize>),
-        (fuse_fp8, norm_rows, deferred): (bool, Option<usize>, bool),
+        (fuse_fp8, norm_rows, deferred): (Option<usize>, Option<usize>, bool),
         fused_max_rows: usize,
         rows: usize,
         fits: impl Fn(NormAt, usize, usize) -> bool,
@@ -395,7 +397,9 @@ impl ProjPlan {
         // epilogue operands read early (H200, session 12) they were mixed: 1B 0.920 vs 0.913
         // at batch 1 and 1.194 vs 1.207 at 8, 3B 1.980 vs 2.039, 8B 3.942 vs 3.878.
         let fused = dtype == Dtype::Bf16
-            && fp8.is_none_or(|max| fuse_fp8 && rows <= max && fp8_fusion_fits(c, rows))
+            && fp8.is_none_or(|max| {
+                rows <= max && fuse_fp8.is_some_and(|wide| fp8_fusion_fits(c, rows, wide))
+            })
             && rows <= fused_max_rows
             && (rows == 1 || c.hidden_size <= FUSED_MULTI_ROW_MAX_HIDDEN)
             && c.layer_gemm_shapes()
@@ -433,10 +437,11 @@ fn layer0_norm_launched(at: NormAt) -> bool {
     qkv_norm_at(at, 0) == NormAt::Launch
 }
 
-/// Whether an FP8 step of `rows` rows is narrow enough for the fusions
-/// ([`FP8_FUSED_MAX_ROWS_WIDE`]).
-fn fp8_fusion_fits(c: &ModelConfig, rows: usize) -> bool {
-    c.hidden_size <= NORM_PROLOGUE_NARROW || rows <= FP8_FUSED_MAX_ROWS_WIDE
+/// Whether an FP8 step of `rows` rows is narrow enough for the fusions: models wider than
+/// [`NORM_PROLOGUE_NARROW`] take them up to `wide_rows` ([`FP8_FUSED_MAX_ROWS_WIDE`] by
+/// default).
+fn fp8_fusion_fits(c: &ModelConfig, rows: usize, wide_rows: usize) -> bool {
+    c.hidden_size <= NORM_PROLOGUE_NARROW || rows <= wide_rows
 }
 
 /// Whether a layer's q|k|v launch rotates q and k and writes the KV cache in its epilogue
@@ -836,7 +841,11 @@ impl GpuModel {
             rope_paired,
             rope_epilogue: harrier_kernels::switch_on("HARRIER_ROPE_EPILOGUE"),
             skip: SkipStages::from_env()?,
-            fp8_fused: harrier_kernels::switch_on("HARRIER_FP8_FUSED"),
+            fp8_fused: match std::env::var("HARRIER_FP8_FUSED_WIDE_ROWS") {
+                Ok(v) => Some(v.parse().context("HARRIER_FP8_FUSED_WIDE_ROWS")?),
+                Err(_) => Some(FP8_FUSED_MAX_ROWS_WIDE),
+            }
+            .filter(|_| harrier_kernels::switch_on("HARRIER_FP8_FUSED")),
             norm_max_rows: match std::env::var("HARRIER_NORM_MAX_ROWS") {
                 Ok(v) => Some(v.parse().context("HARRIER_NORM_MAX_ROWS")?),
                 Err(_) => None,
@@ -1434,7 +1443,7 @@ mod tests {
         let gemma = Preset::from_name("gemma-3-1b").unwrap().config();
         let fits = |_: NormAt, _: usize, _: usize| true;
         let plan = |c: &ModelConfig, st: (Dtype, Option<usize>), max: usize, rows: usize| {
-            let p = ProjPlan::new(c, st, (false, None, true), max, rows, fits);
+            let p = ProjPlan::new(c, st, (None, None, true), max, rows, fits);
             (p.skinny, p.residual, p.norm)
         };
         let bf16 = (Dtype::Bf16, None);
@@ -1457,17 +1466,17 @@ mod tests {
         // Deferred norms that do not fit shared memory fall back to the prologues (up to 4
         // rows at 2,048 wide), then to launches.
         let no_deferred = |at, _, _| at != D;
-        assert_eq!(norm(&llama, (false, None, true), 4, &no_deferred), P);
-        assert_eq!(norm(&llama, (false, None, true), 5, &no_deferred), L);
-        assert_eq!(norm(&llama, (false, None, true), 1, &|_, _, _| false), L);
+        assert_eq!(norm(&llama, (None, None, true), 4, &no_deferred), P);
+        assert_eq!(norm(&llama, (None, None, true), 5, &no_deferred), L);
+        assert_eq!(norm(&llama, (None, None, true), 1, &|_, _, _| false), L);
         // HARRIER_DEFERRED_NORM=0: the prologues up to 4 rows (2,048 wide; 2 rows wider),
         // launches past them; HARRIER_NORM_MAX_ROWS moves the prologues' limit.
-        let off = (false, None, false);
+        let off = (None, None, false);
         assert_eq!(norm(&llama, off, 4, &fits), P);
         assert_eq!(norm(&llama, off, 5, &fits), L);
-        assert_eq!(norm(&llama, (false, Some(2), false), 3, &fits), L);
-        assert_eq!(norm(&llama, (false, Some(8), false), 8, &fits), P);
-        assert_eq!(norm(&llama, (false, Some(0), false), 1, &fits), L);
+        assert_eq!(norm(&llama, (None, Some(2), false), 3, &fits), L);
+        assert_eq!(norm(&llama, (None, Some(8), false), 8, &fits), P);
+        assert_eq!(norm(&llama, (None, Some(0), false), 1, &fits), L);
         let mid = Preset::from_name("llama-3.2-3b").unwrap().config();
         assert_eq!(norm(&mid, off, 2, &fits), P);
         assert_eq!(norm(&mid, off, 3, &fits), L);
@@ -1497,8 +1506,9 @@ mod tests {
         // The FP8 fusions (on unless HARRIER_FP8_FUSED=0): within both limits (the norms
         // deferred, or with HARRIER_DEFERRED_NORM=0 in the prologues), the plain FP8 skinny
         // path past the fused one; models wider than 2,048 up to 4 rows.
+        let on = Some(FP8_FUSED_MAX_ROWS_WIDE);
         let fused_fp8 = |max, rows, deferred| {
-            let p = ProjPlan::new(&llama, fp8, (true, None, deferred), max, rows, fits);
+            let p = ProjPlan::new(&llama, fp8, (on, None, deferred), max, rows, fits);
             (p.skinny, p.residual, p.norm)
         };
         assert_eq!(fused_fp8(8, 1, true), (true, true, D));
@@ -1511,15 +1521,18 @@ mod tests {
             fused_fp8(8, FP8_SKINNY_MAX_ROWS + 1, true),
             (false, false, L)
         );
-        let mid_fp8 = |rows| {
-            let p = ProjPlan::new(&mid, fp8, (true, None, true), 8, rows, fits);
+        let mid_fp8 = |wide, rows| {
+            let p = ProjPlan::new(&mid, fp8, (Some(wide), None, true), 8, rows, fits);
             (p.skinny, p.residual, p.norm)
         };
-        assert_eq!(mid_fp8(4), (true, true, D));
-        assert_eq!(mid_fp8(5), (true, false, L));
-        assert_eq!(mid_fp8(8), (true, false, L));
+        assert_eq!(mid_fp8(FP8_FUSED_MAX_ROWS_WIDE, 4), (true, true, D));
+        assert_eq!(mid_fp8(FP8_FUSED_MAX_ROWS_WIDE, 5), (true, false, L));
+        assert_eq!(mid_fp8(FP8_FUSED_MAX_ROWS_WIDE, 8), (true, false, L));
+        // HARRIER_FP8_FUSED_WIDE_ROWS moves that limit (to measure).
+        assert_eq!(mid_fp8(8, 8), (true, true, D));
+        assert_eq!(mid_fp8(2, 3), (true, false, L));
         let qwen = Preset::from_name("qwen3-0.6b").unwrap().config();
-        let p = ProjPlan::new(&qwen, fp8, (true, None, true), 8, 8, fits);
+        let p = ProjPlan::new(&qwen, fp8, (on, None, true), 8, 8, fits);
         assert_eq!((p.skinny, p.residual, p.norm), (true, true, D));
     }
 
@@ -1540,7 +1553,7 @@ mod tests {
         let bf16 = (Dtype::Bf16, None);
         let fp8 = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS_WITH_GEMM));
         let on = (true, true);
-        let p = |st, rows| ProjPlan::new(&llama, st, (false, None, true), 1, rows, fits);
+        let p = |st, rows| ProjPlan::new(&llama, st, (None, None, true), 1, rows, fits);
         assert!(rope_in_epilogue(p(bf16, 1), false, on));
         assert!(!rope_in_epilogue(p(bf16, 2), false, on), "cuBLAS step");
         assert!(rope_in_epilogue(p(fp8, 8), false, on), "FP8 skinny step");
