@@ -39,7 +39,8 @@
 //!   logits of the first decode step (same inputs) and greedy agreement after it; at batch 1,
 //!   where the model has it, the decode ring against both and against a second run of itself
 //!   (which must give the same bits). `--prompt-len N` (40): past 768 the ring's attention
-//!   splits take more than one tile.
+//!   splits take more than one tile. The bar comes from the model: twice the distance of the
+//!   unfused bf16 launches from the same weights in f32, loaded first (`RoundingNoise`).
 //! - `check-fp8 --model DIR [--rows 1,2,4,8,16,32,64] [--batches 1,8] [--steps 32]
 //!   [--decode-ring auto|on|off]`: FP8 weights: `dequant_fp8_rows` bit for bit against the host, the
 //!   FP8 skinny GEMM against cuBLAS over the dequantized weights (and timed beside bf16), then
@@ -2538,24 +2539,45 @@ fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
         .transpose()
         .context("--prompt-len")?
         .unwrap_or(40);
-    let mut d = Driver::for_runs(&dir, a, maxb, prompt_len, steps)?;
     let mut rng = SplitMix64(0xf05e);
+    let prompts: Vec<Vec<Vec<u32>>> = batches
+        .iter()
+        .map(|&b| random_prompts(&mut rng, b, prompt_len, dir.config.vocab_size))
+        .collect();
+    let fp8 = TOOL_FP8.load(std::sync::atomic::Ordering::Relaxed);
+    let noise = RoundingNoise::measure(&dir, a, &prompts, prompt_len, steps, fp8)?;
+    let mut d = Driver::for_runs(&dir, a, maxb, prompt_len, steps)?;
     let (mut worst, mut worst_ring) = (0.0f64, 0.0f64);
+    // The unfused and (bf16 weights) the fused launches against f32.
+    let (mut worst_ref, mut worst_fused_ref) = (0.0f64, 0.0f64);
     println!("{RUN_DIFF_HEADER}");
-    for &bsz in &batches {
-        let prompts = random_prompts(&mut rng, bsz, prompt_len, dir.config.vocab_size);
+    for (bi, (&bsz, prompts)) in batches.iter().zip(&prompts).enumerate() {
         // Batch 1 takes the decode ring where the model has it: the launches first.
         let has_ring = d.exec.set_decode_ring(false)?;
         d.exec.set_fused_max_rows(0)?;
-        let unfused = GreedyRun::run(&mut d, &prompts, steps)?;
+        let unfused = GreedyRun::run(&mut d, prompts, steps)?;
         d.exec.set_fused_max_rows(fused_rows)?;
-        let fused = GreedyRun::run(&mut d, &prompts, steps)?;
+        let fused = GreedyRun::run(&mut d, prompts, steps)?;
         let diff = fused.compare(&unfused);
         worst = worst.max(diff.rel);
         println!("{}", diff.row(bsz));
+        let f32_run = &noise.f32_runs[bi];
+        let bf16_unfused = noise.bf16_unfused.as_ref().map_or(&unfused, |r| &r[bi]);
+        let reference = bf16_unfused.compare(f32_run);
+        println!(
+            "{} (the unfused bf16 launches against f32: the bar's reference)",
+            reference.row(bsz)
+        );
+        worst_ref = worst_ref.max(reference.rel);
+        if !fp8 {
+            // (FP8 runs land further from f32 by the quantization's error, whatever the path.)
+            let diff = fused.compare(f32_run);
+            println!("{} (the fused launches against f32)", diff.row(bsz));
+            worst_fused_ref = worst_fused_ref.max(diff.rel);
+        }
         if has_ring {
             d.exec.set_decode_ring(true)?;
-            let ring = GreedyRun::run(&mut d, &prompts, steps)?;
+            let ring = GreedyRun::run(&mut d, prompts, steps)?;
             let diff = ring.compare(&fused);
             println!(
                 "{} (the decode ring against the fused launches)",
@@ -2571,7 +2593,7 @@ fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
             worst_ring = worst_ring.max(diff.rel);
             // Its sums are exact (added in any order to the same bits): a second run must give
             // the same bits.
-            let again = GreedyRun::run(&mut d, &prompts, steps)?.compare(&ring);
+            let again = GreedyRun::run(&mut d, prompts, steps)?.compare(&ring);
             println!("{} (the decode ring run again)", again.row(bsz));
             if again.rel != 0.0 || again.agree != again.total {
                 bail!("the decode ring is not deterministic: {}", again.row(bsz));
@@ -2580,19 +2602,105 @@ fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
     }
     d.exec
         .set_fused_max_rows(harrier_engine::config::FUSED_DECODE_MAX_ROWS)?;
+    let bar = RoundingNoise::bar(worst_ref)?;
     println!(
-        "worst relative logit difference: {worst:.1e} (bf16 rounding of every projection: ~1e-2); decode ring vs the launches: {worst_ring:.1e}"
+        "worst relative logit difference: {worst:.1e}; decode ring vs the launches: {worst_ring:.1e}; bar {bar:.1e} ({} x the unfused bf16 launches' worst against f32, {worst_ref:.1e})",
+        RoundingNoise::FACTOR,
     );
-    if worst > 3e-2 {
-        bail!("the fused path disagrees with the unfused one: {worst:.1e}");
+    if worst > bar {
+        bail!("the fused path disagrees with the unfused one: {worst:.1e} (bar {bar:.1e})");
     }
-    // The ring lands as far from the launches as they land from each other (bf16 rounding in
-    // other places: 1B 3.1e-2 vs 2.2e-2 at 700 tokens, a random 8B 4.8e-2 vs 4.5e-2); a
-    // broken stage gives ~1.
-    if worst_ring > (2.0 * worst).max(3e-2) {
-        bail!("the decode ring disagrees with the launches: {worst_ring:.1e}");
+    // Rounding in other places may move the fused path's result, not its accuracy.
+    if worst_fused_ref > RoundingNoise::ACCURACY * worst_ref {
+        bail!(
+            "the fused path lands {worst_fused_ref:.1e} from f32, the unfused one {worst_ref:.1e}: less accurate by more than {}x",
+            RoundingNoise::ACCURACY
+        );
+    }
+    // The ring rounds in other places than either launch path: it lands as far from them as
+    // they land from each other (1B 3.1e-2 vs 2.2e-2 at 700 tokens, a random 8B 4.8e-2 vs
+    // 4.5e-2); a broken stage gives ~1.
+    if worst_ring > bar {
+        bail!("the decode ring disagrees with the launches: {worst_ring:.1e} (bar {bar:.1e})");
     }
     Ok(())
+}
+
+/// check-fused's bar, from the model itself: how far the unfused bf16 launches land from the
+/// same weights run in f32 (the first decode step's relative logit difference, worst over the
+/// batches), times [`RoundingNoise::FACTOR`]. Two bf16 paths that round in different places
+/// each land about that far from the exact result, so they land at most about twice that far
+/// from each other; a broken stage lands at ~1. A fixed bar (3e-2 until session 34) failed the
+/// random 3B and 8B, whose deeper stacks carry more rounding (3.6-3.9e-2 and 5.1e-2 fused vs
+/// unfused) and passed a shallow model's bug of the same size. FP8 weights are measured
+/// against their bf16 checkpoint's noise: both FP8 paths multiply the same e4m3 weights and
+/// differ only in where they round activations, as the bf16 paths do.
+struct RoundingNoise {
+    /// The f32 model's greedy runs of each batch's prompts.
+    f32_runs: Vec<GreedyRun>,
+    /// FP8 checks: the bf16 (unquantized) model's unfused runs; bf16 checks use their own.
+    bf16_unfused: Option<Vec<GreedyRun>>,
+}
+
+impl RoundingNoise {
+    const FACTOR: f64 = 2.0;
+    /// bf16 weights: the fused launches may land at most this many times as far from f32 as
+    /// the unfused ones (worst over the batches; measured in session 34 at 0.96-1.04x on the
+    /// random 1B, 3B, 8B and Qwen3-0.6B).
+    const ACCURACY: f64 = 1.5;
+    /// Past this the unfused bf16 path itself is suspect (random models land at 1e-2-4e-2).
+    const CEILING: f64 = 0.1;
+
+    /// The f32 runs (and, for FP8 checks, the bf16 model's unfused runs) of `prompts`, one
+    /// model loaded at a time.
+    fn measure(
+        dir: &ModelDir,
+        a: &HashMap<String, String>,
+        prompts: &[Vec<Vec<u32>>],
+        prompt_len: u32,
+        steps: usize,
+        fp8: bool,
+    ) -> anyhow::Result<RoundingNoise> {
+        let maxb = prompts.iter().map(Vec::len).max().unwrap_or(1);
+        let runs = |dtype| -> anyhow::Result<Vec<GreedyRun>> {
+            TOOL_FP8.store(false, std::sync::atomic::Ordering::Relaxed);
+            let d = Driver::new(
+                dir,
+                maxb as u32,
+                (maxb as u32 * prompt_len).max(64),
+                prompt_len + steps as u32 + 16,
+                None,
+                &graph_sizes(a, maxb),
+                dtype,
+            );
+            TOOL_FP8.store(fp8, std::sync::atomic::Ordering::Relaxed);
+            let mut d = d.with_context(|| format!("loading the {dtype:?} reference"))?;
+            d.exec.set_decode_ring(false)?;
+            d.exec.set_fused_max_rows(0)?;
+            prompts
+                .iter()
+                .map(|p| GreedyRun::run(&mut d, p, steps))
+                .collect()
+        };
+        let f32_runs = runs(Dtype::F32)?;
+        let bf16_unfused = fp8.then(|| runs(Dtype::Bf16)).transpose()?;
+        Ok(RoundingNoise {
+            f32_runs,
+            bf16_unfused,
+        })
+    }
+
+    /// The bar for `e`, the worst unfused bf16 vs f32 difference over the batches (0 where
+    /// no row of any batch started alike).
+    fn bar(e: f64) -> anyhow::Result<f64> {
+        if e == 0.0 {
+            bail!("no bar: no row's prefill sampled the same token in bf16 and f32 (more batches or other prompts)");
+        }
+        if e > Self::CEILING {
+            bail!("the unfused bf16 launches land {e:.1e} from f32 (over {:.0e}): the reference path itself is suspect", Self::CEILING);
+        }
+        Ok(Self::FACTOR * e)
+    }
 }
 
 /// FP8 weights (issue 16), in two parts.
