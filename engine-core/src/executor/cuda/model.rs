@@ -290,7 +290,9 @@ const FUSED_MULTI_ROW_MAX_HIDDEN: usize = 3072;
 /// vs 2.205-2.213) and loses at 5-8 (5: 2.224 vs 2.191-2.194, 6: 2.388-2.390 vs 2.379-2.380,
 /// 8: 2.473-2.490 vs 2.435-2.455), where the 1B and Qwen3-0.6B gain at every row count up to
 /// 8. A power of two, as the norm prologues' limits are (a batch and the graph bucket it pads
-/// to take the same plan).
+/// to take the same plan). The loss is the 4-tile `_dn` instances' (session 34: without them
+/// the fused 3B ties the plain kernels at 5 and 8 rows; bf16 needs them), so no other limit
+/// gains.
 const FP8_FUSED_MAX_ROWS_WIDE: usize = 4;
 
 /// Steps of at most this many rows norm inside the q|k|v and gate|up GEMMs (models up to

@@ -3027,7 +3027,17 @@ fn check_fp8_gemm(
 
 #[cfg(test)]
 mod tests {
-    use super::{attention_split, mlp_split, pair_split, parse_args};
+    use super::{attention_split, mlp_split, pair_split, parse_args, RoundingNoise};
+
+    /// check-fused's bar: twice the unfused bf16 path's distance from f32, and no bar where
+    /// that distance is unknown (no row started alike) or too large to trust.
+    #[test]
+    fn the_fused_paths_bar_follows_the_models_rounding_noise() {
+        assert_eq!(RoundingNoise::bar(0.035).unwrap(), 0.07);
+        assert_eq!(RoundingNoise::bar(0.07).unwrap(), 0.14);
+        assert!(RoundingNoise::bar(0.0).is_err());
+        assert!(RoundingNoise::bar(RoundingNoise::CEILING * 1.01).is_err());
+    }
 
     #[test]
     fn the_attention_split_takes_the_median_stamped_block_of_later_layers() {
