@@ -182,7 +182,7 @@ pub struct GpuModel {
     skip: SkipStages,
     /// FP8 skinny steps within the fused limit take the fused path's residual epilogues and
     /// norms (deferred, or in the prologues) as bf16 ones do, on models wider than
-    /// [`NORM_PROLOGUE_NARROW`] up to this many rows (default [`FP8_FUSED_MAX_ROWS_WIDE`];
+    /// [`FP8_FUSED_NARROW`] up to this many rows (default [`FP8_FUSED_MAX_ROWS_WIDE`];
     /// `HARRIER_FP8_FUSED_WIDE_ROWS=N` to measure); `None` with `HARRIER_FP8_FUSED=0`: the
     /// plain FP8 skinny kernels, to compare ([`ProjPlan::new`] has the numbers).
     fp8_fused: Option<usize>,
@@ -283,7 +283,12 @@ const FP8_SKINNY_MAX_ROWS_WITH_GEMM: usize = 8;
 /// block reads all input rows of its reduction.
 const FUSED_MULTI_ROW_MAX_HIDDEN: usize = 3072;
 
-/// FP8 steps of models wider than [`NORM_PROLOGUE_NARROW`] take the fusions up to this many
+/// FP8 steps of models at most this wide take the fusions up to the fused limit (the 1B and
+/// Qwen3-0.6B gain at every row count up to 8); wider ones up to [`FP8_FUSED_MAX_ROWS_WIDE`]
+/// rows. The measured boundary lies between the 1B (2,048) and the 3B (3,072).
+const FP8_FUSED_NARROW: usize = 2048;
+
+/// FP8 steps of models wider than [`FP8_FUSED_NARROW`] take the fusions up to this many
 /// rows (narrower ones up to the fused limit): measured on the H200 (session 33, graphs,
 /// context 512, ms per step, fused with deferred norms vs the plain FP8 skinny kernels) the 3B
 /// gains at 2-4 rows (2: 1.772 vs 1.918-1.927, 3: 1.959-1.961 vs 2.039-2.046, 4: 2.085-2.090
@@ -440,10 +445,10 @@ fn layer0_norm_launched(at: NormAt) -> bool {
 }
 
 /// Whether an FP8 step of `rows` rows is narrow enough for the fusions: models wider than
-/// [`NORM_PROLOGUE_NARROW`] take them up to `wide_rows` ([`FP8_FUSED_MAX_ROWS_WIDE`] by
+/// [`FP8_FUSED_NARROW`] take them up to `wide_rows` ([`FP8_FUSED_MAX_ROWS_WIDE`] by
 /// default).
 fn fp8_fusion_fits(c: &ModelConfig, rows: usize, wide_rows: usize) -> bool {
-    c.hidden_size <= NORM_PROLOGUE_NARROW || rows <= wide_rows
+    c.hidden_size <= FP8_FUSED_NARROW || rows <= wide_rows
 }
 
 /// Whether a layer's q|k|v launch rotates q and k and writes the KV cache in its epilogue
