@@ -2357,6 +2357,16 @@ impl Driver {
         prompt_len: u32,
         steps: usize,
     ) -> anyhow::Result<Driver> {
+        Driver::for_runs_in(dir, a, (maxb, prompt_len, steps), Dtype::Bf16)
+    }
+
+    /// [`Driver::for_runs`] in `dtype`.
+    fn for_runs_in(
+        dir: &ModelDir,
+        a: &HashMap<String, String>,
+        (maxb, prompt_len, steps): (usize, u32, usize),
+        dtype: Dtype,
+    ) -> anyhow::Result<Driver> {
         Driver::new(
             dir,
             maxb as u32,
@@ -2364,7 +2374,7 @@ impl Driver {
             prompt_len + steps as u32 + 16,
             None,
             &graph_sizes(a, maxb),
-            Dtype::Bf16,
+            dtype,
         )
     }
 }
@@ -2666,15 +2676,7 @@ impl RoundingNoise {
         let maxb = prompts.iter().map(Vec::len).max().unwrap_or(1);
         let runs = |dtype| -> anyhow::Result<Vec<GreedyRun>> {
             TOOL_FP8.store(false, std::sync::atomic::Ordering::Relaxed);
-            let d = Driver::new(
-                dir,
-                maxb as u32,
-                (maxb as u32 * prompt_len).max(64),
-                prompt_len + steps as u32 + 16,
-                None,
-                &graph_sizes(a, maxb),
-                dtype,
-            );
+            let d = Driver::for_runs_in(dir, a, (maxb, prompt_len, steps), dtype);
             TOOL_FP8.store(fp8, std::sync::atomic::Ordering::Relaxed);
             let mut d = d.with_context(|| format!("loading the {dtype:?} reference"))?;
             d.exec.set_decode_ring(false)?;
