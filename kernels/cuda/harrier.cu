@@ -3207,7 +3207,7 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
                 const int idx = base + sp * G;
                 const unsigned long long *pm = ml + 2 * idx, *po = px + (size_t)idx * hd + d;
                 const unsigned long long wm = ring_ll_ld(pm), wl = ring_ll_ld(pm + 1), wo = ring_ll_ld(po);
-#ifdef RING_NO_MERGE_WAIT  // measurement: the partials as first read, tag or not
+#if defined(RING_NO_MERGE_WAIT) || defined(RING_SKIP_ATTN)  // measurement: the partials as first read, tag or not
                 ring_merge(M, L, O, __uint_as_float((u32)wm), __uint_as_float((u32)wl), __uint_as_float((u32)wo));
 #else
                 ring_merge(M, L, O, ring_ll_val(wm, pm, tag), ring_ll_val(wl, pm + 1, tag), ring_ll_val(wo, po, tag));
@@ -3228,8 +3228,10 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // (ring_attention). RING_NO_DEP (no grid-wide waits for inputs), RING_NO_MATH (slots released
 // unread), RING_NO_RED (MLP sums never added), RING_MLP_NO_DOWN (down slots released unread),
 // RING_MLP_NO_BAR (no barrier between a chunk's gate|up and down), RING_COUNT_RELAXED (a
-// stage's count without its release) and RING_NO_MERGE_WAIT (o's merge taking the attention
-// partials as first read, whatever their tags) are measurement variants with wrong outputs.
+// stage's count without its release), RING_NO_MERGE_WAIT (o's merge taking the attention
+// partials as first read, whatever their tags) and RING_SKIP_ATTN (no attention stage at all,
+// o's merge as RING_NO_MERGE_WAIT's: the bound for attention inside o's blocks, docs/cuda.md)
+// are measurement variants with wrong outputs.
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
@@ -3548,7 +3550,11 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             return false;
         };
         if (st.kind == RING_ATTN) {  // (it waits inside, once its keys are on their way)
+#ifdef RING_SKIP_ATTN
+            wait();  // (no grid-wide wait for an ATTN stage: the next descriptor only)
+#else
             ring_attention<CW == 16 ? 2 : 4>(st, step, (unsigned char*)xs, ct, nct, wait, tr, tag_of(s), attn_meta);
+#endif
             finish();  // (never the last stage)
             continue;
         }
