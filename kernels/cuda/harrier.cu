@@ -2122,7 +2122,7 @@ __device__ __forceinline__ void cp_async_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// DN: the _dn instances (up to 8 rows; bf16, and FP8 ones for HARRIER_FP8_FUSED=1), the only
+// DN: the _dn instances (up to 8 rows; bf16, and FP8 ones for fused FP8 steps), the only
 // ones that read SK_NORM_IN / SK_NORM_OUT; the others compile as before the deferred norms
 // (their extra epilogue code cost the 1B's prologue steps ~2% when every instance had it:
 // session 29). FP8 changes nothing there: its weights become bf16 before the MMAs, x is read
@@ -2487,7 +2487,7 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(Skin
 // 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
 // The deferred norms' instances (SK_NORM_IN / SK_NORM_OUT launches, up to 8 rows), one for
-// each 8-row instance above (the FP8 ones for HARRIER_FP8_FUSED=1).
+// each 8-row instance above (the FP8 ones for fused FP8 steps, HARRIER_FP8_FUSED=0: none).
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_dn(SkinnyIn p) { skinny_gemm<1, 1, false, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_r4_dn(SkinnyIn p) { skinny_gemm<1, 4, false, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_dn(SkinnyIn p) { skinny_gemm<1, 1, false, 8, true>(p); }

@@ -475,7 +475,8 @@ pub fn kernel_names() -> impl Iterator<Item = &'static str> {
 
 /// Each 8-row instance and its deferred-norm twin (`skinny_gemm<.., DN = true>`, the only ones
 /// that read `SK_NORM_IN` / `SK_NORM_OUT`: the extra epilogue code in every instance cost the
-/// 1B's other fused steps ~2%, session 29); the FP8 ones serve `HARRIER_FP8_FUSED=1` steps.
+/// 1B's other fused steps ~2%, session 29); the FP8 ones serve FP8 steps on the fused path
+/// (the default since session 33; `HARRIER_FP8_FUSED=0` leaves them out).
 const SKINNY_DN: [(&str, &str); 9] = [
     ("skinny_gemm_8", "skinny_gemm_8_dn"),
     ("skinny_gemm_8_r4", "skinny_gemm_8_r4_dn"),
