@@ -936,6 +936,203 @@ extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_
 #undef GQA_CASE
 }
 
+#ifndef HARRIER_F32
+// Decode attention for small batches with a KV head's G query heads in one block: block (t, kh,
+// s) takes token t's split s (`split_tiles`, as paged_attention's) for heads kh G .. kh G + G - 1,
+// so each K and V row is read once for the group. The per-head kernel reads it G times, and at
+// batch 8 of the 1B its 256 blocks (two an SM) took ~13 us a layer on the path against ~2 us of
+// K/V (docs/benchmarks.md, session 30). Its loads are the per-head kernel's (a key a lane, a K
+// row's 16-byte chunks at once; V by rows, HD / 8 lanes a row, up to 8 rows' loads at once), q
+// in shared memory (a broadcast read a chunk and head); 16 warps take the split's 32-key tiles
+// round-robin and merge at the end. The same outputs and partials as paged_attention (P rounded
+// to bf16 before P V, l from the unrounded P), so attention_combine merges its splits. bf16
+// only; G * HD at most GRP_MAX_ELEMS.
+#define GRP_WARPS 16
+#ifndef GRP_MIN_BLOCKS  // (blocks an SM the registers allow; measurement builds set 2)
+#define GRP_MIN_BLOCKS 1
+#endif
+#define GRP_MAX_ELEMS 512
+#define GRP_MAX_G 4
+struct GrpSmem {
+    float q[GRP_MAX_ELEMS];
+    float m[GRP_WARPS][GRP_MAX_G], l[GRP_WARPS][GRP_MAX_G], w[GRP_WARPS][GRP_MAX_G], ML[GRP_MAX_G][2];
+    float acc[GRP_WARPS][GRP_MAX_ELEMS];
+};
+
+template <int G, int HD>
+__device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int n_splits, int one_split,
+                                              GrpSmem& sm) {
+    ATTN_UNPACK(a)
+    (void)hd;
+    constexpr int GH = G * HD, NC = HD / 8, LPK = HD / 8, KPR = 32 / LPK, ROUNDS = 32 / KPR;
+    const int t = blockIdx.x, kh = blockIdx.y, s = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    PDL_ENTER();
+    const int pos = positions[t], row = tok_row[t];
+    int start, tile0, tile1;
+    const int splits = split_tiles(pos, window, n_splits, one_split, s, &start, &tile0, &tile1);
+    elem* o = out + ((size_t)t * nh + (size_t)kh * G) * HD;
+    // Head g's partial of split s (paged_attention's layout: [token][head][split][HD + 2]).
+    float* pp0 = part + ((size_t)t * nh + (size_t)kh * G) * n_splits * (HD + 2);
+    if (tile0 >= tile1) {  // no keys here (a split past the context, or padding)
+        if (n_splits == 1) {
+            for (int i = threadIdx.x; i < GH; i += blockDim.x) o[i] = f2e(0.0f);
+        } else if (threadIdx.x < G) {
+            float* pp = pp0 + ((size_t)threadIdx.x * n_splits + s) * (HD + 2);
+            pp[0] = NEG_INF;
+            pp[1] = 0.0f;
+        }
+        return;
+    }
+    const elem* qp = q + (size_t)t * q_stride + (size_t)kh * GH;
+    for (int i = threadIdx.x; i < GH; i += blockDim.x) sm.q[i] = e2f(qp[i]);
+    __syncthreads();
+    const int* bt = block_tables + (size_t)row * bt_stride;
+    const int grp = lane / LPK, sub = lane - grp * LPK;
+    float acc[G][8], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[g][j] = 0.0f;
+    }
+    for (int tile = tile0 + warp; tile < tile1; tile += nw) {
+        const int p = start + tile * 32 + lane;
+        const bool valid = p <= pos;
+        // Lanes past the last key read the last key's row (their score is masked).
+        const int pe = valid ? p : pos;
+        const int slot = bt[pe / block_size] * block_size + pe % block_size;
+        const elem* kp = k_cache + ((size_t)slot * nkv + kh) * HD;
+        float dot[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) dot[g] = 0.0f;
+#pragma unroll
+        for (int c0 = 0; c0 < NC; c0 += 8) {
+            Chunk kr[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) kr[j] = ld_chunk(kp + (c0 + j) * 8);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float kv[8];
+                unpack_chunk(kr[j], kv);
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const float4 qa = *(const float4*)(sm.q + g * HD + (c0 + j) * 8);
+                    const float4 qb = *(const float4*)(sm.q + g * HD + (c0 + j) * 8 + 4);
+                    dot[g] += qa.x * kv[0] + qa.y * kv[1];
+                    dot[g] += qa.z * kv[2] + qa.w * kv[3];
+                    dot[g] += qb.x * kv[4] + qb.y * kv[5];
+                    dot[g] += qb.z * kv[6] + qb.w * kv[7];
+                }
+            }
+        }
+        float pv[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float sc = valid ? dot[g] * scale : NEG_INF;
+            // Lane 0's key (p = tile's first) is always valid: every tile max is finite.
+            const float mn = fmaxf(m[g], warp_max(sc));
+            const float corr = __expf(m[g] - mn);
+            const float pk = valid ? __expf(sc - mn) : 0.0f;
+            l[g] = l[g] * corr + warp_sum(pk);
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[g][j] *= corr;
+            m[g] = mn;
+            pv[g] = rnd(pk);
+        }
+        // V by rows: round r holds key r KPR + grp; up to 8 rounds' loads at once.
+#pragma unroll
+        for (int r0 = 0; r0 < ROUNDS; r0 += 8) {
+            Chunk vr[8];
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                const int si = __shfl_sync(0xffffffffu, slot, (r0 + r) * KPR + grp);
+                vr[r] = ld_chunk(v_cache + ((size_t)si * nkv + kh) * HD + sub * 8);
+            }
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                float v[8];
+                unpack_chunk(vr[r], v);
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const float w = __shfl_sync(0xffffffffu, pv[g], (r0 + r) * KPR + grp);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[g][j] += w * v[j];
+                }
+            }
+        }
+    }
+    // The lane groups' sums (LPK divides 32): lanes 0 .. LPK - 1 then hold dims 8 lane ...
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int x = LPK; x < 32; x <<= 1)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], x);
+        if (lane < LPK)
+#pragma unroll
+            for (int j = 0; j < 8; j++) sm.acc[warp][g * HD + lane * 8 + j] = acc[g][j];
+        if (lane == 0) {
+            sm.m[warp][g] = m[g];
+            sm.l[warp][g] = l[g];
+        }
+    }
+    __syncthreads();
+    // Warp g weighs the warps' partial sums of head g (lane w: warp w); a warp without keys
+    // has sum 0 and weight 0 (its acc is zeros).
+    if (warp < G) {
+        const float mw = lane < nw ? sm.m[lane][warp] : NEG_INF, lw = lane < nw ? sm.l[lane][warp] : 0.0f;
+        const float M = warp_max(lw > 0.0f ? mw : NEG_INF);
+        const float e = lw > 0.0f ? __expf(mw - M) : 0.0f;
+        const float L = warp_sum(lw * e);
+        if (lane < nw) sm.w[lane][warp] = e;
+        if (lane == 0) {
+            sm.ML[warp][0] = M;
+            sm.ML[warp][1] = L;
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < GH; i += blockDim.x) {
+        const int g = i / HD, d = i - g * HD;
+        float v = 0.0f;
+        for (int w = 0; w < nw; w++) v += sm.acc[w][i] * sm.w[w][g];
+        const float M = sm.ML[g][0], L = sm.ML[g][1];
+        float* pp = pp0 + ((size_t)g * n_splits + s) * (HD + 2);
+        if (splits == 1) {
+            // One split: the output directly; a split launch marks the token done (sum -1)
+            // for attention_combine.
+            o[i] = f2e(L > 0.0f ? v / L : 0.0f);
+            if (n_splits > 1 && d == 0) pp[1] = -1.0f;
+        } else {
+            if (d == 0) {
+                pp[0] = M;
+                pp[1] = L;
+            }
+            pp[2 + d] = v;
+        }
+    }
+}
+
+// One block an SM at most (36 KB of shared memory, 16 warps): at most 128 registers. An entry
+// point a head dim, each with its own registers (one for both spilled the head dim 64 cases).
+#define GRP_CASE(g, d)                                         \
+    if (G == g) {                                              \
+        grp_attention<g, d>(a, part, n_splits, one_split, sm); \
+        return;                                                \
+    }
+#define GRP_PARAMS AttnIn a, float *part, int n_splits, int one_split
+#define GRP_BODY(d)                                            \
+    __shared__ __align__(16) GrpSmem sm;                       \
+    const int G = a.nh / a.nkv;                                \
+    GRP_CASE(1, d) GRP_CASE(2, d) GRP_CASE(3, d) GRP_CASE(4, d)
+extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, GRP_MIN_BLOCKS) paged_attention_grp64(GRP_PARAMS) { GRP_BODY(64) }
+extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, GRP_MIN_BLOCKS) paged_attention_grp128(GRP_PARAMS) { GRP_BODY(128) }
+#undef GRP_BODY
+#undef GRP_PARAMS
+#undef GRP_CASE
+#endif
+
 // Merges paged_attention's splits of token t, head h (block (t, h), one thread a dim), in split
 // order; splits with no keys (sum 0) are skipped. At most 32 splits: warp 0 reads every
 // split's (max, sum) at once (lane s: split s) and leaves their weights in shared memory while

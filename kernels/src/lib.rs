@@ -51,6 +51,8 @@ const KERNELS: &[&str] = &[
     "init_row_state",
     "prefill_attention",
     "paged_attention_gqa",
+    "paged_attention_grp64",
+    "paged_attention_grp128",
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
@@ -60,6 +62,8 @@ const KERNELS: &[&str] = &[
 /// kernel (names starting with [`BF16_ONLY_PREFIXES`]).
 const BF16_ONLY: &[&str] = &[
     "gemv_bf16",
+    "paged_attention_grp64",
+    "paged_attention_grp128",
     "prefill_attention",
     "dequant_fp8_rows",
     "quantize_fp8_rows",
@@ -90,6 +94,35 @@ pub fn gqa_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
         256 => matches!(nh / nkv, 1 | 2 | 4),
         _ => false,
     }
+}
+
+/// Per-token attention launches of at least this many tokens (and no token list) take
+/// `paged_attention_grp*`, a KV head's query heads in one block. Measured on an H200 (session
+/// 35, graphs, context 512, ms a step, per-head vs grouped): 1B batch 2 0.958 vs 0.955-0.960,
+/// batch 4 1.023 vs 0.995, batch 8 1.080 vs 1.065; 3B batch 2 2.285 vs 2.36 (lost), batch 8
+/// 2.915 vs 2.54; Qwen3-0.6B batch 8 1.168 vs 1.038; 1B batch 1 without the ring 0.897 vs 0.912
+/// (lost). Fewer rows leave a block's 16 warps idle on short splits.
+pub const ATTN_GRP_MIN_TOKENS: usize = 4;
+
+/// Threads of a `paged_attention_grp*` block (`GRP_WARPS` warps).
+const GRP_THREADS: u32 = 16 * 32;
+
+/// The `paged_attention_grp*` instance for this head layout, if it has one: G = nh / nkv query
+/// heads per KV head up to 4 (`GRP_MAX_G`), head dim 64 or 128.
+fn grp_attention_kernel(nh: i32, nkv: i32, hd: i32) -> Option<&'static str> {
+    if nkv <= 0 || nh % nkv != 0 || !(1..=4).contains(&(nh / nkv)) {
+        return None;
+    }
+    match hd {
+        64 => Some("paged_attention_grp64"),
+        128 => Some("paged_attention_grp128"),
+        _ => None,
+    }
+}
+
+/// Whether `paged_attention_grp*` has an instance for this head layout.
+pub fn grp_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
+    grp_attention_kernel(nh as i32, nkv as i32, hd as i32).is_some()
 }
 
 /// Whether `prefill_attention` handles head dimension `hd` (256 with 32-key tiles).
@@ -1040,6 +1073,10 @@ pub struct Kernels {
     /// `paged_attention` pulls its K/V rows into L2 before waiting on the previous kernel
     /// (`HARRIER_ATTN_PREFETCH=0`: off, to compare).
     attn_prefetch: bool,
+    /// `paged_attention` launches of at least this many tokens without a token list take
+    /// `paged_attention_grp*` ([`ATTN_GRP_MIN_TOKENS`]; `HARRIER_ATTN_GRP_MIN_TOKENS`
+    /// overrides it, to measure; `usize::MAX` in the f32 build, which has no such kernel).
+    attn_grp_min_tokens: usize,
     /// `paged_attention` reads V a row per lane group (16-byte loads, a tile's loads
     /// independent) rather than a 4-byte slice a lane per key (`HARRIER_ATTN_VROWS=0`).
     attn_vrows: bool,
@@ -1199,6 +1236,12 @@ impl Kernels {
             skinny_w8,
             attn_prefetch: switch_on("HARRIER_ATTN_PREFETCH"),
             attn_vrows: switch_on("HARRIER_ATTN_VROWS"),
+            attn_grp_min_tokens: match dtype {
+                Dtype::Bf16 => {
+                    env_number("HARRIER_ATTN_GRP_MIN_TOKENS").unwrap_or(ATTN_GRP_MIN_TOKENS)
+                }
+                Dtype::F32 => usize::MAX,
+            },
             attn_one_split: env_number("HARRIER_ATTN_ONE_SPLIT_TILES")
                 .filter(|n| (0..=1024).contains(n))
                 .unwrap_or(ATTN_ONE_SPLIT_TILES),
@@ -1479,6 +1522,9 @@ impl Kernels {
     /// split). `combine: false` leaves that launch out: the caller knows that every token's
     /// context fits one split ([`Kernels::attn_one_split_keys`]), so each writes its output
     /// directly and the combine would be a no-op (see `DecodeGraph` short-context graphs).
+    /// Launches of at least [`ATTN_GRP_MIN_TOKENS`] tokens without a list take
+    /// `paged_attention_grp*` where it has an instance for the heads (the same outputs and
+    /// partials, each KV head's rows read once for its query heads), else the per-head kernel.
     ///
     /// # Safety
     /// Device addresses must be valid; block tables must name blocks inside the cache.
@@ -1487,9 +1533,60 @@ impl Kernels {
         s: sys::CUstream,
         a: &AttentionInputs,
         part: u64,
+        splits: (u32, bool),
+        tok_list: u64,
+        n: u32,
+    ) -> anyhow::Result<()> {
+        let grouped = tok_list == 0
+            && self.grp_serves(a.nh as usize, a.nkv as usize, a.hd as usize, n as usize);
+        // SAFETY: the caller's guarantees.
+        unsafe { self.attention_launch(s, a, part, splits, tok_list, n, grouped) }
+    }
+
+    /// Whether a `paged_attention` launch of `n` tokens without a token list takes
+    /// `paged_attention_grp*` for these heads.
+    pub fn grp_serves(&self, nh: usize, nkv: usize, hd: usize, n: usize) -> bool {
+        grp_attention_supports(nh, nkv, hd) && n >= self.attn_grp_min_tokens
+    }
+
+    /// [`Kernels::paged_attention`] through `paged_attention_grp*` whatever the token count
+    /// (for the attention check); an error where it has no instance for the heads.
+    ///
+    /// # Safety
+    /// As [`Kernels::paged_attention`].
+    pub unsafe fn paged_attention_grouped(
+        &self,
+        s: sys::CUstream,
+        a: &AttentionInputs,
+        part: u64,
+        splits: (u32, bool),
+        n: u32,
+    ) -> anyhow::Result<()> {
+        if grp_attention_kernel(a.nh, a.nkv, a.hd).is_none() || self.dtype != Dtype::Bf16 {
+            bail!(
+                "paged_attention_grp: no {} instance for {} heads over {} KV heads, head dim {}",
+                self.dtype.name(),
+                a.nh,
+                a.nkv,
+                a.hd
+            );
+        }
+        // SAFETY: the caller's guarantees.
+        unsafe { self.attention_launch(s, a, part, splits, 0, n, true) }
+    }
+
+    /// The per-token attention launch and its combine (see [`Kernels::paged_attention`]):
+    /// `grouped` takes `paged_attention_grp*` where it has an instance and this build has it.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn attention_launch(
+        &self,
+        s: sys::CUstream,
+        a: &AttentionInputs,
+        part: u64,
         (n_splits, combine): (u32, bool),
         tok_list: u64,
         n: u32,
+        grouped: bool,
     ) -> anyhow::Result<()> {
         let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         if nkv <= 0
@@ -1509,16 +1606,26 @@ impl Kernels {
         let prefetch = self.attn_prefetch as i32;
         let one_split = self.attn_one_split;
         let vrows = self.attn_vrows as i32;
-        let mut p = params![*a, part, ns, tok_list, prefetch, one_split, vrows];
+        let grp = grp_attention_kernel(nh, nkv, hd)
+            .filter(|_| grouped && tok_list == 0 && self.dtype == Dtype::Bf16);
         // SAFETY: argument types match the kernels'.
         unsafe {
-            self.launch(
-                attn_kernel(hd),
-                (n, nh as u32, n_splits),
-                self.attn_warps.threads(n_splits),
-                s,
-                &mut p,
-            )?;
+            match grp {
+                Some(kernel) => {
+                    let mut p = params![*a, part, ns, one_split];
+                    self.launch(kernel, (n, nkv as u32, n_splits), GRP_THREADS, s, &mut p)?;
+                }
+                None => {
+                    let mut p = params![*a, part, ns, tok_list, prefetch, one_split, vrows];
+                    self.launch(
+                        attn_kernel(hd),
+                        (n, nh as u32, n_splits),
+                        self.attn_warps.threads(n_splits),
+                        s,
+                        &mut p,
+                    )?;
+                }
+            }
             if n_splits > 1 && combine {
                 let mut p = params![a.out, part, ns, nh, hd];
                 self.launch(
@@ -2952,6 +3059,7 @@ mod tests {
             (define("GEMV_WARPS"), define("GEMV_ROWS")),
             (GEMV_WARPS, GEMV_ROWS)
         );
+        assert_eq!(define("GRP_WARPS") * 32, GRP_THREADS);
         assert_eq!(std::mem::size_of::<RowParams>(), 60 + 4 * MASK_CAP);
         // SkinnyIn: five pointers, two floats, four ints, then SkinnyRope (five pointers, four
         // ints) at offset 64; the epilogue codes and block shape.
@@ -3106,6 +3214,23 @@ mod tests {
         assert!(gqa_attention_supports(4, 1, 256) && gqa_attention_supports(8, 4, 256));
         assert!(SOURCE.contains("#define GQA_MAX_ELEMS 1024"));
         assert_eq!(16 * define("PF_WARPS") as usize, PREFILL_TILE);
+        // paged_attention_grp*: G up to GRP_MAX_G (4) at head dims 64 and 128, G * hd within
+        // GRP_MAX_ELEMS; an instance a head dim.
+        assert_eq!(
+            grp_attention_kernel(32, 8, 64),
+            Some("paged_attention_grp64")
+        );
+        assert_eq!(
+            grp_attention_kernel(24, 8, 128),
+            Some("paged_attention_grp128")
+        );
+        assert!(grp_attention_supports(32, 8, 128) && grp_attention_supports(8, 8, 64));
+        assert!(!grp_attention_supports(40, 8, 128) && !grp_attention_supports(4, 1, 256));
+        assert!(!grp_attention_supports(12, 8, 64) && !grp_attention_supports(8, 0, 64));
+        assert_eq!(
+            define("GRP_MAX_G") as usize * 128,
+            define("GRP_MAX_ELEMS") as usize
+        );
     }
 
     #[test]

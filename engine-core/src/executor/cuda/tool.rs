@@ -726,7 +726,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let mut worst = 0.0f64;
     // Tokens checked without attention_combine (contexts that fit one split).
     let mut short_total = 0usize;
-    println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten | grouped rel. error | unwritten |");
+    println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten | grouped rel. error | unwritten | grp (n splits) rel. error | unwritten |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in 0..cases {
         // Every seventh case has Gemma 3's head dim 256 (grouped kernel for G 1, 2, 4), or
@@ -810,6 +810,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let mut out_dec = vec![0u16; t * nh * hd];
         let mut out_tiled = vec![0u16; t * nh * hd];
         let mut out_grouped = vec![0u16; t * nh * hd];
+        let mut out_grp = vec![0u16; t * nh * hd];
         let mut out_uncombined = vec![0u16; t * nh * hd];
         // The executor's cut: runs of 8+ tokens of a sequence in tiles, the rest listed.
         let (mut tiles, mut list) = (Vec::new(), Vec::new());
@@ -855,6 +856,8 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             dr::memset_d8_sync(d_out_tiled, 0xFF, out.len() * 2)?;
             let d_out_grouped = dr::malloc_sync(out.len() * 2)?;
             dr::memset_d8_sync(d_out_grouped, 0xFF, out.len() * 2)?;
+            let d_out_grp = dr::malloc_sync(out.len() * 2)?;
+            dr::memset_d8_sync(d_out_grp, 0xFF, out.len() * 2)?;
             let d_out_uncombined = dr::malloc_sync(out.len() * 2)?;
             dr::memset_d8_sync(d_out_uncombined, 0xFF, out.len() * 2)?;
             let d_tiles = up(&ibytes(&tiles))?;
@@ -912,8 +915,28 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     k.paged_attention(stream, &att(d_out_grouped), d_part, (1, true), 0, t as u32)?
                 }
             }
+            // paged_attention_grp* whatever the token count, with the case's splits (the
+            // per-head kernel's output again where it has no instance for the heads).
+            match harrier_kernels::grp_attention_supports(nh, nkv, hd) {
+                true => k.paged_attention_grouped(
+                    stream,
+                    &att(d_out_grp),
+                    d_part,
+                    (n_splits as u32, true),
+                    t as u32,
+                )?,
+                false => k.paged_attention(
+                    stream,
+                    &att(d_out_grp),
+                    d_part,
+                    (n_splits as u32, true),
+                    0,
+                    t as u32,
+                )?,
+            }
             dr::stream::synchronize(stream)?;
             dr::memcpy_dtoh_sync(&mut out_grouped, d_out_grouped)?;
+            dr::memcpy_dtoh_sync(&mut out_grp, d_out_grp)?;
             dr::memcpy_dtoh_sync(&mut out, d_out)?;
             dr::memcpy_dtoh_sync(&mut out_dec, d_out_dec)?;
             dr::memcpy_dtoh_sync(&mut out_tiled, d_out_tiled)?;
@@ -933,6 +956,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 d_tiles,
                 d_list,
                 d_out_grouped,
+                d_out_grp,
             ] {
                 dr::free_sync(d)?;
             }
@@ -961,6 +985,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let (mut num_dec, mut unwritten_dec) = (0.0f64, 0usize);
         let (mut num_til, mut unwritten_til) = (0.0f64, 0usize);
         let (mut num_grp, mut unwritten_grp) = (0.0f64, 0usize);
+        let (mut num_g2, mut unwritten_g2) = (0.0f64, 0usize);
         for ti in 0..t {
             if positions[ti] < 0 {
                 for (kernel, o) in [
@@ -968,6 +993,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     ("n splits", &out_dec),
                     ("tiled", &out_tiled),
                     ("grouped", &out_grouped),
+                    ("grp", &out_grp),
                 ] {
                     let row = &o[ti * nh * hd..(ti + 1) * nh * hd];
                     if let Some(bad) = row.iter().find(|&&x| x != 0) {
@@ -1028,6 +1054,11 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                         unwritten_grp += 1;
                     }
                     num_grp += (got - r).powi(2);
+                    let got = half::bf16::from_bits(out_grp[ti * nh * hd + h * hd + d]).to_f64();
+                    if got.is_nan() {
+                        unwritten_g2 += 1;
+                    }
+                    num_g2 += (got - r).powi(2);
                 }
             }
         }
@@ -1035,12 +1066,13 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let rel_dec = (num_dec / den.max(1e-30)).sqrt();
         let rel_til = (num_til / den.max(1e-30)).sqrt();
         let rel_grp = (num_grp / den.max(1e-30)).sqrt();
-        for r in [rel, rel_dec, rel_til, rel_grp] {
+        let rel_g2 = (num_g2 / den.max(1e-30)).sqrt();
+        for r in [rel, rel_dec, rel_til, rel_grp, rel_g2] {
             worst = worst.max(if r.is_nan() { f64::INFINITY } else { r });
         }
-        println!("| {case} | {seqs} | {} (+{padding}) | {} | {nh}/{nkv} | {hd} | {window} | {rel:.2e} | {unwritten} | {n_splits} | {rel_dec:.2e} | {unwritten_dec} | {n_tiles} | {rel_til:.2e} | {unwritten_til} | {rel_grp:.2e} | {unwritten_grp} |", t - padding, lens.iter().max().unwrap());
-        if unwritten + unwritten_dec + unwritten_til + unwritten_grp > 0 {
-            bail!("case {case}: {unwritten} + {unwritten_dec} (n splits) + {unwritten_til} (tiled) + {unwritten_grp} (grouped) output elements were not written");
+        println!("| {case} | {seqs} | {} (+{padding}) | {} | {nh}/{nkv} | {hd} | {window} | {rel:.2e} | {unwritten} | {n_splits} | {rel_dec:.2e} | {unwritten_dec} | {n_tiles} | {rel_til:.2e} | {unwritten_til} | {rel_grp:.2e} | {unwritten_grp} | {rel_g2:.2e} | {unwritten_g2} |", t - padding, lens.iter().max().unwrap());
+        if unwritten + unwritten_dec + unwritten_til + unwritten_grp + unwritten_g2 > 0 {
+            bail!("case {case}: {unwritten} + {unwritten_dec} (n splits) + {unwritten_til} (tiled) + {unwritten_grp} (grouped) + {unwritten_g2} (grp) output elements were not written");
         }
     }
     println!(
