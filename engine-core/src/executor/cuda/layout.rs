@@ -256,9 +256,22 @@ pub fn prefill_tiles(first: usize, count: usize) -> Option<impl Iterator<Item = 
 /// has the 3B and 8B. (It was 256 before.)
 pub const GQA_MIN_BLOCKS: usize = 128;
 
-/// Whether `tokens` per-token attention rows (no splits) use the grouped kernel.
-pub fn use_grouped_attention(tokens: usize, num_kv_heads: usize) -> bool {
-    tokens * num_kv_heads >= GQA_MIN_BLOCKS
+/// Where the heads have a `paged_attention_grp*` instance (a KV head's query heads in one
+/// 16-warp block, one block an SM), the per-token launches of up to this many (token, KV head)
+/// blocks take it rather than `paged_attention_gqa`: one wave of blocks. Measured on an H200
+/// (session 35, graphs, context 512, ms a step, `paged_attention_gqa` vs grp): batch 16 (128
+/// blocks) 1B 1.390 vs 1.283, 3B 3.275 vs 3.141, Qwen3-4B 4.41 vs 4.21, Qwen3-0.6B 1.856 vs
+/// 1.582; batch 32 (256 blocks) 1B 1.494-1.506 vs 1.522-1.526.
+pub const GRP_MAX_BLOCKS: usize = 128;
+
+/// Whether `tokens` per-token attention rows (no splits) use the grouped kernel
+/// (`paged_attention_gqa`); `grp`: the heads have a `paged_attention_grp*` instance.
+pub fn use_grouped_attention(tokens: usize, num_kv_heads: usize, grp: bool) -> bool {
+    let blocks = tokens * num_kv_heads;
+    match grp {
+        true => blocks > GRP_MAX_BLOCKS,
+        false => blocks >= GQA_MIN_BLOCKS,
+    }
 }
 
 /// Whether every token at `positions` attends to at most `keys` keys (its position + 1;
@@ -291,6 +304,26 @@ pub fn decode_attention_splits(batch: usize, num_heads: usize) -> usize {
     let batch = batch.max(1).next_power_of_two();
     DECODE_TARGET_BLOCKS
         .div_ceil(batch * num_heads.max(1))
+        .clamp(1, MAX_DECODE_SPLITS)
+}
+
+/// (token, KV head, split) blocks a decode launch of `paged_attention_grp*` aims for: one wave
+/// (the kernel runs one block an SM). Measured on an H200 (session 35, graphs, context 512, ms a
+/// step, the per-head kernel's splits vs these): 1B batch 8 (1 -> 2 splits) 1.049-1.057 vs
+/// 1.022-1.030, batch 4 (2 -> 4) 0.983-0.985 vs 0.981-0.982; 3B batch 4 (3 -> 4) 2.387-2.389 vs
+/// 2.414-2.417, batch 8 (2 either way) a tie; a target of 256 lost 4-7% everywhere.
+pub const GRP_TARGET_BLOCKS: usize = 128;
+
+/// Splits per token for a decode step of `batch` rows whose attention runs
+/// `paged_attention_grp*` ([`GRP_TARGET_BLOCKS`] over the (token, KV head) pairs), the batch
+/// rounded up to a power of two as [`decode_attention_splits`] does, and never more partials
+/// (`batch * num_heads * splits`) than the buffer holds (`2 * DECODE_TARGET_BLOCKS`).
+pub fn grp_decode_splits(batch: usize, num_heads: usize, num_kv_heads: usize) -> usize {
+    let batch = batch.max(1).next_power_of_two();
+    let cap = (2 * DECODE_TARGET_BLOCKS / (batch * num_heads.max(1))).max(1);
+    GRP_TARGET_BLOCKS
+        .div_ceil(batch * num_kv_heads.max(1))
+        .min(cap)
         .clamp(1, MAX_DECODE_SPLITS)
 }
 
@@ -572,11 +605,40 @@ mod tests {
     }
 
     #[test]
+    fn grp_splits_fill_a_wave_within_the_partials_buffer() {
+        // Llama 1B (32 heads over 8): 4 rows 4 splits, 8 rows 2, 16 rows 1; 5 rows as 8.
+        assert_eq!(grp_decode_splits(4, 32, 8), 4);
+        assert_eq!(grp_decode_splits(8, 32, 8), 2);
+        assert_eq!(grp_decode_splits(5, 32, 8), 2);
+        assert_eq!(grp_decode_splits(16, 32, 8), 1);
+        assert_eq!(grp_decode_splits(64, 32, 8), 1);
+        // 3B (24 over 8): 4 rows 4 splits.
+        assert_eq!(grp_decode_splits(4, 24, 8), 4);
+        for (nh, nkv) in [(32, 8), (24, 8), (16, 8), (8, 2), (4, 1), (64, 8), (12, 3)] {
+            for b in 1..=64 {
+                let n = grp_decode_splits(b, nh, nkv);
+                let padded = b.next_power_of_two();
+                assert!((1..=MAX_DECODE_SPLITS).contains(&n));
+                assert!(
+                    padded * nh * n <= 2 * DECODE_TARGET_BLOCKS || n == 1,
+                    "{b} {nh} {nkv}"
+                );
+                assert_eq!(n, grp_decode_splits(padded, nh, nkv));
+            }
+        }
+    }
+
+    #[test]
     fn grouped_attention_from_enough_blocks() {
-        assert!(!use_grouped_attention(15, 8));
-        assert!(use_grouped_attention(16, 8));
-        assert!(use_grouped_attention(256, 1));
-        assert!(!use_grouped_attention(0, 8));
+        assert!(!use_grouped_attention(15, 8, false));
+        assert!(use_grouped_attention(16, 8, false));
+        assert!(use_grouped_attention(256, 1, false));
+        assert!(!use_grouped_attention(0, 8, false));
+        // With a grp instance, one wave of its blocks first.
+        assert!(!use_grouped_attention(16, 8, true));
+        assert!(use_grouped_attention(17, 8, true));
+        assert!(!use_grouped_attention(128, 1, true));
+        assert!(use_grouped_attention(256, 1, true));
     }
 
     #[test]

@@ -640,7 +640,7 @@ impl CudaExecutor {
             true => buckets
                 .sizes()
                 .iter()
-                .filter(|&&b| layout::decode_attention_splits(b, mc.num_heads) > 1)
+                .filter(|&&b| decode_split_count(&kernels, &mc, b) > 1)
                 .count(),
             false => 0,
         };
@@ -1137,9 +1137,14 @@ impl CudaExecutor {
         let c = &self.model.config;
         self.model.dtype == Dtype::Bf16
             && harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
-            && self
-                .grouped_attention
-                .unwrap_or_else(|| layout::use_grouped_attention(tokens, c.num_kv_heads))
+            && self.grouped_attention.unwrap_or_else(|| {
+                let grp = harrier_kernels::grp_attention_supports(
+                    c.num_heads,
+                    c.num_kv_heads,
+                    c.head_dim,
+                );
+                layout::use_grouped_attention(tokens, c.num_kv_heads, grp)
+            })
     }
 
     /// Whether decode steps with `splits` have a short-context variant (see `short_graphs`):
@@ -1162,7 +1167,7 @@ impl CudaExecutor {
 
     /// Split decode attention for a decode step of `batch` (padded) rows, if it splits.
     fn decode_splits(&self, batch: usize) -> Option<usize> {
-        let n = layout::decode_attention_splits(batch, self.model.config.num_heads);
+        let n = decode_split_count(&self.kernels, &self.model.config, batch);
         (n > 1 && self.split_decode_attention).then_some(n)
     }
 
@@ -1857,5 +1862,17 @@ impl Drop for CudaExecutor {
         }
         // Buffers free in field order (the context, last, outlives them); streams stay until
         // the context goes.
+    }
+}
+
+/// Context splits a token of a decode step of `batch` (padded) rows: where its attention
+/// launch takes `paged_attention_grp*` ([`Kernels::grp_serves`]), enough for a wave of
+/// [`layout::GRP_TARGET_BLOCKS`] (token, KV head, split) blocks, else the per-head kernel's
+/// [`layout::decode_attention_splits`]. Capture, eager steps and the short-context bucket count
+/// all ask here.
+fn decode_split_count(k: &Kernels, c: &ModelConfig, batch: usize) -> usize {
+    match k.grp_serves(c.num_heads, c.num_kv_heads, c.head_dim, batch) {
+        true => layout::grp_decode_splits(batch, c.num_heads, c.num_kv_heads),
+        false => layout::decode_attention_splits(batch, c.num_heads),
     }
 }

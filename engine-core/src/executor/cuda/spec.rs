@@ -362,7 +362,11 @@ impl DraftProposer {
         let c = &self.model.config;
         self.model.dtype == Dtype::Bf16
             && harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
-            && layout::use_grouped_attention(tokens, c.num_kv_heads)
+            && layout::use_grouped_attention(
+                tokens,
+                c.num_kv_heads,
+                harrier_kernels::grp_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim),
+            )
     }
 
     /// Enqueues the draft's work of a step: its first forward (prefill chunks and the decode
