@@ -96,8 +96,8 @@ pub fn gqa_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
     }
 }
 
-/// Per-token attention launches of at least this many tokens (and no token list) take
-/// `paged_attention_grp*`, a KV head's query heads in one block. Measured on an H200 (session
+/// Per-token attention over at least this many rows (and no token list) takes
+/// `paged_attention_grp*`, a KV head's query heads in one block ([`Kernels::grp_serves`]). Measured on an H200 (session
 /// 35, graphs, context 512, ms a step, per-head vs grouped): 1B batch 2 0.958 vs 0.955-0.960,
 /// batch 4 1.023 vs 0.995, batch 8 1.080 vs 1.065; 3B batch 2 2.285 vs 2.36 (lost), batch 8
 /// 2.915 vs 2.54; Qwen3-0.6B batch 8 1.168 vs 1.038; 1B batch 1 without the ring 0.897 vs 0.912
@@ -1073,8 +1073,8 @@ pub struct Kernels {
     /// `paged_attention` pulls its K/V rows into L2 before waiting on the previous kernel
     /// (`HARRIER_ATTN_PREFETCH=0`: off, to compare).
     attn_prefetch: bool,
-    /// `paged_attention` launches of at least this many tokens without a token list take
-    /// `paged_attention_grp*` ([`ATTN_GRP_MIN_TOKENS`]; `HARRIER_ATTN_GRP_MIN_TOKENS`
+    /// Per-token attention over at least this many rows takes `paged_attention_grp*`
+    /// ([`Kernels::grp_serves`]; [`ATTN_GRP_MIN_TOKENS`], `HARRIER_ATTN_GRP_MIN_TOKENS`
     /// overrides it, to measure; `usize::MAX` in the f32 build, which has no such kernel).
     attn_grp_min_tokens: usize,
     /// `paged_attention` reads V a row per lane group (16-byte loads, a tile's loads
@@ -1522,9 +1522,8 @@ impl Kernels {
     /// split). `combine: false` leaves that launch out: the caller knows that every token's
     /// context fits one split ([`Kernels::attn_one_split_keys`]), so each writes its output
     /// directly and the combine would be a no-op (see `DecodeGraph` short-context graphs).
-    /// Launches of at least [`ATTN_GRP_MIN_TOKENS`] tokens without a list take
-    /// `paged_attention_grp*` where it has an instance for the heads (the same outputs and
-    /// partials, each KV head's rows read once for its query heads), else the per-head kernel.
+    /// The per-head kernel; [`Kernels::paged_attention_grouped`] computes the same with a KV
+    /// head's query heads in one block ([`Kernels::grp_serves`] says where the engine takes it).
     ///
     /// # Safety
     /// Device addresses must be valid; block tables must name blocks inside the cache.
@@ -1537,20 +1536,20 @@ impl Kernels {
         tok_list: u64,
         n: u32,
     ) -> anyhow::Result<()> {
-        let grouped = tok_list == 0
-            && self.grp_serves(a.nh as usize, a.nkv as usize, a.hd as usize, n as usize);
         // SAFETY: the caller's guarantees.
-        unsafe { self.attention_launch(s, a, part, splits, tok_list, n, grouped) }
+        unsafe { self.attention_launch(s, a, part, splits, tok_list, n, false) }
     }
 
-    /// Whether a `paged_attention` launch of `n` tokens without a token list takes
-    /// `paged_attention_grp*` for these heads.
+    /// Whether per-token attention over `n` rows (a step's padded count, as its graph has it;
+    /// no token list) should take [`Kernels::paged_attention_grouped`] for these heads: from
+    /// [`ATTN_GRP_MIN_TOKENS`] rows, in the bf16 build.
     pub fn grp_serves(&self, nh: usize, nkv: usize, hd: usize, n: usize) -> bool {
         grp_attention_supports(nh, nkv, hd) && n >= self.attn_grp_min_tokens
     }
 
-    /// [`Kernels::paged_attention`] through `paged_attention_grp*` whatever the token count
-    /// (for the attention check); an error where it has no instance for the heads.
+    /// [`Kernels::paged_attention`] through `paged_attention_grp*` (no token list): the same
+    /// outputs and split partials, each KV head's K/V rows read once for its query heads; an
+    /// error where it has no instance for the heads or in the f32 build.
     ///
     /// # Safety
     /// As [`Kernels::paged_attention`].

@@ -834,7 +834,7 @@ impl CudaExecutor {
         slot: usize,
         n_tokens: usize,
         n_samples: usize,
-        (decode_splits, grouped_attention): (Option<usize>, bool),
+        (decode_splits, grouped_attention, grp_attention): (Option<usize>, bool, bool),
         (n_pf_tiles, n_att_listed): (usize, usize),
     ) -> model::StepMeta {
         let (d, l) = (&self.slots[slot].meta_d, &self.layout);
@@ -852,6 +852,7 @@ impl CudaExecutor {
             bt_stride: self.caps.max_blocks_per_seq,
             pending: self.pending_d.ptr,
             grouped_attention,
+            grp_attention,
             gemm_rows: None,
             decode_splits,
             short_context: false,
@@ -1118,16 +1119,31 @@ impl CudaExecutor {
     }
 
     /// The per-token attention plan for `rows` rows (a decode step's padded batch, or the
-    /// tokens a step's prefill tiles leave): context splits for small decode batches, else the
-    /// grouped kernel where it applies. Graph capture and eager steps both ask here, so a
-    /// bucket's replay and its eager run cut attention the same way.
-    fn attention_plan(&self, rows: usize, decode: bool) -> (Option<usize>, bool) {
+    /// tokens a step's prefill tiles leave): context splits for small decode batches, else
+    /// `paged_attention_gqa` where it applies; then whether the rows take
+    /// `paged_attention_grp*` rather than the per-head kernel. Graph capture and eager steps
+    /// both ask here, so a bucket's replay and its eager run cut attention the same way and
+    /// run the same kernels.
+    fn attention_plan(&self, rows: usize, decode: bool) -> (Option<usize>, bool, bool) {
         let splits = if decode {
             self.decode_splits(rows)
         } else {
             None
         };
-        (splits, splits.is_none() && self.grouped_attention_for(rows))
+        let gqa = splits.is_none() && self.grouped_attention_for(rows);
+        (splits, gqa, !gqa && self.grp_attention_for(rows))
+    }
+
+    /// Whether `rows` per-token attention rows take `paged_attention_grp*` where
+    /// `paged_attention_gqa` does not ([`Kernels::grp_serves`]; `bench --modes
+    /// graph-async-per-head-attn`, which turns `paged_attention_gqa` off, times it at any
+    /// batch).
+    fn grp_attention_for(&self, rows: usize) -> bool {
+        let c = &self.model.config;
+        self.model.dtype == Dtype::Bf16
+            && self
+                .kernels
+                .grp_serves(c.num_heads, c.num_kv_heads, c.head_dim, rows)
     }
 
     /// Whether `tokens` single-split per-token attention rows use the grouped kernel (bf16

@@ -118,6 +118,9 @@ pub(crate) struct StepMeta {
     pub n_att_listed: usize,
     /// The per-token attention rows run `paged_attention_gqa` (one split only).
     pub grouped_attention: bool,
+    /// The per-token attention rows without a token list run `paged_attention_grp*`
+    /// (`Kernels::paged_attention_grouped`, any splits) instead of the per-head kernel.
+    pub grp_attention: bool,
     /// An eager decode step that a graph bucket holds: its GEMMs run over the bucket's rows
     /// (the rows past the batch hold stale activations; each output row depends only on its
     /// own input row) because cuBLAS may pick another kernel, which rounds differently, for
@@ -1220,6 +1223,13 @@ impl GpuModel {
                     None if m.grouped_attention => {
                         k.paged_attention_gqa(stream, &att, list, n_att)?
                     }
+                    splits if m.grp_attention && list == 0 => k.paged_attention_grouped(
+                        stream,
+                        &att,
+                        s.attn_part.ptr,
+                        (splits.unwrap_or(1) as u32, !m.short_context),
+                        n_att,
+                    )?,
                     splits => k.paged_attention(
                         stream,
                         &att,

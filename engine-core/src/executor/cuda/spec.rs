@@ -369,6 +369,14 @@ impl DraftProposer {
             )
     }
 
+    /// Whether the draft's per-token attention over `tokens` rows takes `paged_attention_grp*`
+    /// (where it does not take the grouped kernel).
+    fn grp(&self, kn: &Kernels, tokens: usize) -> bool {
+        let c = &self.model.config;
+        self.model.dtype == Dtype::Bf16
+            && kn.grp_serves(c.num_heads, c.num_kv_heads, c.head_dim, tokens)
+    }
+
     /// Enqueues the draft's work of a step: its first forward (prefill chunks and the decode
     /// entries' last two tokens) and the `k` proposals of every drafting row.
     ///
@@ -420,6 +428,7 @@ impl DraftProposer {
                 tok_row: at(l.d_tok_row),
                 logit_rows: at(l.d_logit_rows),
                 grouped_attention: self.grouped(c.tokens),
+                grp_attention: !self.grouped(c.tokens) && self.grp(kn, c.tokens),
                 decode_splits: None,
                 n_pf_tiles: 0,
                 n_att_listed: 0,
@@ -445,6 +454,8 @@ impl DraftProposer {
                 tok_row: spec_rows,
                 logit_rows: at(l.b_logit_rows),
                 grouped_attention: splits == 1 && self.grouped(c.drafting),
+                grp_attention: !(splits == 1 && self.grouped(c.drafting))
+                    && self.grp(kn, c.drafting),
                 decode_splits: (splits > 1).then_some(splits),
                 ..first
             };
