@@ -535,6 +535,23 @@ __device__ __forceinline__ int split_tiles(int pos, int window, int n_splits, in
     return splits;
 }
 
+// Stores a head's merged dim d (its weighted sum v, max M, sum L): the output o[i] directly where
+// the token ran in one split (a split launch marks it done, sum -1, for attention_combine), else
+// its split's partial at pp (`[HD + 2]`: max, sum, the dims).
+__device__ __forceinline__ void attn_store(elem* o, int i, float* pp, int d, float v, float M, float L, int splits,
+                                           int n_splits) {
+    if (splits == 1) {
+        o[i] = f2e(L > 0.0f ? v / L : 0.0f);
+        if (n_splits > 1 && d == 0) pp[1] = -1.0f;
+    } else {
+        if (d == 0) {
+            pp[0] = M;
+            pp[1] = L;
+        }
+        pp[2 + d] = v;
+    }
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // The block's shared state: each warp's (max, sum, partial output), the warps' weights and the
@@ -757,18 +774,7 @@ __device__ __forceinline__ void paged_attention_body(AttnIn a, float* part, int 
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float v = 0.0f;
         for (int w = 0; w < nw; w++) v += sm.acc[w][d] * sm.w[w];
-        if (splits == 1) {
-            // One split (always the case with n_splits == 1): the output directly; a split
-            // launch marks the token done (sum -1) for attention_combine.
-            o[d] = f2e(L > 0.0f ? v / L : 0.0f);
-            if (n_splits > 1 && d == 0) pp[1] = -1.0f;
-        } else {
-            if (d == 0) {
-                pp[0] = M;
-                pp[1] = L;
-            }
-            pp[2 + d] = v;
-        }
+        attn_store(o, d, pp, d, v, M, L, splits, n_splits);  // (one split always with n_splits == 1)
     }
 }
 
@@ -1098,19 +1104,7 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
         float v = 0.0f;
         for (int w = 0; w < nw; w++) v += sm.acc[w][i] * sm.w[w][g];
         const float M = sm.ML[g][0], L = sm.ML[g][1];
-        float* pp = pp0 + ((size_t)g * n_splits + s) * (HD + 2);
-        if (splits == 1) {
-            // One split: the output directly; a split launch marks the token done (sum -1)
-            // for attention_combine.
-            o[i] = f2e(L > 0.0f ? v / L : 0.0f);
-            if (n_splits > 1 && d == 0) pp[1] = -1.0f;
-        } else {
-            if (d == 0) {
-                pp[0] = M;
-                pp[1] = L;
-            }
-            pp[2 + d] = v;
-        }
+        attn_store(o, i, pp0 + ((size_t)g * n_splits + s) * (HD + 2), d, v, M, L, splits, n_splits);
     }
 }
 

@@ -917,22 +917,10 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             }
             // paged_attention_grp* whatever the token count, with the case's splits (the
             // per-head kernel's output again where it has no instance for the heads).
+            let (grp, splits) = (att(d_out_grp), (n_splits as u32, true));
             match harrier_kernels::grp_attention_supports(nh, nkv, hd) {
-                true => k.paged_attention_grouped(
-                    stream,
-                    &att(d_out_grp),
-                    d_part,
-                    (n_splits as u32, true),
-                    t as u32,
-                )?,
-                false => k.paged_attention(
-                    stream,
-                    &att(d_out_grp),
-                    d_part,
-                    (n_splits as u32, true),
-                    0,
-                    t as u32,
-                )?,
+                true => k.paged_attention_grouped(stream, &grp, d_part, splits, t as u32)?,
+                false => k.paged_attention(stream, &grp, d_part, splits, 0, t as u32)?,
             }
             dr::stream::synchronize(stream)?;
             dr::memcpy_dtoh_sync(&mut out_grouped, d_out_grouped)?;
