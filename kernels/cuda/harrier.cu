@@ -954,9 +954,6 @@ extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_
 // to bf16 before P V, l from the unrounded P), so attention_combine merges its splits. bf16
 // only; G * HD at most GRP_MAX_ELEMS.
 #define GRP_WARPS 16
-#ifndef GRP_MIN_BLOCKS  // (blocks an SM the registers allow; measurement builds set 2)
-#define GRP_MIN_BLOCKS 1
-#endif
 #define GRP_MAX_ELEMS 512
 #define GRP_MAX_G 4
 struct GrpSmem {
@@ -1120,8 +1117,8 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
     __shared__ __align__(16) GrpSmem sm;                       \
     const int G = a.nh / a.nkv;                                \
     GRP_CASE(1, d) GRP_CASE(2, d) GRP_CASE(3, d) GRP_CASE(4, d)
-extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, GRP_MIN_BLOCKS) paged_attention_grp64(GRP_PARAMS) { GRP_BODY(64) }
-extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, GRP_MIN_BLOCKS) paged_attention_grp128(GRP_PARAMS) { GRP_BODY(128) }
+extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, 1) paged_attention_grp64(GRP_PARAMS) { GRP_BODY(64) }
+extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, 1) paged_attention_grp128(GRP_PARAMS) { GRP_BODY(128) }
 #undef GRP_BODY
 #undef GRP_PARAMS
 #undef GRP_CASE

@@ -97,11 +97,12 @@ pub fn gqa_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
 }
 
 /// Per-token attention over at least this many rows (and no token list) takes
-/// `paged_attention_grp*`, a KV head's query heads in one block ([`Kernels::grp_serves`]). Measured on an H200 (session
-/// 35, graphs, context 512, ms a step, per-head vs grouped): 1B batch 2 0.958 vs 0.955-0.960,
-/// batch 4 1.023 vs 0.995, batch 8 1.080 vs 1.065; 3B batch 2 2.285 vs 2.36 (lost), batch 8
-/// 2.915 vs 2.54; Qwen3-0.6B batch 8 1.168 vs 1.038; 1B batch 1 without the ring 0.897 vs 0.912
-/// (lost). Fewer rows leave a block's 16 warps idle on short splits.
+/// `paged_attention_grp*`, a KV head's query heads in one block ([`Kernels::grp_serves`]).
+/// Measured on an H200 (session 35, graphs, context 512, ms a step, per-head vs grouped): 1B
+/// batch 2 0.958 vs 0.955-0.960, batch 4 1.023 vs 0.995, batch 8 1.080 vs 1.065; 3B batch 2
+/// 2.285 vs 2.36 (lost), batch 8 2.915 vs 2.54; Qwen3-0.6B batch 8 1.168 vs 1.038; 1B batch 1
+/// without the ring 0.897 vs 0.912 (lost). Fewer rows leave a block's 16 warps idle on short
+/// splits.
 pub const ATTN_GRP_MIN_TOKENS: usize = 4;
 
 /// Threads of a `paged_attention_grp*` block (`GRP_WARPS` warps).
@@ -1537,7 +1538,7 @@ impl Kernels {
         n: u32,
     ) -> anyhow::Result<()> {
         // SAFETY: the caller's guarantees.
-        unsafe { self.attention_launch(s, a, part, splits, tok_list, n, false) }
+        unsafe { self.attention_launch(s, a, part, splits, tok_list, n, None) }
     }
 
     /// Whether per-token attention over `n` rows (a step's padded count, as its graph has it;
@@ -1561,21 +1562,23 @@ impl Kernels {
         splits: (u32, bool),
         n: u32,
     ) -> anyhow::Result<()> {
-        if grp_attention_kernel(a.nh, a.nkv, a.hd).is_none() || self.dtype != Dtype::Bf16 {
-            bail!(
-                "paged_attention_grp: no {} instance for {} heads over {} KV heads, head dim {}",
-                self.dtype.name(),
-                a.nh,
-                a.nkv,
-                a.hd
-            );
-        }
+        let kernel = grp_attention_kernel(a.nh, a.nkv, a.hd)
+            .filter(|_| self.dtype == Dtype::Bf16)
+            .with_context(|| {
+                format!(
+                    "paged_attention_grp: no {} instance for {} heads over {} KV heads, head dim {}",
+                    self.dtype.name(),
+                    a.nh,
+                    a.nkv,
+                    a.hd
+                )
+            })?;
         // SAFETY: the caller's guarantees.
-        unsafe { self.attention_launch(s, a, part, splits, 0, n, true) }
+        unsafe { self.attention_launch(s, a, part, splits, 0, n, Some(kernel)) }
     }
 
-    /// The per-token attention launch and its combine (see [`Kernels::paged_attention`]):
-    /// `grouped` takes `paged_attention_grp*` where it has an instance and this build has it.
+    /// The per-token attention launch and its combine (see [`Kernels::paged_attention`]): the
+    /// per-head kernel, or `grp`, a `paged_attention_grp*` instance (no token list).
     #[allow(clippy::too_many_arguments)]
     unsafe fn attention_launch(
         &self,
@@ -1585,7 +1588,7 @@ impl Kernels {
         (n_splits, combine): (u32, bool),
         tok_list: u64,
         n: u32,
-        grouped: bool,
+        grp: Option<&'static str>,
     ) -> anyhow::Result<()> {
         let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         if nkv <= 0
@@ -1605,8 +1608,6 @@ impl Kernels {
         let prefetch = self.attn_prefetch as i32;
         let one_split = self.attn_one_split;
         let vrows = self.attn_vrows as i32;
-        let grp = grp_attention_kernel(nh, nkv, hd)
-            .filter(|_| grouped && tok_list == 0 && self.dtype == Dtype::Bf16);
         // SAFETY: argument types match the kernels'.
         unsafe {
             match grp {

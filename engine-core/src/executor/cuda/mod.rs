@@ -1119,48 +1119,23 @@ impl CudaExecutor {
     }
 
     /// The per-token attention plan for `rows` rows (a decode step's padded batch, or the
-    /// tokens a step's prefill tiles leave): context splits for small decode batches, else
-    /// `paged_attention_gqa` where it applies; then whether the rows take
-    /// `paged_attention_grp*` rather than the per-head kernel. Graph capture and eager steps
-    /// both ask here, so a bucket's replay and its eager run cut attention the same way and
-    /// run the same kernels.
+    /// tokens a step's prefill tiles leave): context splits for small decode batches, then
+    /// [`per_token_kernels`]. Graph capture and eager steps both ask here, so a bucket's replay
+    /// and its eager run cut attention the same way and run the same kernels.
     fn attention_plan(&self, rows: usize, decode: bool) -> (Option<usize>, bool, bool) {
         let splits = if decode {
             self.decode_splits(rows)
         } else {
             None
         };
-        let gqa = splits.is_none() && self.grouped_attention_for(rows);
-        (splits, gqa, !gqa && self.grp_attention_for(rows))
-    }
-
-    /// Whether `rows` per-token attention rows take `paged_attention_grp*` where
-    /// `paged_attention_gqa` does not ([`Kernels::grp_serves`]; `bench --modes
-    /// graph-async-per-head-attn`, which turns `paged_attention_gqa` off, times it at any
-    /// batch).
-    fn grp_attention_for(&self, rows: usize) -> bool {
-        let c = &self.model.config;
-        self.model.dtype == Dtype::Bf16
-            && self
-                .kernels
-                .grp_serves(c.num_heads, c.num_kv_heads, c.head_dim, rows)
-    }
-
-    /// Whether `tokens` single-split per-token attention rows use the grouped kernel (bf16
-    /// only: the f32 model is for exactness checks, and the grouped kernel has only been
-    /// checked on the device in bf16).
-    fn grouped_attention_for(&self, tokens: usize) -> bool {
-        let c = &self.model.config;
-        self.model.dtype == Dtype::Bf16
-            && harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
-            && self.grouped_attention.unwrap_or_else(|| {
-                let grp = harrier_kernels::grp_attention_supports(
-                    c.num_heads,
-                    c.num_kv_heads,
-                    c.head_dim,
-                );
-                layout::use_grouped_attention(tokens, c.num_kv_heads, grp)
-            })
+        let (gqa, grp) = per_token_kernels(
+            &self.kernels,
+            &self.model.config,
+            rows,
+            splits.is_some(),
+            self.grouped_attention,
+        );
+        (splits, gqa, grp)
     }
 
     /// Whether decode steps with `splits` have a short-context variant (see `short_graphs`):
@@ -1881,12 +1856,37 @@ impl Drop for CudaExecutor {
     }
 }
 
+/// Which kernel takes `rows` per-token attention rows (`split`: cut into context splits), as
+/// (`paged_attention_gqa`, `paged_attention_grp*`), at most one of them; neither: the per-head
+/// kernel. gqa (single-split rows only, bf16: the f32 model is for exactness checks) where
+/// [`layout::use_grouped_attention`] says, or `gqa_override` (`bench`'s attention modes); grp
+/// where gqa does not run and [`Kernels::grp_serves`] says (`bench --modes
+/// graph-async-per-head-attn` times it at any batch). The executor's steps and the draft
+/// model's ask here.
+pub(super) fn per_token_kernels(
+    k: &Kernels,
+    c: &ModelConfig,
+    rows: usize,
+    split: bool,
+    gqa_override: Option<bool>,
+) -> (bool, bool) {
+    let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    let gqa = !split
+        && k.dtype == Dtype::Bf16
+        && harrier_kernels::gqa_attention_supports(nh, nkv, hd)
+        && gqa_override.unwrap_or_else(|| {
+            let grp = harrier_kernels::grp_attention_supports(nh, nkv, hd);
+            layout::use_grouped_attention(rows, nkv, grp)
+        });
+    (gqa, !gqa && k.grp_serves(nh, nkv, hd, rows))
+}
+
 /// Context splits a token of a decode step of `batch` (padded) rows: where its attention
 /// launch takes `paged_attention_grp*` ([`Kernels::grp_serves`]), enough for a wave of
 /// [`layout::GRP_TARGET_BLOCKS`] (token, KV head, split) blocks, else the per-head kernel's
-/// [`layout::decode_attention_splits`]. Capture, eager steps and the short-context bucket count
-/// all ask here.
-fn decode_split_count(k: &Kernels, c: &ModelConfig, batch: usize) -> usize {
+/// [`layout::decode_attention_splits`]. Capture, eager steps, the short-context bucket count
+/// and the draft model's decode rows all ask here.
+pub(super) fn decode_split_count(k: &Kernels, c: &ModelConfig, batch: usize) -> usize {
     match k.grp_serves(c.num_heads, c.num_kv_heads, c.head_dim, batch) {
         true => layout::grp_decode_splits(batch, c.num_heads, c.num_kv_heads),
         false => layout::decode_attention_splits(batch, c.num_heads),

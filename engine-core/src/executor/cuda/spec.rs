@@ -61,10 +61,10 @@ use harrier_kernels::{
     BlockTables, Dtype, Kernels, NgramHist, PlaceEntries, SamplerState, SpecRows, TokenMeta,
 };
 
-use super::layout::{self, Capacities, MetaLayout, ScratchSizes};
+use super::layout::{Capacities, MetaLayout, ScratchSizes};
 use super::meta::DraftCounts;
 use super::model::{GpuModel, StepMeta};
-use super::{ck, DevBuf};
+use super::{ck, decode_split_count, per_token_kernels, DevBuf};
 use crate::model::ModelDir;
 
 /// Steps of rounds of up to this many sequences replay captured graphs (larger ones are
@@ -357,26 +357,6 @@ impl SpecDecoder {
 }
 
 impl DraftProposer {
-    /// Whether the draft's attention over `tokens` single-split rows takes the grouped kernel.
-    fn grouped(&self, tokens: usize) -> bool {
-        let c = &self.model.config;
-        self.model.dtype == Dtype::Bf16
-            && harrier_kernels::gqa_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim)
-            && layout::use_grouped_attention(
-                tokens,
-                c.num_kv_heads,
-                harrier_kernels::grp_attention_supports(c.num_heads, c.num_kv_heads, c.head_dim),
-            )
-    }
-
-    /// Whether the draft's per-token attention over `tokens` rows takes `paged_attention_grp*`
-    /// (where it does not take the grouped kernel).
-    fn grp(&self, kn: &Kernels, tokens: usize) -> bool {
-        let c = &self.model.config;
-        self.model.dtype == Dtype::Bf16
-            && kn.grp_serves(c.num_heads, c.num_kv_heads, c.head_dim, tokens)
-    }
-
     /// Enqueues the draft's work of a step: its first forward (prefill chunks and the decode
     /// entries' last two tokens) and the `k` proposals of every drafting row.
     ///
@@ -419,6 +399,12 @@ impl DraftProposer {
                 spec,
                 bt,
             )?;
+            // The attention plans of the first forward and of the drafting rows' decode steps.
+            let cfg = &self.model.config;
+            let (grouped, grp) = per_token_kernels(kn, cfg, c.tokens, false, None);
+            let splits = decode_split_count(kn, cfg, c.drafting);
+            let (later_grouped, later_grp) =
+                per_token_kernels(kn, cfg, c.drafting, splits > 1, None);
             let first = StepMeta {
                 n_tokens: c.tokens,
                 n_samples: c.drafting,
@@ -427,8 +413,8 @@ impl DraftProposer {
                 slot_mapping: at(l.d_slot_mapping),
                 tok_row: at(l.d_tok_row),
                 logit_rows: at(l.d_logit_rows),
-                grouped_attention: self.grouped(c.tokens),
-                grp_attention: !self.grouped(c.tokens) && self.grp(kn, c.tokens),
+                grouped_attention: grouped,
+                grp_attention: grp,
                 decode_splits: None,
                 n_pf_tiles: 0,
                 n_att_listed: 0,
@@ -444,7 +430,6 @@ impl DraftProposer {
             let logits = self.model.logits_ptr();
             kn.row_argmax_parts(st, logits, vocab, state.argmax_parts, n)?;
             kn.draft_sample(st, logits, vocab, spec_rows, 0, rows_d, spec, state, n)?;
-            let splits = layout::decode_attention_splits(c.drafting, self.model.config.num_heads);
             let later = StepMeta {
                 n_tokens: c.drafting,
                 n_samples: c.drafting,
@@ -453,9 +438,8 @@ impl DraftProposer {
                 slot_mapping: at(l.b_slot_mapping),
                 tok_row: spec_rows,
                 logit_rows: at(l.b_logit_rows),
-                grouped_attention: splits == 1 && self.grouped(c.drafting),
-                grp_attention: !(splits == 1 && self.grouped(c.drafting))
-                    && self.grp(kn, c.drafting),
+                grouped_attention: later_grouped,
+                grp_attention: later_grp,
                 decode_splits: (splits > 1).then_some(splits),
                 ..first
             };

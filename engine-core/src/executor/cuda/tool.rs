@@ -727,7 +727,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
     // Tokens checked without attention_combine (contexts that fit one split).
     let mut short_total = 0usize;
     println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten | grouped rel. error | unwritten | grp (n splits) rel. error | unwritten |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in 0..cases {
         // Every seventh case has Gemma 3's head dim 256 (grouped kernel for G 1, 2, 4), or
         // every other one of those 192: the generic `paged_attention` instance, which no
