@@ -943,6 +943,39 @@ extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_
 }
 
 #ifndef HARRIER_F32
+// Shared-memory addresses, mbarrier waits and distributed shared memory (clusters; sm_90).
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 ok;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+// The same with acquire at cluster scope (a barrier another block of the cluster arrives on).
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
+    u32 ok;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(ok)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!ok);
+}
+// This block's shared address `a` in cluster block `rank` (distributed shared memory).
+__device__ __forceinline__ u32 cluster_map(u32 a, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+
 // Decode attention for small batches with a KV head's G query heads in one block: block (t, kh,
 // s) takes token t's split s (`split_tiles`, as paged_attention's) for heads kh G .. kh G + G - 1,
 // so each K and V row is read once for the group. The per-head kernel reads it G times, and at
@@ -961,23 +994,117 @@ struct GrpSmem {
     float m[GRP_WARPS][GRP_MAX_G], l[GRP_WARPS][GRP_MAX_G], w[GRP_WARPS][GRP_MAX_G], ML[GRP_MAX_G][2];
     float acc[GRP_WARPS][GRP_MAX_ELEMS];
 };
+// The cluster instances (`paged_attention_grpc*`): a token's splits of a KV head are one
+// cluster (block x = split x = cluster rank, y the token, z the KV head), and ranks 1 .. S - 1
+// push their split's (max, sum, weighted sums) into rank 0's `recv` with st.async, counted on
+// rank 0's `bar`; rank 0 merges them as attention_combine would and writes the output. No
+// partials in global memory and no attention_combine launch. At most GRP_CL_MAX splits
+// (shared memory: 36 KB + 6 KB within the 48 KB of static shared memory).
+#define GRP_CL_MAX 4
+struct GrpCluster {
+    float recv[GRP_CL_MAX - 1][GRP_MAX_ELEMS + 2 * GRP_MAX_G];  // a split's [G][HD + 2]: max, sum, dims
+    unsigned long long bar;
+};
 
+// The end of a cluster instance's block (see GrpCluster), its warps' sums merged in `sm`: ranks
+// past 0 push their split's weighted sums and (max, sum) a head to rank 0 and leave; rank 0
+// waits for the S - 1 pushes and writes head g's dims as sum_s e_s v_s / sum_s e_s l_s, e_s =
+// exp(m_s - max) over the splits with keys (attention_combine's weights; a token of one split
+// gets its own v / l, e = 1).
 template <int G, int HD>
+__device__ __forceinline__ void grp_cluster_merge(elem* o, int s, int n_splits, const GrpSmem& sm, GrpCluster& cl) {
+    constexpr int GH = G * HD, ST = HD + 2;
+    const int nw = blockDim.x >> 5;
+    // Every rank started and rank 0's barrier initialised (the arrival was at the start).
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    if (s != 0) {
+        const u32 dst = cluster_map(smem_addr(cl.recv[s - 1]), 0), bar = cluster_map(smem_addr(&cl.bar), 0);
+        for (int i = threadIdx.x; i < GH; i += blockDim.x) {
+            const int g = i / HD, d = i - g * HD;
+            float v = 0.0f;
+            for (int w = 0; w < nw; w++) v += sm.acc[w][i] * sm.w[w][g];
+            asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                             dst + 4u * (u32)(g * ST + 2 + d)),
+                         "r"(__float_as_uint(v)), "r"(bar)
+                         : "memory");
+            if (d == 0)
+                asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
+                                 dst + 4u * (u32)(g * ST)),
+                             "r"(__float_as_uint(sm.ML[g][0])), "r"(__float_as_uint(sm.ML[g][1])), "r"(bar)
+                             : "memory");
+        }
+        return;
+    }
+    if (threadIdx.x == 0)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&cl.bar)),
+                     "r"((u32)((n_splits - 1) * GH + 2 * G * (n_splits - 1)) * 4u)
+                     : "memory");
+    mbar_wait_cluster(smem_addr(&cl.bar), 0);
+    for (int i = threadIdx.x; i < GH; i += blockDim.x) {
+        const int g = i / HD, d = i - g * HD;
+        float v = 0.0f;
+        for (int w = 0; w < nw; w++) v += sm.acc[w][i] * sm.w[w][g];
+        // Split r's (max, sum, dim d): attention_combine's arithmetic, so the output has its
+        // bits (its sum of l e is a butterfly over lanes: (x0 + x2) + (x1 + x3) for 4 splits).
+        float m[GRP_CL_MAX], l[GRP_CL_MAX], x[GRP_CL_MAX];
+        m[0] = sm.ML[g][0];
+        l[0] = sm.ML[g][1];
+        x[0] = v;
+#pragma unroll
+        for (int r = 1; r < GRP_CL_MAX; r++) {
+            const float* p = cl.recv[r - 1] + g * ST;
+            m[r] = r < n_splits ? p[0] : NEG_INF;
+            l[r] = r < n_splits ? p[1] : 0.0f;
+            x[r] = r < n_splits ? p[2 + d] : 0.0f;
+        }
+        float M = NEG_INF;
+#pragma unroll
+        for (int r = 0; r < GRP_CL_MAX; r++) M = fmaxf(M, l[r] > 0.0f ? m[r] : NEG_INF);
+        float e[GRP_CL_MAX], V = 0.0f;
+#pragma unroll
+        for (int r = 0; r < GRP_CL_MAX; r++) {
+            e[r] = l[r] > 0.0f ? __expf(m[r] - M) : 0.0f;
+            V += e[r] != 0.0f ? x[r] * e[r] : 0.0f;
+        }
+        static_assert(GRP_CL_MAX == 4, "the butterfly's order below");
+        const float L = (l[0] * e[0] + l[2] * e[2]) + (l[1] * e[1] + l[3] * e[3]);
+        o[i] = f2e(L > 0.0f ? V / L : 0.0f);
+    }
+}
+
+template <int G, int HD, bool CL>
 __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int n_splits, int one_split,
-                                              GrpSmem& sm) {
+                                              GrpSmem& sm, GrpCluster* cl) {
     ATTN_UNPACK(a)
     (void)hd;
     constexpr int GH = G * HD, NC = HD / 8, LPK = HD / 8, KPR = 32 / LPK, ROUNDS = 32 / KPR;
-    const int t = blockIdx.x, kh = blockIdx.y, s = blockIdx.z;
+    const int t = CL ? blockIdx.y : blockIdx.x, kh = CL ? blockIdx.z : blockIdx.y, s = CL ? blockIdx.x : blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if constexpr (CL) {
+        // Rank 0's barrier initialised before any rank pushes (the cluster barrier's wait, just
+        // before the pushes; every rank arrives here, before the PDL wait).
+        if (s == 0 && threadIdx.x == 0) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&cl->bar)) : "memory");
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+        asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    }
     PDL_ENTER();
+    // q's element a thread (GH <= GRP_MAX_ELEMS = the block's threads), loaded with the token's
+    // position rather than after it (a round trip fewer before the block table's; H200, session
+    // 36: a tie to 0.5% faster at batches 4 and 8 of the 1B, 3B and Qwen3-0.6B).
+    static_assert(GRP_MAX_ELEMS == GRP_WARPS * 32, "a q element a thread");
+    const float qv = threadIdx.x < GH ? e2f(q[(size_t)t * q_stride + (size_t)kh * GH + threadIdx.x]) : 0.0f;
     const int pos = positions[t], row = tok_row[t];
     int start, tile0, tile1;
     const int splits = split_tiles(pos, window, n_splits, one_split, s, &start, &tile0, &tile1);
     elem* o = out + ((size_t)t * nh + (size_t)kh * G) * HD;
     // Head g's partial of split s (paged_attention's layout: [token][head][split][HD + 2]).
-    float* pp0 = part + ((size_t)t * nh + (size_t)kh * G) * n_splits * (HD + 2);
-    if (tile0 >= tile1) {  // no keys here (a split past the context, or padding)
+    float* pp0 = CL ? nullptr : part + ((size_t)t * nh + (size_t)kh * G) * n_splits * (HD + 2);
+    // No keys here (a split past the context, or padding). A cluster rank goes on without them:
+    // its warps' sums are 0, so its weight in the merge is 0.
+    if (!CL && tile0 >= tile1) {
         if (n_splits == 1) {
             for (int i = threadIdx.x; i < GH; i += blockDim.x) o[i] = f2e(0.0f);
         } else if (threadIdx.x < G) {
@@ -987,8 +1114,7 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
         }
         return;
     }
-    const elem* qp = q + (size_t)t * q_stride + (size_t)kh * GH;
-    for (int i = threadIdx.x; i < GH; i += blockDim.x) sm.q[i] = e2f(qp[i]);
+    if (threadIdx.x < GH) sm.q[threadIdx.x] = qv;
     __syncthreads();
     const int* bt = block_tables + (size_t)row * bt_stride;
     const int grp = lane / LPK, sub = lane - grp * LPK;
@@ -1096,29 +1222,46 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < GH; i += blockDim.x) {
-        const int g = i / HD, d = i - g * HD;
-        float v = 0.0f;
-        for (int w = 0; w < nw; w++) v += sm.acc[w][i] * sm.w[w][g];
-        const float M = sm.ML[g][0], L = sm.ML[g][1];
-        attn_store(o, i, pp0 + ((size_t)g * n_splits + s) * (HD + 2), d, v, M, L, splits, n_splits);
+    if constexpr (CL) {
+        (void)splits;
+        grp_cluster_merge<G, HD>(o, s, n_splits, sm, *cl);
+    } else {
+        for (int i = threadIdx.x; i < GH; i += blockDim.x) {
+            const int g = i / HD, d = i - g * HD;
+            float v = 0.0f;
+            for (int w = 0; w < nw; w++) v += sm.acc[w][i] * sm.w[w][g];
+            const float M = sm.ML[g][0], L = sm.ML[g][1];
+            attn_store(o, i, pp0 + ((size_t)g * n_splits + s) * (HD + 2), d, v, M, L, splits, n_splits);
+        }
     }
 }
 
 // One block an SM at most (36 KB of shared memory, 16 warps): at most 128 registers. An entry
 // point a head dim, each with its own registers (one for both spilled the head dim 64 cases).
-#define GRP_CASE(g, d)                                         \
-    if (G == g) {                                              \
-        grp_attention<g, d>(a, part, n_splits, one_split, sm); \
-        return;                                                \
+#define GRP_CASE(g, d, cl)                                                 \
+    if (G == g) {                                                          \
+        grp_attention<g, d, cl>(a, part, n_splits, one_split, sm, grp_cl); \
+        return;                                                            \
     }
 #define GRP_PARAMS AttnIn a, float *part, int n_splits, int one_split
-#define GRP_BODY(d)                                            \
-    __shared__ __align__(16) GrpSmem sm;                       \
-    const int G = a.nh / a.nkv;                                \
-    GRP_CASE(1, d) GRP_CASE(2, d) GRP_CASE(3, d) GRP_CASE(4, d)
-extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, 1) paged_attention_grp64(GRP_PARAMS) { GRP_BODY(64) }
-extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, 1) paged_attention_grp128(GRP_PARAMS) { GRP_BODY(128) }
+#define GRP_BODY(d, cl, cl_sm)           \
+    __shared__ __align__(16) GrpSmem sm; \
+    GrpCluster* const grp_cl = (cl_sm);  \
+    const int G = a.nh / a.nkv;          \
+    GRP_CASE(1, d, cl) GRP_CASE(2, d, cl) GRP_CASE(3, d, cl) GRP_CASE(4, d, cl)
+extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, 1) paged_attention_grp64(GRP_PARAMS) { GRP_BODY(64, false, nullptr) }
+extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, 1) paged_attention_grp128(GRP_PARAMS) { GRP_BODY(128, false, nullptr) }
+// Launched in clusters of n_splits (2 .. GRP_CL_MAX) blocks along x; `part` unused.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GRP_CL_BODY(d)                             \
+    __shared__ __align__(16) GrpCluster cl_shared; \
+    GRP_BODY(d, true, &cl_shared)
+#else
+#define GRP_CL_BODY(d) __trap();  // (clusters: sm_90 on; the host never launches these before)
+#endif
+extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, 1) paged_attention_grpc64(GRP_PARAMS) { GRP_CL_BODY(64) }
+extern "C" __global__ void __launch_bounds__(GRP_WARPS * 32, 1) paged_attention_grpc128(GRP_PARAMS) { GRP_CL_BODY(128) }
+#undef GRP_CL_BODY
 #undef GRP_BODY
 #undef GRP_PARAMS
 #undef GRP_CASE
@@ -2826,37 +2969,6 @@ __device__ __forceinline__ int ring_chunk_rows(int K, int wb = 2) {
     int cr = 1;
     while (2 * wb * cr * K <= SLOT) cr *= 2;
     return cr;
-}
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
-    u32 ok;
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    return ok != 0;
-}
-// The same with acquire at cluster scope (a barrier another block of the cluster arrives on).
-__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
-    u32 ok;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-            : "=r"(ok)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!ok);
-}
-// This block's shared address `a` in cluster block `rank` (distributed shared memory).
-__device__ __forceinline__ u32 cluster_map(u32 a, u32 rank) {
-    u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    while (!mbar_try_wait(bar, parity)) {
-    }
 }
 // The block's run of a stage's `items` (slots, or MLP chunks): [start, start + count); `off`
 // carries the rotation.

@@ -53,6 +53,8 @@ const KERNELS: &[&str] = &[
     "paged_attention_gqa",
     "paged_attention_grp64",
     "paged_attention_grp128",
+    "paged_attention_grpc64",
+    "paged_attention_grpc128",
     "dequant_fp8_rows",
     "quantize_fp8_rows",
     "fp8_rescale",
@@ -64,6 +66,8 @@ const BF16_ONLY: &[&str] = &[
     "gemv_bf16",
     "paged_attention_grp64",
     "paged_attention_grp128",
+    "paged_attention_grpc64",
+    "paged_attention_grpc128",
     "prefill_attention",
     "dequant_fp8_rows",
     "quantize_fp8_rows",
@@ -120,6 +124,27 @@ fn grp_attention_kernel(nh: i32, nkv: i32, hd: i32) -> Option<&'static str> {
         _ => None,
     }
 }
+
+/// The most splits a `paged_attention_grpc*` launch merges in its clusters (`GRP_CL_MAX`).
+/// Measured on an H200 (session 36, graphs, context 512, ms a step, `attention_combine` vs
+/// clusters): Qwen3-0.6B batch 4 0.945 vs 0.895-0.898, batch 8 1.027-1.029 vs 0.974-0.981; the
+/// Llama 1B and 3B tie at batches 4 and 8.
+pub const GRP_CLUSTER_MAX_SPLITS: u32 = 4;
+
+/// [`Kernels::grp_cluster_splits`] where a launch of `s` splits holds `tokens_at(s)` tokens.
+fn cluster_splits(tokens: u32, splits: u32, tokens_at: impl Fn(u32) -> u32) -> u32 {
+    (2..=splits.min(GRP_CLUSTER_MAX_SPLITS))
+        .rev()
+        .find(|&s| tokens <= tokens_at(s))
+        .unwrap_or(splits)
+}
+
+/// The cluster twins of the `paged_attention_grp*` instances: a token's splits of a KV head in
+/// one cluster, merged there (no `attention_combine`).
+const GRP_CLUSTER_KERNELS: [(&str, &str); 2] = [
+    ("paged_attention_grp64", "paged_attention_grpc64"),
+    ("paged_attention_grp128", "paged_attention_grpc128"),
+];
 
 /// Whether `paged_attention_grp*` has an instance for this head layout.
 pub fn grp_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
@@ -1078,6 +1103,12 @@ pub struct Kernels {
     /// ([`Kernels::grp_serves`]; [`ATTN_GRP_MIN_TOKENS`], `HARRIER_ATTN_GRP_MIN_TOKENS`
     /// overrides it, to measure; `usize::MAX` in the f32 build, which has no such kernel).
     attn_grp_min_tokens: usize,
+    /// Resident clusters of `paged_attention_grpc*` ([`GRP_CLUSTER_KERNELS`] order) a cluster
+    /// size from 2 to [`GRP_CLUSTER_MAX_SPLITS`] (`cuOccupancyMaxActiveClusters`): a grp launch
+    /// of 2-4 splits takes the cluster instance where its clusters all fit at once. Zeros in
+    /// the f32 build and with `HARRIER_ATTN_GRP_CLUSTER=0` (to measure the split launch and
+    /// its combine instead).
+    grp_clusters: [[u32; GRP_CLUSTER_MAX_SPLITS as usize - 1]; 2],
     /// `paged_attention` reads V a row per lane group (16-byte loads, a tile's loads
     /// independent) rather than a 4-byte slice a lane per key (`HARRIER_ATTN_VROWS=0`).
     attn_vrows: bool,
@@ -1109,6 +1140,12 @@ pub struct Kernels {
 /// captured edges become programmatic. `HARRIER_PDL=0` is for side-by-side measurement.
 pub fn pdl_default(arch: &str) -> bool {
     sm_version(arch).is_some_and(|v| v >= 90) && switch_on("HARRIER_PDL")
+}
+
+/// Whether `arch` runs thread-block clusters (sm_90 and newer): the `paged_attention_grpc*`
+/// instances (the decode ring asks the device itself).
+pub fn clusters_supported(arch: &str) -> bool {
+    sm_version(arch).is_some_and(|v| v >= 90)
 }
 
 /// A comparison switch: on unless the environment sets `name` to `0` (the kernels' and the
@@ -1179,6 +1216,7 @@ impl Kernels {
             SKINNY_WARPS,
             w8,
             pdl_default(arch),
+            clusters_supported(arch),
         )
     }
 
@@ -1209,6 +1247,7 @@ impl Kernels {
             skinny_warps,
             false,
             pdl_default(arch),
+            clusters_supported(arch),
         )
     }
 
@@ -1220,6 +1259,7 @@ impl Kernels {
         skinny_warps: u32,
         skinny_w8: bool,
         pdl: bool,
+        clusters: bool,
     ) -> anyhow::Result<Kernels> {
         let image = module_image(image)?;
         // SAFETY: `image` is a NUL-terminated PTX text or a cubin; a context is current (the
@@ -1243,6 +1283,7 @@ impl Kernels {
                 }
                 Dtype::F32 => usize::MAX,
             },
+            grp_clusters: Default::default(),
             attn_one_split: env_number("HARRIER_ATTN_ONE_SPLIT_TILES")
                 .filter(|n| (0..=1024).contains(n))
                 .unwrap_or(ATTN_ONE_SPLIT_TILES),
@@ -1276,7 +1317,57 @@ impl Kernels {
             }
             k.f.insert(name, f);
         }
+        if clusters && dtype == Dtype::Bf16 && switch_on("HARRIER_ATTN_GRP_CLUSTER") {
+            for (i, (_, name)) in GRP_CLUSTER_KERNELS.iter().enumerate() {
+                for size in 2..=GRP_CLUSTER_MAX_SPLITS {
+                    k.grp_clusters[i][size as usize - 2] =
+                        k.max_active_clusters(name, GRP_THREADS, size)?;
+                }
+            }
+        }
         Ok(k)
+    }
+
+    /// Clusters of `size` blocks (along x, `threads` each, static shared memory only) of
+    /// kernel `name` that can be resident at once (`cuOccupancyMaxActiveClusters`).
+    fn max_active_clusters(&self, name: &str, threads: u32, size: u32) -> anyhow::Result<u32> {
+        let mut attr = cluster_attr(size);
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: size,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n = 0i32;
+        // SAFETY: `cfg` and `attr` outlive the call; a loaded function.
+        let got =
+            unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, self.func(name), &cfg).result() };
+        ck(got, name)?;
+        Ok(n.max(0) as u32)
+    }
+
+    /// The `paged_attention_grpc*` twin of grp instance `grp` for a launch of `n` tokens over
+    /// `nkv` KV heads in `n_splits` splits, where it applies: 2 to [`GRP_CLUSTER_MAX_SPLITS`]
+    /// splits, and every cluster of the launch resident at once.
+    fn grp_cluster_kernel(
+        &self,
+        grp: &str,
+        n: u32,
+        nkv: u32,
+        n_splits: u32,
+    ) -> Option<&'static str> {
+        if !(2..=GRP_CLUSTER_MAX_SPLITS).contains(&n_splits) || n > u16::MAX as u32 {
+            return None;
+        }
+        let i = GRP_CLUSTER_KERNELS.iter().position(|(g, _)| *g == grp)?;
+        (n as u64 * nkv as u64 <= self.grp_clusters[i][n_splits as usize - 2] as u64)
+            .then_some(GRP_CLUSTER_KERNELS[i].1)
     }
 
     fn func(&self, name: &str) -> sys::CUfunction {
@@ -1562,6 +1653,38 @@ impl Kernels {
         splits: (u32, bool),
         n: u32,
     ) -> anyhow::Result<()> {
+        // SAFETY: the caller's guarantees.
+        unsafe { self.grouped_launch(s, a, part, splits, n, true) }
+    }
+
+    /// [`Kernels::paged_attention_grouped`] with its splits always merged by
+    /// `attention_combine` (no clusters), to compare.
+    ///
+    /// # Safety
+    /// As [`Kernels::paged_attention`].
+    pub unsafe fn paged_attention_grouped_combined(
+        &self,
+        s: sys::CUstream,
+        a: &AttentionInputs,
+        part: u64,
+        splits: (u32, bool),
+        n: u32,
+    ) -> anyhow::Result<()> {
+        // SAFETY: the caller's guarantees.
+        unsafe { self.grouped_launch(s, a, part, splits, n, false) }
+    }
+
+    /// # Safety
+    /// As [`Kernels::paged_attention`].
+    unsafe fn grouped_launch(
+        &self,
+        s: sys::CUstream,
+        a: &AttentionInputs,
+        part: u64,
+        splits: (u32, bool),
+        n: u32,
+        cluster: bool,
+    ) -> anyhow::Result<()> {
         let kernel = grp_attention_kernel(a.nh, a.nkv, a.hd)
             .filter(|_| self.dtype == Dtype::Bf16)
             .with_context(|| {
@@ -1574,11 +1697,44 @@ impl Kernels {
                 )
             })?;
         // SAFETY: the caller's guarantees.
-        unsafe { self.attention_launch(s, a, part, splits, 0, n, Some(kernel)) }
+        unsafe { self.attention_launch(s, a, part, splits, 0, n, Some((kernel, cluster))) }
+    }
+
+    /// Tokens a [`Kernels::paged_attention_grouped`] launch of `n_splits` splits can take with
+    /// its splits merged in clusters (`paged_attention_grpc*`, every cluster resident at
+    /// once); 0 where it has no cluster instance for the heads or the split count.
+    pub fn grp_cluster_tokens(&self, nh: usize, nkv: usize, hd: usize, n_splits: u32) -> u32 {
+        let Some(grp) = grp_attention_kernel(nh as i32, nkv as i32, hd as i32) else {
+            return 0;
+        };
+        match GRP_CLUSTER_KERNELS.iter().position(|(g, _)| *g == grp) {
+            Some(i) if (2..=GRP_CLUSTER_MAX_SPLITS).contains(&n_splits) => {
+                (self.grp_clusters[i][n_splits as usize - 2] / nkv as u32).min(u16::MAX as u32)
+            }
+            _ => 0,
+        }
+    }
+
+    /// Splits for a grp launch of `tokens` rows that aims at `splits`: the most from 2 to
+    /// `splits` whose clusters all fit at once ([`Kernels::grp_cluster_tokens`]), so that the
+    /// launch merges them in its clusters instead of an `attention_combine` launch; `splits`
+    /// where none fits (or it is below 2, or past [`GRP_CLUSTER_MAX_SPLITS`] with none of
+    /// 2-4 fitting). On an H200 a launch holds 8 tokens in pairs, 4 in threes, 3 in fours at 8
+    /// KV heads, so batch 4's four splits become three.
+    pub fn grp_cluster_splits(
+        &self,
+        nh: usize,
+        nkv: usize,
+        hd: usize,
+        tokens: u32,
+        splits: u32,
+    ) -> u32 {
+        cluster_splits(tokens, splits, |s| self.grp_cluster_tokens(nh, nkv, hd, s))
     }
 
     /// The per-token attention launch and its combine (see [`Kernels::paged_attention`]): the
-    /// per-head kernel, or `grp`, a `paged_attention_grp*` instance (no token list).
+    /// per-head kernel, or `grp`, a `paged_attention_grp*` instance (no token list) and whether
+    /// its cluster twin may merge the splits instead of the combine.
     #[allow(clippy::too_many_arguments)]
     unsafe fn attention_launch(
         &self,
@@ -1588,7 +1744,7 @@ impl Kernels {
         (n_splits, combine): (u32, bool),
         tok_list: u64,
         n: u32,
-        grp: Option<&'static str>,
+        grp: Option<(&'static str, bool)>,
     ) -> anyhow::Result<()> {
         let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         if nkv <= 0
@@ -1611,8 +1767,16 @@ impl Kernels {
         // SAFETY: argument types match the kernels'.
         unsafe {
             match grp {
-                Some(kernel) => {
+                Some((kernel, cluster)) => {
                     let mut p = params![*a, part, ns, one_split];
+                    let cl = cluster
+                        .then(|| self.grp_cluster_kernel(kernel, n, nkv as u32, n_splits))
+                        .flatten();
+                    if let Some(cl) = cl {
+                        // The splits merged in their cluster: no partials, no combine.
+                        let grid = (n_splits, n, nkv as u32);
+                        return self.launch_smem(cl, grid, GRP_THREADS, 0, s, &mut p, n_splits);
+                    }
                     self.launch(kernel, (n, nkv as u32, n_splits), GRP_THREADS, s, &mut p)?;
                 }
                 None => {
@@ -3231,6 +3395,29 @@ mod tests {
             define("GRP_MAX_G") as usize * 128,
             define("GRP_MAX_ELEMS") as usize
         );
+        // The cluster twins: as many splits as the source's GRP_CL_MAX, an instance a grp one.
+        assert_eq!(define("GRP_CL_MAX"), GRP_CLUSTER_MAX_SPLITS);
+        for (grp, cl) in GRP_CLUSTER_KERNELS {
+            assert!(KERNELS.contains(&grp) && KERNELS.contains(&cl) && BF16_ONLY.contains(&cl));
+        }
+    }
+
+    #[test]
+    fn grp_splits_lowered_to_resident_clusters() {
+        // An H200 at 8 KV heads: 8 tokens a launch in pairs, 4 in threes, 3 in fours.
+        let h200 = |s: u32| [8, 4, 3][s as usize - 2];
+        assert_eq!(cluster_splits(4, 4, h200), 3);
+        assert_eq!(cluster_splits(3, 4, h200), 4);
+        assert_eq!(cluster_splits(8, 2, h200), 2);
+        assert_eq!(cluster_splits(8, 4, h200), 2);
+        // Past 4 splits: the most of 2-4 that fits; none fitting leaves the count as it was.
+        assert_eq!(cluster_splits(2, 8, h200), 4);
+        assert_eq!(cluster_splits(16, 2, h200), 2);
+        assert_eq!(cluster_splits(16, 8, h200), 8);
+        assert_eq!(cluster_splits(4, 1, h200), 1);
+        // No clusters (f32, before sm_90, HARRIER_ATTN_GRP_CLUSTER=0): unchanged.
+        assert_eq!(cluster_splits(4, 4, |_| 0), 4);
+        assert!(clusters_supported("sm_90") && !clusters_supported("sm_89"));
     }
 
     #[test]

@@ -1883,12 +1883,20 @@ pub(super) fn per_token_kernels(
 
 /// Context splits a token of a decode step of `batch` (padded) rows: where its attention
 /// launch takes `paged_attention_grp*` ([`Kernels::grp_serves`]), enough for a wave of
-/// [`layout::GRP_TARGET_BLOCKS`] (token, KV head, split) blocks, else the per-head kernel's
+/// [`layout::GRP_TARGET_BLOCKS`] (token, KV head, split) blocks lowered to the most that merge
+/// in resident clusters ([`Kernels::grp_cluster_splits`]), else the per-head kernel's
 /// [`layout::decode_attention_splits`]. Capture, eager steps, the short-context bucket count
 /// and the draft model's decode rows all ask here.
 pub(super) fn decode_split_count(k: &Kernels, c: &ModelConfig, batch: usize) -> usize {
-    match k.grp_serves(c.num_heads, c.num_kv_heads, c.head_dim, batch) {
-        true => layout::grp_decode_splits(batch, c.num_heads, c.num_kv_heads),
-        false => layout::decode_attention_splits(batch, c.num_heads),
+    let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    match k.grp_serves(nh, nkv, hd, batch) {
+        true => {
+            let splits = layout::grp_decode_splits(batch, nh, nkv) as u32;
+            // As many as merge in resident clusters, if any do (the launch's rows are at most
+            // the batch rounded up to a power of two, as grp_decode_splits rounds it).
+            let rows = batch.max(1).next_power_of_two().min(u32::MAX as usize) as u32;
+            k.grp_cluster_splits(nh, nkv, hd, rows, splits) as usize
+        }
+        false => layout::decode_attention_splits(batch, nh),
     }
 }

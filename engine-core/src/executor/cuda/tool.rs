@@ -726,8 +726,19 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
     let mut worst = 0.0f64;
     // Tokens checked without attention_combine (contexts that fit one split).
     let mut short_total = 0usize;
-    println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten | grouped rel. error | unwritten | grp (n splits) rel. error | unwritten |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    // Cases whose grpc column ran the cluster instances (checked bit for bit against combine).
+    let mut clustered_cases = 0usize;
+    // The cluster instances' reach: tokens a launch takes at 8 KV heads (grpc column below).
+    for (nh, hd) in [(32, 64), (24, 128)] {
+        let per: Vec<u32> = (2..=harrier_kernels::GRP_CLUSTER_MAX_SPLITS)
+            .map(|s| k.grp_cluster_tokens(nh, 8, hd, s))
+            .collect();
+        println!("paged_attention_grpc ({nh}/8 heads, head dim {hd}): tokens a launch of 2, 3, 4 splits: {per:?}");
+    }
+    println!("| case | seqs | tokens (+padding) | max ctx | heads/kv | head_dim | window | rel. error | unwritten | n splits | rel. error | unwritten | prefill tiles | rel. error | unwritten | grouped rel. error | unwritten | grp (n splits) rel. error | unwritten | grpc splits | grpc rel. error | unwritten |");
+    println!(
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for case in 0..cases {
         // Every seventh case has Gemma 3's head dim 256 (grouped kernel for G 1, 2, 4), or
         // every other one of those 192: the generic `paged_attention` instance, which no
@@ -811,6 +822,8 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let mut out_tiled = vec![0u16; t * nh * hd];
         let mut out_grouped = vec![0u16; t * nh * hd];
         let mut out_grp = vec![0u16; t * nh * hd];
+        let mut out_grpc = vec![0u16; t * nh * hd];
+        let mut out_grpc_ref = vec![0u16; t * nh * hd];
         let mut out_uncombined = vec![0u16; t * nh * hd];
         // The executor's cut: runs of 8+ tokens of a sequence in tiles, the rest listed.
         let (mut tiles, mut list) = (Vec::new(), Vec::new());
@@ -828,6 +841,10 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         // Once with one split, once with 1 (direct output) to 32: short tokens use fewer,
         // so some blocks have no keys.
         let n_splits = [1usize, 2, 3, 8, 16, 32][rng.below(6) as usize];
+        // The cluster instances' split counts in turn (2-4).
+        let grpc_splits = 2 + (case % 3) as u32;
+        let grpc_per = k.grp_cluster_tokens(nh, nkv, hd, grpc_splits);
+        let grpc_clustered = grpc_per > 0;
         // SAFETY: every buffer is allocated with the byte size of its host twin, the block
         // tables name blocks below `num_blocks`, and the stream is synchronised before reading.
         unsafe {
@@ -858,11 +875,15 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             dr::memset_d8_sync(d_out_grouped, 0xFF, out.len() * 2)?;
             let d_out_grp = dr::malloc_sync(out.len() * 2)?;
             dr::memset_d8_sync(d_out_grp, 0xFF, out.len() * 2)?;
+            let d_out_grpc = dr::malloc_sync(out.len() * 2)?;
+            dr::memset_d8_sync(d_out_grpc, 0xFF, out.len() * 2)?;
+            let d_out_grpc_ref = dr::malloc_sync(out.len() * 2)?;
+            dr::memset_d8_sync(d_out_grpc_ref, 0xFF, out.len() * 2)?;
             let d_out_uncombined = dr::malloc_sync(out.len() * 2)?;
             dr::memset_d8_sync(d_out_uncombined, 0xFF, out.len() * 2)?;
             let d_tiles = up(&ibytes(&tiles))?;
             let d_list = up(&ibytes(&list))?;
-            let part_bytes = t * nh * n_splits * (hd + 2) * 4;
+            let part_bytes = t * nh * n_splits.max(grpc_splits as usize) * (hd + 2) * 4;
             let d_part = dr::malloc_sync(part_bytes)?;
             dr::memset_d8_sync(d_part, 0xFF, part_bytes)?;
             let stream = dr::stream::create(dr::stream::StreamKind::NonBlocking)?;
@@ -915,16 +936,41 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     k.paged_attention(stream, &att(d_out_grouped), d_part, (1, true), 0, t as u32)?
                 }
             }
-            // paged_attention_grp* whatever the token count, with the case's splits (the
-            // per-head kernel's output again where it has no instance for the heads).
+            // paged_attention_grp* whatever the token count, with the case's splits merged by
+            // attention_combine (the per-head kernel's output again where it has no instance
+            // for the heads).
             let (grp, splits) = (att(d_out_grp), (n_splits as u32, true));
             match harrier_kernels::grp_attention_supports(nh, nkv, hd) {
-                true => k.paged_attention_grouped(stream, &grp, d_part, splits, t as u32)?,
+                true => {
+                    k.paged_attention_grouped_combined(stream, &grp, d_part, splits, t as u32)?
+                }
                 false => k.paged_attention(stream, &grp, d_part, splits, 0, t as u32)?,
+            }
+            // Its cluster twin (the splits merged in clusters), in launches of as many tokens
+            // as have their clusters resident at once; the per-head kernel where it has none.
+            let splits = (grpc_splits, true);
+            if grpc_clustered {
+                // The same splits merged by attention_combine: the same bits.
+                let at = att(d_out_grpc_ref);
+                k.paged_attention_grouped_combined(stream, &at, d_part, splits, t as u32)?;
+                for first in (0..t).step_by(grpc_per as usize) {
+                    let n = (t - first).min(grpc_per as usize);
+                    let mut at = att(d_out_grpc + (first * nh * hd * 2) as u64);
+                    at.q += (first * q_stride * 2) as u64;
+                    at.tok_row += (first * 4) as u64;
+                    at.positions += (first * 4) as u64;
+                    k.paged_attention_grouped(stream, &at, d_part, splits, n as u32)?;
+                }
+            } else {
+                k.paged_attention(stream, &att(d_out_grpc), d_part, splits, 0, t as u32)?;
             }
             dr::stream::synchronize(stream)?;
             dr::memcpy_dtoh_sync(&mut out_grouped, d_out_grouped)?;
             dr::memcpy_dtoh_sync(&mut out_grp, d_out_grp)?;
+            dr::memcpy_dtoh_sync(&mut out_grpc, d_out_grpc)?;
+            if grpc_clustered {
+                dr::memcpy_dtoh_sync(&mut out_grpc_ref, d_out_grpc_ref)?;
+            }
             dr::memcpy_dtoh_sync(&mut out, d_out)?;
             dr::memcpy_dtoh_sync(&mut out_dec, d_out_dec)?;
             dr::memcpy_dtoh_sync(&mut out_tiled, d_out_tiled)?;
@@ -945,11 +991,24 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 d_list,
                 d_out_grouped,
                 d_out_grp,
+                d_out_grpc,
+                d_out_grpc_ref,
             ] {
                 dr::free_sync(d)?;
             }
             dr::stream::destroy(stream)?;
         }
+        // The splits merged in clusters: attention_combine's bits.
+        if let Some(i) =
+            (0..out_grpc.len()).find(|&i| grpc_clustered && out_grpc[i] != out_grpc_ref[i])
+        {
+            bail!(
+                "case {case}: paged_attention_grpc ({grpc_splits} splits) wrote {:#06x} at {i}, attention_combine {:#06x}",
+                out_grpc[i],
+                out_grpc_ref[i]
+            );
+        }
+        clustered_cases += grpc_clustered as usize;
         // Without attention_combine, every token whose context fits one split holds exactly
         // what the launch with it wrote (padding rows are left as they were).
         let one_split_keys = k.attn_one_split_keys();
@@ -974,6 +1033,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let (mut num_til, mut unwritten_til) = (0.0f64, 0usize);
         let (mut num_grp, mut unwritten_grp) = (0.0f64, 0usize);
         let (mut num_g2, mut unwritten_g2) = (0.0f64, 0usize);
+        let (mut num_gc, mut unwritten_gc) = (0.0f64, 0usize);
         for ti in 0..t {
             if positions[ti] < 0 {
                 for (kernel, o) in [
@@ -982,6 +1042,7 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                     ("tiled", &out_tiled),
                     ("grouped", &out_grouped),
                     ("grp", &out_grp),
+                    ("grpc", &out_grpc),
                 ] {
                     let row = &o[ti * nh * hd..(ti + 1) * nh * hd];
                     if let Some(bad) = row.iter().find(|&&x| x != 0) {
@@ -1047,6 +1108,11 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                         unwritten_g2 += 1;
                     }
                     num_g2 += (got - r).powi(2);
+                    let got = half::bf16::from_bits(out_grpc[ti * nh * hd + h * hd + d]).to_f64();
+                    if got.is_nan() {
+                        unwritten_gc += 1;
+                    }
+                    num_gc += (got - r).powi(2);
                 }
             }
         }
@@ -1055,17 +1121,23 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
         let rel_til = (num_til / den.max(1e-30)).sqrt();
         let rel_grp = (num_grp / den.max(1e-30)).sqrt();
         let rel_g2 = (num_g2 / den.max(1e-30)).sqrt();
-        for r in [rel, rel_dec, rel_til, rel_grp, rel_g2] {
+        let rel_gc = (num_gc / den.max(1e-30)).sqrt();
+        for r in [rel, rel_dec, rel_til, rel_grp, rel_g2, rel_gc] {
             worst = worst.max(if r.is_nan() { f64::INFINITY } else { r });
         }
-        println!("| {case} | {seqs} | {} (+{padding}) | {} | {nh}/{nkv} | {hd} | {window} | {rel:.2e} | {unwritten} | {n_splits} | {rel_dec:.2e} | {unwritten_dec} | {n_tiles} | {rel_til:.2e} | {unwritten_til} | {rel_grp:.2e} | {unwritten_grp} | {rel_g2:.2e} | {unwritten_g2} |", t - padding, lens.iter().max().unwrap());
-        if unwritten + unwritten_dec + unwritten_til + unwritten_grp + unwritten_g2 > 0 {
-            bail!("case {case}: {unwritten} + {unwritten_dec} (n splits) + {unwritten_til} (tiled) + {unwritten_grp} (grouped) + {unwritten_g2} (grp) output elements were not written");
+        println!("| {case} | {seqs} | {} (+{padding}) | {} | {nh}/{nkv} | {hd} | {window} | {rel:.2e} | {unwritten} | {n_splits} | {rel_dec:.2e} | {unwritten_dec} | {n_tiles} | {rel_til:.2e} | {unwritten_til} | {rel_grp:.2e} | {unwritten_grp} | {rel_g2:.2e} | {unwritten_g2} | {grpc_splits} | {rel_gc:.2e} | {unwritten_gc} |", t - padding, lens.iter().max().unwrap());
+        if unwritten + unwritten_dec + unwritten_til + unwritten_grp + unwritten_g2 + unwritten_gc
+            > 0
+        {
+            bail!("case {case}: {unwritten} + {unwritten_dec} (n splits) + {unwritten_til} (tiled) + {unwritten_grp} (grouped) + {unwritten_g2} (grp) + {unwritten_gc} (grpc) output elements were not written");
         }
     }
     println!(
-        "worst relative error over {cases} cases: {worst:.2e} (bf16 output rounding is ~2e-3); {short_total} short-context tokens identical without attention_combine"
+        "worst relative error over {cases} cases: {worst:.2e} (bf16 output rounding is ~2e-3); {short_total} short-context tokens identical without attention_combine; {clustered_cases} cases' splits merged in clusters, identical to attention_combine's"
     );
+    if clustered_cases == 0 && k.dtype == harrier_kernels::Dtype::Bf16 {
+        bail!("no case ran paged_attention_grpc (no resident clusters?)");
+    }
     if short_total == 0 {
         bail!("no case had a token whose context fits one split");
     }
