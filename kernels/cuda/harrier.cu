@@ -2458,7 +2458,15 @@ __device__ __forceinline__ void cp_async_wait_group() {
 // (their extra epilogue code cost the 1B's prologue steps ~2% when every instance had it:
 // session 29). FP8 changes nothing there: its weights become bf16 before the MMAs, x is read
 // as bf16 either way, and the row scales apply before a deferred norm's 1 / rms.
-template <int NT, int R, bool F8, int W = SK_WARPS, bool DN = false>
+// KS > 1 (the _k2 instances, sm_90 on): the block's K chunks cut in KS contiguous parts, one
+// for each block of a cluster of KS along x (block x: tile x / KS, part x % KS = its rank), so
+// a launch of few row tiles streams from KS times the SMs (the 1B's o and down: 128 tiles; the
+// host's SKINNY_K2). After its tree, a rank past 0 pushes warp 0's sums into rank 0's shared
+// memory with st.async (counted on rank 0's mbarrier; the cluster barrier, arrived at before
+// the PDL wait and waited on before the tree, orders the barrier's initialisation first), and
+// rank 0 adds them in rank order and runs the epilogue: the same bits whatever the timing, and
+// a row's result still depends on K only.
+template <int NT, int R, bool F8, int W = SK_WARPS, bool DN = false, int KS = 1>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
     __shared__ float red[W / 2][R][NT][32][4];
@@ -2466,13 +2474,24 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     __shared__ float ss_sh[W][8];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
+    const int rank = KS > 1 ? (int)(blockIdx.x % KS) : 0;
+    __shared__ __align__(16) float4 kpart[KS > 1 ? (KS - 1) * R * NT * 32 : 1];  // ranks 1..'s sums
+    __shared__ __align__(8) unsigned long long kbar;
+    if constexpr (KS > 1) {
+        if (rank == 0 && threadIdx.x == 0) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&kbar)) : "memory");
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+        asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    }
     static_assert(!DN || NT == 1, "deferred norms: up to 8 rows");
     const int epi = DN ? p.epi & 15 : p.epi;
     const float* ss_in = DN && (p.epi & SK_NORM_IN) ? (const float*)p.norm_w : nullptr;
     const bool norm_out = DN && (p.epi & SK_NORM_OUT) && epi == SK_RESID;
     const bool gated = epi == SK_SILU || epi == SK_GELU;
     // Tile i, plain: rows n0 + 16 i + g and + 8. Gated: gate row n0 + 8 i + g, up row N + that.
-    const int n0 = blockIdx.x * (gated ? 8 * R : 16 * R);
+    const int n0 = (blockIdx.x / KS) * (gated ? 8 * R : 16 * R);
     const uint4* wa[R];
     const uint4* wb[R];
 #pragma unroll
@@ -2485,11 +2504,14 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         wa[i] = (const uint4*)((const char*)p.w + (size_t)(v0 ? r0 : 0) * row_bytes) + t;
         wb[i] = (const uint4*)((const char*)p.w + (size_t)(v1 ? r1 : 0) * row_bytes) + t;
     }
-    const int nchunks = p.K >> (F8 ? 6 : 5);
+    // This block's chunks [c_first, nchunks) (KS > 1: its rank's part of K's).
+    const int all_chunks = p.K >> (F8 ? 6 : 5);
+    const int c_first = KS > 1 ? rank * all_chunks / KS : 0;
+    const int nchunks = KS > 1 ? (rank + 1) * all_chunks / KS : all_chunks;
     const bool norm = p.norm_w != 0 && !(DN && (p.epi & (SK_NORM_IN | SK_NORM_OUT)));
     const uint4 zero = make_uint4(0, 0, 0, 0);
     uint4 a[R][U], b[R][U];
-    int c0 = warp;
+    int c0 = c_first + warp;
     auto load = [&](int base) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -2646,6 +2668,8 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         load(c0);
     }
     if (DN && ss_in) cp_async_wait_all();
+    // Every rank started and rank 0's barrier initialised (see KS above).
+    if constexpr (KS > 1) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
     // Pairwise tree over the warps: warp w += warp w + h for h = W / 2, ..., 1.
 #pragma unroll
     for (int h = W / 2; h > 0; h >>= 1) {
@@ -2685,6 +2709,39 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     }
     if (warp != 0) return;
     cp_async_wait_all();
+    if constexpr (KS > 1) {
+        if (rank != 0) {
+            const u32 dst = cluster_map(smem_addr(kpart + (rank - 1) * R * NT * 32), 0);
+            const u32 bar = cluster_map(smem_addr(&kbar), 0);
+#pragma unroll
+            for (int i = 0; i < R; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+                    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                                     dst + 16u * (u32)((i * NT + j) * 32 + lane)),
+                                 "r"(__float_as_uint(acc[i][j][0])), "r"(__float_as_uint(acc[i][j][1])),
+                                 "r"(__float_as_uint(acc[i][j][2])), "r"(__float_as_uint(acc[i][j][3])), "r"(bar)
+                                 : "memory");
+            return;
+        }
+        if (lane == 0)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&kbar)),
+                         "r"((u32)((KS - 1) * R * NT * 32 * 16))
+                         : "memory");
+        mbar_wait_cluster(smem_addr(&kbar), 0);
+#pragma unroll
+        for (int q = 1; q < KS; q++)
+#pragma unroll
+            for (int i = 0; i < R; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    const float4 v = kpart[((q - 1) * R * NT + i * NT + j) * 32 + lane];
+                    acc[i][j][0] += v.x;
+                    acc[i][j][1] += v.y;
+                    acc[i][j][2] += v.z;
+                    acc[i][j][3] += v.w;
+                }
+    }
     __syncwarp();
     // Row m's sum v, scaled by its deferred norm's 1 / rms.
     auto row_scale = [&](float v, int m) { return DN && ss_in ? v * inv_sh[m] : v; };
@@ -2824,6 +2881,16 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_r4_dn(
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_dn(SkinnyIn p) { skinny_gemm<1, 1, false, 8, true>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_r4_w8_dn(SkinnyIn p) { skinny_gemm<1, 4, false, 8, true>(p); }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_dn(SkinnyIn p) { skinny_gemm<1, 1, false, SK_WARPS, true>(p); }
+// The b2 instances with K in two parts a cluster of two blocks (see KS above; sm_90 on, the
+// host's SKINNY_K2): one-tile launches of up to 132 tiles from twice the SMs.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define SK_K2(...) skinny_gemm<__VA_ARGS__, 2>(p);
+#else
+#define SK_K2(...) __trap();
+#endif
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_k2(SkinnyIn p) { SK_K2(1, 1, false, SK_WARPS, false) }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_dn_k2(SkinnyIn p) { SK_K2(1, 1, false, SK_WARPS, true) }
+#undef SK_K2
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8_dn(SkinnyIn p) { skinny_gemm<1, 1, true, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8_r4_dn(SkinnyIn p) { skinny_gemm<1, 4, true, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_f8_8_w8_dn(SkinnyIn p) { skinny_gemm<1, 1, true, 8, true>(p); }

@@ -526,7 +526,7 @@ pub fn kernel_names() -> impl Iterator<Item = &'static str> {
     KERNELS
         .iter()
         .chain(SKINNY_INSTANCES.iter().flatten())
-        .chain([&SKINNY_B2])
+        .chain([&SKINNY_B2, &SKINNY_K2])
         .chain(SKINNY_DN.iter().map(|(_, dn)| dn))
         .chain(RING_INSTANCES.iter().map(|(_, _, name)| name))
         .copied()
@@ -536,12 +536,13 @@ pub fn kernel_names() -> impl Iterator<Item = &'static str> {
 /// that read `SK_NORM_IN` / `SK_NORM_OUT`: the extra epilogue code in every instance cost the
 /// 1B's other fused steps ~2%, session 29); the FP8 ones serve FP8 steps on the fused path
 /// (the default since session 33; `HARRIER_FP8_FUSED=0` leaves them out).
-const SKINNY_DN: [(&str, &str); 9] = [
+const SKINNY_DN: [(&str, &str); 10] = [
     ("skinny_gemm_8", "skinny_gemm_8_dn"),
     ("skinny_gemm_8_r4", "skinny_gemm_8_r4_dn"),
     ("skinny_gemm_8_w8", "skinny_gemm_8_w8_dn"),
     ("skinny_gemm_8_r4_w8", "skinny_gemm_8_r4_w8_dn"),
     (SKINNY_B2, "skinny_gemm_8_b2_dn"),
+    (SKINNY_K2, "skinny_gemm_8_b2_dn_k2"),
     ("skinny_gemm_f8_8", "skinny_gemm_f8_8_dn"),
     ("skinny_gemm_f8_8_r4", "skinny_gemm_f8_8_r4_dn"),
     ("skinny_gemm_f8_8_w8", "skinny_gemm_f8_8_w8_dn"),
@@ -582,6 +583,34 @@ fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
 /// the same; up to 400 blocks (two waves) lost (3B 2.535, 8B 5.008). `HARRIER_SKINNY_B2=0`:
 /// the 8-warp and `skinny_gemm_8` instances instead, to compare.
 const SKINNY_B2: &str = "skinny_gemm_8_b2";
+/// [`SKINNY_B2`] with each block's reduction cut in two, the halves a cluster of two blocks
+/// (rank 1 pushes its sums into rank 0's shared memory, which adds them and runs the
+/// epilogue; sm_90 on): one-tile bf16 launches of up to 8 rows that neither it nor the 8-warp
+/// instances take, at most [`SKINNY_B2_MAX_BLOCKS`] / 2 tiles over reductions of at least
+/// [`SKINNY_K2_MIN_K`], without a staged (norm prologue) input, and their clusters all resident (the 1B's o and down, 128 tiles, and
+/// Qwen3-0.6B's, 64: otherwise one block an SM on as many SMs as tiles). `HARRIER_SKINNY_K2=0`
+/// turns it off, to compare. Measured on an H200 (session 36, graphs, context 512, ms a step,
+/// off vs on): 1B batch 2 0.957-0.958 vs 0.934, 4 0.985-0.986 vs 0.956-0.957, 8 1.022-1.026 vs
+/// 0.986-0.994; Qwen3-0.6B batch 1 0.852-0.855 vs 0.841-0.842, 4 0.911 vs 0.888-0.889, 8
+/// 1.000-1.003 vs 0.967-0.969; check-gemv, 8 rows: the 1B's down 10.0 -> 8.1 us, Qwen3-0.6B's
+/// 3.9 -> 3.1, but the 1B's o (k 2,048) 3.4 either way, so reductions from 3,072.
+const SKINNY_K2: &str = "skinny_gemm_8_b2_k2";
+/// The shortest reduction [`SKINNY_K2`] takes (`HARRIER_SKINNY_K2_MIN_K` overrides it, to
+/// measure).
+const SKINNY_K2_MIN_K: usize = 3072;
+
+/// Whether an `m`-row one-tile bf16 launch of `blocks` tiles over `k` that neither [`SKINNY_B2`]
+/// nor the 8-warp instances take runs [`SKINNY_K2`]: up to 8 rows, reductions of at least
+/// `min_k`, twice the blocks within `max_blocks` (one wave at two an SM) and `clusters` resident
+/// pairs for its tiles.
+fn skinny_k2_fits(
+    (m, blocks, k): (usize, u32, usize),
+    (min_k, max_blocks): (usize, u32),
+    clusters: u32,
+) -> bool {
+    m <= 8 && k >= min_k && 2 * blocks <= max_blocks && blocks <= clusters
+}
+
 /// Two blocks on each of an H100's or H200's 132 SMs (`HARRIER_SKINNY_B2_MAX_BLOCKS`
 /// overrides it, to measure).
 const SKINNY_B2_MAX_BLOCKS: u32 = 264;
@@ -1126,6 +1155,11 @@ pub struct Kernels {
     /// Launches that [`W8Rule::two_blocks`] picks take [`SKINNY_B2`] (off in `load_with`'s
     /// builds, with `HARRIER_SKINNY_B2=0` and with the 8-warp choice off).
     skinny_b2: bool,
+    /// Resident clusters of two [`SKINNY_K2`] blocks (`cuOccupancyMaxActiveClusters` at load;
+    /// 0: it never runs: before sm_90, off with the 8-warp or b2 choices, `HARRIER_SKINNY_K2=0`).
+    skinny_k2_clusters: u32,
+    /// [`SKINNY_K2_MIN_K`], or `HARRIER_SKINNY_K2_MIN_K`.
+    skinny_k2_min_k: usize,
     /// Dynamic shared memory the skinny kernels were allowed at load.
     skinny_smem: usize,
     /// Launches carry the programmatic-stream-serialization attribute (programmatic dependent
@@ -1291,6 +1325,8 @@ impl Kernels {
             skinny_smem: SKINNY_SMEM_MAX,
             w8_rule: W8Rule::from_env(),
             skinny_b2: skinny_w8 && switch_on("HARRIER_SKINNY_B2"),
+            skinny_k2_clusters: 0,
+            skinny_k2_min_k: env_number("HARRIER_SKINNY_K2_MIN_K").unwrap_or(SKINNY_K2_MIN_K),
             r4_from: env_number("HARRIER_SKINNY_R4_FROM_TILES").unwrap_or(SKINNY_R4_FROM_TILES),
             pdl,
         };
@@ -1316,6 +1352,16 @@ impl Kernels {
                 }
             }
             k.f.insert(name, f);
+        }
+        if clusters && dtype == Dtype::Bf16 && k.skinny_b2 && switch_on("HARRIER_SKINNY_K2") {
+            let threads = k.skinny_warps * 32;
+            k.skinny_k2_clusters = [SKINNY_K2, "skinny_gemm_8_b2_dn_k2"]
+                .iter()
+                .map(|name| k.max_active_clusters(name, threads, 2))
+                .collect::<anyhow::Result<Vec<u32>>>()?
+                .into_iter()
+                .min()
+                .unwrap_or(0);
         }
         if clusters && dtype == Dtype::Bf16 && switch_on("HARRIER_ATTN_GRP_CLUSTER") {
             for (i, (_, name)) in GRP_CLUSTER_KERNELS.iter().enumerate() {
@@ -2423,9 +2469,18 @@ impl Kernels {
         // (b2 first: a launch both rules take runs 16 warps, as SKINNY_B2 is compiled for.)
         let b2 = self.skinny_b2 && self.w8_rule.two_blocks(m, blocks, k, f8, r4);
         let w8 = !b2 && self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
-        let name = match b2 {
-            true => SKINNY_B2,
-            false => skinny_instance(m, r4, f8, w8),
+        // (No staged input: the clusters' residency is counted without dynamic shared memory.)
+        let k2 = !(b2 || w8 || f8 || r4)
+            && matches!(p.norm, SkinnyNorm::None | SkinnyNorm::Out { .. })
+            && skinny_k2_fits(
+                (m, blocks, k),
+                (self.skinny_k2_min_k, self.w8_rule.b2_max_blocks),
+                self.skinny_k2_clusters,
+            );
+        let name = match (b2, k2) {
+            (true, _) => SKINNY_B2,
+            (_, true) => SKINNY_K2,
+            _ => skinny_instance(m, r4, f8, w8),
         };
         let name = match p.deferred() {
             true => skinny_dn_instance(name).with_context(|| {
@@ -2448,11 +2503,12 @@ impl Kernels {
         } as u32;
         let abi = p.abi();
         let mut a = params![abi];
-        let grid = (blocks, 1, 1);
+        let cluster = if k2 { 2 } else { 1 };
+        let grid = (blocks * cluster, 1, 1);
         let warps = if w8 { 8 } else { self.skinny_warps };
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
         // dynamic shared memory is within what `load_image` allowed.
-        unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a, 1) }
+        unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a, cluster) }
     }
 }
 
@@ -3003,7 +3059,7 @@ mod tests {
         assert_eq!(w8, 4);
         // The instance table names every skinny kernel once, FP8 ones in the FP8 row.
         let mut table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
-        table.push(SKINNY_B2);
+        table.extend([SKINNY_B2, SKINNY_K2]);
         table.extend(SKINNY_DN.iter().map(|(_, dn)| *dn));
         // Every deferred-norm twin is an 8-row instance's, and every 8-row instance has one.
         for (base, dn) in SKINNY_DN {
@@ -3400,6 +3456,24 @@ mod tests {
         for (grp, cl) in GRP_CLUSTER_KERNELS {
             assert!(KERNELS.contains(&grp) && KERNELS.contains(&cl) && BF16_ONLY.contains(&cl));
         }
+    }
+
+    #[test]
+    fn skinny_k2_takes_few_tiles_over_long_reductions() {
+        let rule = W8Rule::default();
+        let limits = (SKINNY_K2_MIN_K, rule.b2_max_blocks);
+        let k2 = |m, blocks, k| {
+            !rule.two_blocks(m, blocks, k, false, false)
+                && !rule.fits(m, blocks, k, false)
+                && skinny_k2_fits((m, blocks, k), limits, 132)
+        };
+        // The 1B's down (2,048 rows = 128 tiles over 8,192) and Qwen3-0.6B's (64 over 3,072).
+        assert!(k2(8, 128, 8192) && k2(1, 128, 8192) && k2(8, 64, 3072));
+        // Not the 1B's o (a 2,048 reduction: a tie in check-gemv), more than 8 rows, the 3B's
+        // o and down (192 tiles: b2 already), nor without enough resident pairs.
+        assert!(!k2(8, 128, 2048) && !k2(9, 128, 8192) && !k2(8, 192, 8192));
+        assert!(!skinny_k2_fits((8, 128, 8192), limits, 100));
+        assert!(!skinny_k2_fits((8, 128, 8192), limits, 0));
     }
 
     #[test]
