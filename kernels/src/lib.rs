@@ -526,7 +526,7 @@ pub fn kernel_names() -> impl Iterator<Item = &'static str> {
     KERNELS
         .iter()
         .chain(SKINNY_INSTANCES.iter().flatten())
-        .chain([&SKINNY_B2, &SKINNY_K2])
+        .chain([&SKINNY_B2, &SKINNY_K2, &SKINNY_K2_W8])
         .chain(SKINNY_DN.iter().map(|(_, dn)| dn))
         .chain(RING_INSTANCES.iter().map(|(_, _, name)| name))
         .copied()
@@ -536,13 +536,14 @@ pub fn kernel_names() -> impl Iterator<Item = &'static str> {
 /// that read `SK_NORM_IN` / `SK_NORM_OUT`: the extra epilogue code in every instance cost the
 /// 1B's other fused steps ~2%, session 29); the FP8 ones serve FP8 steps on the fused path
 /// (the default since session 33; `HARRIER_FP8_FUSED=0` leaves them out).
-const SKINNY_DN: [(&str, &str); 10] = [
+const SKINNY_DN: [(&str, &str); 11] = [
     ("skinny_gemm_8", "skinny_gemm_8_dn"),
     ("skinny_gemm_8_r4", "skinny_gemm_8_r4_dn"),
     ("skinny_gemm_8_w8", "skinny_gemm_8_w8_dn"),
     ("skinny_gemm_8_r4_w8", "skinny_gemm_8_r4_w8_dn"),
     (SKINNY_B2, "skinny_gemm_8_b2_dn"),
     (SKINNY_K2, "skinny_gemm_8_b2_dn_k2"),
+    (SKINNY_K2_W8, "skinny_gemm_8_w8_dn_k2"),
     ("skinny_gemm_f8_8", "skinny_gemm_f8_8_dn"),
     ("skinny_gemm_f8_8_r4", "skinny_gemm_f8_8_r4_dn"),
     ("skinny_gemm_f8_8_w8", "skinny_gemm_f8_8_w8_dn"),
@@ -595,6 +596,15 @@ const SKINNY_B2: &str = "skinny_gemm_8_b2";
 /// 1.000-1.003 vs 0.967-0.969; check-gemv, 8 rows: the 1B's down 10.0 -> 8.1 us, Qwen3-0.6B's
 /// 3.9 -> 3.1, but the 1B's o (k 2,048) 3.4 either way, so reductions from 3,072.
 const SKINNY_K2: &str = "skinny_gemm_8_b2_k2";
+/// [`SKINNY_K2`]'s 8-warp twin, three blocks an SM, for launches [`SKINNY_B2`] takes over
+/// reductions of at least [`SKINNY_K2_MIN_K`] whose halves fit one wave (at most 198 tiles:
+/// the 3B's o and down, 192 tiles over 3,072 and 8,192), so that they stream from every SM
+/// rather than two blocks an SM on 96. Measured on an H200 (session 36, graphs, context 512, ms
+/// a step, b2 vs this): 3B batch 2 2.284-2.288 vs 2.226-2.232, 4 2.421-2.425 vs 2.360-2.363, 8
+/// 2.535-2.536 vs 2.477-2.483; on the 1B's q|k|v (192 tiles over 2,048) a tie or 1% slower,
+/// hence the same shortest reduction as [`SKINNY_K2`]. `HARRIER_SKINNY_K2_W8=0` turns it off,
+/// to compare.
+const SKINNY_K2_W8: &str = "skinny_gemm_8_w8_k2";
 /// The shortest reduction [`SKINNY_K2`] takes (`HARRIER_SKINNY_K2_MIN_K` overrides it, to
 /// measure).
 const SKINNY_K2_MIN_K: usize = 3072;
@@ -609,6 +619,17 @@ fn skinny_k2_fits(
     clusters: u32,
 ) -> bool {
     m <= 8 && k >= min_k && 2 * blocks <= max_blocks && blocks <= clusters
+}
+
+/// Whether a launch of `blocks` tiles over `k` that [`SKINNY_B2`] takes runs [`SKINNY_K2_W8`]
+/// instead: reductions of at least `min_k`, twice the blocks within one wave at three an SM
+/// (`max_blocks` counts two an SM), and `clusters` resident pairs for its tiles.
+fn skinny_k2_w8_fits(
+    (blocks, k): (u32, usize),
+    (min_k, max_blocks): (usize, u32),
+    clusters: u32,
+) -> bool {
+    k >= min_k && 4 * blocks <= 3 * max_blocks && blocks <= clusters
 }
 
 /// Two blocks on each of an H100's or H200's 132 SMs (`HARRIER_SKINNY_B2_MAX_BLOCKS`
@@ -1160,6 +1181,9 @@ pub struct Kernels {
     skinny_k2_clusters: u32,
     /// [`SKINNY_K2_MIN_K`], or `HARRIER_SKINNY_K2_MIN_K`.
     skinny_k2_min_k: usize,
+    /// Resident clusters of two [`SKINNY_K2_W8`] blocks (0: off, as `skinny_k2_clusters`, or
+    /// with `HARRIER_SKINNY_K2_W8=0`).
+    skinny_k2_w8_clusters: u32,
     /// Dynamic shared memory the skinny kernels were allowed at load.
     skinny_smem: usize,
     /// Launches carry the programmatic-stream-serialization attribute (programmatic dependent
@@ -1326,6 +1350,7 @@ impl Kernels {
             w8_rule: W8Rule::from_env(),
             skinny_b2: skinny_w8 && switch_on("HARRIER_SKINNY_B2"),
             skinny_k2_clusters: 0,
+            skinny_k2_w8_clusters: 0,
             skinny_k2_min_k: env_number("HARRIER_SKINNY_K2_MIN_K").unwrap_or(SKINNY_K2_MIN_K),
             r4_from: env_number("HARRIER_SKINNY_R4_FROM_TILES").unwrap_or(SKINNY_R4_FROM_TILES),
             pdl,
@@ -1362,6 +1387,15 @@ impl Kernels {
                 .into_iter()
                 .min()
                 .unwrap_or(0);
+            if switch_on("HARRIER_SKINNY_K2_W8") {
+                k.skinny_k2_w8_clusters = [SKINNY_K2_W8, "skinny_gemm_8_w8_dn_k2"]
+                    .iter()
+                    .map(|name| k.max_active_clusters(name, 256, 2))
+                    .collect::<anyhow::Result<Vec<u32>>>()?
+                    .into_iter()
+                    .min()
+                    .unwrap_or(0);
+            }
         }
         if clusters && dtype == Dtype::Bf16 && switch_on("HARRIER_ATTN_GRP_CLUSTER") {
             for (i, (_, name)) in GRP_CLUSTER_KERNELS.iter().enumerate() {
@@ -2477,7 +2511,16 @@ impl Kernels {
                 (self.skinny_k2_min_k, self.w8_rule.b2_max_blocks),
                 self.skinny_k2_clusters,
             );
+        let k2_w8 = b2
+            && !matches!(p.norm, SkinnyNorm::Prologue { .. })
+            && skinny_k2_w8_fits(
+                (blocks, k),
+                (self.skinny_k2_min_k, self.w8_rule.b2_max_blocks),
+                self.skinny_k2_w8_clusters,
+            );
+        let k2 = k2 || k2_w8;
         let name = match (b2, k2) {
+            (true, true) => SKINNY_K2_W8,
             (true, _) => SKINNY_B2,
             (_, true) => SKINNY_K2,
             _ => skinny_instance(m, r4, f8, w8),
@@ -2505,7 +2548,7 @@ impl Kernels {
         let mut a = params![abi];
         let cluster = if k2 { 2 } else { 1 };
         let grid = (blocks * cluster, 1, 1);
-        let warps = if w8 { 8 } else { self.skinny_warps };
+        let warps = if w8 || k2_w8 { 8 } else { self.skinny_warps };
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the
         // dynamic shared memory is within what `load_image` allowed.
         unsafe { self.launch_smem(name, grid, warps * 32, smem, s, &mut a, cluster) }
@@ -3059,7 +3102,7 @@ mod tests {
         assert_eq!(w8, 4);
         // The instance table names every skinny kernel once, FP8 ones in the FP8 row.
         let mut table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
-        table.extend([SKINNY_B2, SKINNY_K2]);
+        table.extend([SKINNY_B2, SKINNY_K2, SKINNY_K2_W8]);
         table.extend(SKINNY_DN.iter().map(|(_, dn)| *dn));
         // Every deferred-norm twin is an 8-row instance's, and every 8-row instance has one.
         for (base, dn) in SKINNY_DN {
@@ -3355,7 +3398,10 @@ mod tests {
         // (The thread count; a `_w8` instance may add a minimum of blocks per SM.)
         let threads = |k: &str| bounds(k).map(|b| b.split(',').next().unwrap_or("").to_string());
         for k in kernel_names().filter(|k| k.starts_with("skinny_gemm_")) {
-            let want = if k.ends_with("_w8") || k.ends_with("_w8_dn") {
+            let want = if ["_w8", "_w8_dn", "_w8_k2", "_w8_dn_k2"]
+                .iter()
+                .any(|s| k.ends_with(s))
+            {
                 "8 * 32"
             } else {
                 "SK_WARPS * 32"
@@ -3474,6 +3520,16 @@ mod tests {
         assert!(!k2(8, 128, 2048) && !k2(9, 128, 8192) && !k2(8, 192, 8192));
         assert!(!skinny_k2_fits((8, 128, 8192), limits, 100));
         assert!(!skinny_k2_fits((8, 128, 8192), limits, 0));
+        // The 8-warp twin, among launches b2 takes: the 3B's o and down (192 tiles over 3,072
+        // and 8,192) and Qwen3-4B's (160 over 4,096 and 9,728); not the 1B's q|k|v (over
+        // 2,048) nor the 8B's o and down (256 tiles: two waves).
+        let w8 = |blocks, k| {
+            rule.two_blocks(8, blocks, k, false, false)
+                && skinny_k2_w8_fits((blocks, k), limits, 198)
+        };
+        assert!(w8(192, 3072) && w8(192, 8192) && w8(160, 4096) && w8(160, 9728));
+        assert!(!w8(192, 2048) && !w8(256, 4096) && !w8(256, 14336));
+        assert!(!skinny_k2_w8_fits((192, 8192), limits, 100));
     }
 
     #[test]
