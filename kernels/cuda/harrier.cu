@@ -2890,8 +2890,9 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_
 #endif
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_k2(SkinnyIn p) { SK_K2(1, 1, false, SK_WARPS, false) }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_dn_k2(SkinnyIn p) { SK_K2(1, 1, false, SK_WARPS, true) }
-// The same from launches the b2 instances take (161-264 tiles: the 1B's q|k|v, the 3B's o and
-// down) in 8-warp blocks, three an SM: twice the blocks on all SMs instead of two an SM on some.
+// The same for launches the b2 instances take (160-198 tiles over reductions from 3,072: the
+// 3B's and Qwen3-4B's o and down; the host's SKINNY_K2_W8) in 8-warp blocks, three an SM: twice
+// the blocks on all SMs instead of two an SM on some.
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_k2(SkinnyIn p) { SK_K2(1, 1, false, 8, false) }
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_dn_k2(SkinnyIn p) { SK_K2(1, 1, false, 8, true) }
 #undef SK_K2

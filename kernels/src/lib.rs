@@ -1721,7 +1721,10 @@ impl Kernels {
 
     /// [`Kernels::paged_attention`] through `paged_attention_grp*` (no token list): the same
     /// outputs and split partials, each KV head's K/V rows read once for its query heads; an
-    /// error where it has no instance for the heads or in the f32 build.
+    /// error where it has no instance for the heads or in the f32 build. With `clusters`, 2-4
+    /// splits whose clusters are all resident merge there (`paged_attention_grpc*`, the
+    /// engine's choice; [`Kernels::grp_cluster_tokens`]) instead of in `attention_combine`,
+    /// with the same bits; without, always the combine (check-attention compares the two).
     ///
     /// # Safety
     /// As [`Kernels::paged_attention`].
@@ -1732,38 +1735,7 @@ impl Kernels {
         part: u64,
         splits: (u32, bool),
         n: u32,
-    ) -> anyhow::Result<()> {
-        // SAFETY: the caller's guarantees.
-        unsafe { self.grouped_launch(s, a, part, splits, n, true) }
-    }
-
-    /// [`Kernels::paged_attention_grouped`] with its splits always merged by
-    /// `attention_combine` (no clusters), to compare.
-    ///
-    /// # Safety
-    /// As [`Kernels::paged_attention`].
-    pub unsafe fn paged_attention_grouped_combined(
-        &self,
-        s: sys::CUstream,
-        a: &AttentionInputs,
-        part: u64,
-        splits: (u32, bool),
-        n: u32,
-    ) -> anyhow::Result<()> {
-        // SAFETY: the caller's guarantees.
-        unsafe { self.grouped_launch(s, a, part, splits, n, false) }
-    }
-
-    /// # Safety
-    /// As [`Kernels::paged_attention`].
-    unsafe fn grouped_launch(
-        &self,
-        s: sys::CUstream,
-        a: &AttentionInputs,
-        part: u64,
-        splits: (u32, bool),
-        n: u32,
-        cluster: bool,
+        clusters: bool,
     ) -> anyhow::Result<()> {
         let kernel = grp_attention_kernel(a.nh, a.nkv, a.hd)
             .filter(|_| self.dtype == Dtype::Bf16)
@@ -1777,7 +1749,7 @@ impl Kernels {
                 )
             })?;
         // SAFETY: the caller's guarantees.
-        unsafe { self.attention_launch(s, a, part, splits, 0, n, Some((kernel, cluster))) }
+        unsafe { self.attention_launch(s, a, part, splits, 0, n, Some((kernel, clusters))) }
     }
 
     /// Tokens a [`Kernels::paged_attention_grouped`] launch of `n_splits` splits can take with
@@ -2503,26 +2475,20 @@ impl Kernels {
         // (b2 first: a launch both rules take runs 16 warps, as SKINNY_B2 is compiled for.)
         let b2 = self.skinny_b2 && self.w8_rule.two_blocks(m, blocks, k, f8, r4);
         let w8 = !b2 && self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
-        // (No staged input: the clusters' residency is counted without dynamic shared memory.)
-        let k2 = !(b2 || w8 || f8 || r4)
-            && matches!(p.norm, SkinnyNorm::None | SkinnyNorm::Out { .. })
-            && skinny_k2_fits(
-                (m, blocks, k),
-                (self.skinny_k2_min_k, self.w8_rule.b2_max_blocks),
-                self.skinny_k2_clusters,
-            );
-        let k2_w8 = b2
-            && !matches!(p.norm, SkinnyNorm::Prologue { .. })
-            && skinny_k2_w8_fits(
-                (blocks, k),
-                (self.skinny_k2_min_k, self.w8_rule.b2_max_blocks),
-                self.skinny_k2_w8_clusters,
-            );
-        let k2 = k2 || k2_w8;
-        let name = match (b2, k2) {
-            (true, true) => SKINNY_K2_W8,
-            (true, _) => SKINNY_B2,
-            (_, true) => SKINNY_K2,
+        // The cluster split-K instances, for launches without a staged input (their clusters'
+        // residency is counted without dynamic shared memory): few tiles that neither rule above
+        // takes (SKINNY_K2), or the b2 rule's (SKINNY_K2_W8).
+        let unstaged = matches!(p.norm, SkinnyNorm::None | SkinnyNorm::Out { .. });
+        let limits = (self.skinny_k2_min_k, self.w8_rule.b2_max_blocks);
+        let k2 = unstaged
+            && !(b2 || w8 || f8 || r4)
+            && skinny_k2_fits((m, blocks, k), limits, self.skinny_k2_clusters);
+        let k2_w8 =
+            unstaged && b2 && skinny_k2_w8_fits((blocks, k), limits, self.skinny_k2_w8_clusters);
+        let name = match (b2, k2, k2_w8) {
+            (_, _, true) => SKINNY_K2_W8,
+            (true, ..) => SKINNY_B2,
+            (_, true, _) => SKINNY_K2,
             _ => skinny_instance(m, r4, f8, w8),
         };
         let name = match p.deferred() {
@@ -2546,7 +2512,7 @@ impl Kernels {
         } as u32;
         let abi = p.abi();
         let mut a = params![abi];
-        let cluster = if k2 { 2 } else { 1 };
+        let cluster = if k2 || k2_w8 { 2 } else { 1 };
         let grid = (blocks * cluster, 1, 1);
         let warps = if w8 || k2_w8 { 8 } else { self.skinny_warps };
         // SAFETY: argument types match the kernel's; the caller vouches for the addresses; the

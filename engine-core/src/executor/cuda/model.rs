@@ -1229,6 +1229,7 @@ impl GpuModel {
                         s.attn_part.ptr,
                         (splits.unwrap_or(1) as u32, !m.short_context),
                         n_att,
+                        true,
                     )?,
                     splits => k.paged_attention(
                         stream,
