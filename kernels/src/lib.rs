@@ -18,6 +18,16 @@ use anyhow::{anyhow, bail, Context};
 use cudarc::driver::result as dr;
 use cudarc::driver::sys;
 
+/// Which build a module image (PTX text or cubin) is: the bf16 one names `gemv_bf16`, a kernel
+/// the f32 build lacks ([`BF16_ONLY`]), in either form.
+fn image_dtype(image: &[u8]) -> Dtype {
+    let name = b"gemv_bf16";
+    match image.windows(name.len()).any(|w| w == name) {
+        true => Dtype::Bf16,
+        false => Dtype::F32,
+    }
+}
+
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("../cuda/harrier.cu");
 
@@ -1257,8 +1267,20 @@ impl Kernels {
     pub fn load(arch: &'static str, dtype: Dtype) -> anyhow::Result<Kernels> {
         let (image, from_cache) = match std::env::var_os("HARRIER_KERNEL_IMAGE") {
             Some(path) => {
-                let bytes = std::fs::read(&path)
-                    .with_context(|| format!("HARRIER_KERNEL_IMAGE {}", path.to_string_lossy()))?;
+                let path = path.to_string_lossy();
+                let bytes = std::fs::read(&*path)
+                    .with_context(|| format!("HARRIER_KERNEL_IMAGE {path}"))?;
+                // (A tool that loads both builds, as check-fused's f32 reference, would
+                // otherwise run the bf16 kernels on f32 buffers without a word.)
+                let built = image_dtype(&bytes);
+                if built != dtype {
+                    bail!(
+                        "HARRIER_KERNEL_IMAGE {path} holds the {} build; {} kernels were asked for \
+                         (unset it for this run)",
+                        built.name(),
+                        dtype.name()
+                    );
+                }
                 (bytes, false)
             }
             None => {
@@ -3690,6 +3712,8 @@ mod tests {
                 );
             }
             dump_ptx(&format!("{arch}_{}", dtype.name()), &ptx);
+            // A HARRIER_KERNEL_IMAGE of this build is taken for this dtype only.
+            assert_eq!(image_dtype(ptx.as_bytes()), dtype, "{arch} {dtype:?}");
             let target = format!(".target {arch}");
             assert!(ptx.contains(&target), "PTX for {arch} lacks {target}");
             if dtype == Dtype::Bf16 {
