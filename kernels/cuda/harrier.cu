@@ -1006,6 +1006,14 @@ struct GrpCluster {
     unsigned long long bar;
 };
 
+// Element i (of head g) of the block's weighted sum: the warps' sums in shared memory, each
+// weighed by its warp's exp(m_w - M) (warps without keys weigh 0), added in warp order.
+__device__ __forceinline__ float grp_block_sum(const GrpSmem& sm, int i, int g) {
+    float v = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) v += sm.acc[w][i] * sm.w[w][g];
+    return v;
+}
+
 // The end of a cluster instance's block (see GrpCluster), its warps' sums merged in `sm`: ranks
 // past 0 push their split's weighted sums and (max, sum) a head to rank 0 and leave; rank 0
 // waits for the S - 1 pushes and writes head g's dims as sum_s e_s v_s / sum_s e_s l_s, e_s =
@@ -1014,15 +1022,13 @@ struct GrpCluster {
 template <int G, int HD>
 __device__ __forceinline__ void grp_cluster_merge(elem* o, int s, int n_splits, const GrpSmem& sm, GrpCluster& cl) {
     constexpr int GH = G * HD, ST = HD + 2;
-    const int nw = blockDim.x >> 5;
     // Every rank started and rank 0's barrier initialised (the arrival was at the start).
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
     if (s != 0) {
         const u32 dst = cluster_map(smem_addr(cl.recv[s - 1]), 0), bar = cluster_map(smem_addr(&cl.bar), 0);
         for (int i = threadIdx.x; i < GH; i += blockDim.x) {
             const int g = i / HD, d = i - g * HD;
-            float v = 0.0f;
-            for (int w = 0; w < nw; w++) v += sm.acc[w][i] * sm.w[w][g];
+            const float v = grp_block_sum(sm, i, g);
             asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
                              dst + 4u * (u32)(g * ST + 2 + d)),
                          "r"(__float_as_uint(v)), "r"(bar)
@@ -1042,8 +1048,7 @@ __device__ __forceinline__ void grp_cluster_merge(elem* o, int s, int n_splits, 
     mbar_wait_cluster(smem_addr(&cl.bar), 0);
     for (int i = threadIdx.x; i < GH; i += blockDim.x) {
         const int g = i / HD, d = i - g * HD;
-        float v = 0.0f;
-        for (int w = 0; w < nw; w++) v += sm.acc[w][i] * sm.w[w][g];
+        const float v = grp_block_sum(sm, i, g);
         // Split r's (max, sum, dim d): attention_combine's arithmetic, so the output has its
         // bits (its sum of l e is a butterfly over lanes: (x0 + x2) + (x1 + x3) for 4 splits).
         float m[GRP_CL_MAX], l[GRP_CL_MAX], x[GRP_CL_MAX];
@@ -1228,8 +1233,7 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
     } else {
         for (int i = threadIdx.x; i < GH; i += blockDim.x) {
             const int g = i / HD, d = i - g * HD;
-            float v = 0.0f;
-            for (int w = 0; w < nw; w++) v += sm.acc[w][i] * sm.w[w][g];
+            const float v = grp_block_sum(sm, i, g);
             const float M = sm.ML[g][0], L = sm.ML[g][1];
             attn_store(o, i, pp0 + ((size_t)g * n_splits + s) * (HD + 2), d, v, M, L, splits, n_splits);
         }

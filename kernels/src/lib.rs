@@ -18,16 +18,6 @@ use anyhow::{anyhow, bail, Context};
 use cudarc::driver::result as dr;
 use cudarc::driver::sys;
 
-/// Which build a module image (PTX text or cubin) is: the bf16 one names `gemv_bf16`, a kernel
-/// the f32 build lacks ([`BF16_ONLY`]), in either form.
-fn image_dtype(image: &[u8]) -> Dtype {
-    let name = b"gemv_bf16";
-    match image.windows(name.len()).any(|w| w == name) {
-        true => Dtype::Bf16,
-        false => Dtype::F32,
-    }
-}
-
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("../cuda/harrier.cu");
 
@@ -598,9 +588,9 @@ const SKINNY_B2: &str = "skinny_gemm_8_b2";
 /// (rank 1 pushes its sums into rank 0's shared memory, which adds them and runs the
 /// epilogue; sm_90 on): one-tile bf16 launches of up to 8 rows that neither it nor the 8-warp
 /// instances take, at most [`SKINNY_B2_MAX_BLOCKS`] / 2 tiles over reductions of at least
-/// [`SKINNY_K2_MIN_K`], without a staged (norm prologue) input, and their clusters all resident (the 1B's o and down, 128 tiles, and
-/// Qwen3-0.6B's, 64: otherwise one block an SM on as many SMs as tiles). `HARRIER_SKINNY_K2=0`
-/// turns it off, to compare. Measured on an H200 (session 36, graphs, context 512, ms a step,
+/// [`SKINNY_K2_MIN_K`], without a staged (norm prologue) input, and their clusters all
+/// resident (the 1B's down, 128 tiles, and Qwen3-0.6B's, 64: otherwise one block an SM on as
+/// many SMs as tiles). `HARRIER_SKINNY_K2=0` turns it off, to compare. Measured on an H200 (session 36, graphs, context 512, ms a step,
 /// off vs on): 1B batch 2 0.957-0.958 vs 0.934, 4 0.985-0.986 vs 0.956-0.957, 8 1.022-1.026 vs
 /// 0.986-0.994; Qwen3-0.6B batch 1 0.852-0.855 vs 0.841-0.842, 4 0.911 vs 0.888-0.889, 8
 /// 1.000-1.003 vs 0.967-0.969; check-gemv, 8 rows: the 1B's down 10.0 -> 8.1 us, Qwen3-0.6B's
@@ -1116,6 +1106,16 @@ pub fn ptx_for(arch: &'static str, dtype: Dtype) -> anyhow::Result<(String, bool
     Ok((ptx, false))
 }
 
+/// Which build a module image (PTX text or cubin) is: the bf16 one names `gemv_bf16`, a kernel
+/// the f32 build lacks ([`BF16_ONLY`]), in either form.
+fn image_dtype(image: &[u8]) -> Dtype {
+    let name = b"gemv_bf16";
+    match image.windows(name.len()).any(|w| w == name) {
+        true => Dtype::Bf16,
+        false => Dtype::F32,
+    }
+}
+
 /// A module image as `cuModuleLoadData` takes it: an ELF cubin as it is, PTX text with a NUL
 /// appended (refused if it holds one: the driver would read a truncated module).
 fn module_image(mut image: Vec<u8>) -> anyhow::Result<Vec<u8>> {
@@ -1401,22 +1401,9 @@ impl Kernels {
             k.f.insert(name, f);
         }
         if clusters && dtype == Dtype::Bf16 && k.skinny_b2 && switch_on("HARRIER_SKINNY_K2") {
-            let threads = k.skinny_warps * 32;
-            k.skinny_k2_clusters = [SKINNY_K2, "skinny_gemm_8_b2_dn_k2"]
-                .iter()
-                .map(|name| k.max_active_clusters(name, threads, 2))
-                .collect::<anyhow::Result<Vec<u32>>>()?
-                .into_iter()
-                .min()
-                .unwrap_or(0);
+            k.skinny_k2_clusters = k.skinny_pairs(SKINNY_K2, k.skinny_warps)?;
             if switch_on("HARRIER_SKINNY_K2_W8") {
-                k.skinny_k2_w8_clusters = [SKINNY_K2_W8, "skinny_gemm_8_w8_dn_k2"]
-                    .iter()
-                    .map(|name| k.max_active_clusters(name, 256, 2))
-                    .collect::<anyhow::Result<Vec<u32>>>()?
-                    .into_iter()
-                    .min()
-                    .unwrap_or(0);
+                k.skinny_k2_w8_clusters = k.skinny_pairs(SKINNY_K2_W8, 8)?;
             }
         }
         if clusters && dtype == Dtype::Bf16 && switch_on("HARRIER_ATTN_GRP_CLUSTER") {
@@ -1454,22 +1441,25 @@ impl Kernels {
         Ok(n.max(0) as u32)
     }
 
-    /// The `paged_attention_grpc*` twin of grp instance `grp` for a launch of `n` tokens over
-    /// `nkv` KV heads in `n_splits` splits, where it applies: 2 to [`GRP_CLUSTER_MAX_SPLITS`]
-    /// splits, and every cluster of the launch resident at once.
-    fn grp_cluster_kernel(
-        &self,
-        grp: &str,
-        n: u32,
-        nkv: u32,
-        n_splits: u32,
-    ) -> Option<&'static str> {
-        if !(2..=GRP_CLUSTER_MAX_SPLITS).contains(&n_splits) || n > u16::MAX as u32 {
+    /// Resident clusters of two blocks (`warps` each) of a split-K skinny instance, counted
+    /// for it and its deferred-norm twin alike (the fewer of the two).
+    fn skinny_pairs(&self, name: &str, warps: u32) -> anyhow::Result<u32> {
+        let dn = skinny_dn_instance(name).expect("the split-K instances have deferred-norm twins");
+        let plain = self.max_active_clusters(name, warps * 32, 2)?;
+        Ok(plain.min(self.max_active_clusters(dn, warps * 32, 2)?))
+    }
+
+    /// The `paged_attention_grpc*` twin of grp instance `grp` and how many of its clusters of
+    /// `n_splits` blocks are resident at once; none outside 2 to [`GRP_CLUSTER_MAX_SPLITS`].
+    fn grp_cluster_twin(&self, grp: &str, n_splits: u32) -> Option<(&'static str, u32)> {
+        if !(2..=GRP_CLUSTER_MAX_SPLITS).contains(&n_splits) {
             return None;
         }
         let i = GRP_CLUSTER_KERNELS.iter().position(|(g, _)| *g == grp)?;
-        (n as u64 * nkv as u64 <= self.grp_clusters[i][n_splits as usize - 2] as u64)
-            .then_some(GRP_CLUSTER_KERNELS[i].1)
+        Some((
+            GRP_CLUSTER_KERNELS[i].1,
+            self.grp_clusters[i][n_splits as usize - 2],
+        ))
     }
 
     fn func(&self, name: &str) -> sys::CUfunction {
@@ -1778,15 +1768,11 @@ impl Kernels {
     /// its splits merged in clusters (`paged_attention_grpc*`, every cluster resident at
     /// once); 0 where it has no cluster instance for the heads or the split count.
     pub fn grp_cluster_tokens(&self, nh: usize, nkv: usize, hd: usize, n_splits: u32) -> u32 {
-        let Some(grp) = grp_attention_kernel(nh as i32, nkv as i32, hd as i32) else {
-            return 0;
-        };
-        match GRP_CLUSTER_KERNELS.iter().position(|(g, _)| *g == grp) {
-            Some(i) if (2..=GRP_CLUSTER_MAX_SPLITS).contains(&n_splits) => {
-                (self.grp_clusters[i][n_splits as usize - 2] / nkv as u32).min(u16::MAX as u32)
-            }
-            _ => 0,
-        }
+        grp_attention_kernel(nh as i32, nkv as i32, hd as i32)
+            .and_then(|grp| self.grp_cluster_twin(grp, n_splits))
+            .map_or(0, |(_, clusters)| {
+                (clusters / nkv as u32).min(u16::MAX as u32)
+            })
     }
 
     /// Splits for a grp launch of `tokens` rows that aims at `splits`: the most from 2 to
@@ -1843,10 +1829,11 @@ impl Kernels {
             match grp {
                 Some((kernel, cluster)) => {
                     let mut p = params![*a, part, ns, one_split];
-                    let cl = cluster
-                        .then(|| self.grp_cluster_kernel(kernel, n, nkv as u32, n_splits))
-                        .flatten();
-                    if let Some(cl) = cl {
+                    // Every cluster resident at once (and the tokens within the grid's y).
+                    let cl = self.grp_cluster_twin(kernel, n_splits).filter(|&(_, c)| {
+                        cluster && n <= u16::MAX as u32 && n as u64 * nkv as u64 <= c as u64
+                    });
+                    if let Some((cl, _)) = cl {
                         // The splits merged in their cluster: no partials, no combine.
                         let grid = (n_splits, n, nkv as u32);
                         return self.launch_smem(cl, grid, GRP_THREADS, 0, s, &mut p, n_splits);

@@ -865,22 +865,20 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             let d_ts = up(&ibytes(&tok_seq))?;
             let d_pos = up(&ibytes(&positions))?;
             let d_bt = up(&ibytes(&tables))?;
-            let d_out = dr::malloc_sync(out.len() * 2)?;
-            dr::memset_d8_sync(d_out, 0xFF, out.len() * 2)?; // NaN poison
-            let d_out_dec = dr::malloc_sync(out.len() * 2)?;
-            dr::memset_d8_sync(d_out_dec, 0xFF, out.len() * 2)?;
-            let d_out_tiled = dr::malloc_sync(out.len() * 2)?;
-            dr::memset_d8_sync(d_out_tiled, 0xFF, out.len() * 2)?;
-            let d_out_grouped = dr::malloc_sync(out.len() * 2)?;
-            dr::memset_d8_sync(d_out_grouped, 0xFF, out.len() * 2)?;
-            let d_out_grp = dr::malloc_sync(out.len() * 2)?;
-            dr::memset_d8_sync(d_out_grp, 0xFF, out.len() * 2)?;
-            let d_out_grpc = dr::malloc_sync(out.len() * 2)?;
-            dr::memset_d8_sync(d_out_grpc, 0xFF, out.len() * 2)?;
-            let d_out_grpc_ref = dr::malloc_sync(out.len() * 2)?;
-            dr::memset_d8_sync(d_out_grpc_ref, 0xFF, out.len() * 2)?;
-            let d_out_uncombined = dr::malloc_sync(out.len() * 2)?;
-            dr::memset_d8_sync(d_out_uncombined, 0xFF, out.len() * 2)?;
+            // An output buffer, NaN-poisoned (what a kernel leaves unwritten shows).
+            let poisoned = || -> anyhow::Result<u64> {
+                let d = dr::malloc_sync(out.len() * 2)?;
+                dr::memset_d8_sync(d, 0xFF, out.len() * 2)?;
+                Ok(d)
+            };
+            let d_out = poisoned()?;
+            let d_out_dec = poisoned()?;
+            let d_out_tiled = poisoned()?;
+            let d_out_grouped = poisoned()?;
+            let d_out_grp = poisoned()?;
+            let d_out_grpc = poisoned()?;
+            let d_out_grpc_ref = poisoned()?;
+            let d_out_uncombined = poisoned()?;
             let d_tiles = up(&ibytes(&tiles))?;
             let d_list = up(&ibytes(&list))?;
             let part_bytes = t * nh * n_splits.max(grpc_splits as usize) * (hd + 2) * 4;
@@ -1025,23 +1023,20 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 );
             }
         }
-        // f64 reference over the same bf16 inputs.
-        let (mut num, mut den, mut unwritten) = (0.0f64, 0.0f64, 0usize);
-        let (mut num_dec, mut unwritten_dec) = (0.0f64, 0usize);
-        let (mut num_til, mut unwritten_til) = (0.0f64, 0usize);
-        let (mut num_grp, mut unwritten_grp) = (0.0f64, 0usize);
-        let (mut num_g2, mut unwritten_g2) = (0.0f64, 0usize);
-        let (mut num_gc, mut unwritten_gc) = (0.0f64, 0usize);
+        // f64 reference over the same bf16 inputs: each column's squared error and unwritten
+        // (NaN-poisoned) elements.
+        let columns: [(&str, &[u16]); 6] = [
+            ("1 split", &out),
+            ("n splits", &out_dec),
+            ("tiled", &out_tiled),
+            ("grouped", &out_grouped),
+            ("grp", &out_grp),
+            ("grpc", &out_grpc),
+        ];
+        let (mut num, mut den, mut unwritten) = ([0.0f64; 6], 0.0f64, [0usize; 6]);
         for ti in 0..t {
             if positions[ti] < 0 {
-                for (kernel, o) in [
-                    ("1 split", &out),
-                    ("n splits", &out_dec),
-                    ("tiled", &out_tiled),
-                    ("grouped", &out_grouped),
-                    ("grp", &out_grp),
-                    ("grpc", &out_grpc),
-                ] {
+                for (kernel, o) in columns {
                     let row = &o[ti * nh * hd..(ti + 1) * nh * hd];
                     if let Some(bad) = row.iter().find(|&&x| x != 0) {
                         bail!("case {case}: {kernel} kernel: padding row {ti} holds {bad:#06x}, not zero");
@@ -1079,55 +1074,29 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                         .map(|(p, wi)| wi * vf[(slot(p) * nkv + kh) * hd + d])
                         .sum::<f64>()
                         / z;
-                    let got = half::bf16::from_bits(out[ti * nh * hd + h * hd + d]).to_f64();
-                    if got.is_nan() {
-                        unwritten += 1;
-                    }
-                    num += (got - r).powi(2);
                     den += r * r;
-                    let got = half::bf16::from_bits(out_dec[ti * nh * hd + h * hd + d]).to_f64();
-                    if got.is_nan() {
-                        unwritten_dec += 1;
+                    for (c, (_, o)) in columns.iter().enumerate() {
+                        let got = half::bf16::from_bits(o[ti * nh * hd + h * hd + d]).to_f64();
+                        unwritten[c] += usize::from(got.is_nan());
+                        num[c] += (got - r).powi(2);
                     }
-                    num_dec += (got - r).powi(2);
-                    let got = half::bf16::from_bits(out_tiled[ti * nh * hd + h * hd + d]).to_f64();
-                    if got.is_nan() {
-                        unwritten_til += 1;
-                    }
-                    num_til += (got - r).powi(2);
-                    let got =
-                        half::bf16::from_bits(out_grouped[ti * nh * hd + h * hd + d]).to_f64();
-                    if got.is_nan() {
-                        unwritten_grp += 1;
-                    }
-                    num_grp += (got - r).powi(2);
-                    let got = half::bf16::from_bits(out_grp[ti * nh * hd + h * hd + d]).to_f64();
-                    if got.is_nan() {
-                        unwritten_g2 += 1;
-                    }
-                    num_g2 += (got - r).powi(2);
-                    let got = half::bf16::from_bits(out_grpc[ti * nh * hd + h * hd + d]).to_f64();
-                    if got.is_nan() {
-                        unwritten_gc += 1;
-                    }
-                    num_gc += (got - r).powi(2);
                 }
             }
         }
-        let rel = (num / den.max(1e-30)).sqrt();
-        let rel_dec = (num_dec / den.max(1e-30)).sqrt();
-        let rel_til = (num_til / den.max(1e-30)).sqrt();
-        let rel_grp = (num_grp / den.max(1e-30)).sqrt();
-        let rel_g2 = (num_g2 / den.max(1e-30)).sqrt();
-        let rel_gc = (num_gc / den.max(1e-30)).sqrt();
-        for r in [rel, rel_dec, rel_til, rel_grp, rel_g2, rel_gc] {
+        let rel = num.map(|n| (n / den.max(1e-30)).sqrt());
+        for r in rel {
             worst = worst.max(if r.is_nan() { f64::INFINITY } else { r });
         }
-        println!("| {case} | {seqs} | {} (+{padding}) | {} | {nh}/{nkv} | {hd} | {window} | {rel:.2e} | {unwritten} | {n_splits} | {rel_dec:.2e} | {unwritten_dec} | {n_tiles} | {rel_til:.2e} | {unwritten_til} | {rel_grp:.2e} | {unwritten_grp} | {rel_g2:.2e} | {unwritten_g2} | {grpc_splits} | {rel_gc:.2e} | {unwritten_gc} |", t - padding, lens.iter().max().unwrap());
-        if unwritten + unwritten_dec + unwritten_til + unwritten_grp + unwritten_g2 + unwritten_gc
-            > 0
-        {
-            bail!("case {case}: {unwritten} + {unwritten_dec} (n splits) + {unwritten_til} (tiled) + {unwritten_grp} (grouped) + {unwritten_g2} (grp) + {unwritten_gc} (grpc) output elements were not written");
+        let (u, r) = (&unwritten, &rel);
+        println!("| {case} | {seqs} | {} (+{padding}) | {} | {nh}/{nkv} | {hd} | {window} | {:.2e} | {} | {n_splits} | {:.2e} | {} | {n_tiles} | {:.2e} | {} | {:.2e} | {} | {:.2e} | {} | {grpc_splits} | {:.2e} | {} |", t - padding, lens.iter().max().unwrap(), r[0], u[0], r[1], u[1], r[2], u[2], r[3], u[3], r[4], u[4], r[5], u[5]);
+        if unwritten.iter().sum::<usize>() > 0 {
+            let by_kernel: Vec<String> = (columns.iter().zip(u))
+                .map(|((kernel, _), n)| format!("{n} ({kernel})"))
+                .collect();
+            bail!(
+                "case {case}: output elements not written: {}",
+                by_kernel.join(" + ")
+            );
         }
     }
     println!(
