@@ -943,6 +943,25 @@ extern "C" __global__ void __launch_bounds__(GQA_WARPS * 32, 2) paged_attention_
 }
 
 #ifndef HARRIER_F32
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 r;  // (one conversion for both: a to the upper half, b to the lower)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+#endif
+}
+
+// c += a (16x16 bf16, row-major fragments) * b (16x8 bf16, column fragments), fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Shared-memory addresses, mbarrier waits and distributed shared memory (clusters; sm_90).
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
@@ -980,17 +999,17 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 // s) takes token t's split s (`split_tiles`, as paged_attention's) for heads kh G .. kh G + G - 1,
 // so each K and V row is read once for the group. The per-head kernel reads it G times, and at
 // batch 8 of the 1B its 256 blocks (two an SM) took ~13 us a layer on the path against ~2 us of
-// K/V (docs/benchmarks.md, session 30). Its loads are the per-head kernel's (a key a lane, a K
-// row's 16-byte chunks at once; V by rows, HD / 8 lanes a row, up to 8 rows' loads at once), q
-// in shared memory (a broadcast read a chunk and head); 16 warps take the split's 32-key tiles
-// round-robin and merge at the end. The same outputs and partials as paged_attention (P rounded
-// to bf16 before P V, l from the unrounded P), so attention_combine merges its splits. bf16
+// K/V (docs/benchmarks.md, session 30). 16 warps take the split's 16-key tiles round-robin
+// (grp_tile): the scores of a tile on the tensor cores (K rows as mma.sync's A, q as B, kept in
+// registers), the softmax in the mma's output layout, V by rows (HD / 8 lanes a row, a tile's
+// loads at once) on FMAs; the warps merge at the end. The same outputs and partials as
+// paged_attention up to the order of the score sums (P rounded to bf16 before P V, l from the
+// unrounded P), so attention_combine merges its splits. bf16
 // only; G * HD at most GRP_MAX_ELEMS.
 #define GRP_WARPS 16
 #define GRP_MAX_ELEMS 512
 #define GRP_MAX_G 4
 struct GrpSmem {
-    float q[GRP_MAX_ELEMS];
     float m[GRP_WARPS][GRP_MAX_G], l[GRP_WARPS][GRP_MAX_G], w[GRP_WARPS][GRP_MAX_G], ML[GRP_MAX_G][2];
     float acc[GRP_WARPS][GRP_MAX_ELEMS];
 };
@@ -1077,12 +1096,153 @@ __device__ __forceinline__ void grp_cluster_merge(elem* o, int s, int n_splits, 
     }
 }
 
+// Measurement only (-DHARRIER_TRACE -DGRP_PHASE): the global time once `dep` is computed,
+// and thread 0's phases of a grp block as three more trace records after its own (see
+// grp_phase_write).
+#if defined(HARRIER_TRACE) && defined(GRP_PHASE)
+__device__ __forceinline__ u64 grp_stamp(float dep) {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "f"(dep) : "memory");
+    return t;
+}
+#define GRP_STAMP(i, dep) ph[i] = grp_stamp((float)(dep))
+// Records (grid | k << 62, three times, 0, info, shape) for k = 1, 2, 3: the block's wait
+// return and phases 1-2, phases 3-5, phases 6-8.
+__device__ void grp_phase_write(unsigned int main_i, const u64* ph, u64 info) {
+    if (main_i >= TRACE_CAP) return;
+    const unsigned int j = atomicAdd(&harrier_trace_n, 3u);
+    if (j + 3 > TRACE_CAP) return;
+    u64 gid;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(gid));
+    const u64 t[9] = {harrier_trace[main_i][2], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6], ph[7], ph[8]};
+    for (int k = 0; k < 3; k++) {
+        unsigned long long* r = harrier_trace[j + k];
+        r[0] = gid | ((u64)(k + 1) << 62);
+        r[1] = t[3 * k];
+        r[2] = t[3 * k + 1];
+        r[3] = t[3 * k + 2];
+        r[4] = 0;
+        r[5] = info;
+        r[6] = harrier_trace[main_i][6];
+    }
+}
+#else
+#define GRP_STAMP(i, dep)
+#endif
+
+// One warp tile of grp_attention: 16 keys from key kbase (always valid; keys past pos read the
+// last key's rows, their scores masked), its running state in acc, m and lsum. K is the
+// scores' mma operand A (skinny_gemm's tiles): lane (g8, t4) loads keys g8 and g8 + 8's 16
+// bytes at dims c * 32 + 8 t4, 8 rows' 64 contiguous bytes an instruction (a key a lane, 32
+// rows' 16 bytes an instruction, took ~2.8 us of a 1B batch-8 block's ~8: session 37). C[key]
+// [head]: value r of lane (g8, t4) is key g8 + (r < 2 ? 0 : 8), head 2 t4 + (r & 1). V by rows
+// (round r: key r KPR + grp, HD / 8 lanes a row) after the softmax: loaded with K it lost at
+// batch 8 (session 37).
+struct GrpTileIn {
+    const int* bt;
+    const elem *k_cache, *v_cache;
+    int pos, block_size, nkv, kh;
+    float scale;
+};
+#if defined(HARRIER_TRACE) && defined(GRP_PHASE)
+#define GRP_PH_PARAM , u64* ph
+#define GRP_PH_ARG , ph
+#else
+#define GRP_PH_PARAM
+#define GRP_PH_ARG
+#endif
+template <int G, int HD>
+__device__ __forceinline__ void grp_tile(const GrpTileIn& in, int kbase, const uint4 (&qf)[HD / 32], float (&acc)[G][8],
+                                         float (&m)[G], float (&lsum)[2] GRP_PH_PARAM) {
+    constexpr int NCH = HD / 32, LPK = HD / 8, KPR = 32 / LPK, VR = 16 / KPR;
+    const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3, grp = lane / LPK, sub = lane - grp * LPK;
+    const int p = kbase + (lane & 15);
+    const int pe = p <= in.pos ? p : in.pos;
+    const int slot = in.bt[pe / in.block_size] * in.block_size + pe % in.block_size;
+    GRP_STAMP(2, slot);
+    const int sa = __shfl_sync(0xffffffffu, slot, g8), sb = __shfl_sync(0xffffffffu, slot, g8 + 8);
+    const elem* pa = in.k_cache + ((size_t)sa * in.nkv + in.kh) * HD + 8 * t4;
+    const elem* pb = in.k_cache + ((size_t)sb * in.nkv + in.kh) * HD + 8 * t4;
+    uint4 ka[NCH], kb[NCH];
+#pragma unroll
+    for (int c = 0; c < NCH; c++) {
+        ka[c] = *(const uint4*)(pa + c * 32);
+        kb[c] = *(const uint4*)(pb + c * 32);
+    }
+    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int c = 0; c < NCH; c++) {
+        const u32 a1[4] = {ka[c].x, kb[c].x, ka[c].y, kb[c].y};
+        const u32 a2[4] = {ka[c].z, kb[c].z, ka[c].w, kb[c].w};
+        mma_bf16(sc, a1, qf[c].x, qf[c].y);
+        mma_bf16(sc, a2, qf[c].z, qf[c].w);
+    }
+    GRP_STAMP(3, sc[0]);
+    float tmax[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        sc[r] = kbase + g8 + (r < 2 ? 0 : 8) <= in.pos ? sc[r] * in.scale : NEG_INF;
+        tmax[r & 1] = fmaxf(tmax[r & 1], sc[r]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) tmax[j] = fmaxf(tmax[j], __shfl_xor_sync(0xffffffffu, tmax[j], x));
+    // Every head's new max in every lane (head g's from lane g / 2), and this lane's heads'.
+    float corr[G], mj[2] = {0.0f, 0.0f}, cj[2] = {1.0f, 1.0f};
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        const float mn = fmaxf(m[g], __shfl_sync(0xffffffffu, tmax[g & 1], g >> 1));
+        corr[g] = __expf(m[g] - mn);
+        m[g] = mn;
+        if (t4 == (g >> 1)) {
+            mj[g & 1] = mn;
+            cj[g & 1] = corr[g];
+        }
+    }
+    // P rounded to bf16 for P V (l sums the unrounded P).
+    float pr[4], ls[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const float pk = __expf(sc[r] - mj[r & 1]);
+        ls[r & 1] += pk;
+        pr[r] = rnd(pk);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; j++) lsum[j] = lsum[j] * cj[j] + ls[j];
+#pragma unroll
+    for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[g][j] *= corr[g];
+    GRP_STAMP(4, pr[0]);
+    Chunk vr[VR];
+#pragma unroll
+    for (int r = 0; r < VR; r++) {
+        const int si = __shfl_sync(0xffffffffu, slot, r * KPR + grp);
+        vr[r] = ld_chunk(in.v_cache + ((size_t)si * in.nkv + in.kh) * HD + sub * 8);
+    }
+    // Key k's P for head g: value ((k >> 3) & 1) * 2 + (g & 1) in lane (k & 7) * 4 + g / 2 (the
+    // same value index across a round's keys: KPR divides 8).
+#pragma unroll
+    for (int r = 0; r < VR; r++) {
+        const int k0 = r * KPR;
+        float v[8];
+        unpack_chunk(vr[r], v);
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float w = __shfl_sync(0xffffffffu, pr[((k0 >> 3) & 1) * 2 + (g & 1)], ((k0 + grp) & 7) * 4 + (g >> 1));
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[g][j] += w * v[j];
+        }
+    }
+}
+
 template <int G, int HD, bool CL>
 __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int n_splits, int one_split,
                                               GrpSmem& sm, GrpCluster* cl) {
     ATTN_UNPACK(a)
     (void)hd;
-    constexpr int GH = G * HD, NC = HD / 8, LPK = HD / 8, KPR = 32 / LPK, ROUNDS = 32 / KPR;
+    constexpr int GH = G * HD, NCH = HD / 32, LPK = HD / 8;
     const int t = CL ? blockIdx.y : blockIdx.x, kh = CL ? blockIdx.z : blockIdx.y, s = CL ? blockIdx.x : blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     if constexpr (CL) {
@@ -1096,12 +1256,20 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
         asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
     }
     PDL_ENTER();
-    // q's element a thread (GH <= GRP_MAX_ELEMS = the block's threads), loaded with the token's
-    // position rather than after it (a round trip fewer before the block table's; H200, session
-    // 36: a tie to 0.5% faster at batches 4 and 8 of the 1B, 3B and Qwen3-0.6B).
-    static_assert(GRP_MAX_ELEMS == GRP_WARPS * 32, "a q element a thread");
-    const float qv = threadIdx.x < GH ? e2f(q[(size_t)t * q_stride + (size_t)kh * GH + threadIdx.x]) : 0.0f;
+    // q as the scores' mma operand B (n = the group's heads, padded to 8): lane (g8, t4) holds
+    // head g8's dims c * 32 + 8 t4 .. + 7 for each 32-dim chunk c, loaded with the token's
+    // position rather than after it (a round trip fewer before the block table's).
+    const int g8 = lane >> 2, t4 = lane & 3;
+    uint4 qf[NCH];
+#pragma unroll
+    for (int c = 0; c < NCH; c++)
+        qf[c] = g8 < G ? *(const uint4*)(q + (size_t)t * q_stride + (size_t)(kh * G + g8) * HD + c * 32 + 8 * t4)
+                       : make_uint4(0, 0, 0, 0);
     const int pos = positions[t], row = tok_row[t];
+#if defined(HARRIER_TRACE) && defined(GRP_PHASE)
+    u64 ph[9] = {};
+#endif
+    GRP_STAMP(1, (float)qf[0].x + (float)pos + (float)row);
     int start, tile0, tile1;
     const int splits = split_tiles(pos, window, n_splits, one_split, s, &start, &tile0, &tile1);
     elem* o = out + ((size_t)t * nh + (size_t)kh * G) * HD;
@@ -1119,84 +1287,30 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
         }
         return;
     }
-    if (threadIdx.x < GH) sm.q[threadIdx.x] = qv;
-    __syncthreads();
-    const int* bt = block_tables + (size_t)row * bt_stride;
-    const int grp = lane / LPK, sub = lane - grp * LPK;
-    float acc[G][8], m[G], l[G];
+    // m: every head's running max (the same in every lane); lsum[j]: the running sum of this
+    // lane's own keys for head 2 t4 + j (added over the lanes at the end).
+    float acc[G][8], m[G], lsum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int g = 0; g < G; g++) {
         m[g] = NEG_INF;
-        l[g] = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[g][j] = 0.0f;
     }
-    for (int tile = tile0 + warp; tile < tile1; tile += nw) {
-        const int p = start + tile * 32 + lane;
-        const bool valid = p <= pos;
-        // Lanes past the last key read the last key's row (their score is masked).
-        const int pe = valid ? p : pos;
-        const int slot = bt[pe / block_size] * block_size + pe % block_size;
-        const elem* kp = k_cache + ((size_t)slot * nkv + kh) * HD;
-        float dot[G];
+    // The split's 16-key tiles up to the last with a key, a warp's round-robin: at batch 4 of
+    // the 1B 11-12 of 16 warps busy rather than 6 with 32-key tiles (H200, session 37, ms a
+    // step, 32- vs 16-key tiles: 1B batch 4 0.931-0.940 vs 0.914-0.918, 3B 2.260-2.278 vs
+    // 2.227-2.239, batch 16 2.98 vs 2.87; at batch 8, 17-18 tiles of 32 over two splits, 32-key
+    // tiles tie on the 1B and 3B and win 1.5% on Qwen3-0.6B, but a kernel with both loops was
+    // slower on the 1B).
+    const GrpTileIn tin = {block_tables + (size_t)row * bt_stride, k_cache, v_cache, pos, block_size, nkv, kh, scale};
+    const int u1 = min(2 * tile1, ((pos - start) >> 4) + 1);
+    for (int u = 2 * tile0 + warp; u < u1; u += nw) grp_tile<G, HD>(tin, start + u * 16, qf, acc, m, lsum GRP_PH_ARG);
+    GRP_STAMP(5, acc[0][0]);
+    // Head 2 t4 + j's sum over the keys: the 8 lanes g8 of each t4.
 #pragma unroll
-        for (int g = 0; g < G; g++) dot[g] = 0.0f;
+    for (int j = 0; j < 2; j++)
 #pragma unroll
-        for (int c0 = 0; c0 < NC; c0 += 8) {
-            Chunk kr[8];
-#pragma unroll
-            for (int j = 0; j < 8; j++) kr[j] = ld_chunk(kp + (c0 + j) * 8);
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                float kv[8];
-                unpack_chunk(kr[j], kv);
-#pragma unroll
-                for (int g = 0; g < G; g++) {
-                    const float4 qa = *(const float4*)(sm.q + g * HD + (c0 + j) * 8);
-                    const float4 qb = *(const float4*)(sm.q + g * HD + (c0 + j) * 8 + 4);
-                    dot[g] += qa.x * kv[0] + qa.y * kv[1];
-                    dot[g] += qa.z * kv[2] + qa.w * kv[3];
-                    dot[g] += qb.x * kv[4] + qb.y * kv[5];
-                    dot[g] += qb.z * kv[6] + qb.w * kv[7];
-                }
-            }
-        }
-        float pv[G];
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-            const float sc = valid ? dot[g] * scale : NEG_INF;
-            // Lane 0's key (p = tile's first) is always valid: every tile max is finite.
-            const float mn = fmaxf(m[g], warp_max(sc));
-            const float corr = __expf(m[g] - mn);
-            const float pk = valid ? __expf(sc - mn) : 0.0f;
-            l[g] = l[g] * corr + warp_sum(pk);
-#pragma unroll
-            for (int j = 0; j < 8; j++) acc[g][j] *= corr;
-            m[g] = mn;
-            pv[g] = rnd(pk);
-        }
-        // V by rows: round r holds key r KPR + grp; up to 8 rounds' loads at once.
-#pragma unroll
-        for (int r0 = 0; r0 < ROUNDS; r0 += 8) {
-            Chunk vr[8];
-#pragma unroll
-            for (int r = 0; r < 8; r++) {
-                const int si = __shfl_sync(0xffffffffu, slot, (r0 + r) * KPR + grp);
-                vr[r] = ld_chunk(v_cache + ((size_t)si * nkv + kh) * HD + sub * 8);
-            }
-#pragma unroll
-            for (int r = 0; r < 8; r++) {
-                float v[8];
-                unpack_chunk(vr[r], v);
-#pragma unroll
-                for (int g = 0; g < G; g++) {
-                    const float w = __shfl_sync(0xffffffffu, pv[g], (r0 + r) * KPR + grp);
-#pragma unroll
-                    for (int j = 0; j < 8; j++) acc[g][j] += w * v[j];
-                }
-            }
-        }
-    }
+        for (int x = 4; x < 32; x <<= 1) lsum[j] += __shfl_xor_sync(0xffffffffu, lsum[j], x);
     // The lane groups' sums (LPK divides 32): lanes 0 .. LPK - 1 then hold dims 8 lane ...
 #pragma unroll
     for (int g = 0; g < G; g++) {
@@ -1207,12 +1321,11 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
         if (lane < LPK)
 #pragma unroll
             for (int j = 0; j < 8; j++) sm.acc[warp][g * HD + lane * 8 + j] = acc[g][j];
-        if (lane == 0) {
-            sm.m[warp][g] = m[g];
-            sm.l[warp][g] = l[g];
-        }
+        if (lane == 0) sm.m[warp][g] = m[g];
+        if (lane == (g >> 1)) sm.l[warp][g] = lsum[g & 1];
     }
     __syncthreads();
+    GRP_STAMP(6, 0);
     // Warp g weighs the warps' partial sums of head g (lane w: warp w); a warp without keys
     // has sum 0 and weight 0 (its acc is zeros).
     if (warp < G) {
@@ -1227,9 +1340,14 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
         }
     }
     __syncthreads();
+    GRP_STAMP(7, 0);
     if constexpr (CL) {
         (void)splits;
         grp_cluster_merge<G, HD>(o, s, n_splits, sm, *cl);
+#if defined(HARRIER_TRACE) && defined(GRP_PHASE)
+        GRP_STAMP(8, 0);
+        if (threadIdx.x == 0) grp_phase_write(trace_scope_.i, ph, (u64)s | (u64)tile0 << 8 | (u64)tile1 << 20);
+#endif
     } else {
         for (int i = threadIdx.x; i < GH; i += blockDim.x) {
             const int g = i / HD, d = i - g * HD;
@@ -1349,25 +1467,6 @@ extern "C" __global__ void attention_combine(elem* out, const float* part, int n
 #ifndef HARRIER_F32
 #define PF_WARPS 4
 #define PF_QT (16 * PF_WARPS)
-
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    u32 r;  // (one conversion for both: a to the upper half, b to the lower)
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-#else
-    return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
-#endif
-}
-
-// c += a (16x16 bf16, row-major fragments) * b (16x8 bf16, column fragments), fp32 accumulate.
-__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 template <int HD, int KT>
 __device__ __forceinline__ void prefill_attention_tile(bf16* out, const bf16* q, int q_stride, const bf16* k_cache,

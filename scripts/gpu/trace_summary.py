@@ -26,7 +26,7 @@ def main():
     runs = collections.OrderedDict()
     for line in open(path):
         f = line.strip().split(",")
-        if len(f) != 10:
+        if len(f) != 10 or int(f[2]) >> 62:  # (grid | k << 62: grp_phases.py's records)
             continue
         key = (f[0], f[1])
         g = runs.setdefault(key, {}).setdefault(int(f[2]), [])
