@@ -1018,7 +1018,7 @@ struct GrpSmem {
 // push their split's (max, sum, weighted sums) into rank 0's `recv` with st.async, counted on
 // rank 0's `bar`; rank 0 merges them as attention_combine would and writes the output. No
 // partials in global memory and no attention_combine launch. At most GRP_CL_MAX splits
-// (shared memory: 36 KB + 6 KB within the 48 KB of static shared memory).
+// (shared memory: 34 KB + 6 KB within the 48 KB of static shared memory).
 #define GRP_CL_MAX 4
 struct GrpCluster {
     float recv[GRP_CL_MAX - 1][GRP_MAX_ELEMS + 2 * GRP_MAX_G];  // a split's [G][HD + 2]: max, sum, dims
@@ -1134,10 +1134,10 @@ __device__ void grp_phase_write(unsigned int main_i, const u64* ph, u64 info) {
 // last key's rows, their scores masked), its running state in acc, m and lsum. K is the
 // scores' mma operand A (skinny_gemm's tiles): lane (g8, t4) loads keys g8 and g8 + 8's 16
 // bytes at dims c * 32 + 8 t4, 8 rows' 64 contiguous bytes an instruction (a key a lane, 32
-// rows' 16 bytes an instruction, took ~2.8 us of a 1B batch-8 block's ~8: session 37). C[key]
-// [head]: value r of lane (g8, t4) is key g8 + (r < 2 ? 0 : 8), head 2 t4 + (r & 1). V by rows
-// (round r: key r KPR + grp, HD / 8 lanes a row) after the softmax: loaded with K it lost at
-// batch 8 (session 37).
+// rows' 16 bytes an instruction, took ~2.8 us of a 1B batch-8 block's ~8: session 37).
+// C[key][head]: value r of lane (g8, t4) is key g8 + (r < 2 ? 0 : 8), head 2 t4 + (r & 1). V by
+// rows (round r: key r KPR + grp, HD / 8 lanes a row) after the softmax: loaded with K it lost
+// at batch 8 (session 37).
 struct GrpTileIn {
     const int* bt;
     const elem *k_cache, *v_cache;
@@ -1230,7 +1230,8 @@ __device__ __forceinline__ void grp_tile(const GrpTileIn& in, int kbase, const u
         unpack_chunk(vr[r], v);
 #pragma unroll
         for (int g = 0; g < G; g++) {
-            const float w = __shfl_sync(0xffffffffu, pr[((k0 >> 3) & 1) * 2 + (g & 1)], ((k0 + grp) & 7) * 4 + (g >> 1));
+            const float w =
+                __shfl_sync(0xffffffffu, pr[((k0 >> 3) & 1) * 2 + (g & 1)], ((k0 + grp) & 7) * 4 + (g >> 1));
 #pragma unroll
             for (int j = 0; j < 8; j++) acc[g][j] += w * v[j];
         }
@@ -1296,7 +1297,7 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[g][j] = 0.0f;
     }
-    // The split's 16-key tiles up to the last with a key, a warp's round-robin: at batch 4 of
+    // The split's 16-key tiles up to the last with a key, round-robin over the warps: at batch 4 of
     // the 1B 11-12 of 16 warps busy rather than 6 with 32-key tiles (H200, session 37, ms a
     // step, 32- vs 16-key tiles: 1B batch 4 0.931-0.940 vs 0.914-0.918, 3B 2.260-2.278 vs
     // 2.227-2.239, batch 16 2.98 vs 2.87; at batch 8, 17-18 tiles of 32 over two splits, 32-key
@@ -1304,7 +1305,8 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
     // slower on the 1B).
     const GrpTileIn tin = {block_tables + (size_t)row * bt_stride, k_cache, v_cache, pos, block_size, nkv, kh, scale};
     const int u1 = min(2 * tile1, ((pos - start) >> 4) + 1);
-    for (int u = 2 * tile0 + warp; u < u1; u += nw) grp_tile<G, HD>(tin, start + u * 16, qf, acc, m, lsum GRP_PH_ARG);
+    for (int u = 2 * tile0 + warp; u < u1; u += nw)
+        grp_tile<G, HD>(tin, start + u * 16, qf, acc, m, lsum GRP_PH_ARG);
     GRP_STAMP(5, acc[0][0]);
     // Head 2 t4 + j's sum over the keys: the 8 lanes g8 of each t4.
 #pragma unroll
@@ -1358,7 +1360,7 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
     }
 }
 
-// One block an SM at most (36 KB of shared memory, 16 warps): at most 128 registers. An entry
+// One block an SM at most (34 KB of shared memory, 16 warps): at most 128 registers. An entry
 // point a head dim, each with its own registers (one for both spilled the head dim 64 cases).
 #define GRP_CASE(g, d, cl)                                                 \
     if (G == g) {                                                          \

@@ -101,13 +101,15 @@ pub fn gqa_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
 }
 
 /// Per-token attention over at least this many rows (and no token list) takes
-/// `paged_attention_grp*`, a KV head's query heads in one block ([`Kernels::grp_serves`]).
-/// Measured on an H200 (session 35, graphs, context 512, ms a step, per-head vs grouped): 1B
-/// batch 2 0.958 vs 0.955-0.960, batch 4 1.023 vs 0.995, batch 8 1.080 vs 1.065; 3B batch 2
-/// 2.285 vs 2.36 (lost), batch 8 2.915 vs 2.54; Qwen3-0.6B batch 8 1.168 vs 1.038; 1B batch 1
-/// without the ring 0.897 vs 0.912 (lost). Fewer rows leave a block's 16 warps idle on short
-/// splits.
-pub const ATTN_GRP_MIN_TOKENS: usize = 4;
+/// `paged_attention_grp*`, a KV head's query heads in one block ([`Kernels::grp_serves`]):
+/// every row count since session 37's kernel (scores on the tensor cores, 16-key warp tiles).
+/// Measured on an H200 (session 37, graphs, context 512, ms a step, from 4 rows vs from 1):
+/// 1B batch 2 0.930-0.931 vs 0.888-0.891, batch 3 0.963-0.965 vs 0.906-0.908; 3B batch 2
+/// 2.217-2.230 vs 2.153-2.159, 3 2.338-2.346 vs 2.197-2.202; Qwen3-0.6B (no decode ring) batch
+/// 1 0.840-0.844 vs 0.750-0.751, 2 0.892-0.894 vs 0.785, 3 0.951-0.952 vs 0.812-0.820. (Session
+/// 35's kernel lost at 1-2 rows: 3B batch 2 2.285 vs 2.36.) The 1B's and 3B's batch 1 run in
+/// the decode ring either way. `HARRIER_ATTN_GRP_MIN_TOKENS` overrides it, to measure.
+pub const ATTN_GRP_MIN_TOKENS: usize = 1;
 
 /// Threads of a `paged_attention_grp*` block (`GRP_WARPS` warps).
 const GRP_THREADS: u32 = 16 * 32;
