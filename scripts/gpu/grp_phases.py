@@ -6,8 +6,10 @@ Each traced grpc block writes three records after its own (grid id | k << 62, k 
 its PDL wait's return and the times at which thread 0 had q and the position (1), its first
 key's slot (2), its tile's scores (3), the softmax (4), P V (5), the block's first barrier (6),
 the second (7) and the end of the cluster merge (8: rank 0 after the peers' pushes and its
-output; other ranks after their pushes). Prints, per batch, the medians over blocks (us after
-the block's own wait returns) by cluster rank, and the spread of the wait returns.
+output; other ranks after their pushes). Stamps 2-5 are thread 0's last warp tile's (a warp
+with two tiles of the split shows its second). Prints, per batch, the medians over blocks (us
+after the block's own wait returns) by cluster rank, with the split's 32-key tiles, and the
+spread of the wait returns in a launch.
 
 usage: grp_phases.py TRACE.csv
 """
@@ -46,17 +48,20 @@ def main():
         launches.append(cur)
         print(f"batch {batch}: {len(launches)} grpc launches, {len(blocks)} blocks")
         by_rank = collections.defaultdict(lambda: [[] for _ in NAMES])
+        tiles_of = collections.defaultdict(list)
         spread = []
         for l in launches:
             w0 = min(b[2][0] for b in l)
             spread.append((max(b[2][0] for b in l) - w0) / 1000)
             for rank, tiles, t in l:
+                tiles_of[rank].append(tiles)
                 for k in range(len(NAMES)):
                     by_rank[rank][k].append((t[k + 1] - t[0]) / 1000)
         print(f"  wait-return spread in a launch: median {statistics.median(spread):.2f} us")
-        print("  rank | " + " | ".join(NAMES))
+        print("  rank | tiles | " + " | ".join(NAMES))
         for rank in sorted(by_rank):
-            print(f"  {rank} | " + " | ".join(f"{statistics.median(v):.2f}" for v in by_rank[rank]))
+            times = " | ".join(f"{statistics.median(v):.2f}" for v in by_rank[rank])
+            print(f"  {rank} | {statistics.median(tiles_of[rank]):g} | {times}")
 
 
 if __name__ == "__main__":
