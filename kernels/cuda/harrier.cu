@@ -1131,19 +1131,14 @@ __device__ void grp_phase_write(unsigned int main_i, const u64* ph, u64 info) {
 #endif
 
 // One warp tile of grp_attention: 16 keys from key kbase (always valid; keys past pos read the
-// last key's rows, their scores masked), its running state in acc, m and lsum. K is the
-// scores' mma operand A (skinny_gemm's tiles): lane (g8, t4) loads keys g8 and g8 + 8's 16
-// bytes at dims c * 32 + 8 t4, 8 rows' 64 contiguous bytes an instruction (a key a lane, 32
-// rows' 16 bytes an instruction, took ~2.8 us of a 1B batch-8 block's ~8: session 37).
+// last key's rows, their scores masked) of the token at pos through its block table bt, KV
+// head kh; its running state in acc, m and lsum. K is the scores' mma operand A (skinny_gemm's
+// tiles): lane (g8, t4) loads keys g8 and g8 + 8's 16 bytes at dims c * 32 + 8 t4, 8 rows' 64
+// contiguous bytes an instruction (a key a lane, 32 rows' 16 bytes an instruction, took ~2.8 us
+// of a 1B batch-8 block's ~8: session 37).
 // C[key][head]: value r of lane (g8, t4) is key g8 + (r < 2 ? 0 : 8), head 2 t4 + (r & 1). V by
 // rows (round r: key r KPR + grp, HD / 8 lanes a row) after the softmax: loaded with K it lost
 // at batch 8 (session 37).
-struct GrpTileIn {
-    const int* bt;
-    const elem *k_cache, *v_cache;
-    int pos, block_size, nkv, kh;
-    float scale;
-};
 #if defined(HARRIER_TRACE) && defined(GRP_PHASE)
 #define GRP_PH_PARAM , u64* ph
 #define GRP_PH_ARG , ph
@@ -1152,17 +1147,18 @@ struct GrpTileIn {
 #define GRP_PH_ARG
 #endif
 template <int G, int HD>
-__device__ __forceinline__ void grp_tile(const GrpTileIn& in, int kbase, const uint4 (&qf)[HD / 32], float (&acc)[G][8],
-                                         float (&m)[G], float (&lsum)[2] GRP_PH_PARAM) {
+__device__ __forceinline__ void grp_tile(const AttnIn& a, const int* bt, int pos, int kh, int kbase,
+                                         const uint4 (&qf)[HD / 32], float (&acc)[G][8], float (&m)[G],
+                                         float (&lsum)[2] GRP_PH_PARAM) {
     constexpr int NCH = HD / 32, LPK = HD / 8, KPR = 32 / LPK, VR = 16 / KPR;
     const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3, grp = lane / LPK, sub = lane - grp * LPK;
     const int p = kbase + (lane & 15);
-    const int pe = p <= in.pos ? p : in.pos;
-    const int slot = in.bt[pe / in.block_size] * in.block_size + pe % in.block_size;
+    const int pe = p <= pos ? p : pos;
+    const int slot = bt[pe / a.block_size] * a.block_size + pe % a.block_size;
     GRP_STAMP(2, slot);
     const int sa = __shfl_sync(0xffffffffu, slot, g8), sb = __shfl_sync(0xffffffffu, slot, g8 + 8);
-    const elem* pa = in.k_cache + ((size_t)sa * in.nkv + in.kh) * HD + 8 * t4;
-    const elem* pb = in.k_cache + ((size_t)sb * in.nkv + in.kh) * HD + 8 * t4;
+    const elem* pa = a.k_cache + ((size_t)sa * a.nkv + kh) * HD + 8 * t4;
+    const elem* pb = a.k_cache + ((size_t)sb * a.nkv + kh) * HD + 8 * t4;
     uint4 ka[NCH], kb[NCH];
 #pragma unroll
     for (int c = 0; c < NCH; c++) {
@@ -1181,7 +1177,7 @@ __device__ __forceinline__ void grp_tile(const GrpTileIn& in, int kbase, const u
     float tmax[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int r = 0; r < 4; r++) {
-        sc[r] = kbase + g8 + (r < 2 ? 0 : 8) <= in.pos ? sc[r] * in.scale : NEG_INF;
+        sc[r] = kbase + g8 + (r < 2 ? 0 : 8) <= pos ? sc[r] * a.scale : NEG_INF;
         tmax[r & 1] = fmaxf(tmax[r & 1], sc[r]);
     }
 #pragma unroll
@@ -1219,7 +1215,7 @@ __device__ __forceinline__ void grp_tile(const GrpTileIn& in, int kbase, const u
 #pragma unroll
     for (int r = 0; r < VR; r++) {
         const int si = __shfl_sync(0xffffffffu, slot, r * KPR + grp);
-        vr[r] = ld_chunk(in.v_cache + ((size_t)si * in.nkv + in.kh) * HD + sub * 8);
+        vr[r] = ld_chunk(a.v_cache + ((size_t)si * a.nkv + kh) * HD + sub * 8);
     }
     // Key k's P for head g: value ((k >> 3) & 1) * 2 + (g & 1) in lane (k & 7) * 4 + g / 2 (the
     // same value index across a round's keys: KPR divides 8).
@@ -1303,10 +1299,10 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
     // 2.227-2.239, batch 16 2.98 vs 2.87; at batch 8, 17-18 tiles of 32 over two splits, 32-key
     // tiles tie on the 1B and 3B and win 1.5% on Qwen3-0.6B, but a kernel with both loops was
     // slower on the 1B).
-    const GrpTileIn tin = {block_tables + (size_t)row * bt_stride, k_cache, v_cache, pos, block_size, nkv, kh, scale};
+    const int* bt = block_tables + (size_t)row * bt_stride;
     const int u1 = min(2 * tile1, ((pos - start) >> 4) + 1);
     for (int u = 2 * tile0 + warp; u < u1; u += nw)
-        grp_tile<G, HD>(tin, start + u * 16, qf, acc, m, lsum GRP_PH_ARG);
+        grp_tile<G, HD>(a, bt, pos, kh, start + u * 16, qf, acc, m, lsum GRP_PH_ARG);
     GRP_STAMP(5, acc[0][0]);
     // Head 2 t4 + j's sum over the keys: the 8 lanes g8 of each t4.
 #pragma unroll
