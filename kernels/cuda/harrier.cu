@@ -995,11 +995,13 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     }
 }
 
-// Decode attention for small batches with a KV head's G query heads in one block: block (t, kh,
-// s) takes token t's split s (`split_tiles`, as paged_attention's) for heads kh G .. kh G + G - 1,
-// so each K and V row is read once for the group. The per-head kernel reads it G times, and at
+// Per-token attention with a KV head's G query heads in one block: block (t, kh, s) takes token t
+// (tok_list[t] where the launch has a token list: unsplit launches only) split s (`split_tiles`,
+// as paged_attention's) for heads kh G .. kh G + G - 1, so each K and V row is read once for the
+// group. The per-head kernel reads it G times, and at
 // batch 8 of the 1B its 256 blocks (two an SM) took ~13 us a layer on the path against ~2 us of
-// K/V (docs/benchmarks.md, session 30). 16 warps take the split's 16-key tiles round-robin
+// K/V (docs/benchmarks.md, session 30). The block's warps (16, or 8 or 4 where more blocks than
+// fit at 16 warps: kernels/src/lib.rs grp_warps) take the split's 16-key tiles round-robin
 // (grp_tile): the scores of a tile on the tensor cores (K rows as mma.sync's A, q as B, kept in
 // registers), the softmax in the mma's output layout, V by rows (HD / 8 lanes a row, a tile's
 // loads at once) on FMAs; the warps merge at the end. The same outputs and partials as
@@ -1236,11 +1238,11 @@ __device__ __forceinline__ void grp_tile(const AttnIn& a, const int* bt, int pos
 
 template <int G, int HD, bool CL>
 __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int n_splits, int one_split,
-                                              GrpSmem& sm, GrpCluster* cl) {
+                                              const int* tok_list, GrpSmem& sm, GrpCluster* cl) {
     ATTN_UNPACK(a)
     (void)hd;
     constexpr int GH = G * HD, NCH = HD / 32, LPK = HD / 8;
-    const int t = CL ? blockIdx.y : blockIdx.x, kh = CL ? blockIdx.z : blockIdx.y, s = CL ? blockIdx.x : blockIdx.z;
+    const int kh = CL ? blockIdx.z : blockIdx.y, s = CL ? blockIdx.x : blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     if constexpr (CL) {
         // Rank 0's barrier initialised before any rank pushes (the cluster barrier's wait, just
@@ -1253,6 +1255,8 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
         asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
     }
     PDL_ENTER();
+    // (A token list: unsplit launches only, as the host checks.)
+    const int t = CL ? blockIdx.y : tok_list ? tok_list[blockIdx.x] : blockIdx.x;
     // q as the scores' mma operand B (n = the group's heads, padded to 8): lane (g8, t4) holds
     // head g8's dims c * 32 + 8 t4 .. + 7 for each 32-dim chunk c, loaded with the token's
     // position rather than after it (a round trip fewer before the block table's).
@@ -1356,14 +1360,15 @@ __device__ __forceinline__ void grp_attention(const AttnIn& a, float* part, int 
     }
 }
 
-// One block an SM at most (34 KB of shared memory, 16 warps): at most 128 registers. An entry
+// One 16-warp block an SM at most (34 KB of shared memory): at most 128 registers (two 8-warp
+// blocks, four of 4; GRP_WARPS sizes the shared arrays, the widest block). An entry
 // point a head dim, each with its own registers (one for both spilled the head dim 64 cases).
-#define GRP_CASE(g, d, cl)                                                 \
-    if (G == g) {                                                          \
-        grp_attention<g, d, cl>(a, part, n_splits, one_split, sm, grp_cl); \
-        return;                                                            \
+#define GRP_CASE(g, d, cl)                                                           \
+    if (G == g) {                                                                    \
+        grp_attention<g, d, cl>(a, part, n_splits, one_split, tok_list, sm, grp_cl); \
+        return;                                                                      \
     }
-#define GRP_PARAMS AttnIn a, float *part, int n_splits, int one_split
+#define GRP_PARAMS AttnIn a, float *part, int n_splits, int one_split, const int *tok_list
 #define GRP_BODY(d, cl, cl_sm)           \
     __shared__ __align__(16) GrpSmem sm; \
     GrpCluster* const grp_cl = (cl_sm);  \

@@ -111,8 +111,42 @@ pub fn gqa_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
 /// the decode ring either way. `HARRIER_ATTN_GRP_MIN_TOKENS` overrides it, to measure.
 pub const ATTN_GRP_MIN_TOKENS: usize = 1;
 
-/// Threads of a `paged_attention_grp*` block (`GRP_WARPS` warps).
+/// Threads of a `paged_attention_grp*` block (`GRP_WARPS` warps): the cluster instances' and
+/// the widest plain block ([`grp_warps`]).
 const GRP_THREADS: u32 = 16 * 32;
+
+/// Block widths of the plain `paged_attention_grp*` launches, widest first: a block's 16-key
+/// tiles go round-robin over its warps, so fewer warps a block take more tiles each, and more
+/// blocks fit an SM (128 registers a thread: one 16-warp block, two of 8, four of 4).
+const GRP_WIDTHS: [u32; 3] = [16, 8, 4];
+
+/// Warps a block of a plain `paged_attention_grp*` launch of `blocks` blocks: the widest of
+/// [`GRP_WIDTHS`] whose blocks all fit at once (`resident[i]`: blocks of width
+/// `GRP_WIDTHS[i]` resident on the device), else the narrowest. Measured on an H200 (session
+/// 38, graphs, context 512, ms a step, unsplit launches as `paged_attention_gqa` ran them;
+/// gqa / 16 / 8 / 4 warps): 1B batch 32 (256 blocks) 1.503-1.513 / 1.424 / **1.367** / 1.444,
+/// 64 (512) 1.799-1.804 / 1.765 / 1.637 / **1.580**, 128 2.515-2.517 / 2.455 / 2.225 /
+/// **2.106**, 256 3.969-3.970 / 3.913 / 3.423 / **3.219**.
+pub fn grp_warps(blocks: u32, resident: [u32; 3]) -> u32 {
+    GRP_WIDTHS
+        .iter()
+        .zip(resident)
+        .find(|&(_, r)| blocks <= r)
+        .map_or(GRP_WIDTHS[GRP_WIDTHS.len() - 1], |(&w, _)| w)
+}
+
+/// How a [`Kernels::paged_attention_grouped`] launch is shaped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GrpLaunch {
+    /// The tokens, `tok_list[i]` for block row i (0: token i; one split only).
+    pub tok_list: u64,
+    /// 2-4 splits whose clusters are all resident merge there (`paged_attention_grpc*`, the
+    /// engine's choice) instead of in `attention_combine`, with the same bits.
+    pub clusters: bool,
+    /// Warps a block of the plain instance (one of [`GRP_WIDTHS`]; 0: [`grp_warps`] over the
+    /// launch's blocks; the engine passes [`Kernels::grp_launch_warps`]'s).
+    pub warps: u32,
+}
 
 /// The `paged_attention_grp*` instance for this head layout, if it has one: G = nh / nkv query
 /// heads per KV head up to 4 (`GRP_MAX_G`), head dim 64 or 128.
@@ -1171,6 +1205,10 @@ pub struct Kernels {
     /// the f32 build and with `HARRIER_ATTN_GRP_CLUSTER=0` (to measure the split launch and
     /// its combine instead).
     grp_clusters: [[u32; GRP_CLUSTER_MAX_SPLITS as usize - 1]; 2],
+    /// Blocks of the plain `paged_attention_grp*` instances ([`GRP_CLUSTER_KERNELS`] order) of
+    /// each of [`GRP_WIDTHS`] resident on the device at once (occupancy an SM times the SMs;
+    /// zeros in the f32 build): [`grp_warps`] picks a launch's width from them.
+    grp_resident: [[u32; 3]; 2],
     /// `paged_attention` reads V a row per lane group (16-byte loads, a tile's loads
     /// independent) rather than a 4-byte slice a lane per key (`HARRIER_ATTN_VROWS=0`).
     attn_vrows: bool,
@@ -1366,6 +1404,7 @@ impl Kernels {
                 Dtype::F32 => usize::MAX,
             },
             grp_clusters: Default::default(),
+            grp_resident: Default::default(),
             attn_one_split: env_number("HARRIER_ATTN_ONE_SPLIT_TILES")
                 .filter(|n| (0..=1024).contains(n))
                 .unwrap_or(ATTN_ONE_SPLIT_TILES),
@@ -1408,6 +1447,9 @@ impl Kernels {
                 k.skinny_k2_w8_clusters = k.skinny_pairs(SKINNY_K2_W8, 8)?;
             }
         }
+        if dtype == Dtype::Bf16 {
+            k.grp_resident = k.grp_resident_blocks()?;
+        }
         if clusters && dtype == Dtype::Bf16 && switch_on("HARRIER_ATTN_GRP_CLUSTER") {
             for (i, (_, name)) in GRP_CLUSTER_KERNELS.iter().enumerate() {
                 for size in 2..=GRP_CLUSTER_MAX_SPLITS {
@@ -1449,6 +1491,41 @@ impl Kernels {
         let dn = skinny_dn_instance(name).expect("the split-K instances have deferred-norm twins");
         let plain = self.max_active_clusters(name, warps * 32, 2)?;
         Ok(plain.min(self.max_active_clusters(dn, warps * 32, 2)?))
+    }
+
+    /// [`Kernels::grp_resident`]: for each plain grp instance and width, the blocks an SM holds
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`) times the current device's SMs.
+    fn grp_resident_blocks(&self) -> anyhow::Result<[[u32; 3]; 2]> {
+        let mut dev: sys::CUdevice = 0;
+        let mut sms = 0i32;
+        // SAFETY: out-pointers to locals; the kernels were loaded in the current context.
+        unsafe {
+            ck(sys::cuCtxGetDevice(&mut dev).result(), "cuCtxGetDevice")?;
+            let a = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+            ck(
+                sys::cuDeviceGetAttribute(&mut sms, a, dev).result(),
+                "SM count",
+            )?;
+        }
+        let mut out = [[0u32; 3]; 2];
+        for (i, (name, _)) in GRP_CLUSTER_KERNELS.iter().enumerate() {
+            for (j, &w) in GRP_WIDTHS.iter().enumerate() {
+                let mut per_sm = 0i32;
+                // SAFETY: a loaded function, an out-pointer to a local.
+                let got = unsafe {
+                    sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                        &mut per_sm,
+                        self.func(name),
+                        (w * 32) as i32,
+                        0,
+                    )
+                    .result()
+                };
+                ck(got, name)?;
+                out[i][j] = (per_sm.max(0) as u32).saturating_mul(sms.max(0) as u32);
+            }
+        }
+        Ok(out)
     }
 
     /// The `paged_attention_grpc*` twin of grp instance `grp` and how many of its clusters of
@@ -1726,19 +1803,43 @@ impl Kernels {
         unsafe { self.attention_launch(s, a, part, splits, tok_list, n, None) }
     }
 
-    /// Whether per-token attention over `n` rows (a step's padded count, as its graph has it;
-    /// no token list) should take [`Kernels::paged_attention_grouped`] for these heads: from
-    /// [`ATTN_GRP_MIN_TOKENS`] rows, in the bf16 build.
+    /// Whether per-token attention over `n` rows (a step's padded count, as its graph has it,
+    /// or the tokens a step's prefill tiles leave) should take
+    /// [`Kernels::paged_attention_grouped`] for these heads: from [`ATTN_GRP_MIN_TOKENS`] rows,
+    /// in the bf16 build.
     pub fn grp_serves(&self, nh: usize, nkv: usize, hd: usize, n: usize) -> bool {
         grp_attention_supports(nh, nkv, hd) && n >= self.attn_grp_min_tokens
     }
 
-    /// [`Kernels::paged_attention`] through `paged_attention_grp*` (no token list): the same
-    /// outputs and split partials, each KV head's K/V rows read once for its query heads; an
-    /// error where it has no instance for the heads or in the f32 build. With `clusters`, 2-4
-    /// splits whose clusters are all resident merge there (`paged_attention_grpc*`, the
-    /// engine's choice; [`Kernels::grp_cluster_tokens`]) instead of in `attention_combine`,
-    /// with the same bits; without, always the combine (check-attention compares the two).
+    /// Warps a block of a [`Kernels::paged_attention_grouped`] launch of `rows` tokens for
+    /// these heads: 16 where it `split`s the context (its splits aim at one wave of 16-warp
+    /// blocks, the cluster instances' width), else [`grp_warps`] over its (token, KV head)
+    /// blocks. The engine asks with a step's padded rows, as its graph has them, so that an
+    /// eager step and its graph's replay add the warps' sums in the same order.
+    pub fn grp_launch_warps(
+        &self,
+        nh: usize,
+        nkv: usize,
+        hd: usize,
+        rows: usize,
+        split: bool,
+    ) -> u32 {
+        let i = grp_attention_kernel(nh as i32, nkv as i32, hd as i32)
+            .and_then(|g| GRP_CLUSTER_KERNELS.iter().position(|(k, _)| *k == g));
+        match (split, i) {
+            (false, Some(i)) => {
+                let blocks = rows.saturating_mul(nkv).min(u32::MAX as usize) as u32;
+                grp_warps(blocks, self.grp_resident[i])
+            }
+            _ => GRP_WIDTHS[0],
+        }
+    }
+
+    /// [`Kernels::paged_attention`] through `paged_attention_grp*`: the same outputs and split
+    /// partials, each KV head's K/V rows read once for its query heads; an error where it has
+    /// no instance for the heads or in the f32 build. `how` (see [`GrpLaunch`]): a token list
+    /// (one split), the cluster instances ([`Kernels::grp_cluster_tokens`]; without, always
+    /// the combine: check-attention compares the two) and the plain blocks' width.
     ///
     /// # Safety
     /// As [`Kernels::paged_attention`].
@@ -1749,7 +1850,7 @@ impl Kernels {
         part: u64,
         splits: (u32, bool),
         n: u32,
-        clusters: bool,
+        how: GrpLaunch,
     ) -> anyhow::Result<()> {
         let kernel = grp_attention_kernel(a.nh, a.nkv, a.hd)
             .filter(|_| self.dtype == Dtype::Bf16)
@@ -1762,8 +1863,14 @@ impl Kernels {
                     a.hd
                 )
             })?;
+        if how.warps != 0 && !GRP_WIDTHS.contains(&how.warps) {
+            bail!(
+                "paged_attention_grp: {} warps a block (one of {GRP_WIDTHS:?})",
+                how.warps
+            );
+        }
         // SAFETY: the caller's guarantees.
-        unsafe { self.attention_launch(s, a, part, splits, 0, n, Some((kernel, clusters))) }
+        unsafe { self.attention_launch(s, a, part, splits, how.tok_list, n, Some((kernel, how))) }
     }
 
     /// Tokens a [`Kernels::paged_attention_grouped`] launch of `n_splits` splits can take with
@@ -1795,8 +1902,7 @@ impl Kernels {
     }
 
     /// The per-token attention launch and its combine (see [`Kernels::paged_attention`]): the
-    /// per-head kernel, or `grp`, a `paged_attention_grp*` instance (no token list) and whether
-    /// its cluster twin may merge the splits instead of the combine.
+    /// per-head kernel, or `grp`, a `paged_attention_grp*` instance and its launch's shape.
     #[allow(clippy::too_many_arguments)]
     unsafe fn attention_launch(
         &self,
@@ -1806,7 +1912,7 @@ impl Kernels {
         (n_splits, combine): (u32, bool),
         tok_list: u64,
         n: u32,
-        grp: Option<(&'static str, bool)>,
+        grp: Option<(&'static str, GrpLaunch)>,
     ) -> anyhow::Result<()> {
         let (nh, nkv, hd) = (a.nh, a.nkv, a.hd);
         if nkv <= 0
@@ -1829,18 +1935,27 @@ impl Kernels {
         // SAFETY: argument types match the kernels'.
         unsafe {
             match grp {
-                Some((kernel, cluster)) => {
-                    let mut p = params![*a, part, ns, one_split];
+                Some((kernel, how)) => {
+                    let mut p = params![*a, part, ns, one_split, tok_list];
                     // Every cluster resident at once (and the tokens within the grid's y).
                     let cl = self.grp_cluster_twin(kernel, n_splits).filter(|&(_, c)| {
-                        cluster && n <= u16::MAX as u32 && n as u64 * nkv as u64 <= c as u64
+                        how.clusters && n <= u16::MAX as u32 && n as u64 * nkv as u64 <= c as u64
                     });
                     if let Some((cl, _)) = cl {
                         // The splits merged in their cluster: no partials, no combine.
                         let grid = (n_splits, n, nkv as u32);
                         return self.launch_smem(cl, grid, GRP_THREADS, 0, s, &mut p, n_splits);
                     }
-                    self.launch(kernel, (n, nkv as u32, n_splits), GRP_THREADS, s, &mut p)?;
+                    let blocks = n.saturating_mul(nkv as u32).saturating_mul(n_splits);
+                    let warps = match how.warps {
+                        0 => {
+                            let i = GRP_CLUSTER_KERNELS.iter().position(|(g, _)| *g == kernel);
+                            grp_warps(blocks, i.map_or([0; 3], |i| self.grp_resident[i]))
+                        }
+                        w => w,
+                    };
+                    let grid = (n, nkv as u32, n_splits);
+                    self.launch(kernel, grid, warps * 32, s, &mut p)?;
                 }
                 None => {
                     let mut p = params![*a, part, ns, tok_list, prefetch, one_split, vrows];
@@ -1885,12 +2000,12 @@ impl Kernels {
         if !gqa_attention_supports(nh as usize, nkv as usize, hd as usize) {
             bail!("paged_attention_gqa: {nh} heads over {nkv} KV heads, head dim {hd}");
         }
-        let mut p = params![*a, tok_list];
         let threads = if n * nkv as u32 >= GQA_SMALL_BLOCKS_FROM {
             GQA_THREADS / 2
         } else {
             GQA_THREADS
         };
+        let mut p = params![*a, tok_list];
         // SAFETY: argument types match the kernel's.
         unsafe {
             self.launch(
@@ -3031,6 +3146,37 @@ mod tests {
             whole: 16,
         };
         assert_eq!((w.threads(1), w.threads(2), w.threads(32)), (512, 256, 256));
+    }
+
+    /// grp blocks: the widest width whose blocks all fit (an H200's 132 SMs: one 16-warp block,
+    /// two of 8, four of 4 an SM), the narrowest past them; every width divides the source's
+    /// shared arrays (`GRP_WARPS`) and holds a warp a head for the merge (`GRP_MAX_G`).
+    #[test]
+    fn grp_width_is_the_widest_that_fits() {
+        let h200 = [132, 264, 528];
+        assert_eq!(grp_warps(1, h200), 16);
+        assert_eq!(
+            grp_warps(132, h200),
+            16,
+            "batch 16 of 8 KV heads, one split"
+        );
+        assert_eq!(grp_warps(133, h200), 8);
+        assert_eq!(grp_warps(256, h200), 8, "batch 32");
+        assert_eq!(grp_warps(512, h200), 4, "batch 64");
+        assert_eq!(grp_warps(2048, h200), 4, "batch 256");
+        assert_eq!(grp_warps(1, [0; 3]), 4, "no occupancy known: the narrowest");
+        let define = |name: &str| -> u32 {
+            SOURCE
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{name} defined in harrier.cu"))
+        };
+        assert_eq!(GRP_WIDTHS[0], define("GRP_WARPS"));
+        assert!(GRP_WIDTHS
+            .iter()
+            .all(|&w| w >= define("GRP_MAX_G") && w <= GRP_WIDTHS[0]));
     }
 
     /// The 8-warp instances: many blocks, up to 8 rows, bf16 reductions up to 4,096 (the

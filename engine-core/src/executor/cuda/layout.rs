@@ -256,22 +256,14 @@ pub fn prefill_tiles(first: usize, count: usize) -> Option<impl Iterator<Item = 
 /// has the 3B and 8B. (It was 256 before.)
 pub const GQA_MIN_BLOCKS: usize = 128;
 
-/// Where the heads have a `paged_attention_grp*` instance (a KV head's query heads in one
-/// 16-warp block, one block an SM), the per-token launches of up to this many (token, KV head)
-/// blocks take it rather than `paged_attention_gqa`: one wave of blocks. Measured on an H200
-/// (session 35, graphs, context 512, ms a step, `paged_attention_gqa` vs grp): batch 16 (128
-/// blocks) 1B 1.390 vs 1.283, 3B 3.275 vs 3.141, Qwen3-4B 4.41 vs 4.21, Qwen3-0.6B 1.856 vs
-/// 1.582; batch 32 (256 blocks) 1B 1.494-1.506 vs 1.522-1.526.
-pub const GRP_MAX_BLOCKS: usize = 128;
-
-/// Whether `tokens` per-token attention rows (no splits) use the grouped kernel
-/// (`paged_attention_gqa`); `grp`: the heads have a `paged_attention_grp*` instance.
-pub fn use_grouped_attention(tokens: usize, num_kv_heads: usize, grp: bool) -> bool {
-    let blocks = tokens * num_kv_heads;
-    match grp {
-        true => blocks > GRP_MAX_BLOCKS,
-        false => blocks >= GQA_MIN_BLOCKS,
-    }
+/// Whether `tokens` per-token attention rows (no splits) whose heads have no
+/// `paged_attention_grp*` instance use the grouped kernel (`paged_attention_gqa`). Where grp has
+/// one it takes every count (`per_token_kernels`): at 8 warps a block from 133 blocks and 4
+/// from 265 on an H200 it beat gqa by 9-19% (session 38: 1B batch 32 1.503-1.513 vs 1.367 ms a
+/// step, 256 3.969-3.970 vs 3.219; 3B batch 64 4.184 vs 3.836 and 256 9.726 vs 8.407 at 8
+/// warps; session 35 had measured grp at 16 warps only, where gqa won from 256 blocks).
+pub fn use_grouped_attention(tokens: usize, num_kv_heads: usize) -> bool {
+    tokens * num_kv_heads >= GQA_MIN_BLOCKS
 }
 
 /// Whether every token at `positions` attends to at most `keys` keys (its position + 1;
@@ -630,15 +622,10 @@ mod tests {
 
     #[test]
     fn grouped_attention_from_enough_blocks() {
-        assert!(!use_grouped_attention(15, 8, false));
-        assert!(use_grouped_attention(16, 8, false));
-        assert!(use_grouped_attention(256, 1, false));
-        assert!(!use_grouped_attention(0, 8, false));
-        // With a grp instance, one wave of its blocks first.
-        assert!(!use_grouped_attention(16, 8, true));
-        assert!(use_grouped_attention(17, 8, true));
-        assert!(!use_grouped_attention(128, 1, true));
-        assert!(use_grouped_attention(256, 1, true));
+        assert!(!use_grouped_attention(15, 8));
+        assert!(use_grouped_attention(16, 8));
+        assert!(use_grouped_attention(256, 1));
+        assert!(!use_grouped_attention(0, 8));
     }
 
     #[test]

@@ -376,9 +376,9 @@ pub struct CudaExecutor {
     /// Prefill runs of 8+ tokens use the tiled `prefill_attention` kernel (bf16 models with
     /// head dim 64 or 128); tools turn it off to compare with the per-token kernel.
     pub tiled_prefill: bool,
-    /// Which per-token attention kernel single-split steps use: `None` follows
-    /// [`layout::use_grouped_attention`] (when the model's head layout has a grouped
-    /// instance); tools force one or the other to compare.
+    /// Whether single-split steps use `paged_attention_gqa`: `None` follows
+    /// [`per_token_kernels`] (grp where it has an instance, else
+    /// [`layout::use_grouped_attention`]); tools force it on or off to compare.
     pub grouped_attention: Option<bool>,
     ctx: Arc<CudaContext>,
 }
@@ -834,7 +834,7 @@ impl CudaExecutor {
         slot: usize,
         n_tokens: usize,
         n_samples: usize,
-        (decode_splits, grouped_attention, grp_attention): (Option<usize>, bool, bool),
+        (decode_splits, grouped_attention, grp_attention): (Option<usize>, bool, Option<u32>),
         (n_pf_tiles, n_att_listed): (usize, usize),
     ) -> model::StepMeta {
         let (d, l) = (&self.slots[slot].meta_d, &self.layout);
@@ -1122,7 +1122,7 @@ impl CudaExecutor {
     /// tokens a step's prefill tiles leave): context splits for small decode batches, then
     /// [`per_token_kernels`]. Graph capture and eager steps both ask here, so a bucket's replay
     /// and its eager run cut attention the same way and run the same kernels.
-    fn attention_plan(&self, rows: usize, decode: bool) -> (Option<usize>, bool, bool) {
+    fn attention_plan(&self, rows: usize, decode: bool) -> (Option<usize>, bool, Option<u32>) {
         let splits = if decode {
             self.decode_splits(rows)
         } else {
@@ -1857,28 +1857,27 @@ impl Drop for CudaExecutor {
 }
 
 /// Which kernel takes `rows` per-token attention rows (`split`: cut into context splits), as
-/// (`paged_attention_gqa`, `paged_attention_grp*`), at most one of them; neither: the per-head
-/// kernel. gqa (single-split rows only, bf16: the f32 model is for exactness checks) where
-/// [`layout::use_grouped_attention`] says, or `gqa_override` (`bench`'s attention modes); grp
-/// where gqa does not run and [`Kernels::grp_serves`] says (`bench --modes
-/// graph-async-per-head-attn` times it at any batch). The executor's steps and the draft
-/// model's ask here.
+/// (`paged_attention_gqa`, `paged_attention_grp*` in blocks of that many warps,
+/// [`Kernels::grp_launch_warps`]), at most one of them; neither: the per-head kernel. grp wherever [`Kernels::grp_serves`] says (any count, split or with a token list);
+/// gqa (single-split rows only, bf16: the f32 model is for exactness checks) for heads grp has
+/// no instance for where [`layout::use_grouped_attention`] says, or as `gqa_override` says
+/// (`bench`'s attention modes: `graph-async-gqa-attn` times gqa where grp would run). The
+/// executor's steps and the draft model's ask here.
 pub(super) fn per_token_kernels(
     k: &Kernels,
     c: &ModelConfig,
     rows: usize,
     split: bool,
     gqa_override: Option<bool>,
-) -> (bool, bool) {
+) -> (bool, Option<u32>) {
     let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    let grp = k.grp_serves(nh, nkv, hd, rows);
     let gqa = !split
         && k.dtype == Dtype::Bf16
         && harrier_kernels::gqa_attention_supports(nh, nkv, hd)
-        && gqa_override.unwrap_or_else(|| {
-            let grp = harrier_kernels::grp_attention_supports(nh, nkv, hd);
-            layout::use_grouped_attention(rows, nkv, grp)
-        });
-    (gqa, !gqa && k.grp_serves(nh, nkv, hd, rows))
+        && gqa_override.unwrap_or_else(|| !grp && layout::use_grouped_attention(rows, nkv));
+    let warps = (!gqa && grp).then(|| k.grp_launch_warps(nh, nkv, hd, rows, split));
+    (gqa, warps)
 }
 
 /// Context splits a token of a decode step of `batch` (padded) rows: where its attention

@@ -7,7 +7,7 @@ use anyhow::{anyhow, bail, Context};
 use half::bf16;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
-    skinny_supports, AttentionInputs, Dtype, EmbedNorm, Kernels, SkinnyEpilogue as Epi,
+    skinny_supports, AttentionInputs, Dtype, EmbedNorm, GrpLaunch, Kernels, SkinnyEpilogue as Epi,
     SkinnyInputs, SkinnyRope,
 };
 
@@ -118,9 +118,10 @@ pub(crate) struct StepMeta {
     pub n_att_listed: usize,
     /// The per-token attention rows run `paged_attention_gqa` (one split only).
     pub grouped_attention: bool,
-    /// The per-token attention rows without a token list run `paged_attention_grp*`
-    /// (`Kernels::paged_attention_grouped`, any splits) instead of the per-head kernel.
-    pub grp_attention: bool,
+    /// The per-token attention rows run `paged_attention_grp*` (`Kernels::paged_attention_grouped`:
+    /// any splits, or one with a token list) in blocks of this many warps
+    /// (`Kernels::grp_launch_warps` for the plan's rows) instead of the per-head kernel.
+    pub grp_attention: Option<u32>,
     /// An eager decode step that a graph bucket holds: its GEMMs run over the bucket's rows
     /// (the rows past the batch hold stale activations; each output row depends only on its
     /// own input row) because cuBLAS may pick another kernel, which rounds differently, for
@@ -1218,20 +1219,25 @@ impl GpuModel {
                 } else {
                     (0, t as u32)
                 };
-                match m.decode_splits {
+                match (m.decode_splits, m.grp_attention) {
                     _ if !skip.runs(Stage::Attn) => {}
-                    None if m.grouped_attention => {
+                    (None, _) if m.grouped_attention => {
                         k.paged_attention_gqa(stream, &att, list, n_att)?
                     }
-                    splits if m.grp_attention && list == 0 => k.paged_attention_grouped(
+                    // (A token list comes with one split: only decode-only steps split.)
+                    (splits, Some(warps)) => k.paged_attention_grouped(
                         stream,
                         &att,
                         s.attn_part.ptr,
                         (splits.unwrap_or(1) as u32, !m.short_context),
                         n_att,
-                        true,
+                        GrpLaunch {
+                            tok_list: list,
+                            clusters: true,
+                            warps,
+                        },
                     )?,
-                    splits => k.paged_attention(
+                    (splits, None) => k.paged_attention(
                         stream,
                         &att,
                         s.attn_part.ptr,

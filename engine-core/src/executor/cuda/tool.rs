@@ -79,7 +79,7 @@ use harrier_engine::model::ModelDir;
 use harrier_engine::pipeline::SlotId;
 use harrier_engine::splitmix::SplitMix64;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
-use harrier_kernels::Dtype;
+use harrier_kernels::{Dtype, GrpLaunch};
 use harrier_shared::protocol::SamplingParams;
 
 /// `CMD --key value ...`; a key followed by another `--key` (or nothing) is a flag with an
@@ -919,13 +919,23 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             } else {
                 (0, t as u32)
             };
-            // The tokens the tiles leave: per-head kernel in even cases, grouped in odd ones
-            // (the executor picks either for them by count).
+            // The tokens the tiles leave: the per-head kernel in even cases; in odd ones the
+            // executor's choice, grp (its block widths in turn: the rule's, 16, 8, 4) where it
+            // has an instance for the heads, else gqa where that has one.
             let gqa_ok = harrier_kernels::gqa_attention_supports(nh, nkv, hd);
-            if case % 2 == 0 || !gqa_ok {
-                k.paged_attention(stream, &tiled, d_part, (1, true), l_ptr, l_n)?;
-            } else {
-                k.paged_attention_gqa(stream, &tiled, l_ptr, l_n)?;
+            let grp_ok = k.grp_serves(nh, nkv, hd, l_n as usize);
+            let warps = [0, 16, 8, 4][(case / 2) % 4];
+            match (case % 2, grp_ok, gqa_ok) {
+                (1, true, _) => {
+                    let how = GrpLaunch {
+                        tok_list: l_ptr,
+                        clusters: false,
+                        warps,
+                    };
+                    k.paged_attention_grouped(stream, &tiled, d_part, (1, true), l_n, how)?
+                }
+                (1, false, true) => k.paged_attention_gqa(stream, &tiled, l_ptr, l_n)?,
+                _ => k.paged_attention(stream, &tiled, d_part, (1, true), l_ptr, l_n)?,
             }
             // (Without a grouped instance its column repeats the per-head kernel's output.)
             match gqa_ok {
@@ -935,11 +945,15 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
                 }
             }
             // paged_attention_grp* whatever the token count, with the case's splits merged by
-            // attention_combine (the per-head kernel's output again where it has no instance
-            // for the heads).
+            // attention_combine, its block widths in turn (the per-head kernel's output again
+            // where it has no instance for the heads).
             let (grp, splits) = (att(d_out_grp), (n_splits as u32, true));
+            let how = GrpLaunch {
+                warps: [0, 16, 8, 4][case % 4],
+                ..GrpLaunch::default()
+            };
             match harrier_kernels::grp_attention_supports(nh, nkv, hd) {
-                true => k.paged_attention_grouped(stream, &grp, d_part, splits, t as u32, false)?,
+                true => k.paged_attention_grouped(stream, &grp, d_part, splits, t as u32, how)?,
                 false => k.paged_attention(stream, &grp, d_part, splits, 0, t as u32)?,
             }
             // Its cluster twin (the splits merged in clusters), in launches of as many tokens
@@ -948,14 +962,23 @@ fn check_attention(a: &HashMap<String, String>) -> anyhow::Result<()> {
             if grpc_clustered {
                 // The same splits merged by attention_combine: the same bits.
                 let at = att(d_out_grpc_ref);
-                k.paged_attention_grouped(stream, &at, d_part, splits, t as u32, false)?;
+                // (16 warps a block, as the cluster instances: the same order of the warps' sums.)
+                let combine = GrpLaunch {
+                    warps: 16,
+                    ..GrpLaunch::default()
+                };
+                k.paged_attention_grouped(stream, &at, d_part, splits, t as u32, combine)?;
                 for first in (0..t).step_by(grpc_per as usize) {
                     let n = (t - first).min(grpc_per as usize);
                     let mut at = att(d_out_grpc + (first * nh * hd * 2) as u64);
                     at.q += (first * q_stride * 2) as u64;
                     at.tok_row += (first * 4) as u64;
                     at.positions += (first * 4) as u64;
-                    k.paged_attention_grouped(stream, &at, d_part, splits, n as u32, true)?;
+                    let how = GrpLaunch {
+                        clusters: true,
+                        ..GrpLaunch::default()
+                    };
+                    k.paged_attention_grouped(stream, &at, d_part, splits, n as u32, how)?;
                 }
             } else {
                 k.paged_attention(stream, &att(d_out_grpc), d_part, splits, 0, t as u32)?;
