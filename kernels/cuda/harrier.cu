@@ -995,12 +995,11 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     }
 }
 
-// Per-token attention with a KV head's G query heads in one block: block (t, kh, s) takes token t
-// (tok_list[t] where the launch has a token list: unsplit launches only) split s (`split_tiles`,
-// as paged_attention's) for heads kh G .. kh G + G - 1, so each K and V row is read once for the
-// group. The per-head kernel reads it G times, and at
-// batch 8 of the 1B its 256 blocks (two an SM) took ~13 us a layer on the path against ~2 us of
-// K/V (docs/benchmarks.md, session 30). The block's warps (16, or 8 or 4 where more blocks than
+// Per-token attention with a KV head's G query heads in one block: block (x, kh, s) takes token x
+// (tok_list[x] where the launch has a token list: unsplit launches only), split s (`split_tiles`,
+// as paged_attention's), for heads kh G .. kh G + G - 1, so each K and V row is read once for the
+// group. The per-head kernel reads it G times, and at batch 8 of the 1B its 256 blocks (two an
+// SM) took ~13 us a layer on the path against ~2 us of K/V (docs/benchmarks.md, session 30). The block's warps (16, or 8 or 4 where more blocks than
 // fit at 16 warps: kernels/src/lib.rs grp_warps) take the split's 16-key tiles round-robin
 // (grp_tile): the scores of a tile on the tensor cores (K rows as mma.sync's A, q as B, kept in
 // registers), the softmax in the mma's output layout, V by rows (HD / 8 lanes a row, a tile's

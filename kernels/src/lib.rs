@@ -143,8 +143,8 @@ pub struct GrpLaunch {
     /// 2-4 splits whose clusters are all resident merge there (`paged_attention_grpc*`, the
     /// engine's choice) instead of in `attention_combine`, with the same bits.
     pub clusters: bool,
-    /// Warps a block of the plain instance (one of [`GRP_WIDTHS`]; 0: [`grp_warps`] over the
-    /// launch's blocks; the engine passes [`Kernels::grp_launch_warps`]'s).
+    /// Warps a block of the plain instance (one of [`GRP_WIDTHS`]; 0: the launch's own
+    /// [`Kernels::grp_launch_warps`]; the engine passes its plan's, from the padded rows).
     pub warps: u32,
 }
 
@@ -1946,12 +1946,14 @@ impl Kernels {
                         let grid = (n_splits, n, nkv as u32);
                         return self.launch_smem(cl, grid, GRP_THREADS, 0, s, &mut p, n_splits);
                     }
-                    let blocks = n.saturating_mul(nkv as u32).saturating_mul(n_splits);
                     let warps = match how.warps {
-                        0 => {
-                            let i = GRP_CLUSTER_KERNELS.iter().position(|(g, _)| *g == kernel);
-                            grp_warps(blocks, i.map_or([0; 3], |i| self.grp_resident[i]))
-                        }
+                        0 => self.grp_launch_warps(
+                            nh as usize,
+                            nkv as usize,
+                            hd as usize,
+                            n as usize,
+                            n_splits > 1,
+                        ),
                         w => w,
                     };
                     let grid = (n, nkv as u32, n_splits);

@@ -1858,10 +1858,11 @@ impl Drop for CudaExecutor {
 
 /// Which kernel takes `rows` per-token attention rows (`split`: cut into context splits), as
 /// (`paged_attention_gqa`, `paged_attention_grp*` in blocks of that many warps,
-/// [`Kernels::grp_launch_warps`]), at most one of them; neither: the per-head kernel. grp wherever [`Kernels::grp_serves`] says (any count, split or with a token list);
-/// gqa (single-split rows only, bf16: the f32 model is for exactness checks) for heads grp has
-/// no instance for where [`layout::use_grouped_attention`] says, or as `gqa_override` says
-/// (`bench`'s attention modes: `graph-async-gqa-attn` times gqa where grp would run). The
+/// [`Kernels::grp_launch_warps`]), at most one of them; neither: the per-head kernel. grp
+/// wherever [`Kernels::grp_serves`] says (any count, split or with a token list); gqa
+/// (single-split rows only, bf16: the f32 model is for exactness checks) for heads grp has no
+/// instance for where [`layout::use_grouped_attention`] says, or as `gqa_override` says
+/// (`bench`'s attention modes: `graph-async-grouped-attn` times gqa where grp would run). The
 /// executor's steps and the draft model's ask here.
 pub(super) fn per_token_kernels(
     k: &Kernels,
