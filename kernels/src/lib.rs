@@ -3133,6 +3133,16 @@ pub fn preload_nvrtc_from_env() -> anyhow::Result<PathBuf> {
 mod tests {
     use super::*;
 
+    /// The value of `#define NAME <number>` in harrier.cu.
+    fn define(name: &str) -> u32 {
+        SOURCE
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{name} defined in harrier.cu"))
+    }
+
     #[test]
     fn attention_block_size_matches_the_source() {
         let warps: u32 = SOURCE
@@ -3167,14 +3177,6 @@ mod tests {
         assert_eq!(grp_warps(512, h200), 4, "batch 64");
         assert_eq!(grp_warps(2048, h200), 4, "batch 256");
         assert_eq!(grp_warps(1, [0; 3]), 4, "no occupancy known: the narrowest");
-        let define = |name: &str| -> u32 {
-            SOURCE
-                .lines()
-                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
-                .and_then(|rest| rest.split_whitespace().next())
-                .and_then(|n| n.parse().ok())
-                .unwrap_or_else(|| panic!("{name} defined in harrier.cu"))
-        };
         assert_eq!(GRP_WIDTHS[0], define("GRP_WARPS"));
         assert!(GRP_WIDTHS
             .iter()
@@ -3435,14 +3437,6 @@ mod tests {
         );
         assert!(SOURCE.contains(&format!("#define MASK_CAP {MASK_CAP}")));
         assert!(SOURCE.contains(&format!("#define GEMV_MAX_M {GEMV_MAX_M}")));
-        let define = |name: &str| -> u32 {
-            SOURCE
-                .lines()
-                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
-                .and_then(|rest| rest.split_whitespace().next())
-                .and_then(|n| n.parse().ok())
-                .unwrap_or_else(|| panic!("{name} defined in harrier.cu"))
-        };
         assert_eq!(
             (define("GEMV_WARPS"), define("GEMV_ROWS")),
             (GEMV_WARPS, GEMV_ROWS)
