@@ -999,14 +999,14 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 // (tok_list[x] where the launch has a token list: unsplit launches only), split s (`split_tiles`,
 // as paged_attention's), for heads kh G .. kh G + G - 1, so each K and V row is read once for the
 // group. The per-head kernel reads it G times, and at batch 8 of the 1B its 256 blocks (two an
-// SM) took ~13 us a layer on the path against ~2 us of K/V (docs/benchmarks.md, session 30). The block's warps (16, or 8 or 4 where more blocks than
-// fit at 16 warps: kernels/src/lib.rs grp_warps) take the split's 16-key tiles round-robin
-// (grp_tile): the scores of a tile on the tensor cores (K rows as mma.sync's A, q as B, kept in
-// registers), the softmax in the mma's output layout, V by rows (HD / 8 lanes a row, a tile's
-// loads at once) on FMAs; the warps merge at the end. The same outputs and partials as
-// paged_attention up to the order of the score sums (P rounded to bf16 before P V, l from the
-// unrounded P), so attention_combine merges its splits. bf16
-// only; G * HD at most GRP_MAX_ELEMS.
+// SM) took ~13 us a layer on the path against ~2 us of K/V (docs/benchmarks.md, session 30).
+// The block's warps (16, or 8 or 4 where more blocks than fit at 16 warps: kernels/src/lib.rs
+// grp_warps) take the split's 16-key tiles round-robin (grp_tile): the scores of a tile on the
+// tensor cores (K rows as mma.sync's A, q as B, kept in registers), the softmax in the mma's
+// output layout, V by rows (HD / 8 lanes a row, a tile's loads at once) on FMAs; the warps merge
+// at the end. The same outputs and partials as paged_attention up to the order of the score
+// sums (P rounded to bf16 before P V, l from the unrounded P), so attention_combine merges its
+// splits. bf16 only; G * HD at most GRP_MAX_ELEMS.
 #define GRP_WARPS 16
 #define GRP_MAX_ELEMS 512
 #define GRP_MAX_G 4

@@ -182,6 +182,12 @@ const GRP_CLUSTER_KERNELS: [(&str, &str); 2] = [
     ("paged_attention_grp128", "paged_attention_grpc128"),
 ];
 
+/// The index of plain grp instance `grp` in [`GRP_CLUSTER_KERNELS`] (and so in the per-instance
+/// tables [`Kernels`] keeps: resident blocks, resident clusters).
+fn grp_kernel_index(grp: &str) -> Option<usize> {
+    GRP_CLUSTER_KERNELS.iter().position(|(g, _)| *g == grp)
+}
+
 /// Whether `paged_attention_grp*` has an instance for this head layout.
 pub fn grp_attention_supports(nh: usize, nkv: usize, hd: usize) -> bool {
     grp_attention_kernel(nh as i32, nkv as i32, hd as i32).is_some()
@@ -1534,7 +1540,7 @@ impl Kernels {
         if !(2..=GRP_CLUSTER_MAX_SPLITS).contains(&n_splits) {
             return None;
         }
-        let i = GRP_CLUSTER_KERNELS.iter().position(|(g, _)| *g == grp)?;
+        let i = grp_kernel_index(grp)?;
         Some((
             GRP_CLUSTER_KERNELS[i].1,
             self.grp_clusters[i][n_splits as usize - 2],
@@ -1824,8 +1830,7 @@ impl Kernels {
         rows: usize,
         split: bool,
     ) -> u32 {
-        let i = grp_attention_kernel(nh as i32, nkv as i32, hd as i32)
-            .and_then(|g| GRP_CLUSTER_KERNELS.iter().position(|(k, _)| *k == g));
+        let i = grp_attention_kernel(nh as i32, nkv as i32, hd as i32).and_then(grp_kernel_index);
         match (split, i) {
             (false, Some(i)) => {
                 let blocks = rows.saturating_mul(nkv).min(u32::MAX as usize) as u32;
@@ -2002,12 +2007,12 @@ impl Kernels {
         if !gqa_attention_supports(nh as usize, nkv as usize, hd as usize) {
             bail!("paged_attention_gqa: {nh} heads over {nkv} KV heads, head dim {hd}");
         }
+        let mut p = params![*a, tok_list];
         let threads = if n * nkv as u32 >= GQA_SMALL_BLOCKS_FROM {
             GQA_THREADS / 2
         } else {
             GQA_THREADS
         };
-        let mut p = params![*a, tok_list];
         // SAFETY: argument types match the kernel's.
         unsafe {
             self.launch(
@@ -3145,12 +3150,7 @@ mod tests {
 
     #[test]
     fn attention_block_size_matches_the_source() {
-        let warps: u32 = SOURCE
-            .lines()
-            .find_map(|l| l.strip_prefix("#define ATT_WARPS_MAX "))
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|n| n.parse().ok())
-            .expect("ATT_WARPS_MAX defined in harrier.cu");
+        let warps = define("ATT_WARPS_MAX");
         assert_eq!(warps, ATT_WARPS_MAX, "launch blocks must fit ATT_WARPS_MAX");
         assert!(SOURCE.contains(&format!("#define COMBINE_MAX_SPLITS {ATTN_MAX_SPLITS}\n")));
         let w = AttnWarps {
