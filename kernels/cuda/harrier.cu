@@ -2580,7 +2580,7 @@ __device__ __forceinline__ void cp_async_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// DN: the _dn instances (up to 8 rows; bf16, and FP8 ones for fused FP8 steps), the only
+// DN: the _dn instances (up to 8 rows, 16 in bf16; FP8 ones for fused FP8 steps), the only
 // ones that read SK_NORM_IN / SK_NORM_OUT; the others compile as before the deferred norms
 // (their extra epilogue code cost the 1B's prologue steps ~2% when every instance had it:
 // session 29). FP8 changes nothing there: its weights become bf16 before the MMAs, x is read
@@ -2593,11 +2593,15 @@ __device__ __forceinline__ void cp_async_wait_group() {
 // the PDL wait and waited on before the tree, orders the barrier's initialisation first), and
 // rank 0 adds them in rank order and runs the epilogue: the same bits whatever the timing, and
 // a row's result still depends on K only.
-template <int NT, int R, bool F8, int W = SK_WARPS, bool DN = false, int KS = 1>
+// XA: a round's x loads, every chunk's, all issued before its first MMA (bf16 instances of one
+// n-tile but the 64-register b2 ones, where the extra registers spill); otherwise each chunk's
+// loads come just before its MMAs, predicated (bf16 more than 8 rows, which never stage a
+// normed input) or behind the staged input's branch.
+template <int NT, int R, bool F8, int W = SK_WARPS, bool DN = false, int KS = 1, bool XA = NT == 1 && !F8>
 __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     constexpr int U = SK_LOADS / (2 * R) > 0 ? SK_LOADS / (2 * R) : 1;
     __shared__ float red[W / 2][R][NT][32][4];
-    __shared__ float inv_sh[8];  // the rows' 1 / rms (norm prologue; deferred norm: ss_in)
+    __shared__ float inv_sh[DN ? 8 * NT : 8];  // the rows' 1 / rms (norm prologue; deferred norm: ss_in)
     __shared__ float ss_sh[W][8];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -2612,7 +2616,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         __syncthreads();
         asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
     }
-    static_assert(!DN || NT == 1, "deferred norms: up to 8 rows");
+    static_assert(!DN || NT <= 2, "deferred norms: up to 16 rows");
     const int epi = DN ? p.epi & 15 : p.epi;
     const float* ss_in = DN && (p.epi & SK_NORM_IN) ? (const float*)p.norm_w : nullptr;
     const bool norm_out = DN && (p.epi & SK_NORM_OUT) && epi == SK_RESID;
@@ -2635,7 +2639,9 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     const int all_chunks = p.K >> (F8 ? 6 : 5);
     const int c_first = KS > 1 ? rank * all_chunks / KS : 0;
     const int nchunks = KS > 1 ? (rank + 1) * all_chunks / KS : all_chunks;
-    const bool norm = p.norm_w != 0 && !(DN && (p.epi & (SK_NORM_IN | SK_NORM_OUT)));
+    // (The norm prologue stages at most 8 rows, so instances of more never take it: the host's
+    // skinny_norm_supports. Compiled out there, x is read by predicated loads, not a branch.)
+    const bool norm = NT == 1 && p.norm_w != 0 && !(DN && (p.epi & (SK_NORM_IN | SK_NORM_OUT)));
     const uint4 zero = make_uint4(0, 0, 0, 0);
     uint4 a[R][U], b[R][U];
     int c0 = c_first + warp;
@@ -2752,7 +2758,21 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
     for (int i = 0; i < R; i++)
 #pragma unroll
         for (int j = 0; j < NT; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+    constexpr bool XALL = XA && !F8;
+    uint4 xr[XALL ? U : 1][NT];
     while (true) {
+        if (XALL && !norm) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int c = c0 + u * W;
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    const int m = g + 8 * j;
+                    xr[XALL ? u : 0][j] = c < nchunks && m < p.M
+                        ? __ldg((const uint4*)(p.x + (size_t)m * p.K + c * 32 + t * 8)) : zero;
+                }
+            }
+        }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + u * W;
@@ -2777,7 +2797,9 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
                 for (int j = 0; j < NT; j++) {
                     int m = g + 8 * j;
                     uint4 xv = zero;
-                    if (m < p.M) {
+                    if (XALL && !norm) {
+                        xv = xr[XALL ? u : 0][j];
+                    } else if (m < p.M) {
                         xv = norm ? xs[(m * p.K + k0) >> 3] : __ldg((const uint4*)(p.x + (size_t)m * p.K + k0));
                     }
 #pragma unroll
@@ -2825,7 +2847,7 @@ __device__ __forceinline__ void skinny_gemm(const SkinnyIn& p) {
         if (DN && ss_in && h == W / 2 && warp >= h) {
             const float* ssd = (const float*)xs_dyn;
             const int parts = (p.K + 15) >> 4;
-            for (int m = warp - h; m < p.M && m < 8; m += h) {
+            for (int m = warp - h; m < p.M && m < 8 * NT; m += h) {
                 float v = 0.0f;
                 for (int e = lane; e < parts; e += 32) v += ssd[m * parts + e];
                 v = warp_sum(v);
@@ -3000,29 +3022,43 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8(Skin
 // (the 1B q|k|v, the 3B and 8B o and down; the host's SKINNY_B2): 16 warps held to two blocks
 // an SM (at most 64 registers; 62, no spills, where the unbound one takes 90), so a launch of
 // 192-256 blocks runs in one wave on 132 SMs and the next kernel's blocks find room beside it.
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2(SkinnyIn p) { skinny_gemm<1, 1, false, SK_WARPS, false, 1, false>(p); }
 // The deferred norms' instances (SK_NORM_IN / SK_NORM_OUT launches, up to 8 rows), one for
 // each 8-row instance above (the FP8 ones for fused FP8 steps, HARRIER_FP8_FUSED=0: none).
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_dn(SkinnyIn p) { skinny_gemm<1, 1, false, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_8_r4_dn(SkinnyIn p) { skinny_gemm<1, 4, false, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_dn(SkinnyIn p) { skinny_gemm<1, 1, false, 8, true>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_8_r4_w8_dn(SkinnyIn p) { skinny_gemm<1, 4, false, 8, true>(p); }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_dn(SkinnyIn p) { skinny_gemm<1, 1, false, SK_WARPS, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_dn(SkinnyIn p) { skinny_gemm<1, 1, false, SK_WARPS, true, 1, false>(p); }
 // The b2 instances with K in two parts a cluster of two blocks (see KS above; sm_90 on, the
 // host's SKINNY_K2): one-tile launches of up to 132 tiles from twice the SMs.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define SK_K2(...) skinny_gemm<__VA_ARGS__, 2>(p);
+#define SK_K2(...) skinny_gemm<__VA_ARGS__>(p);
 #else
 #define SK_K2(...) __trap();
 #endif
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_k2(SkinnyIn p) { SK_K2(1, 1, false, SK_WARPS, false) }
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_dn_k2(SkinnyIn p) { SK_K2(1, 1, false, SK_WARPS, true) }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_k2(SkinnyIn p) { SK_K2(1, 1, false, SK_WARPS, false, 2, false) }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_8_b2_dn_k2(SkinnyIn p) { SK_K2(1, 1, false, SK_WARPS, true, 2, false) }
 // The same for launches the b2 instances take (160-198 tiles over reductions from 3,072: the
 // 3B's and Qwen3-4B's o and down; the host's SKINNY_K2_W8) in 8-warp blocks, three an SM: twice
 // the blocks on all SMs instead of two an SM on some.
-extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_k2(SkinnyIn p) { SK_K2(1, 1, false, 8, false) }
-extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_dn_k2(SkinnyIn p) { SK_K2(1, 1, false, 8, true) }
+extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_k2(SkinnyIn p) { SK_K2(1, 1, false, 8, false, 2) }
+extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_8_w8_dn_k2(SkinnyIn p) { SK_K2(1, 1, false, 8, true, 2) }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_16_b2_k2(SkinnyIn p) { SK_K2(2, 1, false, SK_WARPS, false, 2) }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_16_b2_dn_k2(SkinnyIn p) { SK_K2(2, 1, false, SK_WARPS, true, 2) }
+extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_16_w8_k2(SkinnyIn p) { SK_K2(2, 1, false, 8, false, 2) }
+extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_16_w8_dn_k2(SkinnyIn p) { SK_K2(2, 1, false, 8, true, 2) }
 #undef SK_K2
+// The bf16 16-row (two n-tile) twins of the 8-row instances above, chosen by the same rules for
+// steps of 9-16 rows (the host's skinny_instance; their deferred norms included).
+extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_16_w8(SkinnyIn p) { skinny_gemm<2, 1, false, 8>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_16_r4_w8(SkinnyIn p) { skinny_gemm<2, 4, false, 8>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_16_b2(SkinnyIn p) { skinny_gemm<2, 1, false>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_16_dn(SkinnyIn p) { skinny_gemm<2, 1, false, SK_WARPS, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_16_r4_dn(SkinnyIn p) { skinny_gemm<2, 4, false, SK_WARPS, true>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_16_w8_dn(SkinnyIn p) { skinny_gemm<2, 1, false, 8, true>(p); }
+extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_16_r4_w8_dn(SkinnyIn p) { skinny_gemm<2, 4, false, 8, true>(p); }
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, 2) skinny_gemm_16_b2_dn(SkinnyIn p) { skinny_gemm<2, 1, false, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8_dn(SkinnyIn p) { skinny_gemm<1, 1, true, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32) skinny_gemm_f8_8_r4_dn(SkinnyIn p) { skinny_gemm<1, 4, true, SK_WARPS, true>(p); }
 extern "C" __global__ void __launch_bounds__(8 * 32, 3) skinny_gemm_f8_8_w8_dn(SkinnyIn p) { skinny_gemm<1, 1, true, 8, true>(p); }

@@ -568,31 +568,39 @@ pub fn kernel_names() -> impl Iterator<Item = &'static str> {
     KERNELS
         .iter()
         .chain(SKINNY_INSTANCES.iter().flatten())
-        .chain([&SKINNY_B2, &SKINNY_K2, &SKINNY_K2_W8])
+        .chain(SKINNY_16_W8.iter())
+        .chain([SKINNY_B2, SKINNY_K2, SKINNY_K2_W8].iter().flatten())
         .chain(SKINNY_DN.iter().map(|(_, dn)| dn))
         .chain(RING_INSTANCES.iter().map(|(_, _, name)| name))
         .copied()
 }
 
-/// Each 8-row instance and its deferred-norm twin (`skinny_gemm<.., DN = true>`, the only ones
-/// that read `SK_NORM_IN` / `SK_NORM_OUT`: the extra epilogue code in every instance cost the
-/// 1B's other fused steps ~2%, session 29); the FP8 ones serve FP8 steps on the fused path
-/// (the default since session 33; `HARRIER_FP8_FUSED=0` leaves them out).
-const SKINNY_DN: [(&str, &str); 11] = [
+/// Each 8-row and bf16 16-row instance and its deferred-norm twin (`skinny_gemm<.., DN = true>`,
+/// the only ones that read `SK_NORM_IN` / `SK_NORM_OUT`: the extra epilogue code in every
+/// instance cost the 1B's other fused steps ~2%, session 29); the FP8 ones serve FP8 steps on
+/// the fused path (the default since session 33; `HARRIER_FP8_FUSED=0` leaves them out).
+const SKINNY_DN: [(&str, &str); 18] = [
     ("skinny_gemm_8", "skinny_gemm_8_dn"),
     ("skinny_gemm_8_r4", "skinny_gemm_8_r4_dn"),
     ("skinny_gemm_8_w8", "skinny_gemm_8_w8_dn"),
     ("skinny_gemm_8_r4_w8", "skinny_gemm_8_r4_w8_dn"),
-    (SKINNY_B2, "skinny_gemm_8_b2_dn"),
-    (SKINNY_K2, "skinny_gemm_8_b2_dn_k2"),
-    (SKINNY_K2_W8, "skinny_gemm_8_w8_dn_k2"),
+    (SKINNY_B2[0], "skinny_gemm_8_b2_dn"),
+    (SKINNY_K2[0], "skinny_gemm_8_b2_dn_k2"),
+    (SKINNY_K2_W8[0], "skinny_gemm_8_w8_dn_k2"),
+    ("skinny_gemm_16", "skinny_gemm_16_dn"),
+    ("skinny_gemm_16_r4", "skinny_gemm_16_r4_dn"),
+    (SKINNY_16_W8[0], "skinny_gemm_16_w8_dn"),
+    (SKINNY_16_W8[1], "skinny_gemm_16_r4_w8_dn"),
+    (SKINNY_B2[1], "skinny_gemm_16_b2_dn"),
+    (SKINNY_K2[1], "skinny_gemm_16_b2_dn_k2"),
+    (SKINNY_K2_W8[1], "skinny_gemm_16_w8_dn_k2"),
     ("skinny_gemm_f8_8", "skinny_gemm_f8_8_dn"),
     ("skinny_gemm_f8_8_r4", "skinny_gemm_f8_8_r4_dn"),
     ("skinny_gemm_f8_8_w8", "skinny_gemm_f8_8_w8_dn"),
     ("skinny_gemm_f8_8_r4_w8", "skinny_gemm_f8_8_r4_w8_dn"),
 ];
 
-/// The deferred-norm twin of instance `name`, if it has one (up to 8 rows).
+/// The deferred-norm twin of instance `name`, if it has one (8-row instances; bf16 16-row ones).
 fn skinny_dn_instance(name: &str) -> Option<&'static str> {
     SKINNY_DN
         .iter()
@@ -600,9 +608,16 @@ fn skinny_dn_instance(name: &str) -> Option<&'static str> {
         .map(|(_, dn)| *dn)
 }
 
+/// The bf16 16-row 8-warp instances over 1 and 4 row tiles (FP8 has no 16-row `_w8` ones:
+/// [`W8Rule::fits`]).
+const SKINNY_16_W8: [&str; 2] = ["skinny_gemm_16_w8", "skinny_gemm_16_r4_w8"];
+
 /// The instance of an `m`-row launch (`r4`: 4 row tiles a block, m <= 16; `w8`: 8-warp blocks,
-/// m <= 8; `f8`: FP8 weights).
+/// m <= 8, or bf16 m <= 16; `f8`: FP8 weights).
 fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
+    if w8 && m > 8 {
+        return SKINNY_16_W8[usize::from(r4)];
+    }
     let shape = match (m.div_ceil(8), r4, w8) {
         (_, false, true) => 6,
         (_, true, true) => 7,
@@ -616,7 +631,7 @@ fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
     SKINNY_INSTANCES[usize::from(f8)][shape]
 }
 
-/// The instance of one-tile bf16 launches of up to 8 rows with at least
+/// The instance of one-tile bf16 launches of up to 8 rows (16: the second, two n-tile twin) with at least
 /// [`SKINNY_W8_MIN_BLOCKS`] blocks that either run one wave at two blocks an SM (at most
 /// [`SKINNY_B2_MAX_BLOCKS`]: the 1B q|k|v, the 3B o, the 8B o) or have reductions past
 /// [`SKINNY_W8_MAX_K`] (the 3B and 8B down projections): 16 warps bound to two blocks an SM.
@@ -624,11 +639,13 @@ fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
 /// 2.615 -> 2.489 at batch 1, 3.26 -> 3.12 at 8, 8B 4.965 -> 4.914; the one-wave launches on
 /// top 1B 1.049 -> 1.034 (batch 1), 1.208 -> 1.198 (8), 3B 2.492 -> 2.463, 3.125 -> 3.105, 8B
 /// the same; up to 400 blocks (two waves) lost (3B 2.535, 8B 5.008). `HARRIER_SKINNY_B2=0`:
-/// the 8-warp and `skinny_gemm_8` instances instead, to compare.
-const SKINNY_B2: &str = "skinny_gemm_8_b2";
+/// the 8-warp and `skinny_gemm_8` instances instead, to compare. (These split-K and
+/// two-block names come in pairs, `[up to 8 rows, 9-16 rows]`: bf16 steps of 9-16 rows take
+/// the 16-row twins by the same rules; session 39.)
+const SKINNY_B2: [&str; 2] = ["skinny_gemm_8_b2", "skinny_gemm_16_b2"];
 /// [`SKINNY_B2`] with each block's reduction cut in two, the halves a cluster of two blocks
 /// (rank 1 pushes its sums into rank 0's shared memory, which adds them and runs the
-/// epilogue; sm_90 on): one-tile bf16 launches of up to 8 rows that neither it nor the 8-warp
+/// epilogue; sm_90 on): one-tile bf16 launches of up to 16 rows that neither it nor the 8-warp
 /// instances take, at most [`SKINNY_B2_MAX_BLOCKS`] / 2 tiles over reductions of at least
 /// [`SKINNY_K2_MIN_K`], without a staged (norm prologue) input, and their clusters all
 /// resident (the 1B's down, 128 tiles, and Qwen3-0.6B's, 64: otherwise one block an SM on as
@@ -637,7 +654,7 @@ const SKINNY_B2: &str = "skinny_gemm_8_b2";
 /// 0.986-0.994; Qwen3-0.6B batch 1 0.852-0.855 vs 0.841-0.842, 4 0.911 vs 0.888-0.889, 8
 /// 1.000-1.003 vs 0.967-0.969; check-gemv, 8 rows: the 1B's down 10.0 -> 8.1 us, Qwen3-0.6B's
 /// 3.9 -> 3.1, but the 1B's o (k 2,048) 3.4 either way, so reductions from 3,072.
-const SKINNY_K2: &str = "skinny_gemm_8_b2_k2";
+const SKINNY_K2: [&str; 2] = ["skinny_gemm_8_b2_k2", "skinny_gemm_16_b2_k2"];
 /// [`SKINNY_K2`]'s 8-warp twin, three blocks an SM, for launches [`SKINNY_B2`] takes over
 /// reductions of at least [`SKINNY_K2_MIN_K`] whose halves fit one wave (at most 198 tiles:
 /// the 3B's o and down, 192 tiles over 3,072 and 8,192), so that they stream from every SM
@@ -646,13 +663,13 @@ const SKINNY_K2: &str = "skinny_gemm_8_b2_k2";
 /// 2.535-2.536 vs 2.477-2.483; on the 1B's q|k|v (192 tiles over 2,048) a tie or 1% slower,
 /// hence the same shortest reduction as [`SKINNY_K2`]. `HARRIER_SKINNY_K2_W8=0` turns it off,
 /// to compare.
-const SKINNY_K2_W8: &str = "skinny_gemm_8_w8_k2";
+const SKINNY_K2_W8: [&str; 2] = ["skinny_gemm_8_w8_k2", "skinny_gemm_16_w8_k2"];
 /// The shortest reduction [`SKINNY_K2`] takes (`HARRIER_SKINNY_K2_MIN_K` overrides it, to
 /// measure).
 const SKINNY_K2_MIN_K: usize = 3072;
 
 /// Whether an `m`-row one-tile bf16 launch of `blocks` tiles over `k` that neither [`SKINNY_B2`]
-/// nor the 8-warp instances take runs [`SKINNY_K2`]: up to 8 rows, reductions of at least
+/// nor the 8-warp instances take runs [`SKINNY_K2`]: up to 16 rows, reductions of at least
 /// `min_k`, twice the blocks within `max_blocks` (one wave at two an SM) and `clusters` resident
 /// pairs for its tiles.
 fn skinny_k2_fits(
@@ -660,7 +677,7 @@ fn skinny_k2_fits(
     (min_k, max_blocks): (usize, u32),
     clusters: u32,
 ) -> bool {
-    m <= 8 && k >= min_k && 2 * blocks <= max_blocks && blocks <= clusters
+    m <= 16 && k >= min_k && 2 * blocks <= max_blocks && blocks <= clusters
 }
 
 /// Whether a launch of `blocks` tiles over `k` that [`SKINNY_B2`] takes runs [`SKINNY_K2_W8`]
@@ -684,7 +701,7 @@ const SKINNY_W8_MIN_BLOCKS: u32 = 160;
 const SKINNY_W8_MAX_K: usize = 4096;
 
 /// Whether an `m`-row skinny launch of `blocks` blocks over `k` (`f8`: FP8 weights) takes an
-/// 8-warp instance (`skinny_gemm_*_w8`) rather than `SK_WARPS` warps: up to 8 rows, more
+/// 8-warp instance (`skinny_gemm_*_w8`) rather than `SK_WARPS` warps: up to 8 rows (bf16: 16), more
 /// blocks than an H100 has SMs, and for bf16 weights reductions of at most 4,096. Measured on
 /// the H100 (1 row, us, 16 vs 8 warps; `check-gemv` / `check-fp8 --variants`, 2026-11-25):
 /// 1B q|k|v (192 blocks, k 2,048) 6.4 vs 5.0 bf16, 6.7 vs 5.4 FP8; gate|up (256) 27.3 vs 26.0
@@ -746,7 +763,7 @@ impl W8Rule {
     }
 
     fn fits(self, m: usize, blocks: u32, k: usize, f8: bool) -> bool {
-        m <= 8 && blocks >= self.min_blocks && (f8 || k <= self.max_k)
+        (m <= 8 || (m <= 16 && !f8)) && blocks >= self.min_blocks && (f8 || k <= self.max_k)
     }
 
     /// Whether a launch takes [`SKINNY_B2`] (before the 8-warp instances, which then do not
@@ -754,7 +771,7 @@ impl W8Rule {
     /// the 8-warp rule turns away for their reduction length.
     fn two_blocks(self, m: usize, blocks: u32, k: usize, f8: bool, r4: bool) -> bool {
         !f8 && !r4
-            && m <= 8
+            && m <= 16
             && ((blocks >= self.b2_long_min_blocks && k > self.max_k)
                 || (blocks >= self.b2_min_blocks && blocks <= self.b2_max_blocks))
     }
@@ -1493,10 +1510,17 @@ impl Kernels {
 
     /// Resident clusters of two blocks (`warps` each) of a split-K skinny instance, counted
     /// for it and its deferred-norm twin alike (the fewer of the two).
-    fn skinny_pairs(&self, name: &str, warps: u32) -> anyhow::Result<u32> {
-        let dn = skinny_dn_instance(name).expect("the split-K instances have deferred-norm twins");
-        let plain = self.max_active_clusters(name, warps * 32, 2)?;
-        Ok(plain.min(self.max_active_clusters(dn, warps * 32, 2)?))
+    /// The resident clusters of two of every instance in `names` and their deferred-norm
+    /// twins, the fewest.
+    fn skinny_pairs(&self, names: [&str; 2], warps: u32) -> anyhow::Result<u32> {
+        let mut n = u32::MAX;
+        for name in names {
+            let dn =
+                skinny_dn_instance(name).expect("the split-K instances have deferred-norm twins");
+            n = n.min(self.max_active_clusters(name, warps * 32, 2)?);
+            n = n.min(self.max_active_clusters(dn, warps * 32, 2)?);
+        }
+        Ok(n)
     }
 
     /// [`Kernels::grp_resident`]: for each plain grp instance and width, the blocks an SM holds
@@ -2560,9 +2584,11 @@ impl Kernels {
     }
 
     /// Whether a skinny launch of `m` rows can read a deferred norm's partials over `k`
-    /// ([`SkinnyInputs::norm_in`]; they are staged in dynamic shared memory).
-    pub fn skinny_deferred_norm_supports(&self, m: usize, k: usize) -> bool {
-        skinny_supports(m, k) && m <= 8 && deferred_norm_smem(m, k) <= self.skinny_smem
+    /// ([`SkinnyInputs::norm_in`]; they are staged in dynamic shared memory): up to 16 rows
+    /// with bf16 weights, 8 with FP8 (`f8`).
+    pub fn skinny_deferred_norm_supports(&self, m: usize, k: usize, f8: bool) -> bool {
+        let max_m = if f8 { 8 } else { 16 };
+        skinny_supports(m, k) && m <= max_m && deferred_norm_smem(m, k) <= self.skinny_smem
     }
 
     /// The tensor-core skinny GEMM (see [`SkinnyInputs`]); the instance with the fewest 8-row
@@ -2604,7 +2630,7 @@ impl Kernels {
         let r4 = tiles >= self.r4_from && m <= 16;
         let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
         let blocks = (p.n as u32).div_ceil(rows);
-        // (skinny_w8_fits holds only up to 8 rows: the `_w8` instances are 8-row ones.)
+        // (skinny_w8_fits holds up to 8 rows, 16 for bf16: the 8-warp instances' sizes.)
         // (b2 first: a launch both rules take runs 16 warps, as SKINNY_B2 is compiled for.)
         let b2 = self.skinny_b2 && self.w8_rule.two_blocks(m, blocks, k, f8, r4);
         let w8 = !b2 && self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
@@ -2618,15 +2644,16 @@ impl Kernels {
             && skinny_k2_fits((m, blocks, k), limits, self.skinny_k2_clusters);
         let k2_w8 =
             unstaged && b2 && skinny_k2_w8_fits((blocks, k), limits, self.skinny_k2_w8_clusters);
+        let nt16 = usize::from(m > 8);
         let name = match (b2, k2, k2_w8) {
-            (_, _, true) => SKINNY_K2_W8,
-            (true, ..) => SKINNY_B2,
-            (_, true, _) => SKINNY_K2,
+            (_, _, true) => SKINNY_K2_W8[nt16],
+            (true, ..) => SKINNY_B2[nt16],
+            (_, true, _) => SKINNY_K2[nt16],
             _ => skinny_instance(m, r4, f8, w8),
         };
         let name = match p.deferred() {
             true => skinny_dn_instance(name).with_context(|| {
-                format!("skinny_gemm: no deferred-norm instance for {name} (up to 8 rows)")
+                format!("skinny_gemm: no deferred-norm instance for {name} (bf16 up to 16 rows, FP8 up to 8)")
             })?,
             false => name,
         };
@@ -2638,7 +2665,7 @@ impl Kernels {
                 bail!("skinny_gemm: a deferred norm's writer needs the residual epilogue")
             }
             SkinnyNorm::Prologue { .. } if self.skinny_norm_supports(m, k) => (m + 1) * k * 2,
-            SkinnyNorm::In { .. } if self.skinny_deferred_norm_supports(m, k) => {
+            SkinnyNorm::In { .. } if self.skinny_deferred_norm_supports(m, k, f8) => {
                 deferred_norm_smem(m, k)
             }
             _ => bail!("skinny_gemm: a normed input of {m} rows x {k} exceeds the shared memory"),
@@ -3207,7 +3234,7 @@ mod tests {
             !wide.two_blocks(1, 128, 8192, false, false),
             "no b2 with its limit 0"
         );
-        assert!(!wide.fits(9, 128, 8192, false), "never past 8 rows");
+        assert!(!wide.fits(17, 128, 8192, false), "never past 16 rows");
         assert!(!W8Rule::default().fits(1, 128, 8192, false));
         let low = W8Rule {
             b2_min_blocks: 128,
@@ -3224,25 +3251,30 @@ mod tests {
         };
         assert!(long.two_blocks(1, 128, 8192, false, false), "1B down");
         assert!(!long.two_blocks(1, 128, 2048, false, false), "not the 1B o");
-        assert!(!fits(9, 192, 2048), "the 8-warp instances hold 8 rows");
+        assert!(fits(16, 192, 2048), "bf16: the 16-row 8-warp instances");
+        assert!(!fits(17, 192, 2048), "no 8-warp instances past 16 rows");
+        assert!(!skinny_w8_fits(9, 192, 2048, true), "FP8: 8 rows");
         let w8 = kernel_names().filter(|k| k.ends_with("_w8")).count();
-        assert_eq!(w8, 4);
+        assert_eq!(w8, 6);
         // The instance table names every skinny kernel once, FP8 ones in the FP8 row.
         let mut table: Vec<&str> = SKINNY_INSTANCES.iter().flatten().copied().collect();
-        table.extend([SKINNY_B2, SKINNY_K2, SKINNY_K2_W8]);
+        table.extend(SKINNY_16_W8);
+        table.extend([SKINNY_B2, SKINNY_K2, SKINNY_K2_W8].concat());
         table.extend(SKINNY_DN.iter().map(|(_, dn)| *dn));
-        // Every deferred-norm twin is an 8-row instance's, and every 8-row instance has one.
+        // Every deferred-norm twin is an 8-row or a bf16 16-row instance's, and every such
+        // instance has one.
         for (base, dn) in SKINNY_DN {
-            assert!(table.contains(&base) && !base.contains("_16"));
+            assert!(table.contains(&base) && !base.contains("_f8_16"));
             assert_eq!(skinny_dn_instance(base), Some(dn));
+            assert_eq!(base.contains("_16"), dn.contains("_16"), "{dn}");
         }
         for (m, r4, f8, w8) in
-            (0..16).map(|i| (1 + 7 * (i & 1), i & 2 != 0, i & 4 != 0, i & 8 != 0))
+            (0..32).map(|i| ([1, 8, 9, 16][i & 3], i & 4 != 0, i & 8 != 0, i & 16 != 0))
         {
-            let k = skinny_instance(m, r4, f8, w8);
-            assert!(skinny_dn_instance(k).is_some(), "{k}");
+            let k = skinny_instance(m, r4, f8, w8 && (m <= 8 || !f8));
+            assert_eq!(skinny_dn_instance(k).is_some(), m <= 8 || !f8, "{k}");
         }
-        assert_eq!(skinny_dn_instance("skinny_gemm_16"), None);
+        assert_eq!(skinny_dn_instance("skinny_gemm_32"), None);
         assert_eq!(skinny_dn_instance("skinny_gemm_f8_16"), None);
         let listed: Vec<&str> = kernel_names()
             .filter(|k| k.starts_with("skinny_gemm_"))
@@ -3276,6 +3308,8 @@ mod tests {
             (1, false, true, true, "skinny_gemm_f8_8_w8"),
             (4, true, true, true, "skinny_gemm_f8_8_r4_w8"),
             (12, false, true, false, "skinny_gemm_f8_16"),
+            (9, false, false, true, "skinny_gemm_16_w8"),
+            (16, true, false, true, "skinny_gemm_16_r4_w8"),
         ] {
             assert_eq!(skinny_instance(m, r4, f8, w8), want, "{m} {r4} {f8} {w8}");
         }
@@ -3544,7 +3578,28 @@ mod tests {
         for k in ["skinny_gemm_8_w8", "skinny_gemm_f8_8_w8"] {
             assert_eq!(bounds(k).as_deref(), Some("8 * 32, 3"), "{k}");
         }
-        assert_eq!(bounds(SKINNY_B2).as_deref(), Some("SK_WARPS * 32, 2"));
+        for k in SKINNY_B2.iter().chain(&SKINNY_K2) {
+            assert_eq!(bounds(k).as_deref(), Some("SK_WARPS * 32, 2"), "{k}");
+        }
+        for k in SKINNY_16_W8[..1].iter().chain(&SKINNY_K2_W8) {
+            assert_eq!(bounds(k).as_deref(), Some("8 * 32, 3"), "{k}");
+        }
+        // The 64-register instances (two 16-warp blocks an SM) read x a chunk at a time (XA
+        // false: a round's loads at once spill there); one n-tile ones say so, the 16-row ones
+        // default to it.
+        for k in kernel_names().filter(|k| k.starts_with("skinny_gemm_")) {
+            if bounds(k).as_deref() != Some("SK_WARPS * 32, 2") {
+                continue;
+            }
+            let line = SOURCE
+                .lines()
+                .find(|l| l.contains(&format!(" {k}(")))
+                .unwrap_or("");
+            let call = line.split_once("{ ").map_or("", |(_, c)| c);
+            let two_tiles = call.contains("<2, ") || call.contains("(2, ");
+            let xa_off = call.ends_with("false>(p); }") || call.ends_with("false) }");
+            assert!(two_tiles || xa_off, "{k}: {call}");
+        }
         // A deferred-norm twin launches as its base instance does.
         for (base, dn) in SKINNY_DN {
             assert!(bounds(dn).is_some(), "{dn}");
@@ -3552,7 +3607,7 @@ mod tests {
         }
         // Two blocks an SM for the one-wave launches (1B q|k|v, 3B and 8B o) and the long
         // reductions (3B and 8B down), not for the 1B's 128-block o and down, the 3B and 8B
-        // q|k|v (320, 384 blocks), FP8, 4-tile blocks or more than 8 rows.
+        // q|k|v (320, 384 blocks), FP8, 4-tile blocks or more than 16 rows.
         let rule = W8Rule::default();
         for (m, blocks, k, f8, r4, want) in [
             (1, 192, 8192, false, false, true),
@@ -3565,7 +3620,8 @@ mod tests {
             (1, 320, 3072, false, false, false),
             (1, 256, 14336, true, false, false),
             (1, 512, 8192, false, true, false),
-            (16, 192, 8192, false, false, false),
+            (16, 192, 8192, false, false, true),
+            (17, 192, 8192, false, false, false),
         ] {
             assert_eq!(
                 rule.two_blocks(m, blocks, k, f8, r4),
@@ -3634,9 +3690,10 @@ mod tests {
         };
         // The 1B's down (2,048 rows = 128 tiles over 8,192) and Qwen3-0.6B's (64 over 3,072).
         assert!(k2(8, 128, 8192) && k2(1, 128, 8192) && k2(8, 64, 3072));
-        // Not the 1B's o (a 2,048 reduction: a tie in check-gemv), more than 8 rows, the 3B's
+        assert!(k2(16, 128, 8192), "bf16 16 rows: the 16-row twin");
+        // Not the 1B's o (a 2,048 reduction: a tie in check-gemv), more than 16 rows, the 3B's
         // o and down (192 tiles: b2 already), nor without enough resident pairs.
-        assert!(!k2(8, 128, 2048) && !k2(9, 128, 8192) && !k2(8, 192, 8192));
+        assert!(!k2(8, 128, 2048) && !k2(17, 128, 8192) && !k2(8, 192, 8192));
         assert!(!skinny_k2_fits((8, 128, 8192), limits, 100));
         assert!(!skinny_k2_fits((8, 128, 8192), limits, 0));
         // The 8-warp twin, among launches b2 takes: the 3B's o and down (192 tiles over 3,072

@@ -5,7 +5,8 @@
 #   binaries: three fit the 64 MiB carry beside the tree, gzip does not), the old tool built
 #   at the baseline commit;
 #   B LABEL TOOL MODEL BATCHES MODES [ARGS]: harrier-cuda-tool bench (context 512, 64 steps,
-#   fused path up to 8 rows) of generated MODEL, one compact line per batch and mode (also
+#   fused path up to 8 rows: sessions 11-38's runs; session 39 passed --fused-max-rows 16, which
+#   ARGS may) of generated MODEL, one compact line per batch and mode (also
 #   appended to $OUT/ab2.log); TOOL is $OLD or $NEW; el NAME prints the seconds so far.
 # Example (session 12):
 #   . scripts/gpu/binab.sh; gen llama-3.2-1b

@@ -287,6 +287,13 @@ const FP8_SKINNY_MAX_ROWS_WITH_GEMM: usize = 8;
 /// block reads all input rows of its reduction.
 const FUSED_MULTI_ROW_MAX_HIDDEN: usize = 3072;
 
+/// bf16 steps of more than 8 rows (the skinny kernels' two n-tile instances, 9-16 rows) take
+/// the fused path on models at most this wide. Measured on the H200 (session 39, graphs,
+/// context 512, ms per step, fused vs the unfused launches): the 1B (2,048 wide) 1.165-1.172
+/// vs 1.219 at 9 rows, 1.196-1.208 vs 1.244 at 16; Qwen3-0.6B (1,024) 1.166 vs 1.407 and 1.236
+/// vs 1.491; the 3B (3,072) 2.742-2.752 vs 2.798 at 9 but 2.983-2.986 vs 2.887 at 16.
+const FUSED_16_MAX_HIDDEN: usize = 2048;
+
 /// FP8 steps of models at most this wide take the fusions up to the fused limit (the 1B and
 /// Qwen3-0.6B gain at every row count up to 8); wider ones up to [`FP8_FUSED_MAX_ROWS_WIDE`]
 /// rows. The measured boundary lies between the 1B (2,048) and the 3B (3,072).
@@ -413,6 +420,7 @@ impl ProjPlan {
             })
             && rows <= fused_max_rows
             && (rows == 1 || c.hidden_size <= FUSED_MULTI_ROW_MAX_HIDDEN)
+            && (rows <= 8 || (fp8.is_none() && c.hidden_size <= FUSED_16_MAX_HIDDEN))
             && c.layer_gemm_shapes()
                 .iter()
                 .all(|&(_, _, k)| skinny_supports(rows, k));
@@ -964,7 +972,7 @@ impl GpuModel {
             rows,
             |at, m, kk| match at {
                 NormAt::Prologue => k.skinny_norm_supports(m, kk),
-                NormAt::Deferred => k.skinny_deferred_norm_supports(m, kk),
+                NormAt::Deferred => k.skinny_deferred_norm_supports(m, kk, self.fp8),
                 NormAt::Launch => true,
             },
         )
@@ -1504,16 +1512,23 @@ mod tests {
         let mid = Preset::from_name("llama-3.2-3b").unwrap().config();
         assert_eq!(norm(&mid, off, 2, &fits), P);
         assert_eq!(norm(&mid, off, 3, &fits), L);
-        // The default limit: up to 8 rows, models wider than 3,072 at 1 row only.
+        // The default limit: up to 16 rows on models up to 2,048 wide, 8 up to 3,072, models
+        // wider at 1 row only.
         let default = crate::config::FUSED_DECODE_MAX_ROWS;
+        assert_eq!(default, 16);
         assert_eq!(plan(&llama, bf16, default, 1), (true, true, D));
         assert_eq!(plan(&llama, bf16, default, 8), (true, true, D));
-        assert_eq!(plan(&llama, bf16, default, 9), (false, false, L));
+        assert_eq!(plan(&llama, bf16, default, 9), (true, true, D));
+        assert_eq!(plan(&llama, bf16, default, 16), (true, true, D));
+        assert_eq!(plan(&llama, bf16, default, 17), (false, false, L));
         let wide = Preset::from_name("llama-3.1-8b").unwrap().config();
         assert_eq!(plan(&wide, bf16, default, 1), (true, true, D));
         assert_eq!(plan(&wide, bf16, default, 2), (false, false, L));
         assert_eq!(plan(&mid, bf16, default, 3), (true, true, D));
         assert_eq!(plan(&mid, bf16, default, 8), (true, true, D));
+        assert_eq!(plan(&mid, bf16, default, 9), (false, false, L));
+        let qwen = Preset::from_name("qwen3-0.6b").unwrap().config();
+        assert_eq!(plan(&qwen, bf16, default, 16), (true, true, D));
         // FP8 without its fusions (HARRIER_FP8_FUSED=0): skinny up to 16 rows whatever the
         // fused limit.
         assert_eq!(plan(&llama, fp8, 0, 1), (true, false, L));
@@ -1541,6 +1556,9 @@ mod tests {
         assert_eq!(fused_fp8(8, 4, false), (true, true, P));
         assert_eq!(fused_fp8(8, 8, false), (true, true, L));
         assert_eq!(fused_fp8(8, 12, true), (true, false, L));
+        // FP8 takes the fusions up to 8 rows whatever the fused limit (no 16-row FP8 twins).
+        assert_eq!(fused_fp8(16, 8, true), (true, true, D));
+        assert_eq!(fused_fp8(16, 12, true), (true, false, L));
         assert_eq!(
             fused_fp8(8, FP8_SKINNY_MAX_ROWS + 1, true),
             (false, false, L)

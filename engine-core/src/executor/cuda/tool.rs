@@ -1626,10 +1626,10 @@ fn check_gemv(a: &HashMap<String, String>) -> anyhow::Result<()> {
             dr::memcpy_htod_sync(dnw, &nw)?;
             dr::memcpy_htod_sync(dss, &vec![16.0f32; parts])?;
             // What the engine launches for this shape (into a scratch output): its deferred
-            // norms where the kernel takes them (up to 8 rows), else the prologue's.
+            // norms where the kernel takes them (bf16 up to 16 rows), else the prologue's.
             let fused_launch = |name: &str, m: usize| {
                 let p = |nn, e| SkinnyInputs::new((dx, dw, dy2), m, nn, kk, e);
-                let deferred = k.skinny_deferred_norm_supports(m, kk);
+                let deferred = k.skinny_deferred_norm_supports(m, kk, false);
                 let norm = |s: SkinnyInputs| match (deferred, k.skinny_norm_supports(m, kk)) {
                     (true, _) => s.norm_in(dss, 1e-5),
                     (false, true) => s.normed(dnw, (1e-5, 0.0)),
