@@ -87,8 +87,10 @@ pub struct EngineCoreArgs {
     /// CUDA backend (bf16): decode steps of up to this many tokens run the fused small-batch
     /// path (skinny tensor-core GEMMs with RMSNorm, residual adds and the gated activation
     /// folded in; docs/cuda.md); 0 runs every step through cuBLAS and separate kernels. The
-    /// default, 8, is where it was measured to win (docs/benchmarks.md, session 12); models
-    /// wider than 3,072 take it at one row only, and FP8 weights never take the fusions.
+    /// default, 16, is where it was measured to win (docs/benchmarks.md, sessions 12 and 39):
+    /// 9-16 rows only on models up to 2,048 wide, models up to 3,072 wide up to 8 rows, wider
+    /// ones at one row; FP8 weights take the fusions up to 8 rows (4 on models wider than
+    /// 2,048; docs/cuda.md).
     #[arg(long, default_value_t = crate::config::FUSED_DECODE_MAX_ROWS)]
     pub fused_decode_max_rows: usize,
     /// CUDA backend (bf16, sm_90): batch-1 decode steps of Llama-shaped models run as one
