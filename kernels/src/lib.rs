@@ -612,8 +612,18 @@ fn skinny_dn_instance(name: &str) -> Option<&'static str> {
 /// [`W8Rule::fits`]).
 const SKINNY_16_W8: [&str; 2] = ["skinny_gemm_16_w8", "skinny_gemm_16_r4_w8"];
 
+/// The most rows of the skinny instances with 8-warp, two-block, cluster split-K and
+/// deferred-norm twins: 16 with bf16 weights (the `_16_` ones, session 39), 8 with FP8.
+fn skinny_twins_max_m(f8: bool) -> usize {
+    if f8 {
+        8
+    } else {
+        16
+    }
+}
+
 /// The instance of an `m`-row launch (`r4`: 4 row tiles a block, m <= 16; `w8`: 8-warp blocks,
-/// m <= 8, or bf16 m <= 16; `f8`: FP8 weights).
+/// m <= [`skinny_twins_max_m`]; `f8`: FP8 weights).
 fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
     if w8 && m > 8 {
         return SKINNY_16_W8[usize::from(r4)];
@@ -631,8 +641,8 @@ fn skinny_instance(m: usize, r4: bool, f8: bool, w8: bool) -> &'static str {
     SKINNY_INSTANCES[usize::from(f8)][shape]
 }
 
-/// The instance of one-tile bf16 launches of up to 8 rows (16: the second, two n-tile twin) with at least
-/// [`SKINNY_W8_MIN_BLOCKS`] blocks that either run one wave at two blocks an SM (at most
+/// The instance of one-tile bf16 launches of up to 8 rows (9-16: the second, two n-tile twin)
+/// with at least [`SKINNY_W8_MIN_BLOCKS`] blocks that either run one wave at two blocks an SM (at most
 /// [`SKINNY_B2_MAX_BLOCKS`]: the 1B q|k|v, the 3B o, the 8B o) or have reductions past
 /// [`SKINNY_W8_MAX_K`] (the 3B and 8B down projections): 16 warps bound to two blocks an SM.
 /// Measured on the H200 (session 13, ms per step, side by side): the long reductions 3B
@@ -677,7 +687,7 @@ fn skinny_k2_fits(
     (min_k, max_blocks): (usize, u32),
     clusters: u32,
 ) -> bool {
-    m <= 16 && k >= min_k && 2 * blocks <= max_blocks && blocks <= clusters
+    m <= skinny_twins_max_m(false) && k >= min_k && 2 * blocks <= max_blocks && blocks <= clusters
 }
 
 /// Whether a launch of `blocks` tiles over `k` that [`SKINNY_B2`] takes runs [`SKINNY_K2_W8`]
@@ -700,19 +710,19 @@ const SKINNY_B2_MAX_BLOCKS: u32 = 264;
 const SKINNY_W8_MIN_BLOCKS: u32 = 160;
 const SKINNY_W8_MAX_K: usize = 4096;
 
-/// Whether an `m`-row skinny launch of `blocks` blocks over `k` (`f8`: FP8 weights) takes an
-/// 8-warp instance (`skinny_gemm_*_w8`) rather than `SK_WARPS` warps: up to 8 rows (bf16: 16), more
-/// blocks than an H100 has SMs, and for bf16 weights reductions of at most 4,096. Measured on
-/// the H100 (1 row, us, 16 vs 8 warps; `check-gemv` / `check-fp8 --variants`, 2026-11-25):
-/// 1B q|k|v (192 blocks, k 2,048) 6.4 vs 5.0 bf16, 6.7 vs 5.4 FP8; gate|up (256) 27.3 vs 26.0
-/// bf16, 17.3 vs 17.5 FP8; lm_head (2,004) 183.4 vs 180.8 bf16, 137.8 vs 106.7 FP8; 8B q|k|v
-/// (384, k 4,096) 22.6 vs 20.3 bf16, 19.0 vs 14.5 FP8; gate|up (448) 87.3 vs 84.3 bf16, 60.4
-/// vs 52.1 FP8; lm_head 362 vs 366 bf16 (the one loss kept: the layers win more), 222 vs 199
-/// FP8; FP8 down (256 blocks, k 14,336) 33.2 vs 31.6 and o (256) 13.2 vs 12.2; but 128-block
-/// launches keep 16 (1B o 3.8 vs 4.4, down 10.1 vs 13.2 bf16 and 8.7 vs 13.9 FP8), and so do
-/// long bf16 reductions (8B down 46.3 vs 52.0). (Those 16-warp timings were of the unbound
-/// instance, one block an SM; one-tile bf16 launches of up to 264 blocks now take
-/// `skinny_gemm_8_b2` first, which beat the 8-warp blocks on the H200 in session 13.)
+/// Whether an `m`-row skinny launch of `blocks` blocks over `k` (`f8`: FP8 weights) takes an 8-warp
+/// instance (`skinny_gemm_*_w8`) rather than `SK_WARPS` warps: up to [`skinny_twins_max_m`] rows,
+/// more blocks than an H100 has SMs, and for bf16 weights reductions of at most 4,096. Measured on
+/// the H100 (1 row, us, 16 vs 8 warps; `check-gemv` / `check-fp8 --variants`, 2026-11-25): 1B q|k|v
+/// (192 blocks, k 2,048) 6.4 vs 5.0 bf16, 6.7 vs 5.4 FP8; gate|up (256) 27.3 vs 26.0 bf16, 17.3 vs
+/// 17.5 FP8; lm_head (2,004) 183.4 vs 180.8 bf16, 137.8 vs 106.7 FP8; 8B q|k|v (384, k 4,096) 22.6
+/// vs 20.3 bf16, 19.0 vs 14.5 FP8; gate|up (448) 87.3 vs 84.3 bf16, 60.4 vs 52.1 FP8; lm_head 362
+/// vs 366 bf16 (the one loss kept: the layers win more), 222 vs 199 FP8; FP8 down (256 blocks, k
+/// 14,336) 33.2 vs 31.6 and o (256) 13.2 vs 12.2; but 128-block launches keep 16 (1B o 3.8 vs 4.4,
+/// down 10.1 vs 13.2 bf16 and 8.7 vs 13.9 FP8), and so do long bf16 reductions (8B down 46.3 vs
+/// 52.0). (Those 16-warp timings were of the unbound instance, one block an SM; one-tile bf16
+/// launches of up to 264 blocks now take `skinny_gemm_8_b2` first, which beat the 8-warp blocks on
+/// the H200 in session 13.)
 pub fn skinny_w8_fits(m: usize, blocks: u32, k: usize, f8: bool) -> bool {
     W8Rule::default().fits(m, blocks, k, f8)
 }
@@ -763,7 +773,7 @@ impl W8Rule {
     }
 
     fn fits(self, m: usize, blocks: u32, k: usize, f8: bool) -> bool {
-        (m <= 8 || (m <= 16 && !f8)) && blocks >= self.min_blocks && (f8 || k <= self.max_k)
+        m <= skinny_twins_max_m(f8) && blocks >= self.min_blocks && (f8 || k <= self.max_k)
     }
 
     /// Whether a launch takes [`SKINNY_B2`] (before the 8-warp instances, which then do not
@@ -771,7 +781,7 @@ impl W8Rule {
     /// the 8-warp rule turns away for their reduction length.
     fn two_blocks(self, m: usize, blocks: u32, k: usize, f8: bool, r4: bool) -> bool {
         !f8 && !r4
-            && m <= 16
+            && m <= skinny_twins_max_m(f8)
             && ((blocks >= self.b2_long_min_blocks && k > self.max_k)
                 || (blocks >= self.b2_min_blocks && blocks <= self.b2_max_blocks))
     }
@@ -1508,10 +1518,8 @@ impl Kernels {
         Ok(n.max(0) as u32)
     }
 
-    /// Resident clusters of two blocks (`warps` each) of a split-K skinny instance, counted
-    /// for it and its deferred-norm twin alike (the fewer of the two).
-    /// The resident clusters of two of every instance in `names` and their deferred-norm
-    /// twins, the fewest.
+    /// Resident clusters of two blocks (`warps` each) of a split-K skinny instance pair (8 and
+    /// 16 rows), counted for both and their deferred-norm twins alike (the fewest).
     fn skinny_pairs(&self, names: [&str; 2], warps: u32) -> anyhow::Result<u32> {
         let mut n = u32::MAX;
         for name in names {
@@ -2587,8 +2595,9 @@ impl Kernels {
     /// ([`SkinnyInputs::norm_in`]; they are staged in dynamic shared memory): up to 16 rows
     /// with bf16 weights, 8 with FP8 (`f8`).
     pub fn skinny_deferred_norm_supports(&self, m: usize, k: usize, f8: bool) -> bool {
-        let max_m = if f8 { 8 } else { 16 };
-        skinny_supports(m, k) && m <= max_m && deferred_norm_smem(m, k) <= self.skinny_smem
+        skinny_supports(m, k)
+            && m <= skinny_twins_max_m(f8)
+            && deferred_norm_smem(m, k) <= self.skinny_smem
     }
 
     /// The tensor-core skinny GEMM (see [`SkinnyInputs`]); the instance with the fewest 8-row
@@ -2630,7 +2639,7 @@ impl Kernels {
         let r4 = tiles >= self.r4_from && m <= 16;
         let rows = (if gated { SKINNY_ROWS / 2 } else { SKINNY_ROWS }) * if r4 { 4 } else { 1 };
         let blocks = (p.n as u32).div_ceil(rows);
-        // (skinny_w8_fits holds up to 8 rows, 16 for bf16: the 8-warp instances' sizes.)
+        // (skinny_w8_fits holds up to skinny_twins_max_m rows: the 8-warp instances' sizes.)
         // (b2 first: a launch both rules take runs 16 warps, as SKINNY_B2 is compiled for.)
         let b2 = self.skinny_b2 && self.w8_rule.two_blocks(m, blocks, k, f8, r4);
         let w8 = !b2 && self.skinny_w8 && self.w8_rule.fits(m, blocks, k, f8);
