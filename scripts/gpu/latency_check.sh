@@ -34,7 +34,8 @@
 #            on BENCH_MODELS at BATCHES, context 512; then the same with FP8 weights
 #            (BENCH_FP8=0 skips them).
 # Build and carry .gpu/ as for cuda_check.sh. STAGES (default: gemv fused graphs fp8); FUSED_ROWS
-# (default 8) is the fused path's row limit for check-fused and bench (both paths side by side).
+# (default 16, the engine's) is the fused path's row limit for check-fused and bench (both paths side
+# by side).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/harrier-latency-out}"
@@ -66,13 +67,13 @@ for st in $STAGES; do
         for m in ${FUSED_MODELS:-llama-3.2-1b gemma-3-1b qwen3-0.6b}; do
             gen "$m"
             echo "-- $m"
-            timeout 200 "$T" check-fused --model "$W/$m" --batches "${FUSED_BATCHES:-1,2,3,8,13,16}" --fused-max-rows "${FUSED_ROWS:-8}" 2>&1 | grep -E "^\||worst|Error" | tee -a "$OUT/fused.txt"
+            timeout 200 "$T" check-fused --model "$W/$m" --batches "${FUSED_BATCHES:-1,2,3,8,13,16}" --fused-max-rows "${FUSED_ROWS:-16}" 2>&1 | grep -E "^\||worst|Error" | tee -a "$OUT/fused.txt"
         done
         ;;
     graphs)
         gen llama-3.2-1b
-        echo "-- fused path (--fused-max-rows ${FUSED_ROWS:-8})" | tee -a "$OUT/graphs.txt"
-        timeout 300 "$T" check-graphs --model "$W/llama-3.2-1b" --fused-max-rows "${FUSED_ROWS:-8}" 2>&1 | grep -E "identical|Error|check-graphs" | tee -a "$OUT/graphs.txt"
+        echo "-- fused path (--fused-max-rows ${FUSED_ROWS:-16})" | tee -a "$OUT/graphs.txt"
+        timeout 300 "$T" check-graphs --model "$W/llama-3.2-1b" --fused-max-rows "${FUSED_ROWS:-16}" 2>&1 | grep -E "identical|Error|check-graphs" | tee -a "$OUT/graphs.txt"
         echo "-- FP8 weights" | tee -a "$OUT/graphs.txt"
         timeout 300 "$T" check-graphs --model "$W/llama-3.2-1b" --quantization fp8 2>&1 | grep -E "identical|Error|check-graphs" | tee -a "$OUT/graphs.txt"
         ;;
@@ -109,11 +110,11 @@ for st in $STAGES; do
         for m in ${BENCH_MODELS:-llama-3.2-1b}; do
             gen "$m"
             decode_bench "$OUT/bench.log" "$m" "$BATCHES" --modes graph-async,graph-async-unfused \
-                --prefill-seqs 1 --prefill-len 16 --fused-max-rows "${FUSED_ROWS:-8}" --json "$OUT/bench_$m.json"
+                --prefill-seqs 1 --prefill-len 16 --fused-max-rows "${FUSED_ROWS:-16}" --json "$OUT/bench_$m.json"
             [[ "${BENCH_FP8:-1}" == 1 ]] || continue
             echo "-- $m FP8" | tee -a "$OUT/bench.log"
             decode_bench "$OUT/bench.log" "$m" "$BATCHES" --modes graph-async,graph-async-unfused \
-                --prefill-seqs 1 --prefill-len 16 --fused-max-rows "${FUSED_ROWS:-8}" --quantization fp8 \
+                --prefill-seqs 1 --prefill-len 16 --fused-max-rows "${FUSED_ROWS:-16}" --quantization fp8 \
                 --json "$OUT/bench_${m}_fp8.json"
         done
         ;;
@@ -156,7 +157,7 @@ for st in $STAGES; do
             for mode in ${PROFILE_MODES:-graph-async graph-async-unfused}; do
                 timeout 200 ncu --clock-control none --cache-control "${NCU_CACHE:-all}" --metrics gpu__time_duration.sum --csv \
                     "$T" bench --model "$W/llama-3.2-1b" --batches $b --context 512 --steps 4 --modes $mode \
-                    --fused-max-rows "${FUSED_ROWS:-8}" --prefill-seqs 1 --prefill-len 16 >"$OUT/ncu_${b}_$mode.csv" 2>/dev/null
+                    --fused-max-rows "${FUSED_ROWS:-16}" --prefill-seqs 1 --prefill-len 16 >"$OUT/ncu_${b}_$mode.csv" 2>/dev/null
                 python3 scripts/gpu/ncu_summary.py "$OUT/ncu_${b}_$mode.csv" 8 "batch $b $mode" | tee -a "$OUT/profile.txt"
             done
         done
