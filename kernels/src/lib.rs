@@ -613,8 +613,9 @@ fn skinny_dn_instance(name: &str) -> Option<&'static str> {
 const SKINNY_16_W8: [&str; 2] = ["skinny_gemm_16_w8", "skinny_gemm_16_r4_w8"];
 
 /// The most rows of the skinny instances with 8-warp, two-block, cluster split-K and
-/// deferred-norm twins: 16 with bf16 weights (the `_16_` ones, session 39), 8 with FP8.
-fn skinny_twins_max_m(f8: bool) -> usize {
+/// deferred-norm twins: 16 with bf16 weights (the `_16_` ones, session 39), 8 with FP8 (`f8`).
+/// The engine's fused path stops there.
+pub fn skinny_twins_max_m(f8: bool) -> usize {
     if f8 {
         8
     } else {

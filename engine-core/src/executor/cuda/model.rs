@@ -420,7 +420,9 @@ impl ProjPlan {
             })
             && rows <= fused_max_rows
             && (rows == 1 || c.hidden_size <= FUSED_MULTI_ROW_MAX_HIDDEN)
-            && (rows <= 8 || (fp8.is_none() && c.hidden_size <= FUSED_16_MAX_HIDDEN))
+            && rows <= harrier_kernels::skinny_twins_max_m(fp8.is_some())
+            // (Past one 8-row n-tile: measured per model width.)
+            && (rows <= 8 || c.hidden_size <= FUSED_16_MAX_HIDDEN)
             && c.layer_gemm_shapes()
                 .iter()
                 .all(|&(_, _, k)| skinny_supports(rows, k));
