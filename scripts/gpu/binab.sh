@@ -5,8 +5,9 @@
 #   binaries: three fit the 64 MiB carry beside the tree, gzip does not), the old tool built
 #   at the baseline commit;
 #   B LABEL TOOL MODEL BATCHES MODES [ARGS]: harrier-cuda-tool bench (context 512, 64 steps,
-#   fused path up to 8 rows: sessions 11-38's runs; session 39 passed --fused-max-rows 16, which
-#   ARGS may) of generated MODEL, one compact line per batch and mode (also
+#   fused path up to $FUSED_ROWS rows, default 16 as the engine's; sessions 11-38 ran 8, session
+#   39 passed --fused-max-rows 16 in ARGS, which may still override it) of generated MODEL, one
+#   compact line per batch and mode (also
 #   appended to $OUT/ab2.log); TOOL is $OLD or $NEW; el NAME prints the seconds so far.
 # Example (session 12):
 #   . scripts/gpu/binab.sh; gen llama-3.2-1b
@@ -26,7 +27,7 @@ B() {
     local l=$1 t=$2 m=$3 b=$4 md=$5
     shift 5
     timeout 300 "$t" bench --model "$W/$m" --batches "$b" --context 512 --steps 64 --modes "$md" --prefill-seqs 1 \
-        --prefill-len 16 --fused-max-rows 8 "$@" 2>&1 | grep -E "^decode|Error" \
+        --prefill-len 16 --fused-max-rows "${FUSED_ROWS:-16}" "$@" 2>&1 | grep -E "^decode|Error" \
         | sed -E "s/^decode batch +/$l b/; s/ms\/step wall, GPU.*tok\/s, floor +/floor /; s/graph kernels/k/" \
         | tee -a "$OUT/ab2.log"
 }

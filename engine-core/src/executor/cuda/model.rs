@@ -287,12 +287,29 @@ const FP8_SKINNY_MAX_ROWS_WITH_GEMM: usize = 8;
 /// block reads all input rows of its reduction.
 const FUSED_MULTI_ROW_MAX_HIDDEN: usize = 3072;
 
-/// bf16 steps of more than 8 rows (the skinny kernels' two n-tile instances, 9-16 rows) take
-/// the fused path on models at most this wide. Measured on the H200 (session 39, graphs,
-/// context 512, ms per step, fused vs the unfused launches): the 1B (2,048 wide) 1.165-1.172
-/// vs 1.219 at 9 rows, 1.196-1.208 vs 1.244 at 16; Qwen3-0.6B (1,024) 1.166 vs 1.407 and 1.236
-/// vs 1.491; the 3B (3,072) 2.742-2.752 vs 2.798 at 9 but 2.983-2.986 vs 2.887 at 16.
-const FUSED_16_MAX_HIDDEN: usize = 2048;
+/// The most rows of a bf16 fused step on a model `hidden` wide: past 8 the skinny kernels'
+/// two n-tile instances (9-16 rows), which win on narrow models and lose on wider ones as the
+/// rows grow. Measured on the H200 (graphs, context 512, ms per step, fused vs the unfused
+/// launches): session 39, the 1B (2,048 wide) 1.165-1.172 vs 1.219 at 9 rows, 1.196-1.208 vs
+/// 1.244 at 16; Qwen3-0.6B (1,024) 1.166 vs 1.407 and 1.236 vs 1.491; session 40, the 3B
+/// (3,072) 2.642-2.648 vs 2.773-2.778 at 9, 2.700-2.711 vs 2.791-2.792 at 10, 2.778-2.789 vs
+/// 2.814-2.816 at 12, but 2.888-2.902 vs 2.847-2.851 at 14 and 2.974-2.987 vs 2.877-2.880 at
+/// 16. (Wider models fuse 1 row only: `FUSED_MULTI_ROW_MAX_HIDDEN`.)
+/// `HARRIER_FUSED_WIDE_MAX_ROWS=N` sets it for models wider than 2,048 (measurement only).
+fn fused_width_max_rows(hidden: usize) -> usize {
+    static WIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let wide = || {
+        *WIDE.get_or_init(|| {
+            std::env::var("HARRIER_FUSED_WIDE_MAX_ROWS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+        })
+    };
+    match hidden {
+        0..=2048 => 16,
+        _ => wide().unwrap_or(if hidden <= 3072 { 12 } else { 8 }),
+    }
+}
 
 /// FP8 steps of models at most this wide take the fusions up to the fused limit (the 1B and
 /// Qwen3-0.6B gain at every row count up to 8); wider ones up to [`FP8_FUSED_MAX_ROWS_WIDE`]
@@ -422,7 +439,7 @@ impl ProjPlan {
             && (rows == 1 || c.hidden_size <= FUSED_MULTI_ROW_MAX_HIDDEN)
             && rows <= harrier_kernels::skinny_twins_max_m(fp8.is_some())
             // (Past one 8-row n-tile: measured per model width.)
-            && (rows <= 8 || c.hidden_size <= FUSED_16_MAX_HIDDEN)
+            && rows <= fused_width_max_rows(c.hidden_size)
             && c.layer_gemm_shapes()
                 .iter()
                 .all(|&(_, _, k)| skinny_supports(rows, k));
@@ -1514,7 +1531,7 @@ mod tests {
         let mid = Preset::from_name("llama-3.2-3b").unwrap().config();
         assert_eq!(norm(&mid, off, 2, &fits), P);
         assert_eq!(norm(&mid, off, 3, &fits), L);
-        // The default limit: up to 16 rows on models up to 2,048 wide, 8 up to 3,072, models
+        // The default limit: up to 16 rows on models up to 2,048 wide, 12 up to 3,072, models
         // wider at 1 row only.
         let default = crate::config::FUSED_DECODE_MAX_ROWS;
         assert_eq!(default, 16);
@@ -1528,7 +1545,10 @@ mod tests {
         assert_eq!(plan(&wide, bf16, default, 2), (false, false, L));
         assert_eq!(plan(&mid, bf16, default, 3), (true, true, D));
         assert_eq!(plan(&mid, bf16, default, 8), (true, true, D));
-        assert_eq!(plan(&mid, bf16, default, 9), (false, false, L));
+        assert_eq!(plan(&mid, bf16, default, 9), (true, true, D));
+        assert_eq!(plan(&mid, bf16, default, 12), (true, true, D));
+        assert_eq!(plan(&mid, bf16, default, 13), (false, false, L));
+        assert_eq!(plan(&mid, bf16, 10, 12), (false, false, L));
         let qwen = Preset::from_name("qwen3-0.6b").unwrap().config();
         assert_eq!(plan(&qwen, bf16, default, 16), (true, true, D));
         // FP8 without its fusions (HARRIER_FP8_FUSED=0): skinny up to 16 rows whatever the
