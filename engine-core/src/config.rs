@@ -146,8 +146,9 @@ impl EngineConfig {
 /// Steps of 9-16 rows take it on models up to 2,048 wide, 9-12 up to 3,072
 /// (`fused_width_max_rows` there: since session 39 the 16-row skinny instances have the
 /// 8-row ones' 8-warp, two-block and cluster split-K twins and deferred norms; the 1B gains
-/// 3-4%, Qwen3-0.6B 17%, the 3B 1-5% at 9-12 rows and loses from 14). Past 16 rows the fused path loses badly (H100, session 8: 5.18 vs 2.19 ms at 64;
-/// H200, session 39: 1B 2.50 vs 1.37 at 32): every block re-reads the input rows.
+/// 3-4%, Qwen3-0.6B 17%, the 3B 1-5% at 9-12 rows and loses from 14). Past 16 rows the
+/// fused path loses badly (H100, session 8: 5.18 vs 2.19 ms at 64; H200, session 39: 1B
+/// 2.50 vs 1.37 at 32): every block re-reads the input rows.
 pub const FUSED_DECODE_MAX_ROWS: usize = 16;
 
 /// The fused path's row limit that `harrier-cuda-tool bench` and `check-fused` use when not

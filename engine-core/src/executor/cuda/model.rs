@@ -300,9 +300,12 @@ fn fused_width_max_rows(hidden: usize) -> usize {
     static WIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let wide = || {
         *WIDE.get_or_init(|| {
-            std::env::var("HARRIER_FUSED_WIDE_MAX_ROWS")
-                .ok()
-                .and_then(|v| v.parse().ok())
+            let v = std::env::var("HARRIER_FUSED_WIDE_MAX_ROWS").ok()?;
+            let rows = v.parse().ok();
+            if rows.is_none() {
+                tracing::warn!("HARRIER_FUSED_WIDE_MAX_ROWS={v} is not a row count; ignored");
+            }
+            rows
         })
     };
     match hidden {
