@@ -142,9 +142,9 @@ impl EngineConfig {
 /// (session 12, docs/benchmarks.md, ms per step, fused vs unfused): 1B 1.177 vs 1.316 at 1
 /// row, 1.230 vs 1.251 at 2, 1.279 vs 1.351 at 4, 1.459 vs 1.522 at 8; 3B 2.615 vs 2.832,
 /// 2.906 vs 2.891, 3.206 vs 3.221, 3.348 vs 3.374; models wider than the 3B's 3,072 stay at
-/// one row (the 8B loses 2-3% at 2-8 rows: `FUSED_MULTI_ROW_MAX_HIDDEN` in the CUDA model).
+/// one row (the 8B loses 2-3% at 2-8 rows: `fused_width_max_rows` in the CUDA model).
 /// Steps of 9-16 rows take it on models up to 2,048 wide, 9-12 up to 3,072
-/// (`fused_width_max_rows` there: since session 39 the 16-row skinny instances have the
+/// (the same function: since session 39 the 16-row skinny instances have the
 /// 8-row ones' 8-warp, two-block and cluster split-K twins and deferred norms; the 1B gains
 /// 3-4%, Qwen3-0.6B 17%, the 3B 1-5% at 9-12 rows and loses from 14). Past 16 rows the
 /// fused path loses badly (H100, session 8: 5.18 vs 2.19 ms at 64; H200, session 39: 1B

@@ -280,37 +280,34 @@ impl SkipStages {
 const FP8_SKINNY_MAX_ROWS: usize = 16;
 const FP8_SKINNY_MAX_ROWS_WITH_GEMM: usize = 8;
 
-/// Models wider than this take the fused path at one row only (whatever
-/// `--fused-decode-max-rows` allows): measured on the H200 (session 12, ms per step, fused vs
-/// unfused) the 8B shape (4,096 wide) loses at 2 and 8 rows (5.569 vs 5.404, 6.555 vs 6.402),
-/// where the 1B and 3B win or tie (`config::FUSED_DECODE_MAX_ROWS` has their numbers): every
-/// block reads all input rows of its reduction.
-const FUSED_MULTI_ROW_MAX_HIDDEN: usize = 3072;
-
-/// The most rows of a bf16 fused step on a model `hidden` wide: past 8 the skinny kernels'
-/// two n-tile instances (9-16 rows), which win on narrow models and lose on wider ones as the
-/// rows grow. Measured on the H200 (graphs, context 512, ms per step, fused vs the unfused
-/// launches): session 39, the 1B (2,048 wide) 1.165-1.172 vs 1.219 at 9 rows, 1.196-1.208 vs
-/// 1.244 at 16; Qwen3-0.6B (1,024) 1.166 vs 1.407 and 1.236 vs 1.491; session 40, the 3B
-/// (3,072) 2.642-2.648 vs 2.773-2.778 at 9, 2.700-2.711 vs 2.791-2.792 at 10, 2.778-2.789 vs
-/// 2.814-2.816 at 12, but 2.888-2.902 vs 2.847-2.851 at 14 and 2.974-2.987 vs 2.877-2.880 at
-/// 16. (Wider models fuse 1 row only: `FUSED_MULTI_ROW_MAX_HIDDEN`.)
-/// `HARRIER_FUSED_WIDE_MAX_ROWS=N` sets it for models wider than 2,048 (measurement only).
+/// The most rows of a fused step on a model `hidden` wide (whatever `--fused-decode-max-rows`
+/// allows): every block of a skinny launch reads all input rows of its reduction, so wider
+/// models win over fewer rows. Measured on the H200 (graphs, context 512, ms per step, fused
+/// vs the unfused launches):
+/// - up to 2,048 wide, 16 (the skinny kernels' two n-tile instances past 8 rows; session 39):
+///   the 1B 1.165-1.172 vs 1.219 at 9 rows, 1.196-1.208 vs 1.244 at 16; Qwen3-0.6B (1,024)
+///   1.166 vs 1.407 and 1.236 vs 1.491;
+/// - up to 3,072, 12 (session 40): the 3B 2.642-2.648 vs 2.773-2.778 at 9, 2.700-2.711 vs
+///   2.791-2.792 at 10, 2.778-2.789 vs 2.814-2.816 at 12, but 2.888-2.902 vs 2.847-2.851 at 14
+///   and 2.974-2.987 vs 2.877-2.880 at 16 (`HARRIER_FUSED_WIDE_MAX_ROWS=N` sets this band's
+///   limit, to measure);
+/// - wider, 1 (session 12): the 8B (4,096) loses at 2 and 8 rows (5.569 vs 5.404, 6.555 vs
+///   6.402), where the 1B and 3B win or tie (`config::FUSED_DECODE_MAX_ROWS` has their numbers).
 fn fused_width_max_rows(hidden: usize) -> usize {
     static WIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let wide = || {
-        *WIDE.get_or_init(|| {
-            let v = std::env::var("HARRIER_FUSED_WIDE_MAX_ROWS").ok()?;
-            let rows = v.parse().ok();
-            if rows.is_none() {
-                tracing::warn!("HARRIER_FUSED_WIDE_MAX_ROWS={v} is not a row count; ignored");
-            }
-            rows
-        })
-    };
     match hidden {
         0..=2048 => 16,
-        _ => wide().unwrap_or(if hidden <= 3072 { 12 } else { 8 }),
+        2049..=3072 => WIDE
+            .get_or_init(|| {
+                let v = std::env::var("HARRIER_FUSED_WIDE_MAX_ROWS").ok()?;
+                let rows = v.parse().ok();
+                if rows.is_none() {
+                    tracing::warn!("HARRIER_FUSED_WIDE_MAX_ROWS={v} is not a row count; ignored");
+                }
+                rows
+            })
+            .unwrap_or(12),
+        _ => 1,
     }
 }
 
@@ -439,9 +436,7 @@ impl ProjPlan {
                 rows <= max && fuse_fp8.is_some_and(|wide| fp8_fusion_fits(c, rows, wide))
             })
             && rows <= fused_max_rows
-            && (rows == 1 || c.hidden_size <= FUSED_MULTI_ROW_MAX_HIDDEN)
             && rows <= harrier_kernels::skinny_twins_max_m(fp8.is_some())
-            // (Past one 8-row n-tile: measured per model width.)
             && rows <= fused_width_max_rows(c.hidden_size)
             && c.layer_gemm_shapes()
                 .iter()
