@@ -193,6 +193,9 @@ pub struct GpuModel {
     /// Measurement only: the norm prologues' row limit for every width
     /// (`HARRIER_NORM_MAX_ROWS=N`; default [`norm_prologue_max_rows`]).
     norm_max_rows: Option<usize>,
+    /// Measurement only: the fused path's row limit on models 2,049-3,072 wide
+    /// (`HARRIER_FUSED_WIDE_MAX_ROWS=N`; default [`fused_width_max_rows`]'s 12).
+    fused_wide_rows: Option<usize>,
     /// Fused steps defer their norms ([`NormAt::Deferred`]); `HARRIER_DEFERRED_NORM=0`
     /// takes the prologues or launches instead (to compare).
     deferred_norm: bool,
@@ -289,24 +292,14 @@ const FP8_SKINNY_MAX_ROWS_WITH_GEMM: usize = 8;
 ///   1.166 vs 1.407 and 1.236 vs 1.491;
 /// - up to 3,072, 12 (session 40): the 3B 2.642-2.648 vs 2.773-2.778 at 9, 2.700-2.711 vs
 ///   2.791-2.792 at 10, 2.778-2.789 vs 2.814-2.816 at 12, but 2.888-2.902 vs 2.847-2.851 at 14
-///   and 2.974-2.987 vs 2.877-2.880 at 16 (`HARRIER_FUSED_WIDE_MAX_ROWS=N` sets this band's
-///   limit, to measure);
+///   and 2.974-2.987 vs 2.877-2.880 at 16 (`wide`, when set, replaces this band's limit:
+///   `HARRIER_FUSED_WIDE_MAX_ROWS=N`, to measure);
 /// - wider, 1 (session 12): the 8B (4,096) loses at 2 and 8 rows (5.569 vs 5.404, 6.555 vs
 ///   6.402), where the 1B and 3B win or tie (`config::FUSED_DECODE_MAX_ROWS` has their numbers).
-fn fused_width_max_rows(hidden: usize) -> usize {
-    static WIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+fn fused_width_max_rows(hidden: usize, wide: Option<usize>) -> usize {
     match hidden {
         0..=2048 => 16,
-        2049..=3072 => WIDE
-            .get_or_init(|| {
-                let v = std::env::var("HARRIER_FUSED_WIDE_MAX_ROWS").ok()?;
-                let rows = v.parse().ok();
-                if rows.is_none() {
-                    tracing::warn!("HARRIER_FUSED_WIDE_MAX_ROWS={v} is not a row count; ignored");
-                }
-                rows
-            })
-            .unwrap_or(12),
+        2049..=3072 => wide.unwrap_or(12),
         _ => 1,
     }
 }
@@ -422,7 +415,7 @@ impl ProjPlan {
         c: &ModelConfig,
         (dtype, fp8): (Dtype, Option<usize>),
         (fuse_fp8, norm_rows, deferred): (Option<usize>, Option<usize>, bool),
-        fused_max_rows: usize,
+        (fused_max_rows, wide_rows): (usize, Option<usize>),
         rows: usize,
         fits: impl Fn(NormAt, usize, usize) -> bool,
     ) -> ProjPlan {
@@ -437,7 +430,7 @@ impl ProjPlan {
             })
             && rows <= fused_max_rows
             && rows <= harrier_kernels::skinny_twins_max_m(fp8.is_some())
-            && rows <= fused_width_max_rows(c.hidden_size)
+            && rows <= fused_width_max_rows(c.hidden_size, wide_rows)
             && c.layer_gemm_shapes()
                 .iter()
                 .all(|&(_, _, k)| skinny_supports(rows, k));
@@ -886,6 +879,10 @@ impl GpuModel {
                 Ok(v) => Some(v.parse().context("HARRIER_NORM_MAX_ROWS")?),
                 Err(_) => None,
             },
+            fused_wide_rows: match std::env::var("HARRIER_FUSED_WIDE_MAX_ROWS") {
+                Ok(v) => Some(v.parse().context("HARRIER_FUSED_WIDE_MAX_ROWS")?),
+                Err(_) => None,
+            },
             deferred_norm: harrier_kernels::switch_on("HARRIER_DEFERRED_NORM"),
             embed_norm: harrier_kernels::switch_on("HARRIER_EMBED_NORM"),
             ring: None,
@@ -985,7 +982,7 @@ impl GpuModel {
             &self.config,
             (self.dtype, self.fp8.then(|| self.fp8_skinny_max_rows())),
             (self.fp8_fused, self.norm_max_rows, self.deferred_norm),
-            self.fused_max_rows,
+            (self.fused_max_rows, self.fused_wide_rows),
             rows,
             |at, m, kk| match at {
                 NormAt::Prologue => k.skinny_norm_supports(m, kk),
@@ -1492,7 +1489,7 @@ mod tests {
         let gemma = Preset::from_name("gemma-3-1b").unwrap().config();
         let fits = |_: NormAt, _: usize, _: usize| true;
         let plan = |c: &ModelConfig, st: (Dtype, Option<usize>), max: usize, rows: usize| {
-            let p = ProjPlan::new(c, st, (None, None, true), max, rows, fits);
+            let p = ProjPlan::new(c, st, (None, None, true), (max, None), rows, fits);
             (p.skinny, p.residual, p.norm)
         };
         let bf16 = (Dtype::Bf16, None);
@@ -1510,7 +1507,7 @@ mod tests {
         assert_eq!(plan(&gemma, bf16, 8, 1), (true, false, L));
         assert_eq!(plan(&gemma, bf16, 8, 8), (true, false, L));
         let norm = |c: &ModelConfig, opts, rows, fits: &dyn Fn(NormAt, usize, usize) -> bool| {
-            ProjPlan::new(c, bf16, opts, 8, rows, fits).norm
+            ProjPlan::new(c, bf16, opts, (8, None), rows, fits).norm
         };
         // Deferred norms that do not fit shared memory fall back to the prologues (up to 4
         // rows at 2,048 wide), then to launches.
@@ -1547,6 +1544,15 @@ mod tests {
         assert_eq!(plan(&mid, bf16, default, 12), (true, true, D));
         assert_eq!(plan(&mid, bf16, default, 13), (false, false, L));
         assert_eq!(plan(&mid, bf16, 10, 12), (false, false, L));
+        // HARRIER_FUSED_WIDE_MAX_ROWS replaces the 2,049-3,072 band's limit only.
+        let wide_plan = |c: &ModelConfig, band, rows| {
+            let p = ProjPlan::new(c, bf16, (None, None, true), (default, band), rows, fits);
+            (p.skinny, p.residual, p.norm)
+        };
+        assert_eq!(wide_plan(&mid, Some(16), 16), (true, true, D));
+        assert_eq!(wide_plan(&mid, Some(8), 9), (false, false, L));
+        assert_eq!(wide_plan(&llama, Some(8), 16), (true, true, D));
+        assert_eq!(wide_plan(&wide, Some(16), 2), (false, false, L));
         let qwen = Preset::from_name("qwen3-0.6b").unwrap().config();
         assert_eq!(plan(&qwen, bf16, default, 16), (true, true, D));
         // FP8 without its fusions (HARRIER_FP8_FUSED=0): skinny up to 16 rows whatever the
@@ -1567,7 +1573,7 @@ mod tests {
         // path past the fused one; models wider than 2,048 up to 4 rows.
         let on = Some(FP8_FUSED_MAX_ROWS_WIDE);
         let fused_fp8 = |max, rows, deferred| {
-            let p = ProjPlan::new(&llama, fp8, (on, None, deferred), max, rows, fits);
+            let p = ProjPlan::new(&llama, fp8, (on, None, deferred), (max, None), rows, fits);
             (p.skinny, p.residual, p.norm)
         };
         assert_eq!(fused_fp8(8, 1, true), (true, true, D));
@@ -1584,7 +1590,7 @@ mod tests {
             (false, false, L)
         );
         let mid_fp8 = |wide, rows| {
-            let p = ProjPlan::new(&mid, fp8, (Some(wide), None, true), 8, rows, fits);
+            let p = ProjPlan::new(&mid, fp8, (Some(wide), None, true), (8, None), rows, fits);
             (p.skinny, p.residual, p.norm)
         };
         assert_eq!(mid_fp8(FP8_FUSED_MAX_ROWS_WIDE, 4), (true, true, D));
@@ -1594,7 +1600,7 @@ mod tests {
         assert_eq!(mid_fp8(8, 8), (true, true, D));
         assert_eq!(mid_fp8(2, 3), (true, false, L));
         let qwen = Preset::from_name("qwen3-0.6b").unwrap().config();
-        let p = ProjPlan::new(&qwen, fp8, (on, None, true), 8, 8, fits);
+        let p = ProjPlan::new(&qwen, fp8, (on, None, true), (8, None), 8, fits);
         assert_eq!((p.skinny, p.residual, p.norm), (true, true, D));
     }
 
@@ -1615,7 +1621,7 @@ mod tests {
         let bf16 = (Dtype::Bf16, None);
         let fp8 = (Dtype::Bf16, Some(FP8_SKINNY_MAX_ROWS_WITH_GEMM));
         let on = (true, true);
-        let p = |st, rows| ProjPlan::new(&llama, st, (None, None, true), 1, rows, fits);
+        let p = |st, rows| ProjPlan::new(&llama, st, (None, None, true), (1, None), rows, fits);
         assert!(rope_in_epilogue(p(bf16, 1), false, on));
         assert!(!rope_in_epilogue(p(bf16, 2), false, on), "cuBLAS step");
         assert!(rope_in_epilogue(p(fp8, 8), false, on), "FP8 skinny step");
