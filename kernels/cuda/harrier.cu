@@ -1858,7 +1858,7 @@ struct ArgPart {
 // parts[r][p] = (max, lowest index of it) of logits row r over slice p of ARGMAX_PARTS (NaN
 // never wins). grid (rows, ARGMAX_PARTS), any multiple of 32 threads up to 1,024 (the host's
 // argmax_threads: 1,024 for up to 8 rows, 256 past that).
-extern "C" __global__ void row_argmax_parts(const float* logits, int vocab, ArgPart* parts) {
+extern "C" __global__ void __launch_bounds__(1024) row_argmax_parts(const float* logits, int vocab, ArgPart* parts) {
     PDL_ENTER();
     __shared__ float shv[32];
     __shared__ int shi[32];

@@ -3218,6 +3218,21 @@ mod tests {
     }
 
     #[test]
+    fn kernels_launched_at_1024_threads_are_bounded_for_it() {
+        // A block of 1,024 threads launches only with at most 64 registers a thread; without
+        // the bound nothing here sees the count (NVRTC stops at PTX), and the device refuses
+        // the launch (session 42: embed_tokens at 72 registers).
+        for k in ["embed_tokens", "row_argmax_parts"] {
+            let bounded = ["__launch_bounds__(1024)", "__launch_bounds__(1024, 2)"]
+                .iter()
+                .any(|b| SOURCE.contains(&format!("__global__ void {b} {k}(")));
+            assert!(bounded, "{k} is launched with 1,024 threads: bound it");
+        }
+        assert_eq!(NORM_THREADS, 1024);
+        assert_eq!(argmax_threads(1), 1024);
+    }
+
+    #[test]
     fn attention_block_size_matches_the_source() {
         let warps = define("ATT_WARPS_MAX");
         assert_eq!(warps, ATT_WARPS_MAX, "launch blocks must fit ATT_WARPS_MAX");
