@@ -168,34 +168,6 @@ __device__ __forceinline__ float norm_scale(float xn, const elem* w, int j, floa
     return norm_weight(xn, e2f(w[j]), w_off);
 }
 
-// A pass over a row's j = threadIdx.x + k blockDim.x, in order: ld(j) for ROW_UNROLL of them,
-// then st(j, value) for each, so that a thread's loads of a round are in flight together
-// (embed_tokens' copy: as one loop of load and store, where the store may alias the next load as
-// far as the compiler knows, every element was a round trip to HBM, 7 us for the 1B's row of
-// 2,048 in the batch-1 step's 256-thread block, session 42's trace). Rounds of 2 in 1,024-thread
-// blocks, two an SM (__launch_bounds__(1024, 2): 32 registers): rounds of 16 took 72 registers
-// and failed to launch, rounds of 8 (48 registers, one block an SM) made batch-256 steps 2.5% and
-// the offline run 3.3% slower. add_rmsnorm keeps its loop: taken in these passes it made the
-// offline run 0.3% slower (three calls) and no decode step faster.
-#define ROW_UNROLL 2
-template <typename T, typename Ld, typename St>
-__device__ __forceinline__ void row_batched(int n, Ld ld, St st) {
-    for (int j0 = threadIdx.x; j0 < n; j0 += ROW_UNROLL * blockDim.x) {
-        T v[ROW_UNROLL] = {};
-#pragma unroll
-        for (int u = 0; u < ROW_UNROLL; u++) {
-            const int j = j0 + u * blockDim.x;
-            if (j < n) v[u] = ld(j);
-        }
-#pragma unroll
-        for (int u = 0; u < ROW_UNROLL; u++) {
-            const int j = j0 + u * blockDim.x;
-            if (j >= n) break;
-            st(j, v[u]);
-        }
-    }
-}
-
 // An RMSNorm's end, by a whole block over one row: ss is each thread's sum of squares of the
 // row's values x(j) over its j (j = threadIdx.x, + blockDim.x, ...); writes
 // out[j] = norm(x(j)) * w. (add_rmsnorm and embed_tokens: the same loop, so the same bits.)
@@ -214,6 +186,7 @@ __device__ __forceinline__ void rms_norm_row(X x, float ss, int hidden, float ep
 // sampled token, written on the device by sampling).
 // With norm_w != 0 also layer 0's input RMSNorm of the row into h[t] (the add_rmsnorm launch it
 // replaces, without a delta: rms_norm_row over a block of the same size, so the same bits).
+#define EMBED_ROUND 2
 extern "C" __global__ void __launch_bounds__(1024, 2) embed_tokens(elem* out, const elem* table, const int* tok_src, const int* pending,
                                         int hidden, int vocab, float scale, elem* h, const elem* norm_w, float eps,
                                         float w_off) {
@@ -226,10 +199,29 @@ extern "C" __global__ void __launch_bounds__(1024, 2) embed_tokens(elem* out, co
     elem* o = out + (size_t)t * hidden;
     const auto val = [&](int j) { return scale == 1.0f ? e2f(row[j]) : rnd(e2f(row[j]) * scale); };
     float ss = 0.0f;
-    row_batched<float>(hidden, val, [&](int j, float v) {
-        o[j] = f2e(v);
-        if (norm_w) ss += v * v;
-    });
+    // A thread's j = threadIdx.x + k blockDim.x in order, EMBED_ROUND loads issued before their
+    // stores: as one loop of load and store, where the store may alias the next load as far as
+    // the compiler knows, every element was a round trip to HBM, 7 us for the 1B's row of 2,048
+    // in the batch-1 step's 256-thread block (session 42's trace). Rounds of 2 in 1,024-thread
+    // blocks, two an SM (__launch_bounds__(1024, 2)): rounds of 16 took 72 registers and failed
+    // to launch, rounds of 8 (48 registers, one block an SM) made batch-256 steps 2.5% and the
+    // offline run 3.3% slower. (add_rmsnorm keeps its loop: taken so it made the offline run 0.3%
+    // slower and no decode step faster.)
+    for (int j0 = threadIdx.x; j0 < hidden; j0 += EMBED_ROUND * blockDim.x) {
+        float v[EMBED_ROUND];
+#pragma unroll
+        for (int u = 0; u < EMBED_ROUND; u++) {
+            const int j = j0 + u * blockDim.x;
+            v[u] = j < hidden ? val(j) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < EMBED_ROUND; u++) {
+            const int j = j0 + u * blockDim.x;
+            if (j >= hidden) break;
+            o[j] = f2e(v[u]);
+            if (norm_w) ss += v[u] * v[u];
+        }
+    }
     __shared__ float sh[32];
     if (norm_w) rms_norm_row(val, ss, hidden, eps, norm_w, w_off, h + (size_t)t * hidden, sh);
 }

@@ -1719,7 +1719,7 @@ impl Kernels {
                 (out, w, eps, w_off, NORM_THREADS)
             }
             // A copy (no sum: any block size gives the same bits) at the same size, so that a
-            // row of up to 2,048 is one round of loads a thread (`ROW_UNROLL` in the source).
+            // row of up to 2,048 is one round of loads a thread (`EMBED_ROUND` in the source).
             None => (0, 0, 0.0, 0.0, NORM_THREADS),
         };
         let mut p =
