@@ -236,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(1024, 2) embed_tokens(elem* out, co
 // first, the same way: x = bf16(resid + bf16(norm(delta) * (w_off + delta_w))).
 // Block i handles row src = rows ? rows[i] : i and writes out row i (rows: the final norm over
 // the rows that want logits).
-extern "C" __global__ void add_rmsnorm(elem* resid, const elem* delta, const elem* delta_w, const elem* w, elem* out,
+extern "C" __global__ void __launch_bounds__(1024, 1) add_rmsnorm(elem* resid, const elem* delta, const elem* delta_w, const elem* w, elem* out,
                                        const int* rows, int hidden, float eps, float w_off) {
     PDL_ENTER();
     __shared__ float sh[32];
@@ -2076,7 +2076,7 @@ __device__ __forceinline__ void record_token(RowParams* rp, int row, int vocab, 
 // (f32 [n, vocab], modified in place): process_logits, then the greedy token or a draw with
 // philox(seed, generated). Writes out_tokens[k] and pending[row]; advances the row (and its
 // output counts when it has penalties). blockDim.x = 1024.
-extern "C" __global__ void sample_tokens(float* logits, int vocab, const int* sample_rows, RowParams* rows,
+extern "C" __global__ void __launch_bounds__(1024, 1) sample_tokens(float* logits, int vocab, const int* sample_rows, RowParams* rows,
                                          int* out_tokens, int* pending, unsigned short* counts,
                                          const u32* seen, const int* bias_ids, const float* bias_vals,
                                          const ArgPart* parts) {
@@ -2148,7 +2148,7 @@ extern "C" __global__ void spec_place(int* tok_src, int* positions, int* slots, 
 // it verifies them): their counts are bumped for the processing and restored after (one
 // block per row: nothing else touches the row's counts meanwhile).
 // Host-sampled rows propose nothing (spec_verify ignores their proposals).
-extern "C" __global__ void draft_sample(float* logits, int vocab, const int* spec_rows, int i, RowParams* rows,
+extern "C" __global__ void __launch_bounds__(1024, 1) draft_sample(float* logits, int vocab, const int* spec_rows, int i, RowParams* rows,
                                         int* proposals, float* q, int K, unsigned short* counts, const u32* seen,
                                         const int* bias_ids, const float* bias_vals, const ArgPart* parts) {
     PDL_ENTER();
@@ -2196,7 +2196,7 @@ extern "C" __global__ void draft_sample(float* logits, int vocab, const int* spe
 // A sequence without proposals is a plain sample. Writes out_tokens[k * (K + 1) + i],
 // out_counts[k], pending, kv_len and prev_tok of the row. Host-sampled rows only get kv_len
 // and prev_tok (the host samples their one token).
-extern "C" __global__ void spec_verify(float* logits, int vocab, const int* sample_rows, const int* samp_first,
+extern "C" __global__ void __launch_bounds__(1024, 1) spec_verify(float* logits, int vocab, const int* sample_rows, const int* samp_first,
                                        const int* samp_draft, const int* logit_rows, const int* tok_src,
                                        const int* positions, RowParams* rows, int* out_tokens, int* out_counts,
                                        int* pending, int* kv_len, int* prev_tok, const int* proposals,

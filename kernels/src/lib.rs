@@ -3217,16 +3217,35 @@ mod tests {
         assert_eq!((argmax_threads(9), argmax_threads(64)), (256, 256));
     }
 
+    /// Every kernel some launch above runs in blocks of 1,024 threads (`NORM_THREADS`, the
+    /// samplers' 1,024, [`argmax_threads`]): a new such launch joins the list. (The samplers and
+    /// `add_rmsnorm` take `__launch_bounds__(1024, 1)`: `(1024)` alone made ptxas aim at two
+    /// blocks an SM, 32 registers, and `spec_verify` spilled; with `, 1` none spills, H200
+    /// checks and steps as before, session 42.)
+    const LAUNCHED_AT_1024: [&str; 6] = [
+        "embed_tokens",
+        "add_rmsnorm",
+        "row_argmax_parts",
+        "sample_tokens",
+        "draft_sample",
+        "spec_verify",
+    ];
+
     #[test]
     fn kernels_launched_at_1024_threads_are_bounded_for_it() {
         // A block of 1,024 threads launches only with at most 64 registers a thread; without
         // the bound nothing here sees the count (NVRTC stops at PTX), and the device refuses
         // the launch (session 42: embed_tokens at 72 registers).
-        for k in ["embed_tokens", "row_argmax_parts"] {
-            let bounded = ["__launch_bounds__(1024)", "__launch_bounds__(1024, 2)"]
-                .iter()
-                .any(|b| SOURCE.contains(&format!("__global__ void {b} {k}(")));
-            assert!(bounded, "{k} is launched with 1,024 threads: bound it");
+        for k in LAUNCHED_AT_1024 {
+            let decl = SOURCE
+                .lines()
+                .find(|l| l.contains("__global__ void") && l.contains(&format!(" {k}(")))
+                .unwrap_or_else(|| panic!("{k} declared in harrier.cu"));
+            assert!(
+                decl.contains("__launch_bounds__(1024)")
+                    || decl.contains("__launch_bounds__(1024, "),
+                "{k} is launched with 1,024 threads: bound it ({decl})"
+            );
         }
         assert_eq!(NORM_THREADS, 1024);
         assert_eq!(argmax_threads(1), 1024);
