@@ -5,7 +5,10 @@ with `HARRIER_KERNEL_DEFINES=-DHARRIER_TRACE`).
 Each CSV row is one block: batch, mode, grid id, blocks, threads, SM, global time (ns) before
 and after its PDL wait and at its exit, cycles. Per launch (grid id, in launch order) this
 prints, relative to the end of the launch before it (its last block's exit):
-  start   its first block's start (negative: it was resident before the previous one ended),
+  start   its first block's start (negative: it was resident before the previous one ended):
+          the time the block reached PDL_ENTER, so after whatever it issues before its wait
+          (a skinny GEMM's first weight loads, which can take microseconds to go out while
+          every SM streams: session 43),
   wait    its first block's return from the PDL wait (the dependency's latency),
   mid     its median block's exit,
   end     its last block's exit: the launch's share of the critical path,
