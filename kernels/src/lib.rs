@@ -1710,22 +1710,22 @@ impl Kernels {
         scale: f32,
         norm: Option<EmbedNorm>,
     ) -> anyhow::Result<()> {
-        let (h, norm_w, eps, w_off, threads) = match norm {
+        let (h, norm_w, eps, w_off) = match norm {
             Some(EmbedNorm { out, w, eps, w_off }) => {
                 if w == 0 {
                     bail!("embed_tokens: a norm without weights");
                 }
-                // add_rmsnorm's block size: its loop and block sum, so its bits.
-                (out, w, eps, w_off, NORM_THREADS)
+                (out, w, eps, w_off)
             }
-            // A copy (no sum: any block size gives the same bits) at the same size, so that a
-            // row of up to 2,048 is one round of loads a thread (`EMBED_ROUND` in the source).
-            None => (0, 0, 0.0, 0.0, NORM_THREADS),
+            None => (0, 0, 0.0, 0.0),
         };
         let mut p =
             params![out, table, tok_src, pending, hidden, vocab, scale, h, norm_w, eps, w_off];
+        // add_rmsnorm's block size, with a norm or without: its loop and block sum, so its bits
+        // (a plain copy's bits do not depend on it), and a row of up to 2,048 one round of loads
+        // a thread (`EMBED_ROUND` in the source).
         // SAFETY: argument types match the kernel's.
-        unsafe { self.launch("embed_tokens", (n, 1, 1), threads, s, &mut p) }
+        unsafe { self.launch("embed_tokens", (n, 1, 1), NORM_THREADS, s, &mut p) }
     }
 
     /// Residual add (when `delta != 0`; the delta RMSNormed by `delta_w` first when that is
