@@ -3781,12 +3781,13 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // consumer thread 0 starts waiting for the stage's input, has it staged (ATTN: its q|k|v words
 // read), and has finished the stage; with RING_ATTN_TRACE attention stages stamp five more
 // (ring_attention). RING_NO_DEP (no grid-wide waits for inputs), RING_NO_MATH (slots released
-// unread), RING_NO_RED (MLP sums never added), RING_MLP_NO_DOWN (down slots released unread),
-// RING_MLP_NO_BAR (no barrier between a chunk's gate|up and down), RING_COUNT_RELAXED (a
-// stage's count without its release), RING_NO_MERGE_WAIT (o's merge taking the attention
-// partials as first read, whatever their tags) and RING_SKIP_ATTN (no attention stage at all,
-// o's merge as RING_NO_MERGE_WAIT's: the bound for attention inside o's blocks, docs/cuda.md)
-// are measurement variants with wrong outputs.
+// unread; GEMV stages' LL words written as zeros), RING_NO_RED (MLP sums never added),
+// RING_MLP_NO_DOWN (down slots released unread), RING_MLP_NO_BAR (no barrier between a chunk's
+// gate|up and down), RING_COUNT_RELAXED (a stage's count without its release),
+// RING_NO_MERGE_WAIT (o's merge taking the attention partials as first read, whatever their
+// tags) and RING_SKIP_ATTN (no attention stage at all, o's merge as RING_NO_MERGE_WAIT's: the
+// bound for attention inside o's blocks, docs/cuda.md) are measurement variants with wrong
+// outputs.
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
@@ -4569,6 +4570,14 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     }
                     acc += v[h] * sc;
                 }
+#else
+                // (LL words still go out, zero, or the stages that poll them would wait forever.)
+                if (st.ll && lane == 0) {
+                    const unsigned int pc0 = (unsigned int)item * (2u * CW);
+                    for (int h = 0; h < 2; h++)
+                        if ((pc0 + 2 * warp + h) * 1024u < elems)
+                            ring_ll_put((unsigned long long*)st.y, pc0 + 2 * warp + h, 0.0f, tag_of(s));
+                }
 #endif
                 release();
             }
@@ -4604,6 +4613,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                         acc += v;
                     }
                 }
+#else
+                // (LL words still go out, zero, or the stages that poll them would wait forever.)
+                if (st.ll && e < elems && lane == 0) ring_ll_put((unsigned long long*)st.y, e / 1024, 0.0f, tag_of(s));
 #endif
                 release();
             }
