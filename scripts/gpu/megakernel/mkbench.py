@@ -2,15 +2,17 @@
 local Llama-3.2-1B-shaped checkpoint, through the ctypes shim (libmk.so's mk_call).
 
 usage: mkbench.py MODEL_DIR OUT_JSON [prompt lengths...]
-MK_LIB names the library (default libmk.so beside this file); with a library built with
-TIMING_RECORD_ENABLED (prepare.sh's libmk_t.so, its timestamps made %globaltimer), one more step
-at each P has its instructions' timestamps summed up by stage and layer (`stage_profile`).
-For each prompt length P: prefill P tokens with the repo's torch path, check one decode step's
-logits against that torch path, then time (a) the kernel alone (the barrier fill and the
-launch, as its generator runs them) at positions P.., and (b) its generator's whole loop
-(embedding, fill, launch, argmax) for 128 tokens, with CUDA events. Medians over rounds.
+
+For each prompt length P: prefill P random tokens with the demo's torch path, check one decode
+step's logits against that torch path, then time with CUDA events (medians over rounds) (a) the
+kernel alone (the barrier fill and the launch, as its generator runs them) at positions P.., and
+(b) its generator's whole loop (embedding, fill, launch, argmax) for 128 tokens.
+
+MK_LIB names the library (default libmk.so beside this file). With prepare.sh's libmk_t.so (the
+demo's timing records on, as %globaltimer), one more step at each P has its instructions'
+timestamps summed up by stage and layer (`stage_profile`); MK_PROFILE_ONLY=1 skips (a) and (b).
 """
-import ctypes, json, os, sys, statistics, time
+import ctypes, json, os, statistics, sys
 import torch
 from einops import rearrange
 
@@ -53,7 +55,7 @@ def mk_args(globs):
                 shapes[4 * i + j] = s[j]
         elif t is not None:
             vals[i] = float(t)
-    return ptrs, shapes, vals, keep, 23  # index of pos_id
+    return ptrs, shapes, vals, keep, items.index(None)  # (pos_id's index: set per step)
 
 
 def main():
