@@ -10,7 +10,8 @@ kernel alone (the barrier fill and the launch, as its generator runs them) at po
 
 MK_LIB names the library (default libmk.so beside this file). With prepare.sh's libmk_t.so (the
 demo's timing records on, as %globaltimer), one more step at each P has its instructions'
-timestamps summed up by stage and layer (`stage_profile`); MK_PROFILE_ONLY=1 skips (a) and (b).
+timestamps summed up by stage and layer (`stage_profile`); MK_PROFILE_ONLY=1 skips (a) and (b),
+and MK_DUMP=FILE appends every instruction's timestamps to FILE, a JSON line a step.
 """
 import ctypes, json, os, statistics, sys
 import torch
@@ -163,6 +164,19 @@ def stage_profile(globs):
     srec = torch.cat([rec[..., 5:6], rec[..., 11:43:2]], dim=-1)
     first = torch.where(srec, starts, torch.full_like(starts, 1 << 40)).min(-1).values
     last = torch.where(rec, t, torch.zeros_like(t)).max(-1).values
+    if os.environ.get("MK_DUMP"):
+        # Every instruction with timestamps: [sm, index, opcode, layer, first start, last event,
+        # loader start, loader end, storer end], ns from the step's first event (-1: none).
+        rows = []
+        for sm in range(ins.shape[0]):
+            for i in range(ins.shape[1]):
+                op = int(ins[sm, i, 0])
+                if op == 0 or not bool(rec[sm, i].any()):
+                    continue
+                ev = [int(t[sm, i, e]) if bool(rec[sm, i, e]) else -1 for e in (5, 6, 10)]
+                rows.append([sm, i, op, int(ins[sm, i, 1]), int(first[sm, i]), int(last[sm, i])] + ev)
+        with open(os.environ["MK_DUMP"], "a") as f:
+            f.write(json.dumps(rows) + "\n")
     ends, begins = {}, {}
     nl = globs.num_hidden_layers
     for sm in range(ins.shape[0]):
