@@ -5,10 +5,11 @@
 # The two arguments are git directories holding the commits below (the `fetch` tool's mirrors:
 # /work/.mirror/HazyResearch+Megakernels/repo, /work/.mirror/HazyResearch+ThunderKittens/repo).
 # OUT_DIR (inside a carried, git-ignored folder such as .gpu-z/mk) gets MK/ and TK/ (the two
-# trees at those commits), pyutils/pyutils.cuh (this folder's ctypes shim, which stands in for
-# ThunderKittens' pybind11 binding: no Python.h is needed, here or on the device), mkbench.py
-# and libmk.so. nvcc comes from NVCC, else from the nvidia-cuda-nvcc 13.0 wheels (downloaded
-# into /tmp/cu13 once; the device's driver runs CUDA 13.0).
+# trees at those commits), stub/pyutils/pyutils.cuh (this folder's ctypes shim, which stands in
+# for ThunderKittens' pybind11 binding: no Python.h is needed, here or on the device),
+# mkbench.py, libmk.so, and libmk_t.so (a timing build from MK_T/, a patched copy of MK/). nvcc
+# comes from NVCC, else from the nvidia-cuda-nvcc 13.0 wheels (downloaded into /tmp/cu13 once;
+# the device's driver runs CUDA 13.0).
 set -euo pipefail
 LIBS=
 MK_COMMIT=7309cec801537b61fea3b50d7dfe454a6cde578e # Megakernels main, 2025-06-02
@@ -37,13 +38,15 @@ if [ -z "${NVCC:-}" ]; then
 fi
 # The demo's Makefile flags for an H100 (sm_90a), less pybind11's; the driver API
 # (cuTensorMapEncodeTiled) stays unlinked: mkbench.py loads libcuda.so.1 globally first.
-cd "$OUTD/MK/demos/low-latency-llama"
-"$NVCC" -x cu llama.cu -DNDEBUG -Xcompiler=-fPIE --expt-extended-lambda --expt-relaxed-constexpr \
-    -Xcompiler=-Wno-psabi -Xcompiler=-fno-strict-aliasing --use_fast_math -O3 -std=c++20 \
-    -Xptxas=--warn-on-spills -lineinfo -I"$OUTD/stub" -I"$OUTD/TK/include" -I"$OUTD/MK/include" \
-    -DKITTENS_HOPPER -gencode arch=compute_90a,code=sm_90a -shared -Xcompiler=-fPIC \
-    -o "$OUTD/libmk.so" $LIBS ${MK_NVCC_FLAGS:-}
-echo "built $OUTD/libmk.so"
+build() { # MK_TREE OUT_LIB
+    (cd "$1/demos/low-latency-llama" && "$NVCC" -x cu llama.cu -DNDEBUG -Xcompiler=-fPIE \
+        --expt-extended-lambda --expt-relaxed-constexpr -Xcompiler=-Wno-psabi \
+        -Xcompiler=-fno-strict-aliasing --use_fast_math -O3 -std=c++20 -Xptxas=--warn-on-spills \
+        -lineinfo -I"$OUTD/stub" -I"$OUTD/TK/include" -I"$1/include" -DKITTENS_HOPPER \
+        -gencode arch=compute_90a,code=sm_90a -shared -Xcompiler=-fPIC -o "$2" $LIBS ${MK_NVCC_FLAGS:-})
+    echo "built $2"
+}
+build "$OUTD/MK" "$OUTD/libmk.so"
 # A timing build (libmk_t.so): the demo's TIMING_RECORD_ENABLED on, its record() taking
 # %globaltimer (one clock for every SM; the demo's clock64 differences have no common base).
 rm -rf "$OUTD/MK_T" && cp -r "$OUTD/MK" "$OUTD/MK_T"
@@ -68,10 +71,4 @@ new = ("    if (__activemask() == 0xffffffffu) {\n        __syncwarp();\n"
 assert old in s, "timings reset not as expected"
 open(p, "w").write(s.replace(old, new))
 PY
-cd "$OUTD/MK_T/demos/low-latency-llama"
-"$NVCC" -x cu llama.cu -DNDEBUG -Xcompiler=-fPIE --expt-extended-lambda --expt-relaxed-constexpr \
-    -Xcompiler=-Wno-psabi -Xcompiler=-fno-strict-aliasing --use_fast_math -O3 -std=c++20 \
-    -lineinfo -I"$OUTD/stub" -I"$OUTD/TK/include" -I"$OUTD/MK_T/include" \
-    -DKITTENS_HOPPER -gencode arch=compute_90a,code=sm_90a -shared -Xcompiler=-fPIC \
-    -o "$OUTD/libmk_t.so" $LIBS ${MK_NVCC_FLAGS:-}
-echo "built $OUTD/libmk_t.so"
+build "$OUTD/MK_T" "$OUTD/libmk_t.so"
