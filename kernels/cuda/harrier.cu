@@ -3265,6 +3265,9 @@ __device__ __forceinline__ int ring_unit(int kind, int N, int K, int wb = 2) {
 #ifdef RING_NO_CLAIM  // measurement: fixed runs only
     return 0;
 #endif
+#ifdef RING_MLP_CLAIM  // measurement: bf16 MLP chunks claimed one at a time (sums order-dependent)
+    if (kind == RING_MLP && wb == 2) return 1;
+#endif
     return kind == RING_GEMV && ring_items<SLOT>(kind, N, K, wb) >= 8 * (int)gridDim.x ? 2 : 0;
 }
 // c = hi + lo as the sums' halves take it (see the kernel's header).
@@ -3787,7 +3790,8 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // RING_NO_MERGE_WAIT (o's merge taking the attention partials as first read, whatever their
 // tags) and RING_SKIP_ATTN (no attention stage at all, o's merge as RING_NO_MERGE_WAIT's: the
 // bound for attention inside o's blocks, docs/cuda.md) are measurement variants with wrong
-// outputs.
+// outputs; RING_MLP_CLAIM (bf16 MLP chunks claimed, the faster SMs taking more: sums that
+// depend on who took which chunk, so steps differ in their last bits) one with non-determinism.
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
@@ -4460,9 +4464,20 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 const int cr = ring_chunk_rows<SLOT>(st.K), parts = st.K / 1024;
                 const bool dots = warp < cr * parts;
                 const int col = (warp % parts) * 128;  // (units of 8 weights)
+#ifdef RING_MLP_CLAIM
+                for (int c = 0; claim > 0 || c < count; c++) {
+                    const unsigned int si = ki;
+#else
                 for (int c = 0; c < count; c++) {
+#endif
                     // The gate and up slots together (their loads and shuffles interleave).
                     const uint4* gs = take();
+#ifdef RING_MLP_CLAIM
+                    if (claim > 0 && slot_item[si] < 0) {  // (the block's claims are over)
+                        release();
+                        break;
+                    }
+#endif
 #ifndef RING_NO_MATH
                     const uint4* us = take(1);
                     if (c == 0) RING_MLP_STAMP1(3);
@@ -4501,6 +4516,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 RING_MLP_STAMP(6);
             }
             bool add = count > 0 || csize == 2;  // (a pair meets even with nothing)
+#ifdef RING_MLP_CLAIM
+            add = add || claim > 0;
+#endif
 #ifdef RING_NO_RED
             add = add && st.kind != RING_MLP;
 #endif

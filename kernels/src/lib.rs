@@ -3925,7 +3925,7 @@ mod tests {
             "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_COUNT_RELAXED",
             "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4",
             "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT -DRING_PV_UNROLL=8",
-            "-DRING_SKIP_ATTN",
+            "-DRING_SKIP_ATTN -DRING_MLP_CLAIM",
         ];
         for defs in VARIANTS {
             let opts: Vec<String> = defs.split_whitespace().map(String::from).collect();
