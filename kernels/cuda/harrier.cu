@@ -3260,14 +3260,17 @@ __device__ __forceinline__ int ring_items(const RingStage& st, int wb = 2) { ret
 // kernel's header): GEMV stages of at least 8 slots a block (the output head, the 8B's
 // q|k|v), two slots a claim (fewer slots are as even in fixed runs, and a claim's round trip
 // would show).
+#ifdef RING_MLP_CLAIM  // measurement: bf16 MLP chunks claimed one at a time (sums order-dependent)
+#define RING_MLP_CLAIMED true
+#else
+#define RING_MLP_CLAIMED false
+#endif
 template <int SLOT>
 __device__ __forceinline__ int ring_unit(int kind, int N, int K, int wb = 2) {
 #ifdef RING_NO_CLAIM  // measurement: fixed runs only
     return 0;
 #endif
-#ifdef RING_MLP_CLAIM  // measurement: bf16 MLP chunks claimed one at a time (sums order-dependent)
-    if (kind == RING_MLP && wb == 2) return 1;
-#endif
+    if (RING_MLP_CLAIMED && kind == RING_MLP && wb == 2) return 1;
     return kind == RING_GEMV && ring_items<SLOT>(kind, N, K, wb) >= 8 * (int)gridDim.x ? 2 : 0;
 }
 // c = hi + lo as the sums' halves take it (see the kernel's header).
@@ -4464,20 +4467,15 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 const int cr = ring_chunk_rows<SLOT>(st.K), parts = st.K / 1024;
                 const bool dots = warp < cr * parts;
                 const int col = (warp % parts) * 128;  // (units of 8 weights)
-#ifdef RING_MLP_CLAIM
-                for (int c = 0; claim > 0 || c < count; c++) {
+                const bool claimed = RING_MLP_CLAIMED && claim > 0;
+                for (int c = 0; claimed || c < count; c++) {
                     const unsigned int si = ki;
-#else
-                for (int c = 0; c < count; c++) {
-#endif
                     // The gate and up slots together (their loads and shuffles interleave).
                     const uint4* gs = take();
-#ifdef RING_MLP_CLAIM
-                    if (claim > 0 && slot_item[si] < 0) {  // (the block's claims are over)
+                    if (claimed && slot_item[si] < 0) {  // (the block's claims are over)
                         release();
                         break;
                     }
-#endif
 #ifndef RING_NO_MATH
                     const uint4* us = take(1);
                     if (c == 0) RING_MLP_STAMP1(3);
@@ -4515,10 +4513,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 }
                 RING_MLP_STAMP(6);
             }
-            bool add = count > 0 || csize == 2;  // (a pair meets even with nothing)
-#ifdef RING_MLP_CLAIM
-            add = add || claim > 0;
-#endif
+            bool add = count > 0 || csize == 2 || (RING_MLP_CLAIMED && claim > 0);  // (a pair meets even with nothing)
 #ifdef RING_NO_RED
             add = add && st.kind != RING_MLP;
 #endif

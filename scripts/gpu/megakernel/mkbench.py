@@ -70,7 +70,7 @@ def main():
     schedule = LatencyScheduleBuilder.build(model)
     tensorize_instructions(schedule.globs, assign_to_sms("rr", schedule=schedule))
     globs = schedule.globs
-    ptrs, shapes, vals, keep, POS = mk_args(globs)
+    ptrs, shapes, vals, _keep, POS = mk_args(globs)  # (_keep: the tensors, alive while in use)
     stream = torch.cuda.current_stream()
     sp = ctypes.c_void_p(stream.cuda_stream)
 
@@ -83,6 +83,8 @@ def main():
 
     res = {"device": torch.cuda.get_device_name(0), "sm": torch.cuda.get_device_properties(0).multi_processor_count}
     g = torch.Generator(device="cpu").manual_seed(0)
+    timed = os.environ.get("MK_PROFILE_ONLY") != "1"
+    profiled = os.environ.get("MK_LIB", "").endswith("_t.so")  # (prepare.sh's timing build)
     for P in plens:
         ids = torch.randint(0, model.config.vocab_size, (1, P), generator=g).to(dev)
         with torch.inference_mode():
@@ -99,52 +101,47 @@ def main():
             got = globs.logits.float().flatten()
         rel = ((got - ref).norm() / ref.norm()).item()
         agree = int(got.argmax().item() == ref.argmax().item())
-        if os.environ.get("MK_PROFILE_ONLY") == "1":
-            res[f"P{P}"] = {"logits_rel_err": rel, "argmax_agree": agree}
-            print(f"mk P={P}: logits rel err {rel:.3e} argmax {agree}", flush=True)
-            globs.timings.zero_()
-            step(P)
-            torch.cuda.synchronize()
-            res[f"P{P}"]["stages"] = stage_profile(globs)
-            continue
-        # (a) the kernel alone, 128 launches a round at positions P..P+127
-        kern = []
-        for r in range(7):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for i in range(128):
-                step(P + i)
-            e1.record()
-            torch.cuda.synchronize()
-            kern.append(e0.elapsed_time(e1) / 128)
-        # (b) the generator's loop: embedding, fill, kernel, argmax, the token stored
-        loop = []
-        toks = torch.zeros(1, 129, dtype=torch.long, device=dev)
-        toks[:, 0] = tok.flatten()
-        with torch.inference_mode():
-            for r in range(5):
+        r = res[f"P{P}"] = {"logits_rel_err": rel, "argmax_agree": agree}
+        line = f"mk P={P}: logits rel err {rel:.3e} argmax {agree}"
+        if timed:
+            # (a) the kernel alone, 128 launches a round at positions P..P+127
+            kern = []
+            for _ in range(7):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
                 for i in range(128):
-                    hs = model.model.embed_tokens(BatchState(input_ids=toks[:, i:i + 1])).hidden_states
-                    globs.hidden_states[:] = hs.reshape(-1)
                     step(P + i)
-                    toks[:, i + 1] = torch.argmax(globs.logits, dim=-1)
                 e1.record()
                 torch.cuda.synchronize()
-                loop.append(e0.elapsed_time(e1) / 128)
-        res[f"P{P}"] = {"logits_rel_err": rel, "argmax_agree": agree,
-                        "kernel_ms_rounds": [round(x, 4) for x in kern[1:]],
-                        "kernel_ms_median": round(statistics.median(kern[1:]), 4),
-                        "loop_ms_rounds": [round(x, 4) for x in loop[1:]],
-                        "loop_ms_median": round(statistics.median(loop[1:]), 4)}
-        print(f"mk P={P}: logits rel err {rel:.3e} argmax {agree}; kernel {res[f'P{P}']['kernel_ms_median']} ms, "
-              f"loop {res[f'P{P}']['loop_ms_median']} ms a token", flush=True)
-        if os.environ.get("MK_LIB", "").endswith("_t.so"):
+                kern.append(e0.elapsed_time(e1) / 128)
+            # (b) the generator's loop: embedding, fill, kernel, argmax, the token stored
+            loop = []
+            toks = torch.zeros(1, 129, dtype=torch.long, device=dev)
+            toks[:, 0] = tok.flatten()
+            with torch.inference_mode():
+                for _ in range(5):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    for i in range(128):
+                        hs = model.model.embed_tokens(BatchState(input_ids=toks[:, i:i + 1])).hidden_states
+                        globs.hidden_states[:] = hs.reshape(-1)
+                        step(P + i)
+                        toks[:, i + 1] = torch.argmax(globs.logits, dim=-1)
+                    e1.record()
+                    torch.cuda.synchronize()
+                    loop.append(e0.elapsed_time(e1) / 128)
+            # (the first round of each warms up)
+            r.update({"kernel_ms_rounds": [round(x, 4) for x in kern[1:]],
+                      "kernel_ms_median": round(statistics.median(kern[1:]), 4),
+                      "loop_ms_rounds": [round(x, 4) for x in loop[1:]],
+                      "loop_ms_median": round(statistics.median(loop[1:]), 4)})
+            line += f"; kernel {r['kernel_ms_median']} ms, loop {r['loop_ms_median']} ms a token"
+        print(line, flush=True)
+        if profiled:
             globs.timings.zero_()
             step(P)
             torch.cuda.synchronize()
-            res[f"P{P}"]["stages"] = stage_profile(globs)
+            r["stages"] = stage_profile(globs)
     json.dump(res, open(out_json, "w"), indent=1)
 
 
