@@ -3210,7 +3210,10 @@ mod tests {
         // row_argmax_parts keeps its warps' maxima in 32 shared words: at most 1,024 threads.
         for rows in [1, 2, 8, 9, 64, 256] {
             let t = argmax_threads(rows);
-            assert!(t % 32 == 0 && t <= 1024, "{rows} rows: {t} threads");
+            assert!(
+                t.is_multiple_of(32) && t <= 1024,
+                "{rows} rows: {t} threads"
+            );
         }
         assert_eq!((argmax_threads(1), argmax_threads(8)), (1024, 1024));
         // 32 blocks a row, two 1,024-thread blocks an SM: past 8 rows a 132-SM GPU needs waves.
