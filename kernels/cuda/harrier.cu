@@ -1849,7 +1849,7 @@ struct ArgPart {
 
 // parts[r][p] = (max, lowest index of it) of logits row r over slice p of ARGMAX_PARTS (NaN
 // never wins). grid (rows, ARGMAX_PARTS), any multiple of 32 threads up to 1,024 (the host's
-// argmax_threads: 1,024 for up to 8 rows, 256 past that).
+// argmax_threads: 1,024 while the launch is one wave of such blocks, 8 rows on an H200, else 256).
 extern "C" __global__ void __launch_bounds__(1024) row_argmax_parts(const float* logits, int vocab, ArgPart* parts) {
     PDL_ENTER();
     __shared__ float shv[32];

@@ -941,13 +941,14 @@ impl SamplerState {
 /// Partial maxima per logits row (`ARGMAX_PARTS` in the source).
 pub const ARGMAX_PARTS: usize = 32;
 
-/// Threads of a `row_argmax_parts` block for `n_rows` logits rows: 1,024 while the launch's
-/// `32 n_rows` blocks fit one wave at two an SM (up to 8 rows: a 128k vocabulary's slice is then
-/// 4 loads a thread, all in flight together; 256 threads, 16 loads in two rounds, took 4.2 us
-/// after a batch-1 step, 1.9 with 1,024, H200, session 42), else 256 (at 64 rows 1,024-thread
-/// blocks, eight waves, made the step 0.9% slower).
-pub fn argmax_threads(n_rows: u32) -> u32 {
-    if n_rows <= 8 {
+/// Threads of a `row_argmax_parts` block for `n_rows` logits rows when `resident` 1,024-thread
+/// blocks of it fit the device at once: 1,024 while the launch's `ARGMAX_PARTS n_rows` blocks
+/// are one wave (an H200's 132 SMs at two an SM: up to 8 rows; a 128k vocabulary's slice is
+/// then 4 loads a thread, all in flight together; 256 threads, 16 loads in two rounds, took 4.2
+/// us after a batch-1 step, 1.9 with 1,024, H200, session 42), else 256 (at 64 rows 1,024-thread
+/// blocks, eight waves, made the step 0.9% slower). The outputs do not depend on it.
+pub fn argmax_threads(n_rows: u32, resident: u32) -> u32 {
+    if (ARGMAX_PARTS as u32).saturating_mul(n_rows) <= resident {
         1024
     } else {
         256
@@ -1256,6 +1257,9 @@ pub struct Kernels {
     /// each of [`GRP_WIDTHS`] resident on the device at once (occupancy an SM times the SMs;
     /// zeros in the f32 build): [`grp_warps`] picks a launch's width from them.
     grp_resident: [[u32; 3]; 2],
+    /// 1,024-thread `row_argmax_parts` blocks resident on the device at once (occupancy an SM
+    /// times the SMs): [`argmax_threads`]'s bound.
+    argmax_resident: u32,
     /// `paged_attention` reads V a row per lane group (16-byte loads, a tile's loads
     /// independent) rather than a 4-byte slice a lane per key (`HARRIER_ATTN_VROWS=0`).
     attn_vrows: bool,
@@ -1457,6 +1461,7 @@ impl Kernels {
             },
             grp_clusters: Default::default(),
             grp_resident: Default::default(),
+            argmax_resident: 0,
             attn_one_split: env_number("HARRIER_ATTN_ONE_SPLIT_TILES")
                 .filter(|n| (0..=1024).contains(n))
                 .unwrap_or(ATTN_ONE_SPLIT_TILES),
@@ -1502,6 +1507,7 @@ impl Kernels {
         if dtype == Dtype::Bf16 {
             k.grp_resident = k.grp_resident_blocks()?;
         }
+        k.argmax_resident = k.resident_blocks("row_argmax_parts", 1024)?;
         if clusters && dtype == Dtype::Bf16 && switch_on("HARRIER_ATTN_GRP_CLUSTER") {
             for (i, (_, name)) in GRP_CLUSTER_KERNELS.iter().enumerate() {
                 for size in 2..=GRP_CLUSTER_MAX_SPLITS {
@@ -1550,12 +1556,25 @@ impl Kernels {
         Ok(n)
     }
 
-    /// [`Kernels::grp_resident`]: for each plain grp instance and width, the blocks an SM holds
-    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`) times the current device's SMs.
+    /// [`Kernels::grp_resident`]: for each plain grp instance and width, its resident blocks.
     fn grp_resident_blocks(&self) -> anyhow::Result<[[u32; 3]; 2]> {
+        let mut out = [[0u32; 3]; 2];
+        for (i, (name, _)) in GRP_CLUSTER_KERNELS.iter().enumerate() {
+            for (j, &w) in GRP_WIDTHS.iter().enumerate() {
+                out[i][j] = self.resident_blocks(name, w * 32)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Blocks of `threads` threads (no dynamic shared memory) of kernel `name` resident on the
+    /// current device at once: the blocks an SM holds
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`) times its SMs.
+    fn resident_blocks(&self, name: &str, threads: u32) -> anyhow::Result<u32> {
         let mut dev: sys::CUdevice = 0;
-        let mut sms = 0i32;
-        // SAFETY: out-pointers to locals; the kernels were loaded in the current context.
+        let (mut sms, mut per_sm) = (0i32, 0i32);
+        // SAFETY: out-pointers to locals; the kernels were loaded in the current context, and
+        // `func` gives a loaded function.
         unsafe {
             ck(sys::cuCtxGetDevice(&mut dev).result(), "cuCtxGetDevice")?;
             let a = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
@@ -1563,26 +1582,15 @@ impl Kernels {
                 sys::cuDeviceGetAttribute(&mut sms, a, dev).result(),
                 "SM count",
             )?;
+            let got = sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut per_sm,
+                self.func(name),
+                threads as i32,
+                0,
+            );
+            ck(got.result(), name)?;
         }
-        let mut out = [[0u32; 3]; 2];
-        for (i, (name, _)) in GRP_CLUSTER_KERNELS.iter().enumerate() {
-            for (j, &w) in GRP_WIDTHS.iter().enumerate() {
-                let mut per_sm = 0i32;
-                // SAFETY: a loaded function, an out-pointer to a local.
-                let got = unsafe {
-                    sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                        &mut per_sm,
-                        self.func(name),
-                        (w * 32) as i32,
-                        0,
-                    )
-                    .result()
-                };
-                ck(got, name)?;
-                out[i][j] = (per_sm.max(0) as u32).saturating_mul(sms.max(0) as u32);
-            }
-        }
-        Ok(out)
+        Ok((per_sm.max(0) as u32).saturating_mul(sms.max(0) as u32))
     }
 
     /// The `paged_attention_grpc*` twin of grp instance `grp` and how many of its clusters of
@@ -2189,7 +2197,7 @@ impl Kernels {
             self.launch(
                 "row_argmax_parts",
                 (n_rows, ARGMAX_PARTS as u32, 1),
-                argmax_threads(n_rows),
+                argmax_threads(n_rows, self.argmax_resident),
                 s,
                 &mut p,
             )
@@ -3209,15 +3217,29 @@ mod tests {
     fn argmax_blocks_fit_one_wave_then_shrink() {
         // row_argmax_parts keeps its warps' maxima in 32 shared words: at most 1,024 threads.
         for rows in [1, 2, 8, 9, 64, 256] {
-            let t = argmax_threads(rows);
-            assert!(
-                t.is_multiple_of(32) && t <= 1024,
-                "{rows} rows: {t} threads"
-            );
+            for resident in [0, 228, 264, u32::MAX] {
+                let t = argmax_threads(rows, resident);
+                assert!(
+                    t.is_multiple_of(32) && t <= 1024,
+                    "{rows} rows: {t} threads"
+                );
+            }
         }
-        assert_eq!((argmax_threads(1), argmax_threads(8)), (1024, 1024));
-        // 32 blocks a row, two 1,024-thread blocks an SM: past 8 rows a 132-SM GPU needs waves.
-        assert_eq!((argmax_threads(9), argmax_threads(64)), (256, 256));
+        // 32 blocks a row, two 1,024-thread blocks an SM: an H200 (132 SMs) holds 8 rows' in
+        // one wave, an H100 PCIe (114) 7 rows'; past that, 256-thread blocks.
+        assert_eq!(
+            (argmax_threads(1, 264), argmax_threads(8, 264)),
+            (1024, 1024)
+        );
+        assert_eq!(
+            (argmax_threads(9, 264), argmax_threads(64, 264)),
+            (256, 256)
+        );
+        assert_eq!(
+            (argmax_threads(7, 228), argmax_threads(8, 228)),
+            (1024, 256)
+        );
+        assert_eq!(argmax_threads(1, 0), 256);
     }
 
     /// Every kernel some launch above runs in blocks of 1,024 threads (`NORM_THREADS`, the
@@ -3251,7 +3273,7 @@ mod tests {
             );
         }
         assert_eq!(NORM_THREADS, 1024);
-        assert_eq!(argmax_threads(1), 1024);
+        assert_eq!(argmax_threads(1, 264), 1024);
     }
 
     #[test]
