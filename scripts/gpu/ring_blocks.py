@@ -15,6 +15,12 @@ after the previous stage's last block finished, their work, how late the last bl
 against the median one and whether the same blocks are late layer after layer; then each
 attention block's start and q|k|v words read relative to the last q|k|v block's finish, by
 (KV head, split). The global timer of an H200 ticks in 256 ns: read the figures as such.
+
+A dump from a `-DRING_ATTN_TRACE` kernel (attention stamps 3-7: q|k|v read and RoPE done, the
+first K tile staged, its scores, its P V, the partial stored) also gets the attention stage's
+phases (session 45): their median times after the last q|k|v block, each phase's percentiles
+over blocks and layers, and the blocks whose scores took over 2 us set beside the rest (the
+previous MLP's end, their q|k|v work and end, their attention's start).
 """
 import sys
 
@@ -50,6 +56,39 @@ def main():
     print("attention blocks: start / q|k|v words read, after the last q|k|v block finished")
     for h in range(nkv):
         print(f"  KV head {h}: " + " ".join(f"{start[h * split + s]:.2f}/{read[h * split + s]:.2f}" for s in range(split)))
+    if w.shape[2] >= 8 and (w[5, : nkv * split, 3:8] > 0).all():
+        attention_phases(w, layers, nkv * split)
+
+
+PHASES = ["q|k|v read, RoPE", "K tile staged", "scores", "P V", "stored"]
+
+
+def attention_phases(w, layers, used):
+    """The attention stage's phases from a RING_ATTN_TRACE dump (`w` rebased, us)."""
+    ls = range(1, layers)
+    qkv_end = np.array([w[4 * l, :, 2].max() for l in ls])[:, None]
+    a = np.array([w[4 * l + 1, :used] for l in ls])  # layers x blocks x words
+    stamps = a[:, :, 3:8] - qkv_end[:, :, None]
+    print("attention phases (medians, us after the last q|k|v block): " + ", ".join(
+        f"{n} {v:.2f}" for n, v in zip(PHASES, np.median(stamps, axis=(0, 1)))))
+    for i in range(1, len(PHASES)):
+        x = stamps[:, :, i] - stamps[:, :, i - 1]
+        p = np.percentile(x, [50, 90, 99, 100])
+        print(f"  {PHASES[i]:14s} percentiles 50/90/99/max {p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f} / {p[3]:.2f}, over 2 us {(x > 2).mean():.1%}")
+    slow = (stamps[:, :, 2] - stamps[:, :, 1]) > 2
+    if not slow.any():
+        return
+    mlp_end = np.array([w[4 * l - 1, :used, 2] - np.median(w[4 * l - 1, :used, 2]) for l in ls])
+    qkv = np.array([w[4 * l, :used] for l in ls])
+    rows = [
+        ("the previous MLP's end - its median", mlp_end),
+        ("own q|k|v work", qkv[:, :, 2] - qkv[:, :, 1]),
+        ("own q|k|v end - the last", qkv[:, :, 2] - qkv_end),
+        ("attention start - the last q|k|v end", a[:, :, 0] - qkv_end),
+    ]
+    print("blocks whose scores took over 2 us / the rest (medians, us):")
+    for name, v in rows:
+        print(f"  {name:38s} {np.median(v[slow]):6.2f} / {np.median(v[~slow]):6.2f}")
 
 
 if __name__ == "__main__":
