@@ -3798,9 +3798,18 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
+// The ring producer's wait for the copy `depth` before slot ki of round kr to land (its full
+// barrier's phase of that round; the slot's next phase needs this copy's successors, so the
+// parity cannot alias). Out of line: one copy of the code for the producer's put sites. (The
+// FP8 instance, at ptxas's register cap, spills 4 bytes with the parameter either way.)
+__device__ __noinline__ void ring_flight_wait(u32 full, unsigned int ki, unsigned int kr, int depth, int nslots) {
+    if (depth >= nslots || (kr == 0 && ki < (unsigned int)depth)) return;
+    const bool back = ki < (unsigned int)depth;
+    mbar_wait(full + 8u * (back ? ki + nslots - depth : ki - depth), (back ? kr - 1 : kr) & 1);
+}
 template <bool F8, int SLOT>
 __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, unsigned int* done, int nslots,
-                                               unsigned long long* trace, RingStep step) {
+                                               unsigned long long* trace, RingStep step, int depth) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int SLOT_UNITS = SLOT / 16, CW = SLOT / 2048;  // CW consumer warps
     static_assert(SLOT_UNITS == CW * 128, "a warp reduces 1024 weights of a slot");
@@ -3850,8 +3859,13 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
     }
     if (warp == CW) {
         // The producer: every slot of every stage, in the consumers' order; it waits only for
-        // a free slot (the consumers' release of the round before). The weights never change,
-        // so it starts before the launches this one depends on have finished (no PDL wait).
+        // a free slot (the consumers' release of the round before) and, with `depth` copies
+        // in flight, for the oldest to land. The weights never change, so it starts before the
+        // launches this one depends on have finished (no PDL wait).
+        // (`depth`: the copies in flight are a queue in front of the block's other global
+        // accesses. With every free slot in flight, the 3B's 8 x 24 KB, its attention stages
+        // read their q|k|v words ~1 us later and some blocks stalled 2-8 us; 64-72 KB stream
+        // as fast: session 46, docs/cuda.md.)
         if (lane != 0) return;
         unsigned long long pol;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
@@ -3870,6 +3884,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // beside it (both 16-byte multiples).
         auto put = [&](const void* src, unsigned int len, int item, const float* ssrc = nullptr, unsigned int slen = 0) {
             const unsigned int idx = slot();
+            // At most `depth` copies in flight: the one `depth` before this has landed.
+            if (depth > 0) ring_flight_wait(smem_addr(full), ki, kr, depth, nslots);
             slot_item[idx] = item;
             const u32 fb = smem_addr(full + idx);
             asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fb), "r"(len + slen) : "memory");
@@ -4656,26 +4672,26 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
 }
 extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(const RingStage* stages, int n, unsigned int* done,
                                                                            int nslots, unsigned long long* trace,
-                                                                           RingStep step) {
-    gemv_ring_body<false, RING_SLOT>(stages, n, done, nslots, trace, step);
+                                                                           RingStep step, int depth) {
+    gemv_ring_body<false, RING_SLOT>(stages, n, done, nslots, trace, step, depth);
 }
 extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring_f8(const RingStage* stages, int n,
                                                                               unsigned int* done, int nslots,
-                                                                              unsigned long long* trace, RingStep step) {
-    gemv_ring_body<true, RING_SLOT>(stages, n, done, nslots, trace, step);
+                                                                              unsigned long long* trace, RingStep step, int depth) {
+    gemv_ring_body<true, RING_SLOT>(stages, n, done, nslots, trace, step, depth);
 }
 // 24 KB slots (12 consumer warps), bf16 and FP8 layers: for hidden sizes whose MLP and o
 // chunks (power-of-two rows of K) fill only 24 KB of a 32 KB slot, as the 3B's 4 rows of 3,072
 // (8 in FP8) do; the host's `ring_slot_bytes` picks them (session 30).
 extern "C" __global__ void __launch_bounds__((24576 / 2048 + 1) * 32, 1) gemv_ring_s24(const RingStage* stages, int n,
                                                                                     unsigned int* done, int nslots,
-                                                                                    unsigned long long* trace, RingStep step) {
-    gemv_ring_body<false, 24576>(stages, n, done, nslots, trace, step);
+                                                                                    unsigned long long* trace, RingStep step, int depth) {
+    gemv_ring_body<false, 24576>(stages, n, done, nslots, trace, step, depth);
 }
 extern "C" __global__ void __launch_bounds__((24576 / 2048 + 1) * 32, 1) gemv_ring_f8_s24(const RingStage* stages, int n,
                                                                                        unsigned int* done, int nslots,
-                                                                                       unsigned long long* trace, RingStep step) {
-    gemv_ring_body<true, 24576>(stages, n, done, nslots, trace, step);
+                                                                                       unsigned long long* trace, RingStep step, int depth) {
+    gemv_ring_body<true, 24576>(stages, n, done, nslots, trace, step, depth);
 }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the

@@ -2947,6 +2947,9 @@ pub struct RingLaunch {
     pub blocks: u32,
     /// Slots of `slot_bytes` in shared memory.
     pub slots: i32,
+    /// The most weight copies the producer keeps in flight ([`ring_depth`]); 0 or `slots`:
+    /// as many as there are free slots.
+    pub depth: i32,
     /// Shared-memory bytes beside the ring: the largest stage input (bf16, `2 K`) or an
     /// attention stage's state ([`ring_attn_smem`]), whichever is larger.
     pub input_bytes: usize,
@@ -2971,6 +2974,32 @@ pub struct RingLaunch {
 /// `RING_SLOT_SCALES` f32, an FP8 slot's row scales copied with it.
 pub fn ring_slot_side(fp8: bool) -> usize {
     16 + if fp8 { 4 * RING_SLOT_SCALES } else { 0 }
+}
+
+/// Bytes of weight copies a `gemv_ring` block keeps in flight: enough to stream at the full
+/// copy rate, few enough that the queue they make in front of the block's other global
+/// accesses (the consumers' dependent round trips) stays short. Measured on an H200 (session
+/// 46, docs/cuda.md): the 1B's 32 KB slots best at 2 (one and three slower), the 3B's 24 KB
+/// at 3 (-1.7%; two -1.0%, one +8%); every free slot in flight (the 3B: 8 x 24 KB) made an
+/// attention stage's dependent loads wait up to 8 us.
+pub const RING_FLIGHT_BYTES: usize = 72 * 1024;
+
+/// Copies in flight for a ring of `slots` slots of `slot_bytes` ([`RingLaunch::depth`]):
+/// [`RING_FLIGHT_BYTES`] worth, at least one and fewer than `slots`; `HARRIER_RING_DEPTH`
+/// overrides it (measurement; 0: every free slot).
+pub fn ring_depth(slot_bytes: usize, slots: i32) -> i32 {
+    env_number("HARRIER_RING_DEPTH").unwrap_or_else(|| ring_depth_for(slot_bytes, slots))
+}
+
+/// [`ring_depth`]'s rule, without the override: 0 where the budget holds every slot (the
+/// kernel's "no limit", which also skips its wait).
+fn ring_depth_for(slot_bytes: usize, slots: i32) -> i32 {
+    let d = (RING_FLIGHT_BYTES / slot_bytes.max(1)).max(1);
+    if d >= slots.max(0) as usize {
+        0
+    } else {
+        d as i32
+    }
 }
 
 /// f32 row scales beside a `gemv_ring_f8` slot (`RING_SLOT_SCALES`).
@@ -3080,7 +3109,7 @@ impl Kernels {
     /// [`Kernels::allow_ring_smem`] allowed (a launch past it fails).
     pub unsafe fn gemv_ring(&self, s: sys::CUstream, r: &RingLaunch) -> anyhow::Result<()> {
         let smem = r.smem();
-        let mut p = params![r.stages, r.n, r.done, r.slots, r.trace, r.step];
+        let mut p = params![r.stages, r.n, r.done, r.slots, r.trace, r.step, r.depth];
         // SAFETY: argument types match the kernel's; the caller vouches for the rest.
         unsafe {
             self.launch_smem(
@@ -3507,6 +3536,7 @@ mod tests {
             done: 0,
             blocks: 1,
             slots: 2,
+            depth: 0,
             input_bytes: 0,
             slot_bytes,
             trace: 0,
@@ -3521,6 +3551,22 @@ mod tests {
                 "{name}"
             );
         }
+        // `gemv_ring`'s parameters in the order the launch passes them (every instance calls
+        // the body with its own, in that order).
+        assert_eq!(
+            SOURCE
+                .matches("(stages, n, done, nslots, trace, step, depth);")
+                .count(),
+            RING_INSTANCES.len()
+        );
+        assert!(SOURCE.contains("unsigned long long* trace, RingStep step, int depth) {"));
+        // Copies in flight: 72 KB worth (two of the 1B's 32 KB slots, three of the 3B's
+        // 24 KB), at least one, and none where that is every slot.
+        assert_eq!(ring_depth_for(RING_SLOT, 6), 2);
+        assert_eq!(ring_depth_for(RING_SLOT_S24, 8), 3);
+        assert_eq!(ring_depth_for(128 * 1024, 4), 1);
+        assert_eq!(ring_depth_for(RING_SLOT_S24, 3), 0);
+        assert_eq!(ring_depth_for(RING_SLOT, 2), 0);
         assert_eq!(launch(true, 16384).kernel(), "gemv_ring_f8");
         assert_eq!(launch(false, 16384).kernel(), "gemv_ring");
         assert_eq!(launch(false, RING_SLOT_S24).threads(), 13 * 32);

@@ -19,9 +19,9 @@
 use anyhow::Context;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
-    ring_attn_part_words, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_mlp_supports,
-    ring_slot_bytes, ring_slot_side, Dtype, Kernels, RingInput, RingKind, RingLaunch, RingStage,
-    RingStep, RING_MAX_SLOTS, RING_SLOT, RING_SLOT_S24, RING_TRACE_WORDS,
+    ring_attn_part_words, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_depth,
+    ring_mlp_supports, ring_slot_bytes, ring_slot_side, Dtype, Kernels, RingInput, RingKind,
+    RingLaunch, RingStage, RingStep, RING_MAX_SLOTS, RING_SLOT, RING_SLOT_S24, RING_TRACE_WORDS,
 };
 
 use super::super::RING_AUTO_MEMORY_DIVISOR;
@@ -49,6 +49,8 @@ pub(super) struct RingDecode {
     n_stages: usize,
     blocks: u32,
     slots: i32,
+    /// Copies in flight ([`ring_depth`], read once here: not an environment lookup a step).
+    depth: i32,
     /// Bytes a slot ([`ring_slot_choice`]).
     slot_bytes: usize,
     input_bytes: usize,
@@ -74,6 +76,7 @@ impl RingDecode {
             done: self.scratch.at(self.layout.done),
             blocks: self.blocks,
             slots: self.slots,
+            depth: self.depth,
             input_bytes: self.input_bytes,
             slot_bytes: self.slot_bytes,
             trace: self.trace.as_ref().map_or(0, |t| t.ptr),
@@ -396,6 +399,7 @@ impl GpuModel {
             n_stages,
             blocks: sms as u32,
             slots: slots as i32,
+            depth: ring_depth(slot, slots as i32),
             slot_bytes: slot,
             input_bytes,
             on: true,
