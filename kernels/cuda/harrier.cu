@@ -3489,7 +3489,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 // build with the stamps always in took the untraced 1B 0.985 ms where session 21's other calls
 // had 0.965-0.976, on another machine; not settled, so they stay out) thread 0 stamps its
 // q|k|v loads and RoPE done (tr[3]), the first tile staged (tr[4]), its scores (tr[5]), its
-// P V (tr[6]) and its partial stored (tr[7]).
+// P V (tr[6]) and its partial stored (tr[7]). With -DRING_ATTN_WTRACE too (measurement, session
+// 46: who is late in the scores) words 6 and 7 are the slowest warp's own scores loop (ns) and
+// the last warp's end; with RING_ATTN_WTRACE=2 the other warps' last end and warp 0's start.
 // `tag`: the stage's LL tag (its partials'; the q|k|v words it reads carry tag - 1); LLR:
 // ring_ll_rows's round.
 // The block's split is the same in every layer (a launch decodes one token): its position, key
@@ -3621,6 +3623,11 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         mls[ct] = NEG_INF;
         mls[G + ct] = 0.0f;
     }
+#ifdef RING_ATTN_WTRACE
+    // (measurement: in K row 0's padding, the slowest warp's scores and the last warp's end)
+    unsigned long long* wt = (unsigned long long*)(ks + hd);
+    if (ct == 0) wt[0] = 0, wt[1] = 0;
+#endif
     float acc[2] = {0.0f, 0.0f};
     // Past the first tile (contexts over RING_KT keys a split), the copies overlap the
     // arithmetic: tile t + 1's K rows load while tile t's softmax and P V run, its V rows
@@ -3637,6 +3644,9 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         // reads are one address (a broadcast), its K rows' 16-byte reads fall in different
         // banks (the padded stride). (Lanes a key, heads inner, made q's reads a 4-way bank
         // conflict and K's 2-way.)
+#ifdef RING_ATTN_WTRACE
+        const unsigned long long ws0 = ring_now();
+#endif
         for (int u = ct; u < RING_KT * G; u += nct) {
             const int g = u / RING_KT, j = u - g * RING_KT;
             float v = NEG_INF;
@@ -3659,6 +3669,18 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             }
             sc[j * G + g] = v;
         }
+#if defined(RING_ATTN_WTRACE) && RING_ATTN_WTRACE == 2
+        if (lane == 0 && t0 == k0) {  // (the other warps' last end; warp 0's start)
+            if (warp > 0) atomicMax(wt, ring_now());
+            else wt[1] = ws0;
+        }
+#elif defined(RING_ATTN_WTRACE)
+        if (lane == 0 && t0 == k0) {
+            const unsigned long long e = ring_now();
+            atomicMax(wt, e - ws0);
+            atomicMax(wt + 1, e);
+        }
+#endif
         ring_cbar(nct);  // (the scores' K reads done)
         if (more) load_rows(0, t0 + RING_KT, min(RING_KT, k1 - t0 - RING_KT));
 #ifdef RING_ATTN_TRACE
@@ -3702,7 +3724,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             for (int j = 0; j < kt; j++) a += sc[j * G + g] * bf2f(vs[j * hd + d]);
             acc[i] = a;
         }
-#ifdef RING_ATTN_TRACE
+#if defined(RING_ATTN_TRACE) && !defined(RING_ATTN_WTRACE)
         if (tr && ct == 0 && t0 == k0) tr[6] = ring_now();
 #endif
         if (more) {
@@ -3723,7 +3745,9 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         ring_ll_put(ml, 2 * (idx + ct), mls[ct], tag);
         ring_ll_put(ml, 2 * (idx + ct) + 1, mls[G + ct], tag);
     }
-#ifdef RING_ATTN_TRACE
+#ifdef RING_ATTN_WTRACE
+    if (tr && ct == 0) tr[6] = wt[0], tr[7] = wt[1];  // (after the scores' barrier: every warp's)
+#elif defined(RING_ATTN_TRACE)
     if (tr && ct == 0) tr[7] = ring_now();
 #endif
 }

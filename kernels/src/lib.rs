@@ -3990,13 +3990,14 @@ mod tests {
             return;
         }
         const VARIANTS: &[&str] = &[
-            "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE -DRING_LL_BACKOFF=100",
-            "-DHARRIER_TRACE -DRING_MLP_TRACE=2 -DRING_NO_MERGE_WAIT",
+            "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE -DRING_LL_BACKOFF=100 -DRING_ATTN_TRACE",
+            "-DHARRIER_TRACE -DRING_MLP_TRACE=2 -DRING_NO_MERGE_WAIT -DRING_ATTN_TRACE -DRING_ATTN_WTRACE=2",
             // (Variants of different kernels share a compile.)
             "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_COUNT_RELAXED",
             "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4",
             "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT -DRING_PV_UNROLL=8",
             "-DRING_SKIP_ATTN -DRING_MLP_CLAIM",
+            "-DRING_ATTN_TRACE -DRING_ATTN_WTRACE",
         ];
         for defs in VARIANTS {
             let opts: Vec<String> = defs.split_whitespace().map(String::from).collect();

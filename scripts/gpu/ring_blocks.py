@@ -21,6 +21,11 @@ first K tile staged, its scores, its P V, the partial stored) also gets the atte
 phases (session 45): their median times after the last q|k|v block, each phase's percentiles
 over blocks and layers, and the blocks whose scores took over 2 us set beside the rest (the
 previous MLP's end, their q|k|v work and end, their attention's start).
+
+With --warps, the dump is a `-DRING_ATTN_TRACE -DRING_ATTN_WTRACE=2` kernel's (session 46):
+words 6 and 7 are then the other warps' last scores end and warp 0's scores start (not P V and
+stored), and the phases stop at the scores, followed by who was late: warp 0 (thread 0 stamps
+the tile staged, then starts its scores) or the others.
 """
 import sys
 
@@ -30,8 +35,10 @@ KINDS = ["q|k|v", "attention", "o", "mlp"]
 
 
 def main():
-    path, layers = sys.argv[1], int(sys.argv[2])
-    nkv = int(sys.argv[3]) if len(sys.argv) > 3 else 8
+    warps = "--warps" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--warps"]
+    path, layers = args[0], int(args[1])
+    nkv = int(args[2]) if len(args) > 2 else 8
     d = np.loadtxt(path, delimiter=",", dtype=np.int64)
     stages, blocks = d[:, 0].max() + 1, d[:, 1].max() + 1
     w = d[:, 2:].reshape(stages, blocks, -1).astype(np.float64)
@@ -57,25 +64,33 @@ def main():
     for h in range(nkv):
         print(f"  KV head {h}: " + " ".join(f"{start[h * split + s]:.2f}/{read[h * split + s]:.2f}" for s in range(split)))
     if w.shape[2] >= 8 and (w[5, : nkv * split, 3:8] > 0).all():
-        attention_phases(w, layers, nkv * split)
+        attention_phases(w, layers, nkv * split, warps)
 
 
 PHASES = ["q|k|v read, RoPE", "K tile staged", "scores", "P V", "stored"]
 
 
-def attention_phases(w, layers, used):
+def attention_phases(w, layers, used, warps=False):
     """The attention stage's phases from a RING_ATTN_TRACE dump (`w` rebased, us)."""
     ls = range(1, layers)
     qkv_end = np.array([w[4 * l, :, 2].max() for l in ls])[:, None]
     a = np.array([w[4 * l + 1, :used] for l in ls])  # layers x blocks x words
-    stamps = a[:, :, 3:8] - qkv_end[:, :, None]
+    phases = PHASES[:3] if warps else PHASES
+    stamps = a[:, :, 3:3 + len(phases)] - qkv_end[:, :, None]
     print("attention phases (medians, us after the last q|k|v block): " + ", ".join(
-        f"{n} {v:.2f}" for n, v in zip(PHASES, np.median(stamps, axis=(0, 1)))))
-    for i in range(1, len(PHASES)):
+        f"{n} {v:.2f}" for n, v in zip(phases, np.median(stamps, axis=(0, 1)))))
+    for i in range(1, len(phases)):
         x = stamps[:, :, i] - stamps[:, :, i - 1]
         p = np.percentile(x, [50, 90, 99, 100])
         print(f"  {PHASES[i]:14s} percentiles 50/90/99/max {p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f} / {p[3]:.2f}, over 2 us {(x > 2).mean():.1%}")
     slow = (stamps[:, :, 2] - stamps[:, :, 1]) > 2
+    if warps:
+        staged = a[:, :, 4]
+        for name, v in [("warp 0's scores start", a[:, :, 7] - staged), ("the other warps' last end", a[:, :, 6] - staged)]:
+            p = np.percentile(v, [50, 90, 99, 100])
+            late = f"{np.median(v[slow]):.2f} / {np.median(v[~slow]):.2f}" if slow.any() else "-"
+            print(f"  {name:26s} after the tile staged: 50/90/99/max {p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f} / {p[3]:.2f}; "
+                  f"slow-scores blocks / the rest {late}")
     if not slow.any():
         return
     mlp_end = np.array([w[4 * l - 1, :used, 2] - np.median(w[4 * l - 1, :used, 2]) for l in ls])
