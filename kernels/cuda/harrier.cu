@@ -3807,6 +3807,15 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
         if (i < rows && l == 0) xr[i] = L > 0.0f ? rbf(O / L) : 0.0f;
     }
 }
+// The ring producer's wait for the copy `depth` before slot ki of round kr to land (its full
+// barrier's phase of that round; the slot's next phase needs this copy's successors, so the
+// parity cannot alias). Out of line: one copy of the code for the producer's put sites. (The
+// FP8 instance, at ptxas's register cap, spills 4 bytes with the parameter either way.)
+__device__ __noinline__ void ring_flight_wait(u32 full, unsigned int ki, unsigned int kr, int depth, int nslots) {
+    if (depth >= nslots || (kr == 0 && ki < (unsigned int)depth)) return;
+    const bool back = ki < (unsigned int)depth;
+    mbar_wait(full + 8u * (back ? ki + nslots - depth : ki - depth), (back ? kr - 1 : kr) & 1);
+}
 // `trace` (null for none): per stage and block (RING_TRACE_WORDS u64 apart), the global time
 // consumer thread 0 starts waiting for the stage's input, has it staged (ATTN: its q|k|v words
 // read), and has finished the stage; with RING_ATTN_TRACE attention stages stamp five more
@@ -3819,18 +3828,11 @@ __device__ void ring_gemvt_rows(const RingStage& st, float* xr, int r0, int rows
 // bound for attention inside o's blocks, docs/cuda.md) are measurement variants with wrong
 // outputs; RING_MLP_CLAIM (bf16 MLP chunks claimed, the faster SMs taking more: sums that
 // depend on who took which chunk, so steps differ in their last bits) one with non-determinism.
+// `depth`: the most weight copies the producer keeps in flight (0, or nslots or more: every
+// free slot; the host's ring_depth).
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
-// The ring producer's wait for the copy `depth` before slot ki of round kr to land (its full
-// barrier's phase of that round; the slot's next phase needs this copy's successors, so the
-// parity cannot alias). Out of line: one copy of the code for the producer's put sites. (The
-// FP8 instance, at ptxas's register cap, spills 4 bytes with the parameter either way.)
-__device__ __noinline__ void ring_flight_wait(u32 full, unsigned int ki, unsigned int kr, int depth, int nslots) {
-    if (depth >= nslots || (kr == 0 && ki < (unsigned int)depth)) return;
-    const bool back = ki < (unsigned int)depth;
-    mbar_wait(full + 8u * (back ? ki + nslots - depth : ki - depth), (back ? kr - 1 : kr) & 1);
-}
 template <bool F8, int SLOT>
 __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, unsigned int* done, int nslots,
                                                unsigned long long* trace, RingStep step, int depth) {
