@@ -2981,7 +2981,8 @@ pub fn ring_slot_side(fp8: bool) -> usize {
 /// accesses (the consumers' dependent round trips) stays short. Measured on an H200 (session
 /// 46, docs/cuda.md): the 1B's 32 KB slots best at 2 (one and three slower), the 3B's 24 KB
 /// at 3 (-1.7%; two -1.0%, one +8%); every free slot in flight (the 3B: 8 x 24 KB) made an
-/// attention stage's dependent loads wait up to 8 us.
+/// attention stage's dependent loads wait up to 8 us. (The FP8 3B alone ran 0.5% faster with
+/// every slot in flight; the FP8 1B tied at 2.)
 pub const RING_FLIGHT_BYTES: usize = 72 * 1024;
 
 /// Copies in flight for a ring of `slots` slots of `slot_bytes` ([`RingLaunch::depth`]):
