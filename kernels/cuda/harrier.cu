@@ -3491,7 +3491,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 // q|k|v loads and RoPE done (tr[3]), the first tile staged (tr[4]), its scores (tr[5]), its
 // P V (tr[6]) and its partial stored (tr[7]). With -DRING_ATTN_WTRACE too (measurement, session
 // 46: who is late in the scores) words 6 and 7 are the slowest warp's own scores loop (ns) and
-// the last warp's end; with RING_ATTN_WTRACE=2 the other warps' last end and warp 0's start.
+// the last warp's end; with RING_ATTN_WTRACE=2 the other warps' last end and warp 0's start;
+// with RING_ATTN_WTRACE=3 the last warp's arrival at the first tile's barrier (its K copies
+// landed) and warp 0's start (is tr[4], read right after that barrier, its release?).
 // `tag`: the stage's LL tag (its partials'; the q|k|v words it reads carry tag - 1); LLR:
 // ring_ll_rows's round.
 // The block's split is the same in every layer (a launch decodes one token): its position, key
@@ -3636,9 +3638,24 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         const int kt = min(RING_KT, k1 - t0);
         const bool more = t0 + RING_KT < k1;
         cp_async_wait_group<1>();  // (K of this tile; its V may still be in flight)
+#if defined(RING_ATTN_WTRACE) && RING_ATTN_WTRACE == 3
+        unsigned long long* arr = (unsigned long long*)sc;  // (free until the scores: a warp's slot)
+        if (t0 == k0) {
+            __syncwarp();
+            if (lane == 0) arr[warp] = ring_now();
+        }
+#endif
         ring_cbar(nct);
 #ifdef RING_ATTN_TRACE
         if (tr && ct == 0 && t0 == k0) tr[4] = ring_now();
+#endif
+#if defined(RING_ATTN_WTRACE) && RING_ATTN_WTRACE == 3
+        if (ct == 0 && t0 == k0) {
+            unsigned long long last = 0;
+            for (int w = 0; w < nct / 32; w++) last = max(last, arr[w]);
+            wt[0] = last;
+        }
+        ring_cbar(nct);  // (the slots read before the scores overwrite them)
 #endif
         // Scores: thread (head g, key j), consecutive lanes consecutive keys: a warp's q
         // reads are one address (a broadcast), its K rows' 16-byte reads fall in different
@@ -3674,6 +3691,8 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             if (warp > 0) atomicMax(wt, ring_now());
             else wt[1] = ws0;
         }
+#elif defined(RING_ATTN_WTRACE) && RING_ATTN_WTRACE == 3
+        if (ct == 0 && t0 == k0) wt[1] = ws0;
 #elif defined(RING_ATTN_WTRACE)
         if (lane == 0 && t0 == k0) {
             const unsigned long long e = ring_now();

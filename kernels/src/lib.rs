@@ -3999,6 +3999,7 @@ mod tests {
             "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT -DRING_PV_UNROLL=8",
             "-DRING_SKIP_ATTN -DRING_MLP_CLAIM",
             "-DRING_ATTN_TRACE -DRING_ATTN_WTRACE",
+            "-DRING_ATTN_TRACE -DRING_ATTN_WTRACE=3",
         ];
         for defs in VARIANTS {
             let opts: Vec<String> = defs.split_whitespace().map(String::from).collect();

@@ -25,7 +25,10 @@ previous MLP's end, their q|k|v work and end, their attention's start).
 With --warps, the dump is a `-DRING_ATTN_TRACE -DRING_ATTN_WTRACE=2` kernel's (session 46):
 words 6 and 7 are then the other warps' last scores end and warp 0's scores start (not P V and
 stored), and the phases stop at the scores, followed by who was late: warp 0 (thread 0 stamps
-the tile staged, then starts its scores) or the others.
+the tile staged, then starts its scores) or the others. With --arrivals (a
+`-DRING_ATTN_WTRACE=3` kernel's dump) word 6 is instead the last warp's arrival at the first
+tile's barrier (its own K copies landed): if it comes as late as warp 0's start, the barrier
+waited for that warp and the "tile staged" stamp ran before the barrier's release.
 """
 import sys
 
@@ -35,8 +38,9 @@ KINDS = ["q|k|v", "attention", "o", "mlp"]
 
 
 def main():
-    warps = "--warps" in sys.argv
-    args = [a for a in sys.argv[1:] if a != "--warps"]
+    flags = {"--warps", "--arrivals"}
+    warps = 3 if "--arrivals" in sys.argv else 2 if "--warps" in sys.argv else 0
+    args = [a for a in sys.argv[1:] if a not in flags]
     path, layers = args[0], int(args[1])
     nkv = int(args[2]) if len(args) > 2 else 8
     d = np.loadtxt(path, delimiter=",", dtype=np.int64)
@@ -70,7 +74,7 @@ def main():
 PHASES = ["q|k|v read, RoPE", "K tile staged", "scores", "P V", "stored"]
 
 
-def attention_phases(w, layers, used, warps=False):
+def attention_phases(w, layers, used, warps=0):
     """The attention stage's phases from a RING_ATTN_TRACE dump (`w` rebased, us)."""
     ls = range(1, layers)
     qkv_end = np.array([w[4 * l, :, 2].max() for l in ls])[:, None]
@@ -86,7 +90,8 @@ def attention_phases(w, layers, used, warps=False):
     slow = (stamps[:, :, 2] - stamps[:, :, 1]) > 2
     if warps:
         staged = a[:, :, 4]
-        for name, v in [("warp 0's scores start", a[:, :, 7] - staged), ("the other warps' last end", a[:, :, 6] - staged)]:
+        word6 = "the last warp's arrival" if warps == 3 else "the other warps' last end"
+        for name, v in [("warp 0's scores start", a[:, :, 7] - staged), (word6, a[:, :, 6] - staged)]:
             p = np.percentile(v, [50, 90, 99, 100])
             late = f"{np.median(v[slow]):.2f} / {np.median(v[~slow]):.2f}" if slow.any() else "-"
             print(f"  {name:26s} after the tile staged: 50/90/99/max {p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f} / {p[3]:.2f}; "
