@@ -2947,8 +2947,8 @@ pub struct RingLaunch {
     pub blocks: u32,
     /// Slots of `slot_bytes` in shared memory.
     pub slots: i32,
-    /// The most weight copies the producer keeps in flight ([`ring_depth`]); 0 or `slots`:
-    /// as many as there are free slots.
+    /// The most weight copies the producer keeps in flight ([`ring_depth`]); 0, or `slots` or
+    /// more: as many as there are free slots.
     pub depth: i32,
     /// Shared-memory bytes beside the ring: the largest stage input (bf16, `2 K`) or an
     /// attention stage's state ([`ring_attn_smem`]), whichever is larger.
@@ -3991,15 +3991,13 @@ mod tests {
             return;
         }
         const VARIANTS: &[&str] = &[
-            "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE -DRING_LL_BACKOFF=100 -DRING_ATTN_TRACE",
+            "-DATT_EXIT_AFTER_WAIT -DRING_MLP_TRACE -DRING_LL_BACKOFF=100 -DRING_ATTN_TRACE -DRING_ATTN_WTRACE=3",
             "-DHARRIER_TRACE -DRING_MLP_TRACE=2 -DRING_NO_MERGE_WAIT -DRING_ATTN_TRACE -DRING_ATTN_WTRACE=2",
             // (Variants of different kernels share a compile.)
-            "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_COUNT_RELAXED",
+            "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_COUNT_RELAXED -DRING_ATTN_TRACE -DRING_ATTN_WTRACE",
             "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4",
             "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT -DRING_PV_UNROLL=8",
             "-DRING_SKIP_ATTN -DRING_MLP_CLAIM",
-            "-DRING_ATTN_TRACE -DRING_ATTN_WTRACE",
-            "-DRING_ATTN_TRACE -DRING_ATTN_WTRACE=3",
         ];
         for defs in VARIANTS {
             let opts: Vec<String> = defs.split_whitespace().map(String::from).collect();
