@@ -3475,7 +3475,37 @@ static_assert(RING_KT >= 32 && RING_KT <= 64, "the softmax takes keys lane and l
 __host__ __device__ constexpr int ring_attn_smem(int G, int hd) {
     return 4 * (RING_KT * hd + hd + G * hd + RING_KT * G + 3 * G) + 16 * RING_KT;
 }
-__device__ __forceinline__ void ring_cbar(int nct) { asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory"); }
+// The consumers' barrier (named barrier 1, the `nct` consumer threads; the producer warp never
+// takes part). `site` names the call for -DRING_BAR_CHECK (measurement, session 47: does every
+// consumer warp arrive at each of the barrier's phases? Each arriving group of a warp adds its
+// size to the warp's count first; after the barrier thread 0 compares every warp's count with
+// its own and keeps, per stage, the violations, the first one's site, warp and count
+// difference (threads, absolute), written to trace words 3-6 at the stage's end;
+// `ring_blocks.py --barriers`).
+#ifdef RING_BAR_CHECK
+__shared__ unsigned int ring_barc[32], ring_bad[4];
+#endif
+__device__ __forceinline__ void ring_cbar(int nct, int site) {
+#ifdef RING_BAR_CHECK
+    {
+        const unsigned int m = __activemask();
+        if ((threadIdx.x & 31) == (unsigned int)(__ffs(m) - 1)) atomicAdd(&ring_barc[threadIdx.x >> 5], (unsigned int)__popc(m));
+    }
+#endif
+    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+#ifdef RING_BAR_CHECK
+    if (threadIdx.x == 0) {
+        volatile unsigned int* c = ring_barc;
+        const unsigned int mine = c[0];
+        for (int w = 1; w < nct / 32; w++) {
+            const unsigned int o = c[w];
+            if (o < mine || ((o - mine) & 31u)) {
+                if (ring_bad[0]++ == 0) ring_bad[1] = site, ring_bad[2] = w, ring_bad[3] = o < mine ? mine - o : o - mine;
+            }
+        }
+    }
+#endif
+}
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
@@ -3534,13 +3564,13 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             const int n = max(p + 1, 0), per = (n + S - 1) / S, a = min(sp * per, n);
             meta.pos = p, meta.row = r, meta.slot = sl, meta.k0 = a, meta.k1 = min(a + per, n);
         }
-        ring_cbar(nct);
+        ring_cbar(nct, 1);
         const int* bt0 = step.block_tables + (size_t)meta.row * step.bt_stride;
         for (int j = ct; j < min(RING_KT, meta.k1 - meta.k0); j += nct) {
             const int p = meta.k0 + j;
             meta.first[j] = p == meta.pos ? -1 : (bt0[p >> bsh] << bsh) + (p & ((1 << bsh) - 1));
         }
-        ring_cbar(nct);
+        ring_cbar(nct, 2);
         if (ct == 0) meta.ready = 1;
     }
     const int pos = meta.pos, k0 = meta.k0, k1 = meta.k1;
@@ -3645,7 +3675,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             if (lane == 0) arr[warp] = ring_now();
         }
 #endif
-        ring_cbar(nct);
+        ring_cbar(nct, 3);
 #ifdef RING_ATTN_TRACE
         if (tr && ct == 0 && t0 == k0) tr[4] = ring_now();
 #endif
@@ -3655,7 +3685,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             for (int w = 0; w < nct / 32; w++) last = max(last, arr[w]);
             wt[0] = last;
         }
-        ring_cbar(nct);  // (the slots read before the scores overwrite them)
+        ring_cbar(nct, 4);  // (the slots read before the scores overwrite them)
 #endif
         // Scores: thread (head g, key j), consecutive lanes consecutive keys: a warp's q
         // reads are one address (a broadcast), its K rows' 16-byte reads fall in different
@@ -3700,7 +3730,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
             atomicMax(wt + 1, e);
         }
 #endif
-        ring_cbar(nct);  // (the scores' K reads done)
+        ring_cbar(nct, 5);  // (the scores' K reads done)
         if (more) load_rows(0, t0 + RING_KT, min(RING_KT, k1 - t0 - RING_KT));
 #ifdef RING_ATTN_TRACE
         if (tr && ct == 0 && t0 == k0) tr[5] = ring_now();
@@ -3726,7 +3756,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         }
         if (more) cp_async_wait_group<1>();  // (V of this tile; the next K may be in flight)
         else cp_async_wait_group<0>();
-        ring_cbar(nct);
+        ring_cbar(nct, 6);
         // P V: thread (head g, dim d), up to two.
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -3747,7 +3777,7 @@ __device__ void ring_attention(const RingStage& st, const RingStep& step, unsign
         if (tr && ct == 0 && t0 == k0) tr[6] = ring_now();
 #endif
         if (more) {
-            ring_cbar(nct);  // (the P V reads of V and the probabilities done)
+            ring_cbar(nct, 7);  // (the P V reads of V and the probabilities done)
             load_rows(1, t0 + RING_KT, min(RING_KT, k1 - t0 - RING_KT));
         }
     }
@@ -3848,13 +3878,14 @@ __device__ __noinline__ void ring_flight_wait(u32 full, unsigned int ki, unsigne
 // outputs; RING_MLP_CLAIM (bf16 MLP chunks claimed, the faster SMs taking more: sums that
 // depend on who took which chunk, so steps differ in their last bits) one with non-determinism.
 // `depth`: the most weight copies the producer keeps in flight (0, or nslots or more: every
-// free slot; the host's ring_depth).
+// free slot; the host's ring_depth); `depth_mlp` the same for an MLP stage's copies (the
+// host's ring_depth_mlp).
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
 template <bool F8, int SLOT>
 __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, unsigned int* done, int nslots,
-                                               unsigned long long* trace, RingStep step, int depth) {
+                                               unsigned long long* trace, RingStep step, int depth, int depth_mlp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int SLOT_UNITS = SLOT / 16, CW = SLOT / 2048;  // CW consumer warps
     static_assert(SLOT_UNITS == CW * 128, "a warp reduces 1024 weights of a slot");
@@ -3897,6 +3928,10 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
+#ifdef RING_BAR_CHECK
+    if (threadIdx.x < 32) ring_barc[threadIdx.x] = 0;
+    if (threadIdx.x < 4) ring_bad[threadIdx.x] = 0;
+#endif
     __syncthreads();
     if (csize > 1) {  // (the partner's barrier initialised before anyone arrives on it)
         asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
@@ -3905,18 +3940,21 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
     if (warp == CW) {
         // The producer: every slot of every stage, in the consumers' order; it waits only for
         // a free slot (the consumers' release of the round before) and, with `depth` copies
-        // in flight, for the oldest to land. The weights never change, so it starts before the
-        // launches this one depends on have finished (no PDL wait).
+        // in flight (`depth_mlp` for an MLP stage's), for the oldest to land. The weights
+        // never change, so it starts before the launches this one depends on have finished
+        // (no PDL wait).
         // (`depth`: the copies in flight are a queue in front of the block's other global
         // accesses. With every free slot in flight, the 3B's 8 x 24 KB, its attention stages
         // read their q|k|v words ~1 us later and some blocks stalled 2-8 us; 64-72 KB stream
-        // as fast: session 46, docs/cuda.md.)
+        // as fast: session 46, docs/cuda.md. An MLP stage's copies, beside its long stream,
+        // may take more: the 3B's every slot, session 47.)
         if (lane != 0) return;
         unsigned long long pol;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
         // The next slot (index ki of round kr: counted, not divided: session 24), once the
         // consumers have released it from the round before.
         unsigned int ki = 0, kr = 0;
+        bool mlp_copy = false;  // (put_item's stage is an MLP)
         auto slot = [&]() -> unsigned int {
             if (kr > 0) mbar_wait(smem_addr(empty + ki), (kr - 1) & 1);
             return ki;
@@ -3930,7 +3968,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         auto put = [&](const void* src, unsigned int len, int item, const float* ssrc = nullptr, unsigned int slen = 0) {
             const unsigned int idx = slot();
             // At most `depth` copies in flight: the one `depth` before this has landed.
-            if (depth > 0) ring_flight_wait(smem_addr(full), ki, kr, depth, nslots);
+            // (An MLP stage's copies: `depth_mlp`.)
+            const int d = mlp_copy ? depth_mlp : depth;
+            if (d > 0) ring_flight_wait(smem_addr(full), ki, kr, d, nslots);
             slot_item[idx] = item;
             const u32 fb = smem_addr(full + idx);
             asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(fb), "r"(len + slen) : "memory");
@@ -3971,6 +4011,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // (F8: a GEMV slot's and a gate or up slot's row scales beside it.)
         auto put_item = [&](const RingStage& st, unsigned int i) {
             const unsigned int wb = F8 && st.ws ? 1 : 2;
+            mlp_copy = st.kind == RING_MLP;
             if (st.kind == RING_GEMVT) {
                 const unsigned int len = ring_chunk_rows<SLOT>(st.N, wb) * st.N * wb;
                 put((const unsigned char*)st.w + (size_t)i * len, len, i);
@@ -4084,7 +4125,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
     };
     fetch_desc(0);
     cp_async_wait_all();
-    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+    ring_cbar(nct, 8);
     int off = 0;
     for (int s = 0; s < n; s++) {
         const RingStage st = sdesc[s & 1];
@@ -4126,7 +4167,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     } while (v < gridDim.x);
                     asm volatile("fence.acquire.gpu;" ::: "memory");
                 }
-                asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+                ring_cbar(nct, 9);
             }
 #endif
 #pragma unroll 1  // (a word or none a thread)
@@ -4157,8 +4198,12 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // Stages whose outputs are LL words (ATTN, q|k|v) count nothing: nobody waits for them.
         auto finish = [&]() -> bool {
             cp_async_wait_all();
-            asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+            ring_cbar(nct, 10);
             if (tr && ct == 0) tr[2] = ring_now();
+#ifdef RING_BAR_CHECK
+            if (tr && ct == 0) tr[3] = ring_bad[0], tr[4] = ring_bad[1], tr[5] = ring_bad[2], tr[6] = ring_bad[3];
+            if (ct == 0) ring_bad[0] = 0;
+#endif
             if (st.kind == RING_ATTN && csize == 2 && ct == 0) {  // (see partner_free)
                 asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
                                  cluster_map(smem_addr(&pair_free), crank ^ 1u))
@@ -4233,7 +4278,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
             if (lane == 0) red_ss[warp] = ss;
-            asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+            ring_cbar(nct, 11);
             ss = 0.0f;
             for (int w = 0; w < CW; w++) ss += red_ss[w];
             const float inv = rsqrtf(ss / st.K + st.eps);
@@ -4254,7 +4299,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             const int cr = ring_chunk_rows<SLOT>(st.N, wb), r0 = start * cr;
             ring_gemvt_rows(st, xr, r0, count * cr, ct, nct, aG, aS, tag_of(s - 1));
         }
-        asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+        ring_cbar(nct, 12);
         if (tr && ct == 0) tr[1] = ring_now();
 #ifdef RING_MLP_TRACE
         blocked = 0;
@@ -4383,7 +4428,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             release();
             release();
 #ifndef RING_MLP_NO_BAR
-            asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+            ring_cbar(nct, 13);
 #endif
             return chunk_act(c, cr, parts);
         };
@@ -4480,7 +4525,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     // j / 2) past the receiving region (the f16 input's place: every warp is past
                     // its last slot), the partner's pushed to it (add_out).
                     cp_async_wait_all();  // (the scales)
-                    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+                    ring_cbar(nct, 14);
                     float4* red = paired ? (float4*)(xs + cols / 8) : (float4*)xs;
                     if (paired) partner_free();
                     const u32 peer_recv = cluster_map(smem_addr(pair_recv(cols)), crank ^ 1u);
@@ -4500,7 +4545,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                             else if ((u32)(j & 1) == crank) red[2 * (j >> 1) + half] = v;
                             else push(peer_recv, peer_ready, j, half, v.x, v.y, v.z, v.w);
                         }
-                    asm volatile("bar.sync 1, %0;" ::"r"(nct) : "memory");
+                    ring_cbar(nct, 15);
 #pragma unroll
                     for (int q = 0; q < RING_MLP_COLS / 8; q++) {
                         const int j = q * nct + ct;
@@ -4717,26 +4762,26 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
 }
 extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(const RingStage* stages, int n, unsigned int* done,
                                                                            int nslots, unsigned long long* trace,
-                                                                           RingStep step, int depth) {
-    gemv_ring_body<false, RING_SLOT>(stages, n, done, nslots, trace, step, depth);
+                                                                           RingStep step, int depth, int depth_mlp) {
+    gemv_ring_body<false, RING_SLOT>(stages, n, done, nslots, trace, step, depth, depth_mlp);
 }
 extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring_f8(const RingStage* stages, int n,
                                                                               unsigned int* done, int nslots,
-                                                                              unsigned long long* trace, RingStep step, int depth) {
-    gemv_ring_body<true, RING_SLOT>(stages, n, done, nslots, trace, step, depth);
+                                                                              unsigned long long* trace, RingStep step, int depth, int depth_mlp) {
+    gemv_ring_body<true, RING_SLOT>(stages, n, done, nslots, trace, step, depth, depth_mlp);
 }
 // 24 KB slots (12 consumer warps), bf16 and FP8 layers: for hidden sizes whose MLP and o
 // chunks (power-of-two rows of K) fill only 24 KB of a 32 KB slot, as the 3B's 4 rows of 3,072
 // (8 in FP8) do; the host's `ring_slot_bytes` picks them (session 30).
 extern "C" __global__ void __launch_bounds__((24576 / 2048 + 1) * 32, 1) gemv_ring_s24(const RingStage* stages, int n,
                                                                                     unsigned int* done, int nslots,
-                                                                                    unsigned long long* trace, RingStep step, int depth) {
-    gemv_ring_body<false, 24576>(stages, n, done, nslots, trace, step, depth);
+                                                                                    unsigned long long* trace, RingStep step, int depth, int depth_mlp) {
+    gemv_ring_body<false, 24576>(stages, n, done, nslots, trace, step, depth, depth_mlp);
 }
 extern "C" __global__ void __launch_bounds__((24576 / 2048 + 1) * 32, 1) gemv_ring_f8_s24(const RingStage* stages, int n,
                                                                                        unsigned int* done, int nslots,
-                                                                                       unsigned long long* trace, RingStep step, int depth) {
-    gemv_ring_body<true, 24576>(stages, n, done, nslots, trace, step, depth);
+                                                                                       unsigned long long* trace, RingStep step, int depth, int depth_mlp) {
+    gemv_ring_body<true, 24576>(stages, n, done, nslots, trace, step, depth, depth_mlp);
 }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the

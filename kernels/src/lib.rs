@@ -2950,6 +2950,8 @@ pub struct RingLaunch {
     /// The most weight copies the producer keeps in flight ([`ring_depth`]); 0, or `slots` or
     /// more: as many as there are free slots.
     pub depth: i32,
+    /// The same for an MLP stage's copies ([`ring_depth_mlp`]).
+    pub depth_mlp: i32,
     /// Shared-memory bytes beside the ring: the largest stage input (bf16, `2 K`) or an
     /// attention stage's state ([`ring_attn_smem`]), whichever is larger.
     pub input_bytes: usize,
@@ -2976,20 +2978,44 @@ pub fn ring_slot_side(fp8: bool) -> usize {
     16 + if fp8 { 4 * RING_SLOT_SCALES } else { 0 }
 }
 
-/// Bytes of weight copies a `gemv_ring` block keeps in flight: enough to stream at the full
-/// copy rate, few enough that the queue they make in front of the block's other global
-/// accesses (the consumers' dependent round trips) stays short. Measured on an H200 (session
-/// 46, docs/cuda.md): the 1B's 32 KB slots best at 2 (one and three slower), the 3B's 24 KB
-/// at 3 (-1.7%; two -1.0%, one +8%); every free slot in flight (the 3B: 8 x 24 KB) made an
-/// attention stage's dependent loads wait up to 8 us. (The FP8 3B alone ran 0.5% faster with
-/// every slot in flight; the FP8 1B tied at 2.)
-pub const RING_FLIGHT_BYTES: usize = 72 * 1024;
+/// Bytes of weight copies a `gemv_ring` block keeps in flight outside MLP stages (see
+/// [`ring_depth_mlp`] for theirs): enough to stream at the full copy rate, few enough that the
+/// queue they make in front of the block's other global accesses (the consumers' dependent
+/// round trips) stays short. Measured on an H200 (sessions 46-47, docs/cuda.md): the 1B's 32
+/// KB slots best at 2 (one and three slower); the 3B's 24 KB at 3 with every stage alike
+/// (-1.7%; two -1.0%, one +8%), and at 2 once its MLP stages keep every slot in flight
+/// (1.902-1.908 ms against 1.936-1.937 at 3, main 1.941-1.953); every free slot in flight
+/// everywhere (the 3B: 8 x 24 KB) made an attention stage's dependent loads wait up to 8 us.
+pub const RING_FLIGHT_BYTES: usize = 64 * 1024;
 
 /// Copies in flight for a ring of `slots` slots of `slot_bytes` ([`RingLaunch::depth`]):
 /// [`RING_FLIGHT_BYTES`] worth, at least one and fewer than `slots`; `HARRIER_RING_DEPTH`
 /// overrides it (measurement; 0: every free slot).
 pub fn ring_depth(slot_bytes: usize, slots: i32) -> i32 {
     env_number("HARRIER_RING_DEPTH").unwrap_or_else(|| ring_depth_for(slot_bytes, slots))
+}
+
+/// Copies in flight for an MLP stage's weights ([`RingLaunch::depth_mlp`]): every free slot
+/// where the slots are smaller than [`RING_SLOT`] (the 3B's 24 KB: 8 x 24 KB; with the other
+/// stages at [`ring_depth`]'s 2, 3B 1.902-1.908 ms against main's 1.941-1.953 and FP8 3B
+/// 1.437-1.439 against 1.441-1.443 on an H200, session 47), [`ring_depth`]'s rule otherwise
+/// (the 1B's 32 KB slots all in flight cost it 0.3%). Where the copies are issued matters less
+/// than what they queue: an MLP stage's run beside its own long stream and the chain before it,
+/// and keyed on the consumers' stage instead (every slot while they run an MLP, so also the
+/// next layer's first copies at its end) the 3B lost 1.5%.
+/// `HARRIER_RING_DEPTH_MLP`, else `HARRIER_RING_DEPTH`, overrides it (measurement).
+pub fn ring_depth_mlp(slot_bytes: usize, slots: i32) -> i32 {
+    env_number("HARRIER_RING_DEPTH_MLP")
+        .or_else(|| env_number("HARRIER_RING_DEPTH"))
+        .unwrap_or_else(|| ring_depth_mlp_for(slot_bytes, slots))
+}
+
+/// [`ring_depth_mlp`]'s rule, without the overrides.
+fn ring_depth_mlp_for(slot_bytes: usize, slots: i32) -> i32 {
+    match slot_bytes < RING_SLOT {
+        true => 0,
+        false => ring_depth_for(slot_bytes, slots),
+    }
 }
 
 /// [`ring_depth`]'s rule, without the override: 0 where the budget holds every slot (the
@@ -3110,7 +3136,16 @@ impl Kernels {
     /// [`Kernels::allow_ring_smem`] allowed (a launch past it fails).
     pub unsafe fn gemv_ring(&self, s: sys::CUstream, r: &RingLaunch) -> anyhow::Result<()> {
         let smem = r.smem();
-        let mut p = params![r.stages, r.n, r.done, r.slots, r.trace, r.step, r.depth];
+        let mut p = params![
+            r.stages,
+            r.n,
+            r.done,
+            r.slots,
+            r.trace,
+            r.step,
+            r.depth,
+            r.depth_mlp
+        ];
         // SAFETY: argument types match the kernel's; the caller vouches for the rest.
         unsafe {
             self.launch_smem(
@@ -3538,6 +3573,7 @@ mod tests {
             blocks: 1,
             slots: 2,
             depth: 0,
+            depth_mlp: 0,
             input_bytes: 0,
             slot_bytes,
             trace: 0,
@@ -3556,18 +3592,24 @@ mod tests {
         // the body with its own, in that order).
         assert_eq!(
             SOURCE
-                .matches("(stages, n, done, nslots, trace, step, depth);")
+                .matches("(stages, n, done, nslots, trace, step, depth, depth_mlp);")
                 .count(),
             RING_INSTANCES.len()
         );
-        assert!(SOURCE.contains("unsigned long long* trace, RingStep step, int depth) {"));
-        // Copies in flight: 72 KB worth (two of the 1B's 32 KB slots, three of the 3B's
+        assert!(SOURCE
+            .contains("unsigned long long* trace, RingStep step, int depth, int depth_mlp) {"));
+        // Copies in flight: 64 KB worth (two of the 1B's 32 KB slots, two of the 3B's
         // 24 KB), at least one, and none where that is every slot.
         assert_eq!(ring_depth_for(RING_SLOT, 6), 2);
-        assert_eq!(ring_depth_for(RING_SLOT_S24, 8), 3);
+        assert_eq!(ring_depth_for(RING_SLOT_S24, 8), 2);
         assert_eq!(ring_depth_for(128 * 1024, 4), 1);
-        assert_eq!(ring_depth_for(RING_SLOT_S24, 3), 0);
+        assert_eq!(ring_depth_for(RING_SLOT_S24, 3), 2);
+        assert_eq!(ring_depth_for(RING_SLOT_S24, 2), 0);
         assert_eq!(ring_depth_for(RING_SLOT, 2), 0);
+        // An MLP stage's: every slot of a 24 KB ring, the same rule on 32 KB slots.
+        assert_eq!(ring_depth_mlp_for(RING_SLOT_S24, 8), 0);
+        assert_eq!(ring_depth_mlp_for(RING_SLOT, 6), 2);
+        assert_eq!(ring_depth_mlp_for(RING_SLOT, 2), 0);
         assert_eq!(launch(true, 16384).kernel(), "gemv_ring_f8");
         assert_eq!(launch(false, 16384).kernel(), "gemv_ring");
         assert_eq!(launch(false, RING_SLOT_S24).threads(), 13 * 32);
@@ -3997,7 +4039,7 @@ mod tests {
             "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_COUNT_RELAXED -DRING_ATTN_TRACE -DRING_ATTN_WTRACE",
             "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4",
             "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT -DRING_PV_UNROLL=8",
-            "-DRING_SKIP_ATTN -DRING_MLP_CLAIM",
+            "-DRING_SKIP_ATTN -DRING_MLP_CLAIM -DRING_BAR_CHECK",
         ];
         for defs in VARIANTS {
             let opts: Vec<String> = defs.split_whitespace().map(String::from).collect();

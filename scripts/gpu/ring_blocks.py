@@ -28,7 +28,13 @@ stored), and the phases stop at the scores, followed by who was late: warp 0 (th
 the tile staged, then starts its scores) or the others. With --arrivals (a
 `-DRING_ATTN_WTRACE=3` kernel's dump) word 6 is instead the last warp's arrival at the first
 tile's barrier (its own K copies landed): if it comes as late as warp 0's start, the barrier
-waited for that warp and the "tile staged" stamp ran before the barrier's release.
+waited for that warp and the "tile staged" stamp ran before the barrier's release (session 47:
+it does).
+
+With --barriers (a `-DRING_BAR_CHECK` kernel's dump, session 47) it prints instead, per stage
+kind, the stage-blocks in which the consumers' barrier released thread 0 before some consumer warp
+had arrived (words 3-6: violations, the first one's `ring_cbar` site, warp and count difference
+in threads).
 """
 import sys
 
@@ -38,13 +44,16 @@ KINDS = ["q|k|v", "attention", "o", "mlp"]
 
 
 def main():
-    flags = {"--warps", "--arrivals"}
+    flags = {"--warps", "--arrivals", "--barriers"}
     warps = 3 if "--arrivals" in sys.argv else 2 if "--warps" in sys.argv else 0
     args = [a for a in sys.argv[1:] if a not in flags]
     path, layers = args[0], int(args[1])
     nkv = int(args[2]) if len(args) > 2 else 8
     d = np.loadtxt(path, delimiter=",", dtype=np.int64)
     stages, blocks = d[:, 0].max() + 1, d[:, 1].max() + 1
+    if "--barriers" in sys.argv:
+        barrier_check(d[:, 2:].reshape(stages, blocks, -1), layers)
+        return
     w = d[:, 2:].reshape(stages, blocks, -1).astype(np.float64)
     w = (w - w[0, :, 0].min()) / 1e3
     t1, t2 = w[:, :, 1], w[:, :, 2]
@@ -69,6 +78,19 @@ def main():
         print(f"  KV head {h}: " + " ".join(f"{start[h * split + s]:.2f}/{read[h * split + s]:.2f}" for s in range(split)))
     if w.shape[2] >= 8 and (w[5, : nkv * split, 3:8] > 0).all():
         attention_phases(w, layers, nkv * split, warps)
+
+
+def barrier_check(w, layers):
+    """Early releases of the consumers' barrier from a RING_BAR_CHECK dump (words 3-6)."""
+    kinds = {}
+    for s in range(w.shape[0]):
+        kind = KINDS[(s % 4)] if s < 4 * layers else "head"
+        for b in np.nonzero(w[s, :, 3] > 0)[0]:
+            kinds.setdefault(kind, []).append((s, int(b), *map(int, w[s, b, 3:7])))
+    print(f"{w.shape[0]} stages x {w.shape[1]} blocks: stage-blocks with an early release "
+          f"{sum(len(v) for v in kinds.values())}")
+    for kind, v in kinds.items():
+        print(f"  {kind}: {len(v)}; first (stage, block, violations, site, warp, count difference) {v[0]}")
 
 
 PHASES = ["q|k|v read, RoPE", "K tile staged", "scores", "P V", "stored"]

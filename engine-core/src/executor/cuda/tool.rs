@@ -2002,6 +2002,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             blocks,
             slots: slots as i32,
             depth: harrier_kernels::ring_depth(slot_bytes, slots as i32),
+            depth_mlp: harrier_kernels::ring_depth_mlp(slot_bytes, slots as i32),
             input_bytes: max_k * 2,
             slot_bytes,
             trace: 0,
