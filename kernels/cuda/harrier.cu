@@ -3955,6 +3955,11 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // consumers have released it from the round before.
         unsigned int ki = 0, kr = 0;
         bool mlp_copy = false;  // (put_item's stage is an MLP)
+#if defined(RING_DEPTH_QKV) || defined(RING_DEPTH_O) || defined(RING_DEPTH_HEAD)
+        // (measurement, session 47's plan: the copies of a q|k|v stage (an LL GEMV), an o
+        // stage (GEMVT) or the head (a GEMV without LL words) with their own depth)
+        int copy_as = 0;  // 1 q|k|v, 2 o, 3 the head
+#endif
         auto slot = [&]() -> unsigned int {
             if (kr > 0) mbar_wait(smem_addr(empty + ki), (kr - 1) & 1);
             return ki;
@@ -3969,7 +3974,20 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             const unsigned int idx = slot();
             // At most `depth` copies in flight: the one `depth` before this has landed.
             // (An MLP stage's copies: `depth_mlp`.)
+#if defined(RING_DEPTH_QKV) || defined(RING_DEPTH_O) || defined(RING_DEPTH_HEAD)
+            int d = mlp_copy ? depth_mlp : depth;
+#ifdef RING_DEPTH_QKV
+            if (copy_as == 1) d = RING_DEPTH_QKV;
+#endif
+#ifdef RING_DEPTH_O
+            if (copy_as == 2) d = RING_DEPTH_O;
+#endif
+#ifdef RING_DEPTH_HEAD
+            if (copy_as == 3) d = RING_DEPTH_HEAD;
+#endif
+#else
             const int d = mlp_copy ? depth_mlp : depth;
+#endif
             if (d > 0) ring_flight_wait(smem_addr(full), ki, kr, d, nslots);
             slot_item[idx] = item;
             const u32 fb = smem_addr(full + idx);
@@ -4012,6 +4030,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         auto put_item = [&](const RingStage& st, unsigned int i) {
             const unsigned int wb = F8 && st.ws ? 1 : 2;
             mlp_copy = st.kind == RING_MLP;
+#if defined(RING_DEPTH_QKV) || defined(RING_DEPTH_O) || defined(RING_DEPTH_HEAD)
+            copy_as = st.kind == RING_GEMVT ? 2 : st.kind != RING_GEMV ? 0 : st.ll ? 1 : 3;
+#endif
             if (st.kind == RING_GEMVT) {
                 const unsigned int len = ring_chunk_rows<SLOT>(st.N, wb) * st.N * wb;
                 put((const unsigned char*)st.w + (size_t)i * len, len, i);
