@@ -2999,11 +2999,10 @@ pub fn ring_depth(slot_bytes: usize, slots: i32) -> i32 {
 /// where the slots are smaller than [`RING_SLOT`] (the 3B's 24 KB: 8 x 24 KB; with the other
 /// stages at [`ring_depth`]'s 2, 3B 1.902-1.908 ms against main's 1.941-1.953 and FP8 3B
 /// 1.437-1.439 against 1.441-1.443 on an H200, session 47), [`ring_depth`]'s rule otherwise
-/// (the 1B's 32 KB slots all in flight cost it 0.3%). Where the copies are issued matters less
-/// than what they queue: an MLP stage's run beside its own long stream and the chain before it,
-/// and keyed on the consumers' stage instead (every slot while they run an MLP, so also the
-/// next layer's first copies at its end) the 3B lost 1.5%.
-/// `HARRIER_RING_DEPTH_MLP`, else `HARRIER_RING_DEPTH`, overrides it (measurement).
+/// (the 1B's 32 KB slots all in flight cost it 0.3%). Keyed on the consumers' stage instead
+/// (every slot while they run an MLP stage, which also deepens the next layer's first copies,
+/// issued at its end) the 3B lost 1.5%. `HARRIER_RING_DEPTH_MLP`, else `HARRIER_RING_DEPTH`,
+/// overrides it (measurement).
 pub fn ring_depth_mlp(slot_bytes: usize, slots: i32) -> i32 {
     env_number("HARRIER_RING_DEPTH_MLP")
         .or_else(|| env_number("HARRIER_RING_DEPTH"))
