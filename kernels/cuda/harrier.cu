@@ -3955,6 +3955,11 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // consumers have released it from the round before.
         unsigned int ki = 0, kr = 0;
         bool mlp_copy = false;  // (put_item's stage is an MLP)
+#ifdef RING_DEPTH_MLP_SKIP
+        // (measurement, session 47's plan: an MLP stage's first RING_DEPTH_MLP_SKIP copies of
+        // the block, issued while the consumers still run the chain before it, at `depth`)
+        int mlp_puts = 0;
+#endif
 #if defined(RING_DEPTH_QKV) || defined(RING_DEPTH_O) || defined(RING_DEPTH_HEAD)
         // (measurement, session 47's plan: the copies of a q|k|v stage (an LL GEMV), an o
         // stage (GEMVT) or the head (a GEMV without LL words) with their own depth)
@@ -3985,6 +3990,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
 #ifdef RING_DEPTH_HEAD
             if (copy_as == 3) d = RING_DEPTH_HEAD;
 #endif
+#elif defined(RING_DEPTH_MLP_SKIP)
+            const int d = mlp_copy && mlp_puts++ >= RING_DEPTH_MLP_SKIP ? depth_mlp : depth;
 #else
             const int d = mlp_copy ? depth_mlp : depth;
 #endif
@@ -4062,6 +4069,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         for (int s = 0; s < n; s++) {
             const RingStage st = nxt;
             if (s + 1 < n) nxt = stages[s + 1];  // (in flight while this stage's copies issue)
+#ifdef RING_DEPTH_MLP_SKIP
+            mlp_puts = 0;
+#endif
             const int wb = F8 && st.ws ? 1 : 2;
             const unsigned int items = (unsigned int)ring_items<SLOT>(st, wb), u = ring_unit<SLOT>(st.kind, st.N, st.K, wb);
             if (u > 0) {
