@@ -3878,8 +3878,7 @@ __device__ __noinline__ void ring_flight_wait(u32 full, unsigned int ki, unsigne
 // outputs; RING_MLP_CLAIM (bf16 MLP chunks claimed, the faster SMs taking more: sums that
 // depend on who took which chunk, so steps differ in their last bits) one with non-determinism.
 // `depth`: the most weight copies the producer keeps in flight (0, or nslots or more: every
-// free slot; the host's ring_depth); `depth_mlp` the same for an MLP stage's copies (the
-// host's ring_depth_mlp).
+// free slot); `depth_mlp` the same for an MLP stage's copies (the host's ring_depths).
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
@@ -3954,16 +3953,8 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // The next slot (index ki of round kr: counted, not divided: session 24), once the
         // consumers have released it from the round before.
         unsigned int ki = 0, kr = 0;
-        bool mlp_copy = false;  // (put_item's stage is an MLP)
 #ifdef RING_DEPTH_MLP_SKIP
-        // (measurement, session 47's plan: an MLP stage's first RING_DEPTH_MLP_SKIP copies of
-        // the block, issued while the consumers still run the chain before it, at `depth`)
-        int mlp_puts = 0;
-#endif
-#if defined(RING_DEPTH_QKV) || defined(RING_DEPTH_O) || defined(RING_DEPTH_HEAD)
-        // (measurement, session 47's plan: the copies of a q|k|v stage (an LL GEMV), an o
-        // stage (GEMVT) or the head (a GEMV without LL words) with their own depth)
-        int copy_as = 0;  // 1 q|k|v, 2 o, 3 the head
+        int mlp_items = 0;  // (the stage's MLP chunks put so far: copy_depth's)
 #endif
         auto slot = [&]() -> unsigned int {
             if (kr > 0) mbar_wait(smem_addr(empty + ki), (kr - 1) & 1);
@@ -3972,29 +3963,35 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         auto next = [&]() {
             if (++ki == (unsigned int)nslots) ki = 0, kr++;
         };
-        // A piece of weights into the next slot, tagged with its item (the mbarrier's arrive
-        // releases the tag with the slot), and (F8) `slen` bytes of row scales from `ssrc`
-        // beside it (both 16-byte multiples).
-        auto put = [&](const void* src, unsigned int len, int item, const float* ssrc = nullptr, unsigned int slen = 0) {
-            const unsigned int idx = slot();
-            // At most `depth` copies in flight: the one `depth` before this has landed.
-            // (An MLP stage's copies: `depth_mlp`.)
-#if defined(RING_DEPTH_QKV) || defined(RING_DEPTH_O) || defined(RING_DEPTH_HEAD)
-            int d = mlp_copy ? depth_mlp : depth;
+        // The copies in flight for a stage's item: `depth_mlp` for an MLP stage's, `depth` for
+        // the rest. (Measurement, session 47's plan: -DRING_DEPTH_QKV=N, -DRING_DEPTH_O=N and
+        // -DRING_DEPTH_HEAD=N give the q|k|v stages' (LL GEMVs), the o stages' (GEMVT) and the
+        // head's (a GEMV without LL words) their own; -DRING_DEPTH_MLP_SKIP=N keeps a block's
+        // first N chunks of each MLP stage, put while the consumers still run the chain before
+        // it, at `depth`.)
+        auto copy_depth = [&](const RingStage& st) -> int {
+            int d = st.kind == RING_MLP ? depth_mlp : depth;
+#ifdef RING_DEPTH_MLP_SKIP
+            if (st.kind == RING_MLP && mlp_items++ < RING_DEPTH_MLP_SKIP) d = depth;
+#endif
 #ifdef RING_DEPTH_QKV
-            if (copy_as == 1) d = RING_DEPTH_QKV;
+            if (st.kind == RING_GEMV && st.ll) d = RING_DEPTH_QKV;
 #endif
 #ifdef RING_DEPTH_O
-            if (copy_as == 2) d = RING_DEPTH_O;
+            if (st.kind == RING_GEMVT) d = RING_DEPTH_O;
 #endif
 #ifdef RING_DEPTH_HEAD
-            if (copy_as == 3) d = RING_DEPTH_HEAD;
+            if (st.kind == RING_GEMV && !st.ll) d = RING_DEPTH_HEAD;
 #endif
-#elif defined(RING_DEPTH_MLP_SKIP)
-            const int d = mlp_copy && mlp_puts++ >= RING_DEPTH_MLP_SKIP ? depth_mlp : depth;
-#else
-            const int d = mlp_copy ? depth_mlp : depth;
-#endif
+            return d;
+        };
+        // A piece of weights into the next slot, tagged with its item (the mbarrier's arrive
+        // releases the tag with the slot), and (F8) `slen` bytes of row scales from `ssrc`
+        // beside it (both 16-byte multiples); at most `d` copies in flight (copy_depth): the one
+        // `d` before this has landed.
+        auto put = [&](int d, const void* src, unsigned int len, int item, const float* ssrc = nullptr,
+                       unsigned int slen = 0) {
+            const unsigned int idx = slot();
             if (d > 0) ring_flight_wait(smem_addr(full), ki, kr, d, nslots);
             slot_item[idx] = item;
             const u32 fb = smem_addr(full + idx);
@@ -4036,21 +4033,18 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // (F8: a GEMV slot's and a gate or up slot's row scales beside it.)
         auto put_item = [&](const RingStage& st, unsigned int i) {
             const unsigned int wb = F8 && st.ws ? 1 : 2;
-            mlp_copy = st.kind == RING_MLP;
-#if defined(RING_DEPTH_QKV) || defined(RING_DEPTH_O) || defined(RING_DEPTH_HEAD)
-            copy_as = st.kind == RING_GEMVT ? 2 : st.kind != RING_GEMV ? 0 : st.ll ? 1 : 3;
-#endif
+            const int d = copy_depth(st);
             if (st.kind == RING_GEMVT) {
                 const unsigned int len = ring_chunk_rows<SLOT>(st.N, wb) * st.N * wb;
-                put((const unsigned char*)st.w + (size_t)i * len, len, i);
+                put(d, (const unsigned char*)st.w + (size_t)i * len, len, i);
             } else if (st.kind == RING_MLP) {
                 const unsigned int cr = ring_chunk_rows<SLOT>(st.K, wb), len = cr * st.K * wb;
                 const size_t r = (size_t)i * len;
                 const float* gsc = F8 && wb == 1 ? st.ws + (size_t)i * cr : nullptr;  // (cr >= 4)
                 const unsigned int sl = F8 && wb == 1 ? 4 * cr : 0;
-                put((const unsigned char*)st.w + r, len, i, gsc, sl);
-                put((const unsigned char*)st.w + (size_t)st.N * st.K * wb + r, len, i, gsc + (sl ? st.N : 0), sl);
-                put((const unsigned char*)st.w2 + r, len, i);
+                put(d, (const unsigned char*)st.w + r, len, i, gsc, sl);
+                put(d, (const unsigned char*)st.w + (size_t)st.N * st.K * wb + r, len, i, gsc + (sl ? st.N : 0), sl);
+                put(d, (const unsigned char*)st.w2 + r, len, i);
             } else {
                 const unsigned int bytes = (unsigned int)st.N * (unsigned int)st.K * wb, at = i * SLOT;
                 const unsigned int len = min((unsigned int)SLOT, bytes - at);
@@ -4058,9 +4052,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     // The slot's rows' scales from the 16-byte boundary at or before its first
                     // (the host rounds the scales' allocation to 16 bytes: the copy stays in it).
                     const unsigned int r0 = at / st.K & ~3u, r1 = (at + len - 1) / st.K + 1;
-                    put((const unsigned char*)st.w + at, len, i, st.ws + r0, (r1 - r0 + 3) / 4 * 16);
+                    put(d, (const unsigned char*)st.w + at, len, i, st.ws + r0, (r1 - r0 + 3) / 4 * 16);
                 } else {
-                    put((const unsigned char*)st.w + at, len, i);
+                    put(d, (const unsigned char*)st.w + at, len, i);
                 }
             }
         };
@@ -4070,7 +4064,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             const RingStage st = nxt;
             if (s + 1 < n) nxt = stages[s + 1];  // (in flight while this stage's copies issue)
 #ifdef RING_DEPTH_MLP_SKIP
-            mlp_puts = 0;
+            mlp_items = 0;
 #endif
             const int wb = F8 && st.ws ? 1 : 2;
             const unsigned int items = (unsigned int)ring_items<SLOT>(st, wb), u = ring_unit<SLOT>(st.kind, st.N, st.K, wb);

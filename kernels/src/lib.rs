@@ -2947,11 +2947,8 @@ pub struct RingLaunch {
     pub blocks: u32,
     /// Slots of `slot_bytes` in shared memory.
     pub slots: i32,
-    /// The most weight copies the producer keeps in flight ([`ring_depth`]); 0, or `slots` or
-    /// more: as many as there are free slots.
-    pub depth: i32,
-    /// The same for an MLP stage's copies ([`ring_depth_mlp`]).
-    pub depth_mlp: i32,
+    /// Weight copies the producer keeps in flight ([`ring_depths`]).
+    pub depth: RingDepths,
     /// Shared-memory bytes beside the ring: the largest stage input (bf16, `2 K`) or an
     /// attention stage's state ([`ring_attn_smem`]), whichever is larger.
     pub input_bytes: usize,
@@ -2979,7 +2976,7 @@ pub fn ring_slot_side(fp8: bool) -> usize {
 }
 
 /// Bytes of weight copies a `gemv_ring` block keeps in flight outside MLP stages (see
-/// [`ring_depth_mlp`] for theirs): enough to stream at the full copy rate, few enough that the
+/// [`ring_depths`] for theirs): enough to stream at the full copy rate, few enough that the
 /// queue they make in front of the block's other global accesses (the consumers' dependent
 /// round trips) stays short. Measured on an H200 (sessions 46-47, docs/cuda.md): the 1B's 32
 /// KB slots best at 2 (one and three slower); the 3B's 24 KB at 3 with every stage alike
@@ -2988,28 +2985,38 @@ pub fn ring_slot_side(fp8: bool) -> usize {
 /// everywhere (the 3B: 8 x 24 KB) made an attention stage's dependent loads wait up to 8 us.
 pub const RING_FLIGHT_BYTES: usize = 64 * 1024;
 
-/// Copies in flight for a ring of `slots` slots of `slot_bytes` ([`RingLaunch::depth`]):
-/// [`RING_FLIGHT_BYTES`] worth, at least one and fewer than `slots`; `HARRIER_RING_DEPTH`
-/// overrides it (measurement; 0: every free slot).
-pub fn ring_depth(slot_bytes: usize, slots: i32) -> i32 {
-    env_number("HARRIER_RING_DEPTH").unwrap_or_else(|| ring_depth_for(slot_bytes, slots))
+/// The most weight copies a `gemv_ring` block keeps in flight (the kernel's `depth` and
+/// `depth_mlp`): each 0, or `slots` or more, for as many as there are free slots.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RingDepths {
+    /// Every stage's but the MLP's.
+    pub other: i32,
+    /// An MLP stage's.
+    pub mlp: i32,
 }
 
-/// Copies in flight for an MLP stage's weights ([`RingLaunch::depth_mlp`]): every free slot
-/// where the slots are smaller than [`RING_SLOT`] (the 3B's 24 KB: 8 x 24 KB; with the other
-/// stages at [`ring_depth`]'s 2, 3B 1.902-1.908 ms against main's 1.941-1.953 and FP8 3B
-/// 1.437-1.439 against 1.441-1.443 on an H200, session 47), [`ring_depth`]'s rule otherwise
-/// (the 1B's 32 KB slots all in flight cost it 0.3%). Keyed on the consumers' stage instead
-/// (every slot while they run an MLP stage, which also deepens the next layer's first copies,
-/// issued at its end) the 3B lost 1.5%. `HARRIER_RING_DEPTH_MLP`, else `HARRIER_RING_DEPTH`,
-/// overrides it (measurement).
-pub fn ring_depth_mlp(slot_bytes: usize, slots: i32) -> i32 {
-    env_number("HARRIER_RING_DEPTH_MLP")
-        .or_else(|| env_number("HARRIER_RING_DEPTH"))
-        .unwrap_or_else(|| ring_depth_mlp_for(slot_bytes, slots))
+/// The depths for a ring of `slots` slots of `slot_bytes`, worked out once at ring setup:
+/// - `other`: [`RING_FLIGHT_BYTES`] worth, at least one and fewer than `slots`;
+/// - `mlp`: every free slot where the slots are smaller than [`RING_SLOT`] (the 3B's 24 KB:
+///   8 x 24 KB; with the others at 2, 3B 1.902-1.908 ms against main's 1.941-1.953 and FP8 3B
+///   1.437-1.439 against 1.441-1.443 on an H200, session 47), `other`'s rule otherwise (the
+///   1B's 32 KB slots all in flight cost it 0.3%). Keyed on the consumers' stage instead (every
+///   slot while they run an MLP stage, which also deepens the next layer's first copies,
+///   issued at its end) the 3B lost 1.5%.
+///
+/// `HARRIER_RING_DEPTH` overrides both, `HARRIER_RING_DEPTH_MLP` the MLP's (measurement; 0:
+/// every free slot).
+pub fn ring_depths(slot_bytes: usize, slots: i32) -> RingDepths {
+    let both = env_number("HARRIER_RING_DEPTH");
+    RingDepths {
+        other: both.unwrap_or_else(|| ring_depth_for(slot_bytes, slots)),
+        mlp: env_number("HARRIER_RING_DEPTH_MLP")
+            .or(both)
+            .unwrap_or_else(|| ring_depth_mlp_for(slot_bytes, slots)),
+    }
 }
 
-/// [`ring_depth_mlp`]'s rule, without the overrides.
+/// [`ring_depths`]'s rule for MLP stages, without the overrides.
 fn ring_depth_mlp_for(slot_bytes: usize, slots: i32) -> i32 {
     match slot_bytes < RING_SLOT {
         true => 0,
@@ -3017,8 +3024,8 @@ fn ring_depth_mlp_for(slot_bytes: usize, slots: i32) -> i32 {
     }
 }
 
-/// [`ring_depth`]'s rule, without the override: 0 where the budget holds every slot (the
-/// kernel's "no limit", which also skips its wait).
+/// [`ring_depths`]'s rule for the other stages, without the override: 0 where the budget holds
+/// every slot (the kernel's "no limit", which also skips its wait).
 fn ring_depth_for(slot_bytes: usize, slots: i32) -> i32 {
     let d = (RING_FLIGHT_BYTES / slot_bytes.max(1)).max(1);
     if d >= slots.max(0) as usize {
@@ -3142,8 +3149,8 @@ impl Kernels {
             r.slots,
             r.trace,
             r.step,
-            r.depth,
-            r.depth_mlp
+            r.depth.other,
+            r.depth.mlp
         ];
         // SAFETY: argument types match the kernel's; the caller vouches for the rest.
         unsafe {
@@ -3571,8 +3578,7 @@ mod tests {
             done: 0,
             blocks: 1,
             slots: 2,
-            depth: 0,
-            depth_mlp: 0,
+            depth: RingDepths::default(),
             input_bytes: 0,
             slot_bytes,
             trace: 0,

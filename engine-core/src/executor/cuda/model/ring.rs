@@ -19,8 +19,8 @@
 use anyhow::Context;
 use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
-    ring_attn_part_words, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_depth,
-    ring_depth_mlp, ring_mlp_supports, ring_slot_bytes, ring_slot_side, Dtype, Kernels, RingInput,
+    ring_attn_part_words, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_depths,
+    ring_mlp_supports, ring_slot_bytes, ring_slot_side, Dtype, Kernels, RingDepths, RingInput,
     RingKind, RingLaunch, RingStage, RingStep, RING_MAX_SLOTS, RING_SLOT, RING_SLOT_S24,
     RING_TRACE_WORDS,
 };
@@ -50,10 +50,8 @@ pub(super) struct RingDecode {
     n_stages: usize,
     blocks: u32,
     slots: i32,
-    /// Copies in flight ([`ring_depth`], [`ring_depth_mlp`] for MLP stages; read once here:
-    /// not an environment lookup a step).
-    depth: i32,
-    depth_mlp: i32,
+    /// Copies in flight ([`ring_depths`], read once here: not an environment lookup a step).
+    depth: RingDepths,
     /// Bytes a slot ([`ring_slot_choice`]).
     slot_bytes: usize,
     input_bytes: usize,
@@ -80,7 +78,6 @@ impl RingDecode {
             blocks: self.blocks,
             slots: self.slots,
             depth: self.depth,
-            depth_mlp: self.depth_mlp,
             input_bytes: self.input_bytes,
             slot_bytes: self.slot_bytes,
             trace: self.trace.as_ref().map_or(0, |t| t.ptr),
@@ -403,8 +400,7 @@ impl GpuModel {
             n_stages,
             blocks: sms as u32,
             slots: slots as i32,
-            depth: ring_depth(slot, slots as i32),
-            depth_mlp: ring_depth_mlp(slot, slots as i32),
+            depth: ring_depths(slot, slots as i32),
             slot_bytes: slot,
             input_bytes,
             on: true,
