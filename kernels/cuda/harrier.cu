@@ -3878,13 +3878,14 @@ __device__ __noinline__ void ring_flight_wait(u32 full, unsigned int ki, unsigne
 // outputs; RING_MLP_CLAIM (bf16 MLP chunks claimed, the faster SMs taking more: sums that
 // depend on who took which chunk, so steps differ in their last bits) one with non-determinism.
 // `depth`: the most weight copies the producer keeps in flight (0, or nslots or more: every
-// free slot); `depth_mlp` the same for an MLP stage's copies (the host's ring_depths).
+// free slot); `depth_mlp` the same for an MLP stage's copies, `depth_attn` for a q|k|v (LL
+// GEMV) or o (GEMVT) stage's (the host's ring_depths; not read by the F8 instances).
 // F8: the gemv_ring_f8 instance (FP8 layers: every q|k|v, o, gate|up and down with scales;
 // the head either); gemv_ring has none of its code (one body for both cost a bf16 step 3.5%,
 // session 20).
 template <bool F8, int SLOT>
 __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, unsigned int* done, int nslots,
-                                               unsigned long long* trace, RingStep step, int depth, int depth_mlp) {
+                                               unsigned long long* trace, RingStep step, int depth, int depth_mlp, int depth_attn) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int SLOT_UNITS = SLOT / 16, CW = SLOT / 2048;  // CW consumer warps
     static_assert(SLOT_UNITS == CW * 128, "a warp reduces 1024 weights of a slot");
@@ -3939,23 +3940,21 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
     if (warp == CW) {
         // The producer: every slot of every stage, in the consumers' order; it waits only for
         // a free slot (the consumers' release of the round before) and, with `depth` copies
-        // in flight (`depth_mlp` for an MLP stage's), for the oldest to land. The weights
-        // never change, so it starts before the launches this one depends on have finished
-        // (no PDL wait).
+        // in flight (`depth_mlp` for an MLP stage's, `depth_attn` for a q|k|v or o stage's),
+        // for the oldest to land. The weights never change, so it starts before the launches
+        // this one depends on have finished (no PDL wait).
         // (`depth`: the copies in flight are a queue in front of the block's other global
         // accesses. With every free slot in flight, the 3B's 8 x 24 KB, its attention stages
         // read their q|k|v words ~1 us later and some blocks stalled 2-8 us; 64-72 KB stream
         // as fast: session 46, docs/cuda.md. An MLP stage's copies, beside its long stream,
-        // may take more: the 3B's every slot, session 47.)
+        // may take more: the 3B's every slot, session 47. The q|k|v and o stages' copies, put
+        // while the consumers run the chain around attention, one at a time: session 48.)
         if (lane != 0) return;
         unsigned long long pol;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
         // The next slot (index ki of round kr: counted, not divided: session 24), once the
         // consumers have released it from the round before.
         unsigned int ki = 0, kr = 0;
-#ifdef RING_DEPTH_MLP_SKIP
-        int mlp_items = 0;  // (the stage's MLP chunks put so far: copy_depth's)
-#endif
         auto slot = [&]() -> unsigned int {
             if (kr > 0) mbar_wait(smem_addr(empty + ki), (kr - 1) & 1);
             return ki;
@@ -3963,27 +3962,18 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         auto next = [&]() {
             if (++ki == (unsigned int)nslots) ki = 0, kr++;
         };
-        // The copies in flight for a stage's item: `depth_mlp` for an MLP stage's, `depth` for
-        // the rest. (Measurement, session 47's plan: -DRING_DEPTH_QKV=N, -DRING_DEPTH_O=N and
-        // -DRING_DEPTH_HEAD=N give the q|k|v stages' (LL GEMVs), the o stages' (GEMVT) and the
-        // head's (a GEMV without LL words) their own; -DRING_DEPTH_MLP_SKIP=N keeps a block's
-        // first N chunks of each MLP stage, put while the consumers still run the chain before
-        // it, at `depth`.)
+        // The copies in flight for a stage's item: `depth_mlp` for an MLP stage's, `depth_attn`
+        // for a q|k|v stage's (the LL GEMVs) or an o stage's (GEMVT), `depth` for the rest (the
+        // head). (Measurement: -DRING_DEPTH_HEAD=N gives the head's its own.)
         auto copy_depth = [&](const RingStage& st) -> int {
-            int d = st.kind == RING_MLP ? depth_mlp : depth;
-#ifdef RING_DEPTH_MLP_SKIP
-            if (st.kind == RING_MLP && mlp_items++ < RING_DEPTH_MLP_SKIP) d = depth;
-#endif
-#ifdef RING_DEPTH_QKV
-            if (st.kind == RING_GEMV && st.ll) d = RING_DEPTH_QKV;
-#endif
-#ifdef RING_DEPTH_O
-            if (st.kind == RING_GEMVT) d = RING_DEPTH_O;
-#endif
 #ifdef RING_DEPTH_HEAD
-            if (st.kind == RING_GEMV && !st.ll) d = RING_DEPTH_HEAD;
+            if (st.kind == RING_GEMV && !st.ll) return RING_DEPTH_HEAD;
 #endif
-            return d;
+            if (st.kind == RING_MLP) return depth_mlp;
+            // (FP8: q|k|v's and o's at `depth`, the host's rule for them; the select below in
+            // the FP8 instances cost the FP8 1B 0.5%, session 48.)
+            if (F8) return depth;
+            return st.kind == RING_GEMVT || (st.kind == RING_GEMV && st.ll) ? depth_attn : depth;
         };
         // A piece of weights into the next slot, tagged with its item (the mbarrier's arrive
         // releases the tag with the slot), and (F8) `slen` bytes of row scales from `ssrc`
@@ -4063,9 +4053,6 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         for (int s = 0; s < n; s++) {
             const RingStage st = nxt;
             if (s + 1 < n) nxt = stages[s + 1];  // (in flight while this stage's copies issue)
-#ifdef RING_DEPTH_MLP_SKIP
-            mlp_items = 0;
-#endif
             const int wb = F8 && st.ws ? 1 : 2;
             const unsigned int items = (unsigned int)ring_items<SLOT>(st, wb), u = ring_unit<SLOT>(st.kind, st.N, st.K, wb);
             if (u > 0) {
@@ -4787,26 +4774,26 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
 }
 extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring(const RingStage* stages, int n, unsigned int* done,
                                                                            int nslots, unsigned long long* trace,
-                                                                           RingStep step, int depth, int depth_mlp) {
-    gemv_ring_body<false, RING_SLOT>(stages, n, done, nslots, trace, step, depth, depth_mlp);
+                                                                           RingStep step, int depth, int depth_mlp, int depth_attn) {
+    gemv_ring_body<false, RING_SLOT>(stages, n, done, nslots, trace, step, depth, depth_mlp, depth_attn);
 }
 extern "C" __global__ void __launch_bounds__((RING_CW + 1) * 32, 1) gemv_ring_f8(const RingStage* stages, int n,
                                                                               unsigned int* done, int nslots,
-                                                                              unsigned long long* trace, RingStep step, int depth, int depth_mlp) {
-    gemv_ring_body<true, RING_SLOT>(stages, n, done, nslots, trace, step, depth, depth_mlp);
+                                                                              unsigned long long* trace, RingStep step, int depth, int depth_mlp, int depth_attn) {
+    gemv_ring_body<true, RING_SLOT>(stages, n, done, nslots, trace, step, depth, depth_mlp, depth_attn);
 }
 // 24 KB slots (12 consumer warps), bf16 and FP8 layers: for hidden sizes whose MLP and o
 // chunks (power-of-two rows of K) fill only 24 KB of a 32 KB slot, as the 3B's 4 rows of 3,072
 // (8 in FP8) do; the host's `ring_slot_bytes` picks them (session 30).
 extern "C" __global__ void __launch_bounds__((24576 / 2048 + 1) * 32, 1) gemv_ring_s24(const RingStage* stages, int n,
                                                                                     unsigned int* done, int nslots,
-                                                                                    unsigned long long* trace, RingStep step, int depth, int depth_mlp) {
-    gemv_ring_body<false, 24576>(stages, n, done, nslots, trace, step, depth, depth_mlp);
+                                                                                    unsigned long long* trace, RingStep step, int depth, int depth_mlp, int depth_attn) {
+    gemv_ring_body<false, 24576>(stages, n, done, nslots, trace, step, depth, depth_mlp, depth_attn);
 }
 extern "C" __global__ void __launch_bounds__((24576 / 2048 + 1) * 32, 1) gemv_ring_f8_s24(const RingStage* stages, int n,
                                                                                        unsigned int* done, int nslots,
-                                                                                       unsigned long long* trace, RingStep step, int depth, int depth_mlp) {
-    gemv_ring_body<true, 24576>(stages, n, done, nslots, trace, step, depth, depth_mlp);
+                                                                                       unsigned long long* trace, RingStep step, int depth, int depth_mlp, int depth_attn) {
+    gemv_ring_body<true, 24576>(stages, n, done, nslots, trace, step, depth, depth_mlp, depth_attn);
 }
 
 // FP8 weights to bf16 for the steps the skinny kernels do not take (cuBLAS then reads the

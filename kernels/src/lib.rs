@@ -2985,34 +2985,54 @@ pub fn ring_slot_side(fp8: bool) -> usize {
 /// everywhere (the 3B: 8 x 24 KB) made an attention stage's dependent loads wait up to 8 us.
 pub const RING_FLIGHT_BYTES: usize = 64 * 1024;
 
-/// The most weight copies a `gemv_ring` block keeps in flight (the kernel's `depth` and
-/// `depth_mlp`): each 0, or `slots` or more, for as many as there are free slots.
+/// The most weight copies a `gemv_ring` block keeps in flight (the kernel's `depth`,
+/// `depth_mlp` and `depth_attn`): each 0, or `slots` or more, for as many as there are free
+/// slots.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RingDepths {
-    /// Every stage's but the MLP's.
+    /// The stages' not named below (the head's).
     pub other: i32,
     /// An MLP stage's.
     pub mlp: i32,
+    /// A q|k|v or o stage's: the copies put while the consumers run the chain around
+    /// attention.
+    pub attn: i32,
 }
 
-/// The depths for a ring of `slots` slots of `slot_bytes`, worked out once at ring setup:
+/// The depths for a ring of `slots` slots of `slot_bytes` (`fp8`: the `gemv_ring_f8`
+/// instances'), worked out once at ring setup:
 /// - `other`: [`RING_FLIGHT_BYTES`] worth, at least one and fewer than `slots`;
 /// - `mlp`: every free slot where the slots are smaller than [`RING_SLOT`] (the 3B's 24 KB:
 ///   8 x 24 KB; with the others at 2, 3B 1.902-1.908 ms against main's 1.941-1.953 and FP8 3B
 ///   1.437-1.439 against 1.441-1.443 on an H200, session 47), `other`'s rule otherwise (the
 ///   1B's 32 KB slots all in flight cost it 0.3%). Keyed on the consumers' stage instead (every
 ///   slot while they run an MLP stage, which also deepens the next layer's first copies,
-///   issued at its end) the 3B lost 1.5%.
+///   issued at its end) the 3B lost 1.5%;
+/// - `attn`: one for bf16: each copy lands before the next is issued. On an H200 (session 48,
+///   against session 47's rule in the same call): 1B 0.791-0.798 ms against 0.804-0.811, 3B
+///   1.883-1.889 against 1.903-1.908, 8B 3.891-3.896 against 3.956-3.963; o's alone gave
+///   about half of it on the 1B, most of it on the 3B. `other`'s for FP8, where one lost (FP8
+///   1B +0.5%, FP8 3B +1.1%): the `gemv_ring_f8` instances take `depth` for them and ignore
+///   `depth_attn` (the select in them cost the FP8 1B 0.5%).
 ///
-/// `HARRIER_RING_DEPTH` overrides both, `HARRIER_RING_DEPTH_MLP` the MLP's (measurement; 0:
-/// every free slot).
-pub fn ring_depths(slot_bytes: usize, slots: i32) -> RingDepths {
-    let both = env_number("HARRIER_RING_DEPTH");
+/// `HARRIER_RING_DEPTH` overrides all three, `HARRIER_RING_DEPTH_MLP` the MLP's and
+/// `HARRIER_RING_DEPTH_ATTN` q|k|v's and o's, bf16 only (measurement; 0: every free slot).
+pub fn ring_depths(slot_bytes: usize, slots: i32, fp8: bool) -> RingDepths {
+    let all = env_number("HARRIER_RING_DEPTH");
+    let own = |name| env_number(name).or(all);
     RingDepths {
-        other: both.unwrap_or_else(|| ring_depth_for(slot_bytes, slots)),
-        mlp: env_number("HARRIER_RING_DEPTH_MLP")
-            .or(both)
-            .unwrap_or_else(|| ring_depth_mlp_for(slot_bytes, slots)),
+        other: all.unwrap_or_else(|| ring_depth_for(slot_bytes, slots)),
+        mlp: own("HARRIER_RING_DEPTH_MLP").unwrap_or_else(|| ring_depth_mlp_for(slot_bytes, slots)),
+        attn: own("HARRIER_RING_DEPTH_ATTN")
+            .unwrap_or_else(|| ring_depth_attn_for(slot_bytes, slots, fp8)),
+    }
+}
+
+/// [`ring_depths`]'s rule for q|k|v and o stages, without the overrides.
+fn ring_depth_attn_for(slot_bytes: usize, slots: i32, fp8: bool) -> i32 {
+    match fp8 || slots <= 1 {
+        true => ring_depth_for(slot_bytes, slots),
+        false => 1,
     }
 }
 
@@ -3150,7 +3170,8 @@ impl Kernels {
             r.trace,
             r.step,
             r.depth.other,
-            r.depth.mlp
+            r.depth.mlp,
+            r.depth.attn
         ];
         // SAFETY: argument types match the kernel's; the caller vouches for the rest.
         unsafe {
@@ -3597,12 +3618,11 @@ mod tests {
         // the body with its own, in that order).
         assert_eq!(
             SOURCE
-                .matches("(stages, n, done, nslots, trace, step, depth, depth_mlp);")
+                .matches("(stages, n, done, nslots, trace, step, depth, depth_mlp, depth_attn);")
                 .count(),
             RING_INSTANCES.len()
         );
-        assert!(SOURCE
-            .contains("unsigned long long* trace, RingStep step, int depth, int depth_mlp) {"));
+        assert!(SOURCE.contains("RingStep step, int depth, int depth_mlp, int depth_attn) {"));
         // Copies in flight: 64 KB worth (two of the 1B's 32 KB slots, two of the 3B's
         // 24 KB), at least one, and none where that is every slot.
         assert_eq!(ring_depth_for(RING_SLOT, 6), 2);
@@ -3615,6 +3635,12 @@ mod tests {
         assert_eq!(ring_depth_mlp_for(RING_SLOT_S24, 8), 0);
         assert_eq!(ring_depth_mlp_for(RING_SLOT, 6), 2);
         assert_eq!(ring_depth_mlp_for(RING_SLOT, 2), 0);
+        // q|k|v's and o's: one for bf16, the others' rule for FP8 (and where one is every slot).
+        assert_eq!(ring_depth_attn_for(RING_SLOT, 6, false), 1);
+        assert_eq!(ring_depth_attn_for(RING_SLOT_S24, 8, false), 1);
+        assert_eq!(ring_depth_attn_for(RING_SLOT, 6, true), 2);
+        assert_eq!(ring_depth_attn_for(RING_SLOT_S24, 8, true), 2);
+        assert_eq!(ring_depth_attn_for(RING_SLOT, 1, false), 0);
         assert_eq!(launch(true, 16384).kernel(), "gemv_ring_f8");
         assert_eq!(launch(false, 16384).kernel(), "gemv_ring");
         assert_eq!(launch(false, RING_SLOT_S24).threads(), 13 * 32);
@@ -4042,8 +4068,8 @@ mod tests {
             "-DHARRIER_TRACE -DRING_MLP_TRACE=2 -DRING_NO_MERGE_WAIT -DRING_ATTN_TRACE -DRING_ATTN_WTRACE=2",
             // (Variants of different kernels share a compile.)
             "-DSK_NO_EARLY -DRING_NO_MATH -DRING_NO_DEP -DRING_COUNT_RELAXED -DRING_ATTN_TRACE -DRING_ATTN_WTRACE",
-            "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4 -DRING_DEPTH_QKV=1 -DRING_DEPTH_O=1 -DRING_DEPTH_HEAD=0",
-            "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT -DRING_PV_UNROLL=8 -DRING_DEPTH_MLP_SKIP=3",
+            "-DATT_LATE_TRIGGER -DRING_NO_RED -DRING_MLP_NO_BAR -DRING_COPY_PARTS=4 -DRING_DEPTH_HEAD=1",
+            "-DCOMBINE_LATE_TRIGGER -DRING_MLP_NO_DOWN -DRING_NO_HINT -DRING_PV_UNROLL=8",
             "-DRING_SKIP_ATTN -DRING_MLP_CLAIM -DRING_BAR_CHECK",
         ];
         for defs in VARIANTS {

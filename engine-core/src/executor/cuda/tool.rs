@@ -2001,7 +2001,7 @@ fn bench_ring(a: &HashMap<String, String>) -> anyhow::Result<()> {
             done,
             blocks,
             slots: slots as i32,
-            depth: harrier_kernels::ring_depths(slot_bytes, slots as i32),
+            depth: harrier_kernels::ring_depths(slot_bytes, slots as i32, false),
             input_bytes: max_k * 2,
             slot_bytes,
             trace: 0,

@@ -400,7 +400,7 @@ impl GpuModel {
             n_stages,
             blocks: sms as u32,
             slots: slots as i32,
-            depth: ring_depths(slot, slots as i32),
+            depth: ring_depths(slot, slots as i32, fp8),
             slot_bytes: slot,
             input_bytes,
             on: true,
