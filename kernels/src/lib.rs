@@ -3011,7 +3011,7 @@ pub struct RingDepths {
 /// - `attn`: one for bf16: each copy lands before the next is issued. On an H200 (session 48,
 ///   against session 47's rule in the same call): 1B 0.791-0.798 ms against 0.804-0.811, 3B
 ///   1.883-1.889 against 1.903-1.908, 8B 3.891-3.896 against 3.956-3.963; o's alone gave
-///   about half of it on the 1B, most of it on the 3B. `other`'s for FP8, where one lost (FP8
+///   about half of it on the 1B, most of it on the 3B. `other` for FP8, where one lost (FP8
 ///   1B +0.5%, FP8 3B +1.1%): the `gemv_ring_f8` instances take `depth` for them and ignore
 ///   `depth_attn` (the select in them cost the FP8 1B 0.5%).
 ///
@@ -3020,17 +3020,22 @@ pub struct RingDepths {
 pub fn ring_depths(slot_bytes: usize, slots: i32, fp8: bool) -> RingDepths {
     let all = env_number("HARRIER_RING_DEPTH");
     let own = |name| env_number(name).or(all);
+    let other = all.unwrap_or_else(|| ring_depth_for(slot_bytes, slots));
     RingDepths {
-        other: all.unwrap_or_else(|| ring_depth_for(slot_bytes, slots)),
+        other,
         mlp: own("HARRIER_RING_DEPTH_MLP").unwrap_or_else(|| ring_depth_mlp_for(slot_bytes, slots)),
-        attn: own("HARRIER_RING_DEPTH_ATTN")
-            .unwrap_or_else(|| ring_depth_attn_for(slot_bytes, slots, fp8)),
+        attn: match fp8 {
+            true => other, // (what the FP8 instances take)
+            false => own("HARRIER_RING_DEPTH_ATTN")
+                .unwrap_or_else(|| ring_depth_attn_for(slot_bytes, slots)),
+        },
     }
 }
 
-/// [`ring_depths`]'s rule for q|k|v and o stages, without the overrides.
-fn ring_depth_attn_for(slot_bytes: usize, slots: i32, fp8: bool) -> i32 {
-    match fp8 || slots <= 1 {
+/// [`ring_depths`]'s rule for bf16 q|k|v and o stages, without the overrides: one, where that
+/// is fewer than every slot.
+fn ring_depth_attn_for(slot_bytes: usize, slots: i32) -> i32 {
+    match slots <= 1 {
         true => ring_depth_for(slot_bytes, slots),
         false => 1,
     }
@@ -3635,12 +3640,20 @@ mod tests {
         assert_eq!(ring_depth_mlp_for(RING_SLOT_S24, 8), 0);
         assert_eq!(ring_depth_mlp_for(RING_SLOT, 6), 2);
         assert_eq!(ring_depth_mlp_for(RING_SLOT, 2), 0);
-        // q|k|v's and o's: one for bf16, the others' rule for FP8 (and where one is every slot).
-        assert_eq!(ring_depth_attn_for(RING_SLOT, 6, false), 1);
-        assert_eq!(ring_depth_attn_for(RING_SLOT_S24, 8, false), 1);
-        assert_eq!(ring_depth_attn_for(RING_SLOT, 6, true), 2);
-        assert_eq!(ring_depth_attn_for(RING_SLOT_S24, 8, true), 2);
-        assert_eq!(ring_depth_attn_for(RING_SLOT, 1, false), 0);
+        // q|k|v's and o's: one for bf16 (none where one is every slot); FP8's are the others'.
+        assert_eq!(ring_depth_attn_for(RING_SLOT, 6), 1);
+        assert_eq!(ring_depth_attn_for(RING_SLOT_S24, 8), 1);
+        assert_eq!(ring_depth_attn_for(RING_SLOT, 1), 0);
+        if std::env::vars().all(|(k, _)| !k.starts_with("HARRIER_RING_DEPTH")) {
+            let (bf16, fp8) = (
+                ring_depths(RING_SLOT, 6, false),
+                ring_depths(RING_SLOT, 6, true),
+            );
+            assert_eq!((bf16.other, bf16.mlp, bf16.attn), (2, 2, 1));
+            assert_eq!((fp8.other, fp8.mlp, fp8.attn), (2, 2, 2));
+            let s24 = ring_depths(RING_SLOT_S24, 8, true);
+            assert_eq!((s24.other, s24.mlp, s24.attn), (2, 0, 2));
+        }
         assert_eq!(launch(true, 16384).kernel(), "gemv_ring_f8");
         assert_eq!(launch(false, 16384).kernel(), "gemv_ring");
         assert_eq!(launch(false, RING_SLOT_S24).threads(), 13 * 32);
