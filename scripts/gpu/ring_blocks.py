@@ -19,8 +19,10 @@ attention block's start and q|k|v words read relative to the last q|k|v block's 
 A dump from a `-DRING_ATTN_TRACE` kernel (attention stamps 3-7: q|k|v read and RoPE done, the
 first K tile staged, its scores, its P V, the partial stored) also gets the attention stage's
 phases (session 45): their median times after the last q|k|v block, each phase's percentiles
-over blocks and layers, and the blocks whose scores took over 2 us set beside the rest (the
-previous MLP's end, their q|k|v work and end, their attention's start).
+over blocks and layers, and the blocks whose "barrier + scores" took over 2 us set beside the
+rest (the previous MLP's end, their q|k|v work and end, their attention's start). That phase
+starts at thread 0's "tile staged" stamp, which runs before the first tile's barrier releases
+it (session 47), so it holds the barrier's wait for the last warp as well as the scores.
 
 With --warps, the dump is a `-DRING_ATTN_TRACE -DRING_ATTN_WTRACE=2` kernel's (session 46):
 words 6 and 7 are then the other warps' last scores end and warp 0's scores start (not P V and
@@ -93,7 +95,10 @@ def barrier_check(w, layers):
         print(f"  {kind}: {len(v)}; first (stage, block, violations, site, warp, count difference) {v[0]}")
 
 
-PHASES = ["q|k|v read, RoPE", "K tile staged", "scores", "P V", "stored"]
+# Thread 0 stamps "K tile staged" right after the first tile's barrier, but the stamp runs
+# before the barrier releases it (session 47), so the phase after it holds the barrier's wait
+# for the last warp as well as the scores.
+PHASES = ["q|k|v read, RoPE", "K tile staged (t0)", "barrier + scores", "P V", "stored"]
 
 
 def attention_phases(w, layers, used, warps=0):
@@ -108,7 +113,7 @@ def attention_phases(w, layers, used, warps=0):
     for i in range(1, len(phases)):
         x = stamps[:, :, i] - stamps[:, :, i - 1]
         p = np.percentile(x, [50, 90, 99, 100])
-        print(f"  {PHASES[i]:14s} percentiles 50/90/99/max {p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f} / {p[3]:.2f}, over 2 us {(x > 2).mean():.1%}")
+        print(f"  {PHASES[i]:18s} percentiles 50/90/99/max {p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f} / {p[3]:.2f}, over 2 us {(x > 2).mean():.1%}")
     slow = (stamps[:, :, 2] - stamps[:, :, 1]) > 2
     if warps:
         staged = a[:, :, 4]
@@ -117,7 +122,7 @@ def attention_phases(w, layers, used, warps=0):
             p = np.percentile(v, [50, 90, 99, 100])
             late = f"{np.median(v[slow]):.2f} / {np.median(v[~slow]):.2f}" if slow.any() else "-"
             print(f"  {name:26s} after the tile staged: 50/90/99/max {p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f} / {p[3]:.2f}; "
-                  f"slow-scores blocks / the rest {late}")
+                  f"blocks whose barrier + scores took over 2 us / the rest {late}")
     if not slow.any():
         return
     mlp_end = np.array([w[4 * l - 1, :used, 2] - np.median(w[4 * l - 1, :used, 2]) for l in ls])
@@ -128,7 +133,7 @@ def attention_phases(w, layers, used, warps=0):
         ("own q|k|v end - the last", qkv[:, :, 2] - qkv_end),
         ("attention start - the last q|k|v end", a[:, :, 0] - qkv_end),
     ]
-    print("blocks whose scores took over 2 us / the rest (medians, us):")
+    print("blocks whose barrier + scores took over 2 us / the rest (medians, us):")
     for name, v in rows:
         print(f"  {name:38s} {np.median(v[slow]):6.2f} / {np.median(v[~slow]):6.2f}")
 
