@@ -3026,19 +3026,14 @@ pub fn ring_depths(slot_bytes: usize, slots: i32, fp8: bool) -> RingDepths {
         mlp: own("HARRIER_RING_DEPTH_MLP").unwrap_or_else(|| ring_depth_mlp_for(slot_bytes, slots)),
         attn: match fp8 {
             true => other, // (what the FP8 instances take)
-            false => own("HARRIER_RING_DEPTH_ATTN")
-                .unwrap_or_else(|| ring_depth_attn_for(slot_bytes, slots)),
+            false => own("HARRIER_RING_DEPTH_ATTN").unwrap_or_else(|| ring_depth_attn_for(slots)),
         },
     }
 }
 
-/// [`ring_depths`]'s rule for bf16 q|k|v and o stages, without the overrides: one, where that
-/// is fewer than every slot.
-fn ring_depth_attn_for(slot_bytes: usize, slots: i32) -> i32 {
-    match slots <= 1 {
-        true => ring_depth_for(slot_bytes, slots),
-        false => 1,
-    }
+/// [`ring_depths`]'s rule for bf16 q|k|v and o stages, without the overrides: one copy.
+fn ring_depth_attn_for(slots: i32) -> i32 {
+    ring_depth_of(1, slots)
 }
 
 /// [`ring_depths`]'s rule for MLP stages, without the overrides.
@@ -3049,14 +3044,19 @@ fn ring_depth_mlp_for(slot_bytes: usize, slots: i32) -> i32 {
     }
 }
 
-/// [`ring_depths`]'s rule for the other stages, without the override: 0 where the budget holds
-/// every slot (the kernel's "no limit", which also skips its wait).
+/// [`ring_depths`]'s rule for the other stages, without the override: [`RING_FLIGHT_BYTES`]
+/// worth, at least one.
 fn ring_depth_for(slot_bytes: usize, slots: i32) -> i32 {
-    let d = (RING_FLIGHT_BYTES / slot_bytes.max(1)).max(1);
-    if d >= slots.max(0) as usize {
+    ring_depth_of((RING_FLIGHT_BYTES / slot_bytes.max(1)).max(1), slots)
+}
+
+/// `copies` in flight as the kernel takes them: 0 where that is every slot (the kernel's "no
+/// limit", which also skips its wait).
+fn ring_depth_of(copies: usize, slots: i32) -> i32 {
+    if copies >= slots.max(0) as usize {
         0
     } else {
-        d as i32
+        copies as i32
     }
 }
 
@@ -3641,9 +3641,9 @@ mod tests {
         assert_eq!(ring_depth_mlp_for(RING_SLOT, 6), 2);
         assert_eq!(ring_depth_mlp_for(RING_SLOT, 2), 0);
         // q|k|v's and o's: one for bf16 (none where one is every slot); FP8's are the others'.
-        assert_eq!(ring_depth_attn_for(RING_SLOT, 6), 1);
-        assert_eq!(ring_depth_attn_for(RING_SLOT_S24, 8), 1);
-        assert_eq!(ring_depth_attn_for(RING_SLOT, 1), 0);
+        assert_eq!(ring_depth_attn_for(6), 1);
+        assert_eq!(ring_depth_attn_for(8), 1);
+        assert_eq!(ring_depth_attn_for(1), 0);
         if std::env::vars().all(|(k, _)| !k.starts_with("HARRIER_RING_DEPTH")) {
             let (bf16, fp8) = (
                 ring_depths(RING_SLOT, 6, false),
