@@ -9,12 +9,20 @@
 #   39 passed --fused-max-rows 16 in ARGS, which may still override it) of generated MODEL, one
 #   compact line per batch and mode (also
 #   appended to $OUT/ab2.log); TOOL is $OLD or $NEW; el NAME prints the seconds so far.
+#   K LABEL CUBIN MODEL BATCHES [ARGS]: the same with the new tool on a kernel image that
+#   scripts/gpu/pack.sh built here (below).
 # Example (session 12):
 #   . scripts/gpu/binab.sh; gen llama-3.2-1b
 #   for r in 1 2; do B old $OLD llama-3.2-1b 1,8 graph-async; B new $NEW llama-3.2-1b 1,8 graph-async; done
+# Example (session 49; `scripts/gpu/pack.sh nodep=-DRING_NO_DEP` here, carry [".gpu-z"]):
+#   . scripts/gpu/binab.sh; gen llama-3.2-1b
+#   for r in 1 2 3; do K def new llama-3.2-1b 1; K nodep nodep llama-3.2-1b 1; done
 mkdir -p .gpu && for f in harrier harrier-cuda-tool harrier-cuda-tool-old; do
     [ -f ".gpu-z/$f.xz" ] || continue # (the old build is optional: switches need one)
     xz -dc ".gpu-z/$f.xz" >".gpu/$f" && chmod +x ".gpu/$f"
+done
+for c in .gpu-z/*.cubin.xz; do # (scripts/gpu/pack.sh's kernel images, if any)
+    if [ -f "$c" ]; then xz -dc "$c" >".gpu/$(basename "$c" .xz)"; fi
 done
 OUT="${OUT:-/tmp/harrier-binab-out}"
 W=/tmp/harrier-latency-work
@@ -32,3 +40,12 @@ B() {
         | tee -a "$OUT/ab2.log"
 }
 el() { echo "-- $1 $(($(date +%s) - S))s"; }
+# K LABEL CUBIN MODEL BATCHES [ARGS]: B with the new tool in graph-async mode on the kernels of
+# .gpu/CUBIN.cubin (HARRIER_KERNEL_IMAGE; pack.sh's "new" is the source's default kernels), so
+# variants of one build run side by side with no NVRTC minute each; environment variables set
+# before K reach the tool (e.g. HARRIER_RING_DEPTH_MLP=3 K mlp3 new llama-3.2-1b 1).
+K() {
+    local l=$1 c=$2 m=$3 b=$4
+    shift 4
+    HARRIER_KERNEL_IMAGE=".gpu/$c.cubin" B "$l" "$NEW" "$m" "$b" graph-async "$@"
+}

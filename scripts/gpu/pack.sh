@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Packs a device call's carry on the development machine (no GPU needed): the stripped
+# harrier and harrier-cuda-tool binaries and kernel cubins, xz'd into .gpu-z/ (git-ignored
+# through .git/info/exclude), for scripts/gpu/binab.sh on the device.
+#
+#   scripts/gpu/pack.sh [NAME=DEFINES ...]
+#     builds the release binaries (cuda feature), then `new.cubin` (the source's default
+#     kernels) and one NAME.cubin a variant, e.g.
+#       scripts/gpu/pack.sh nodep=-DRING_NO_DEP "h1=-DRING_DEPTH_HEAD=1 -DRING_BAR_CHECK"
+#   OLD=REV also packs harrier-cuda-tool-old built at REV (a worktree under /tmp), for
+#   binab.sh's "old" side of a structural change.
+#
+# Cubins come from scripts/gpu/kernel_image.py (NVRTC here, then ptxas). ptxas is $PTXAS, or
+# `ptxas` on PATH, or fetched once from the nvidia-cuda-nvcc-cu12 wheel on PyPI into
+# $HARRIER_HOME/cuda/bin. Run scripts/setup.sh first (it installs NVRTC). Takes ~1.5 minutes a
+# cubin and a few minutes for the binaries on 2 cores; check the carry stays under 64 MiB
+# (du -sh .gpu-z).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+HARRIER_HOME="${HARRIER_HOME:-$HOME/.cache/harrier}"
+NVCC_WHEEL_SPEC="nvidia-cuda-nvcc-cu12==12.9.86"
+die() {
+    echo "pack: ERROR: $*" >&2
+    exit 1
+}
+
+ptxas_path() {
+    if [[ -n "${PTXAS:-}" ]]; then
+        echo "$PTXAS"
+    elif command -v ptxas >/dev/null; then
+        command -v ptxas
+    else
+        local dest="$HARRIER_HOME/cuda/bin/ptxas"
+        if [[ ! -x "$dest" ]]; then
+            local tmp
+            tmp="$(mktemp -d)"
+            python3 -m pip download --quiet --no-deps "$NVCC_WHEEL_SPEC" -d "$tmp" >&2 \
+                || die "could not fetch $NVCC_WHEEL_SPEC"
+            mkdir -p "$(dirname "$dest")"
+            python3 - "$tmp" "$dest" <<'PY'
+import pathlib, sys, zipfile
+whl = next(pathlib.Path(sys.argv[1]).glob("*.whl"))
+pathlib.Path(sys.argv[2]).write_bytes(zipfile.ZipFile(whl).read("nvidia/cuda_nvcc/bin/ptxas"))
+PY
+            chmod +x "$dest"
+            rm -rf "$tmp"
+        fi
+        echo "$dest"
+    fi
+}
+
+build_tools() { # the device tool and the server binary (for gen-model)
+    cargo build --release -p harrier-engine-core --features cuda --bin harrier-cuda-tool
+    cargo build --release -p harrier-frontend --bin harrier
+}
+
+pack() { # SRC DEST-NAME
+    strip -o "/tmp/pack-$2" "$1"
+    xz -6 -T2 -c "/tmp/pack-$2" >".gpu-z/$2.xz"
+    rm -f "/tmp/pack-$2"
+}
+
+grep -qx '.gpu-z/' .git/info/exclude 2>/dev/null || echo '.gpu-z/' >>.git/info/exclude
+mkdir -p .gpu-z
+PTXAS="$(ptxas_path)"
+export PTXAS
+build_tools
+pack target/release/harrier-cuda-tool harrier-cuda-tool
+pack target/release/harrier harrier
+if [[ -n "${OLD:-}" ]]; then
+    wt=/tmp/harrier-pack-old
+    old_target=/tmp/harrier-pack-old-target # (kept: a later pack at the same REV builds fast)
+    rm -rf "$wt" && git worktree prune && git worktree add -q --detach "$wt" "$OLD"
+    (cd "$wt" && cargo build --release -p harrier-engine-core --features cuda --bin harrier-cuda-tool \
+        --target-dir "$old_target")
+    pack "$old_target/release/harrier-cuda-tool" harrier-cuda-tool-old
+    git worktree remove --force "$wt"
+fi
+cubins="$(mktemp -d)"
+for spec in "new=" "$@"; do
+    name="${spec%%=*}"
+    [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || die "variant name '$name': letters, digits, - and _"
+    # shellcheck disable=SC2086 # (the defines split on spaces)
+    python3 scripts/gpu/kernel_image.py "$cubins/$name.cubin" ${spec#*=}
+    xz -6 -c "$cubins/$name.cubin" >".gpu-z/$name.cubin.xz"
+done
+rm -rf "$cubins"
+du -sh .gpu-z
