@@ -7,8 +7,9 @@
 #     builds the release binaries (cuda feature), then `new.cubin` (the source's default
 #     kernels) and one NAME.cubin a variant, e.g.
 #       scripts/gpu/pack.sh nodep=-DRING_NO_DEP "h1=-DRING_DEPTH_HEAD=1 -DRING_BAR_CHECK"
-#   OLD=REV also packs harrier-cuda-tool-old built at REV (a worktree under /tmp), for
-#   binab.sh's "old" side of a structural change.
+#   OLD=REV also packs harrier-cuda-tool-old built at REV (a worktree under /tmp, its own
+#   target folder: ~3 minutes), for binab.sh's "old" side of a structural change.
+#   .gpu-z/ is emptied first.
 #
 # Cubins come from scripts/gpu/kernel_image.py (NVRTC here, then ptxas). ptxas is $PTXAS, or
 # `ptxas` on PATH, or fetched once from the nvidia-cuda-nvcc-cu12 wheel on PyPI into
@@ -61,7 +62,7 @@ pack() { # SRC DEST-NAME
 }
 
 grep -qx '.gpu-z/' .git/info/exclude 2>/dev/null || echo '.gpu-z/' >>.git/info/exclude
-mkdir -p .gpu-z
+rm -rf .gpu-z && mkdir .gpu-z # (nothing of an earlier pack travels with this one)
 PTXAS="$(ptxas_path)"
 export PTXAS
 build_tools
