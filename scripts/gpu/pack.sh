@@ -61,7 +61,14 @@ pack() { # SRC DEST-NAME
     rm -f "/tmp/pack-$2"
 }
 
-grep -qx '.gpu-z/' .git/info/exclude 2>/dev/null || echo '.gpu-z/' >>.git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude)"
+mkdir -p "$(dirname "$exclude")"
+grep -qx '.gpu-z/' "$exclude" 2>/dev/null || echo '.gpu-z/' >>"$exclude"
+for spec in "$@"; do # (checked before a minute of building)
+    name="${spec%%=*}"
+    [[ "$spec" == *=* && "$name" =~ ^[A-Za-z0-9_-]+$ && "$name" != new ]] \
+        || die "variant '$spec': NAME=DEFINES, NAME in letters, digits, - and _, not 'new'"
+done
 rm -rf .gpu-z && mkdir .gpu-z # (nothing of an earlier pack travels with this one)
 PTXAS="$(ptxas_path)"
 export PTXAS
@@ -80,7 +87,6 @@ fi
 cubins="$(mktemp -d)"
 for spec in "new=" "$@"; do
     name="${spec%%=*}"
-    [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || die "variant name '$name': letters, digits, - and _"
     # shellcheck disable=SC2086 # (the defines split on spaces)
     python3 scripts/gpu/kernel_image.py "$cubins/$name.cubin" ${spec#*=}
     xz -6 -c "$cubins/$name.cubin" >".gpu-z/$name.cubin.xz"
