@@ -107,9 +107,52 @@ EOF
     log "installed NVRTC and CUDA headers: $dest"
 }
 
+NVCC_WHEEL_SPEC="nvidia-cuda-nvcc-cu12==12.9.86"
+
+# ptxas at $HARRIER_HOME/ptxas/ptxas (the nvidia-cuda-nvcc-cu12 wheel's), for
+# scripts/gpu/kernel_image.py's cubins: only `setup.sh ptxas` asks for it (35 MB; tests don't).
+install_ptxas() {
+    local dest="$HARRIER_HOME/ptxas"
+    if [[ -f "$dest/.installed-12.9.86" ]]; then
+        log "ptxas present: $dest/ptxas"
+        return 0
+    fi
+    local tmp
+    tmp="$(mktemp -d)"
+    # shellcheck disable=SC2064
+    trap "rm -rf '$tmp'; trap - RETURN" RETURN
+    log "fetching $NVCC_WHEEL_SPEC from PyPI"
+    "$PYTHON" -m pip download --quiet --no-deps "$NVCC_WHEEL_SPEC" -d "$tmp" >&2 \
+        || die "could not download $NVCC_WHEEL_SPEC with '$PYTHON -m pip download'"
+    local stage="$dest.tmp.$$"
+    rm -rf "$stage"
+    mkdir -p "$stage"
+    "$PYTHON" - "$tmp" "$stage/ptxas" <<'EOF' || die "no nvidia/cuda_nvcc/bin/ptxas in $NVCC_WHEEL_SPEC"
+import glob, os, sys, zipfile
+src, out = sys.argv[1:3]
+with zipfile.ZipFile(glob.glob(os.path.join(src, "*.whl"))[0]) as z:
+    open(out, "wb").write(z.read("nvidia/cuda_nvcc/bin/ptxas"))
+EOF
+    chmod +x "$stage/ptxas"
+    touch "$stage/.installed-12.9.86"
+    rm -rf "$dest"
+    mv "$stage" "$dest"
+    log "installed ptxas: $dest/ptxas"
+}
+
+# No argument: what the tests need. `ptxas`: NVRTC and ptxas, what scripts/gpu/pack.sh needs.
 main() {
-    install_llama3_tokenizer
-    install_cuda_nvrtc
+    case "${1:-}" in
+    "")
+        install_llama3_tokenizer
+        install_cuda_nvrtc
+        ;;
+    ptxas)
+        install_cuda_nvrtc
+        install_ptxas
+        ;;
+    *) die "unknown step '$1' (none, or ptxas)" ;;
+    esac
 }
 
 main "$@"

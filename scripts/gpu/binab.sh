@@ -17,13 +17,12 @@
 # Example (session 49; `scripts/gpu/pack.sh nodep=-DRING_NO_DEP` here, carry [".gpu-z"]):
 #   . scripts/gpu/binab.sh; gen llama-3.2-1b
 #   for r in 1 2 3; do K def new llama-3.2-1b 1; K nodep nodep llama-3.2-1b 1; done
-mkdir -p .gpu && for f in harrier harrier-cuda-tool harrier-cuda-tool-old; do
-    [ -f ".gpu-z/$f.xz" ] || continue # (the old build is optional: switches need one)
-    xz -dc ".gpu-z/$f.xz" >".gpu/$f" && chmod +x ".gpu/$f"
+# Every carried file: the binaries (the old build is optional: switches need one) and
+# scripts/gpu/pack.sh's kernel images, if any.
+mkdir -p .gpu && for z in .gpu-z/*.xz; do
+    if [ -f "$z" ]; then xz -dc "$z" >".gpu/$(basename "$z" .xz)"; fi
 done
-for c in .gpu-z/*.cubin.xz; do # (scripts/gpu/pack.sh's kernel images, if any)
-    if [ -f "$c" ]; then xz -dc "$c" >".gpu/$(basename "$c" .xz)"; fi
-done
+chmod +x .gpu/harrier*
 OUT="${OUT:-/tmp/harrier-binab-out}"
 W=/tmp/harrier-latency-work
 export OUT

@@ -13,7 +13,8 @@ device's own compile of the same source.
 
 NVRTC: libnvrtc.so.12 from $HARRIER_CUDA_DIR/lib (default ~/.cache/harrier/cuda/lib: the
 nvidia-cuda-nvrtc-cu12 wheel's lib folder, as for the kernels crate's tests). ptxas: $PTXAS, else
-`ptxas` on PATH (the nvidia-cuda-nvcc-cu12 wheel has one). Before timing a variant against the
+`ptxas` on PATH, else $HARRIER_HOME/ptxas/ptxas (`scripts/setup.sh ptxas` installs it from the
+nvidia-cuda-nvcc-cu12 wheel). Before timing a variant against the
 default, compare their PTX function by function: a no-op refactor must not change it.
 """
 import ctypes
@@ -56,9 +57,11 @@ def main() -> None:
     ptx_path.write_bytes(nvrtc_ptx(SOURCE.read_bytes(), sys.argv[2:]))
     if out.suffix == ".ptx":
         return
-    ptxas = os.environ.get("PTXAS") or shutil.which("ptxas")
+    home = pathlib.Path(os.environ.get("HARRIER_HOME", pathlib.Path.home() / ".cache/harrier"))
+    installed = home / "ptxas" / "ptxas"  # (scripts/setup.sh ptxas)
+    ptxas = os.environ.get("PTXAS") or shutil.which("ptxas") or (str(installed) if installed.exists() else None)
     if not ptxas:
-        sys.exit("no ptxas: set PTXAS (the nvidia-cuda-nvcc-cu12 wheel has one)")
+        sys.exit("no ptxas: run scripts/setup.sh ptxas, or set PTXAS")
     subprocess.run([ptxas, "-arch=sm_90", "-o", str(out), str(ptx_path)], check=True)
 
 

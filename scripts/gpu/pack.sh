@@ -11,43 +11,14 @@
 #   target folder: ~3 minutes), for binab.sh's "old" side of a structural change.
 #   .gpu-z/ is emptied first.
 #
-# Cubins come from scripts/gpu/kernel_image.py (NVRTC here, then ptxas). ptxas is $PTXAS, or
-# `ptxas` on PATH, or fetched once from the nvidia-cuda-nvcc-cu12 wheel on PyPI into
-# $HARRIER_HOME/cuda/bin. Run scripts/setup.sh first (it installs NVRTC). Takes ~1.5 minutes a
-# cubin and a few minutes for the binaries on 2 cores; check the carry stays under 64 MiB
-# (du -sh .gpu-z).
+# Cubins come from scripts/gpu/kernel_image.py (NVRTC here, then ptxas; `scripts/setup.sh
+# ptxas`, which this runs first, installs both when missing). Takes ~1.5 minutes a cubin and a
+# few minutes for the binaries on 2 cores; check the carry stays under 64 MiB (du -sh .gpu-z).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-HARRIER_HOME="${HARRIER_HOME:-$HOME/.cache/harrier}"
-NVCC_WHEEL_SPEC="nvidia-cuda-nvcc-cu12==12.9.86"
 die() {
     echo "pack: ERROR: $*" >&2
     exit 1
-}
-
-ptxas_path() {
-    if [[ -n "${PTXAS:-}" ]]; then
-        echo "$PTXAS"
-    elif command -v ptxas >/dev/null; then
-        command -v ptxas
-    else
-        local dest="$HARRIER_HOME/cuda/bin/ptxas"
-        if [[ ! -x "$dest" ]]; then
-            local tmp
-            tmp="$(mktemp -d)"
-            python3 -m pip download --quiet --no-deps "$NVCC_WHEEL_SPEC" -d "$tmp" >&2 \
-                || die "could not fetch $NVCC_WHEEL_SPEC"
-            mkdir -p "$(dirname "$dest")"
-            python3 - "$tmp" "$dest" <<'PY'
-import pathlib, sys, zipfile
-whl = next(pathlib.Path(sys.argv[1]).glob("*.whl"))
-pathlib.Path(sys.argv[2]).write_bytes(zipfile.ZipFile(whl).read("nvidia/cuda_nvcc/bin/ptxas"))
-PY
-            chmod +x "$dest"
-            rm -rf "$tmp"
-        fi
-        echo "$dest"
-    fi
 }
 
 build_tools() { # the device tool and the server binary (for gen-model)
@@ -70,8 +41,7 @@ for spec in "$@"; do # (checked before a minute of building)
         || die "variant '$spec': NAME=DEFINES, NAME in letters, digits, - and _, not 'new'"
 done
 rm -rf .gpu-z && mkdir .gpu-z # (nothing of an earlier pack travels with this one)
-PTXAS="$(ptxas_path)"
-export PTXAS
+scripts/setup.sh ptxas # (NVRTC and ptxas for the cubins; a no-op once there)
 build_tools
 pack target/release/harrier-cuda-tool harrier-cuda-tool
 pack target/release/harrier harrier
