@@ -3173,6 +3173,11 @@ extern "C" __global__ void __launch_bounds__(8 * 32) skinny_gemm_f8_8_r4_w8_dn(S
 #define RING_X_SUMS 0
 #define RING_X_BF16 1
 #define RING_X_PARTS 2
+// A GEMV stage's outputs (RingStage::ll): exactly added sums (0), LL words (1), or each row's
+// f32 value stored once by the one warp that computed it whole (RING_OUT_ROWS: the head of a
+// 2,048-wide model, which then writes the logits itself, with no conversion stage).
+#define RING_OUT_LL 1
+#define RING_OUT_ROWS 2
 struct RingStage {
     const bf16* w;
     const bf16* w2;
@@ -3194,7 +3199,7 @@ struct RingStage {
     float scale;
     int zero_len;
     int x_len;
-    int ll;            // GEMV: y as LL words, a 1,024-weight piece each (ring_ll_put), for an ATTN stage
+    int ll;            // GEMV: y as LL words, a 1,024-weight piece each (ring_ll_put), for an ATTN stage; or RING_OUT_ROWS
     const float* ws;   // FP8 weights where not null (gemv_ring_f8): w's scales, one an output channel
     const float* ws2;  // and w2's (MLP: down^T's columns)
 };
@@ -3967,13 +3972,13 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         // head). (Measurement: -DRING_DEPTH_HEAD=N gives the head's its own.)
         auto copy_depth = [&](const RingStage& st) -> int {
 #ifdef RING_DEPTH_HEAD
-            if (st.kind == RING_GEMV && !st.ll) return RING_DEPTH_HEAD;
+            if (st.kind == RING_GEMV && st.ll != RING_OUT_LL) return RING_DEPTH_HEAD;
 #endif
             if (st.kind == RING_MLP) return depth_mlp;
             // (FP8: q|k|v's and o's at `depth`, the host's rule for them; the select below in
             // the FP8 instances cost the FP8 1B 0.5%, session 48.)
             if (F8) return depth;
-            return st.kind == RING_GEMVT || (st.kind == RING_GEMV && st.ll) ? depth_attn : depth;
+            return st.kind == RING_GEMVT || (st.kind == RING_GEMV && st.ll == RING_OUT_LL) ? depth_attn : depth;
         };
         // A piece of weights into the next slot, tagged with its item (the mbarrier's arrive
         // releases the tag with the slot), and (F8) `slen` bytes of row scales from `ssrc`
@@ -4169,7 +4174,11 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         const bool ll_in = st.kind == RING_ATTN || st.x_form == RING_X_PARTS;
         auto wait = [&]() {
 #ifndef RING_NO_DEP
+#ifdef RING_SKIP_CVT  // (measurement: no wait before the logits' conversion, which is skipped)
+            if (s > 0 && !ll_in && st.kind != RING_CVT) {
+#else
             if (s > 0 && !ll_in) {
+#endif
                 if (ct == 0) {
                     unsigned int v;
                     // (Relaxed polls, then one acquire fence: the acquire pattern without an L1
@@ -4222,7 +4231,10 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                              : "memory");
             }
             if (s + 1 == n) return true;
-            if (st.kind == RING_ATTN || (st.kind == RING_GEMV && st.ll)) return false;
+            if (st.kind == RING_ATTN || (st.kind == RING_GEMV && st.ll == RING_OUT_LL)) return false;
+#ifdef RING_SKIP_CVT
+            if (s + 2 == n) return false;  // (the head: nobody waits for its count)
+#endif
 #ifdef RING_COUNT_RELAXED
             if (ct == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
 #else
@@ -4445,7 +4457,9 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             return chunk_act(c, cr, parts);
         };
         if (st.kind == RING_CVT) {
+#ifndef RING_SKIP_CVT
             for (int i = ca + ct; i < cb; i += nct) st.y[i] = ring_sum(st.x, i, st.x_len);
+#endif
         } else if (st.kind == RING_GEMVT || st.kind == RING_MLP) {
             // Split-K stages: column sums in registers, added once at the end (one add_out in
             // the code for both: it is large).
@@ -4654,6 +4668,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
             const unsigned int parts = (unsigned int)st.K / 1024, rmul = ring_div_magic(parts);
             const uint4* xh = xs + st.K / 8;
+            if (st.ll == RING_OUT_ROWS && st.K != 2048) __trap();
             float acc = 0.0f, sc = 1.0f;
             int row = -1, unit = -1;
             for (int i = 0; claim > 0 || i < count; i++) {
@@ -4683,6 +4698,14 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                     v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
                     v[1] += __shfl_xor_sync(0xffffffffu, v[1], o);
                 }
+                if (st.ll == RING_OUT_ROWS) {  // (K == 2048: the two pieces are one row)
+                    if (lane == 0 && in[0]) {
+                        const float rsc = sscale[si * RING_SLOT_SCALES + pr[0] - rs];
+                        st.y[pr[0]] = v[0] * rsc + v[1] * rsc;
+                    }
+                    release();
+                    continue;
+                }
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     if (!in[h]) break;
@@ -4703,7 +4726,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 }
 #else
                 // (LL words still go out, zero, or the stages that poll them would wait forever.)
-                if (st.ll && lane == 0) {
+                if (st.ll == RING_OUT_LL && lane == 0) {
                     const unsigned int pc0 = (unsigned int)item * (2u * CW);
                     for (int h = 0; h < 2; h++)
                         if ((pc0 + 2 * warp + h) * 1024u < elems)
@@ -4713,6 +4736,37 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
                 release();
             }
             if (row >= 0 && lane == 0) ring_add(st.y, row, st.N, acc);
+        } else if (st.ll == RING_OUT_ROWS) {
+            // bf16 rows of 2,048 (RING_OUT_ROWS): a slot holds CW / 2 rows, row r its pieces 2r
+            // and 2r + 1; the warps of one half take a slot's rows whole (a warp's work per two
+            // slots as a piece a slot, one reduction where two were), the halves alternating by
+            // item, and store them: no sums, no atomics.
+            if (st.K != 2048) __trap();
+            for (int i = 0; claim > 0 || i < count; i++) {
+                const uint4* src = take();
+                const int item = claim > 0 ? slot_item[ki] : start + i;
+                if (item < 0) {
+                    release();
+                    break;
+                }
+#ifndef RING_NO_MATH
+                const int r = warp - (item & 1) * (CW / 2);
+                const unsigned int row = (unsigned int)item * (CW / 2) + (unsigned int)r;
+                if (r >= 0 && r < CW / 2 && row < (unsigned int)st.N) {
+                    float p[8];
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+#pragma unroll
+                        for (int it = 0; it < 4; it++)
+                            p[4 * h + it] = dot8(src[(2 * r + h) * 128 + it * 32 + lane], xs[h * 128 + it * 32 + lane]);
+                    float v = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    if (lane == 0) st.y[row] = v;
+                }
+#endif
+                release();
+            }
         } else {
             const unsigned int elems = (unsigned int)st.N * (unsigned int)st.K;
             // A warp's 1024 weights are piece e / 1024 of the matrix, row piece / parts

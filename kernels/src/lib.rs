@@ -2801,6 +2801,9 @@ pub struct RingStage {
     /// one 8-byte store (`K / 1024` words a row), which the attention stage polls instead of a
     /// grid-wide wait; the stage counts nothing. Attention stages always write their partials
     /// so, and an [`RingInput::AttnParts`] input is read so (see the source's header).
+    /// [`RING_OUT_ROWS`] instead: `y` as f32 outputs, each row's stored once by the warp that
+    /// computed it whole (`K` = 2,048 only: the head of a 2,048-wide model, which then writes
+    /// the logits, the launch's last stage, with no [`RingKind::Convert`] after it).
     pub ll: i32,
     /// FP8 weights where not 0 (`gemv_ring_f8`): `w` (and an MLP's `w2`) hold e4m3 bytes and
     /// these their f32 scales, one an output channel (`w`'s rows for GEMV and an MLP's
@@ -2822,6 +2825,11 @@ impl RingStage {
         }
     }
 }
+
+/// [`RingStage::ll`] for LL words (the source's `RING_OUT_LL`).
+pub const RING_OUT_LL: i32 = 1;
+/// [`RingStage::ll`] for whole rows stored as f32 (the source's `RING_OUT_ROWS`).
+pub const RING_OUT_ROWS: i32 = 2;
 
 /// The decode step's token for [`RingKind::Attn`] stages (the source's `RingStep`): device
 /// addresses of the step's positions, slot mapping, block tables and token rows (the
@@ -3717,7 +3725,7 @@ mod tests {
         // RingStage: twelve pointers, then ints and floats as the source's (`ll` last), then two pointers; RingStep; the
         // kinds, the attention tile and its shared memory; the slot and warp defaults (a
         // consumer warp a 2048-byte share of a slot).
-        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    const float* res;\n    float* res_out;\n    const bf16* norm_w;\n    bf16* k_cache;\n    bf16* v_cache;\n    const float* inv_freq;\n    float* part;\n    unsigned long long* zero;\n    int kind;\n    int N, K;\n    float eps;\n    int x_form;\n    int nh, nkv, hd;\n    float scale;\n    int zero_len;\n    int x_len;\n    int ll;            // GEMV: y as LL words, a 1,024-weight piece each (ring_ll_put), for an ATTN stage\n    const float* ws;   // FP8 weights where not null (gemv_ring_f8): w's scales, one an output channel\n    const float* ws2;  // and w2's (MLP: down^T's columns)\n};"));
+        assert!(SOURCE.contains("struct RingStage {\n    const bf16* w;\n    const bf16* w2;\n    const float* x;\n    float* y;\n    const float* res;\n    float* res_out;\n    const bf16* norm_w;\n    bf16* k_cache;\n    bf16* v_cache;\n    const float* inv_freq;\n    float* part;\n    unsigned long long* zero;\n    int kind;\n    int N, K;\n    float eps;\n    int x_form;\n    int nh, nkv, hd;\n    float scale;\n    int zero_len;\n    int x_len;\n    int ll;            // GEMV: y as LL words, a 1,024-weight piece each (ring_ll_put), for an ATTN stage; or RING_OUT_ROWS\n    const float* ws;   // FP8 weights where not null (gemv_ring_f8): w's scales, one an output channel\n    const float* ws2;  // and w2's (MLP: down^T's columns)\n};"));
         assert_eq!(std::mem::offset_of!(RingStage, kind), 12 * 8);
         assert_eq!(std::mem::offset_of!(RingStage, ll), 12 * 8 + 11 * 4);
         assert_eq!(std::mem::offset_of!(RingStage, ws), 12 * 8 + 12 * 4);
@@ -3738,6 +3746,9 @@ mod tests {
         );
         assert!(SOURCE
             .contains("#define RING_X_SUMS 0\n#define RING_X_BF16 1\n#define RING_X_PARTS 2\n"));
+        assert!(SOURCE.contains(&format!(
+            "#define RING_OUT_LL {RING_OUT_LL}\n#define RING_OUT_ROWS {RING_OUT_ROWS}\n"
+        )));
         assert_eq!(
             (
                 RingInput::Sums as i32,

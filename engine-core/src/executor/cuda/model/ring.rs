@@ -21,8 +21,8 @@ use harrier_kernels::cudarc::driver::{result as dr, sys};
 use harrier_kernels::{
     ring_attn_part_words, ring_attn_smem, ring_attn_supports, ring_chunk_rows, ring_depths,
     ring_mlp_supports, ring_slot_bytes, ring_slot_side, Dtype, Kernels, RingDepths, RingInput,
-    RingKind, RingLaunch, RingStage, RingStep, RING_MAX_SLOTS, RING_SLOT, RING_SLOT_S24,
-    RING_TRACE_WORDS,
+    RingKind, RingLaunch, RingStage, RingStep, RING_MAX_SLOTS, RING_OUT_ROWS, RING_SLOT,
+    RING_SLOT_S24, RING_TRACE_WORDS,
 };
 
 use super::super::RING_AUTO_MEMORY_DIVISOR;
@@ -48,6 +48,8 @@ pub(super) struct RingDecode {
     layout: ScratchLayout,
     stages: Option<DevBuf>,
     n_stages: usize,
+    /// The head stores the logits itself ([`ring_head_rows`]): no conversion stage.
+    head_rows: bool,
     blocks: u32,
     slots: i32,
     /// Copies in flight ([`ring_depths`], read once here: not an environment lookup a step).
@@ -102,7 +104,8 @@ struct ScratchLayout {
     /// The attention splits' partials (LL words), shared by the layers (o merges them before
     /// the next layer's attention writes; the tags tell the layers apart).
     part: usize,
-    /// The output head's sums (the last stage converts them into the logits).
+    /// The output head's sums (the last stage converts them into the logits; none where the
+    /// head stores the logits itself).
     head: usize,
     /// A counter a stage (blocks done), then a claim counter a stage (the next item), then
     /// the LL tags' epoch (u32, one up a launch).
@@ -111,7 +114,7 @@ struct ScratchLayout {
 }
 
 impl ScratchLayout {
-    fn new(m: &GpuModel, blocks: usize, n_stages: usize) -> ScratchLayout {
+    fn new(m: &GpuModel, blocks: usize, n_stages: usize, head_rows: bool) -> ScratchLayout {
         let c = &m.config;
         let (hid, nh, nkv, hd) = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim);
         // (A sum's two f32 halves, an LL word: 8 bytes.)
@@ -122,7 +125,7 @@ impl ScratchLayout {
         let res = layer * c.num_layers;
         let part = res + 2 * hid * 4 * c.num_layers;
         let head = part + ring_attn_part_words(blocks, nh, nkv, hd) * sum;
-        let done = head + c.vocab_size * sum;
+        let done = head + if head_rows { 0 } else { c.vocab_size * sum };
         let total = done + (2 * n_stages + 1) * 4;
         ScratchLayout {
             layer,
@@ -138,17 +141,21 @@ impl ScratchLayout {
     }
 }
 
-/// The stage whose sums stage `s` of `n` zeroes once it has waited, if any. Only a stage after
-/// a grid-wide wait knows that a buffer's readers have all finished: a q|k|v stage zeroes the
-/// o sums of the layer before (read by that layer's MLP stage), an MLP stage the MLP sums of
-/// the layer before (read by this layer's q|k|v stage, whose every block has since counted
-/// this layer's o stage), the head the last o sums, the conversion the last MLP sums, and the
-/// first q|k|v stage the head's of the launch before. The attention and o stages wait for no
-/// grid (their inputs are LL words, never zeroed) and zero nothing.
-fn zeroed_by(s: usize, n: usize) -> Option<usize> {
+/// The stage whose sums stage `s` of a ring of `layers` layers zeroes once it has waited, if
+/// any (`head_rows`: the head stores the logits, no conversion stage). Only a stage after a
+/// grid-wide wait knows that a buffer's readers have all finished: a q|k|v stage zeroes the o
+/// sums of the layer before (read by that layer's MLP stage), an MLP stage the MLP sums of the
+/// layer before (read by this layer's q|k|v stage, whose every block has since counted this
+/// layer's o stage), the head the last o sums, the conversion the last MLP sums, and the first
+/// q|k|v stage the head's of the launch before, or with no conversion the last MLP sums of the
+/// launch before (the head's readers). The attention and o stages wait for no grid (their
+/// inputs are LL words, never zeroed) and zero nothing.
+fn zeroed_by(s: usize, layers: usize, head_rows: bool) -> Option<usize> {
+    let head = 4 * layers;
     match s % 4 {
-        _ if s == 0 => Some(n - 2),
-        _ if s + 2 >= n => Some(s - 2),
+        _ if s == 0 && head_rows => Some(head - 1),
+        _ if s == 0 => Some(head),
+        _ if s >= head => Some(s - 2),
         0 => Some(s - 2),
         3 if s >= 7 => Some(s - 4),
         _ => None,
@@ -156,9 +163,18 @@ fn zeroed_by(s: usize, n: usize) -> Option<usize> {
 }
 
 /// Stages of a model of `layers` layers: q|k|v, attention, o and MLP a layer, then the head
-/// and the logits' conversion.
-fn stage_count(layers: usize) -> usize {
-    4 * layers + 2
+/// and (unless `head_rows`) the logits' conversion.
+fn stage_count(layers: usize, head_rows: bool) -> usize {
+    4 * layers + if head_rows { 1 } else { 2 }
+}
+
+/// Whether the ring's head stores each logit itself, computed whole by one warp
+/// ([`RING_OUT_ROWS`]: models 2,048 wide, two 1,024-weight pieces a row), instead of adding
+/// exactly split sums that a conversion stage turns into the logits after one more grid-wide
+/// wait. `HARRIER_RING_HEAD_ROWS=0` keeps the conversion, to measure. (Wider rows would take a
+/// warp more than a slot's share, or a combination across warps; not built.)
+fn ring_head_rows(hidden: usize) -> bool {
+    hidden == 2048 && std::env::var("HARRIER_RING_HEAD_ROWS").map_or(true, |v| v != "0")
 }
 
 /// Whether the ring's layers are FP8: `Some(true)` where every layer projection is (the head
@@ -375,8 +391,9 @@ impl GpuModel {
         if slots < 2 {
             anyhow::bail!("{smem_optin} bytes of shared memory a block hold {slots} ring slots");
         }
-        let n_stages = stage_count(c.num_layers);
-        let layout = ScratchLayout::new(self, sms, n_stages);
+        let head_rows = ring_head_rows(hid);
+        let n_stages = stage_count(c.num_layers, head_rows);
+        let layout = ScratchLayout::new(self, sms, n_stages, head_rows);
         let down_t = self
             .layers
             .iter()
@@ -398,6 +415,7 @@ impl GpuModel {
             layout,
             stages: None,
             n_stages,
+            head_rows,
             blocks: sms as u32,
             slots: slots as i32,
             depth: ring_depths(slot, slots as i32, fp8),
@@ -539,24 +557,31 @@ impl GpuModel {
             x_len: hid as i32,
             res: res(last, 1),
             norm_w: self.final_norm.ptr,
-            y: at(l.head),
+            y: if r.head_rows {
+                self.scratch.logits.ptr
+            } else {
+                at(l.head)
+            },
+            ll: if r.head_rows { RING_OUT_ROWS } else { 0 },
             n: c.vocab_size as i32,
             k: hid as i32,
             eps,
             ..Default::default()
         });
-        stages.push(RingStage {
-            kind: RingKind::Convert,
-            x: at(l.head),
-            x_len: c.vocab_size as i32,
-            y: self.scratch.logits.ptr,
-            n: c.vocab_size as i32,
-            ..Default::default()
-        });
+        if !r.head_rows {
+            stages.push(RingStage {
+                kind: RingKind::Convert,
+                x: at(l.head),
+                x_len: c.vocab_size as i32,
+                y: self.scratch.logits.ptr,
+                n: c.vocab_size as i32,
+                ..Default::default()
+            });
+        }
         let n = stages.len();
         for s in 0..n {
             // (Two f32 halves a sum: a u64 word each.)
-            (stages[s].zero, stages[s].zero_len) = match zeroed_by(s, n) {
+            (stages[s].zero, stages[s].zero_len) = match zeroed_by(s, c.num_layers, r.head_rows) {
                 Some(z) => (stages[z].y, stages[z].sums_len()),
                 None => (0, 0),
             };
@@ -700,28 +725,34 @@ mod tests {
 
     #[test]
     fn every_sum_buffer_is_zeroed_once_after_its_readers_and_no_ll_buffer_is() {
-        // Stage kinds by index: 4 a layer (q|k|v, attention, o, MLP), then the head and the
-        // conversion. A sum buffer's readers: o's the MLP of its layer, the MLP's the next
-        // q|k|v (the last MLP's, the head), the head's the conversion.
-        for layers in [1, 2, 16] {
-            let n = stage_count(layers);
-            let mut zeroed = vec![0; n];
-            for s in 0..n {
-                if let Some(z) = zeroed_by(s, n) {
-                    zeroed[z] += 1;
-                    // The zeroing stage waits for a grid (a q|k|v, MLP, head or conversion
-                    // stage, not the attention or o stage), for every block past the buffer's
-                    // reader, the stage after its writer (the first q|k|v stage zeroes the launch
-                    // before's head).
-                    assert!(s % 4 == 0 || s % 4 == 3 || s + 2 >= n, "stage {s}");
-                    assert!(s == 0 || s > z + 1, "stage {s} zeroes {z}");
+        // Stage kinds by index: 4 a layer (q|k|v, attention, o, MLP), then the head and (unless
+        // it stores the logits itself) the conversion. A sum buffer's readers: o's the MLP of
+        // its layer, the MLP's the next q|k|v (the last MLP's, the head), the head's the
+        // conversion.
+        for head_rows in [false, true] {
+            for layers in [1, 2, 16] {
+                let n = stage_count(layers, head_rows);
+                let head = 4 * layers;
+                assert_eq!(n, head + 2 - head_rows as usize);
+                let mut zeroed = vec![0; n];
+                for s in 0..n {
+                    if let Some(z) = zeroed_by(s, layers, head_rows) {
+                        zeroed[z] += 1;
+                        // The zeroing stage waits for a grid (a q|k|v, MLP, head or conversion
+                        // stage, not the attention or o stage), for every block past the
+                        // buffer's reader, the stage after its writer (the first q|k|v stage
+                        // zeroes the launch before's head, or its last MLP's).
+                        assert!(s % 4 == 0 || s % 4 == 3 || s >= head, "stage {s}");
+                        assert!(s == 0 || s > z + 1, "stage {s} zeroes {z}");
+                    }
                 }
-            }
-            for (z, &times) in zeroed.iter().enumerate() {
-                // o (4l + 2), MLP (4l + 3) and the head (n - 2): once each; q|k|v (LL words),
-                // attention (partials, LL) and the conversion's f32 logits: never.
-                let sums = z + 2 == n || (z + 2 < n && z % 4 >= 2);
-                assert_eq!(times, sums as usize, "stage {z} of {n}");
+                for (z, &times) in zeroed.iter().enumerate() {
+                    // o (4l + 2), MLP (4l + 3) and the head's sums: once each; q|k|v (LL
+                    // words), attention (partials, LL), the conversion's f32 logits and a head
+                    // storing them: never.
+                    let sums = (z < head && z % 4 >= 2) || (z == head && !head_rows);
+                    assert_eq!(times, sums as usize, "stage {z} of {n}, {head_rows}");
+                }
             }
         }
     }
@@ -792,8 +823,14 @@ mod tests {
 
     #[test]
     fn a_layer_is_four_stages_then_the_head_and_its_conversion() {
-        assert_eq!(stage_count(16), 66);
-        assert_eq!(stage_count(1), 6);
+        assert_eq!(stage_count(16, false), 66);
+        assert_eq!(stage_count(1, false), 6);
+        assert_eq!(stage_count(16, true), 65);
+        // The head stores the logits on 2,048-wide models only (the 1B), unless switched off.
+        if std::env::var_os("HARRIER_RING_HEAD_ROWS").is_none() {
+            assert!(ring_head_rows(2048));
+        }
+        assert!(!ring_head_rows(3072) && !ring_head_rows(4096));
     }
 
     /// The FP8 copies' layout as `ring_f8_rows` reads it: lane (g, t) of a warp takes
