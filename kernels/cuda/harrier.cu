@@ -4174,11 +4174,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
         const bool ll_in = st.kind == RING_ATTN || st.x_form == RING_X_PARTS;
         auto wait = [&]() {
 #ifndef RING_NO_DEP
-#ifdef RING_SKIP_CVT  // (measurement: no wait before the logits' conversion, which is skipped)
-            if (s > 0 && !ll_in && st.kind != RING_CVT) {
-#else
             if (s > 0 && !ll_in) {
-#endif
                 if (ct == 0) {
                     unsigned int v;
                     // (Relaxed polls, then one acquire fence: the acquire pattern without an L1
@@ -4232,9 +4228,6 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             }
             if (s + 1 == n) return true;
             if (st.kind == RING_ATTN || (st.kind == RING_GEMV && st.ll == RING_OUT_LL)) return false;
-#ifdef RING_SKIP_CVT
-            if (s + 2 == n) return false;  // (the head: nobody waits for its count)
-#endif
 #ifdef RING_COUNT_RELAXED
             if (ct == 0) asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(done + s) : "memory");
 #else
@@ -4457,9 +4450,7 @@ __device__ __forceinline__ void gemv_ring_body(const RingStage* stages, int n, u
             return chunk_act(c, cr, parts);
         };
         if (st.kind == RING_CVT) {
-#ifndef RING_SKIP_CVT
             for (int i = ca + ct; i < cb; i += nct) st.y[i] = ring_sum(st.x, i, st.x_len);
-#endif
         } else if (st.kind == RING_GEMVT || st.kind == RING_MLP) {
             // Split-K stages: column sums in registers, added once at the end (one add_out in
             // the code for both: it is large).
