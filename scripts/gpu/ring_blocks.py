@@ -6,7 +6,8 @@ writes PREFIX.MODE.csv: one line per (stage, block), the stage index, the block,
 kernel's RING_TRACE_WORDS stamps in ns (word 0: the block starts waiting for the stage's input,
 1: has it staged (an attention stage: its q|k|v words read), 2: has finished the stage; the
 rest only with the kernel's measurement defines). Stages are four a layer (q|k|v, attention,
-o, MLP), then the head and the logits' conversion.
+o, MLP), then the head and the logits' conversion (none where the head stores the logits
+itself: 2,048-wide models since session 50).
 
     python3 scripts/gpu/ring_blocks.py PREFIX.graph-async.csv LAYERS [KV_HEADS]
 

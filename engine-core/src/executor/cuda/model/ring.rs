@@ -174,7 +174,7 @@ fn stage_count(layers: usize, head_rows: bool) -> usize {
 /// wait. `HARRIER_RING_HEAD_ROWS=0` keeps the conversion, to measure. (Wider rows would take a
 /// warp more than a slot's share, or a combination across warps; not built.)
 fn ring_head_rows(hidden: usize) -> bool {
-    hidden == 2048 && std::env::var("HARRIER_RING_HEAD_ROWS").map_or(true, |v| v != "0")
+    hidden == 2048 && harrier_kernels::switch_on("HARRIER_RING_HEAD_ROWS")
 }
 
 /// Whether the ring's layers are FP8: `Some(true)` where every layer projection is (the head
@@ -822,7 +822,7 @@ mod tests {
     }
 
     #[test]
-    fn a_layer_is_four_stages_then_the_head_and_its_conversion() {
+    fn a_layer_is_four_stages_then_the_head_and_its_conversion_unless_it_stores_the_logits() {
         assert_eq!(stage_count(16, false), 66);
         assert_eq!(stage_count(1, false), 6);
         assert_eq!(stage_count(16, true), 65);
