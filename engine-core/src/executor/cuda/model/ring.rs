@@ -171,8 +171,8 @@ fn stage_count(layers: usize, head_rows: bool) -> usize {
 /// Whether the ring's head stores each logit itself, computed whole by one warp
 /// ([`RING_OUT_ROWS`]: models 2,048 wide, two 1,024-weight pieces a row), instead of adding
 /// exactly split sums that a conversion stage turns into the logits after one more grid-wide
-/// wait. `HARRIER_RING_HEAD_ROWS=0` keeps the conversion, to measure. (Wider rows would take a
-/// warp more than a slot's share, or a combination across warps; not built.)
+/// wait. `HARRIER_RING_HEAD_ROWS=0` keeps the conversion, to measure. (Wider rows, P pieces
+/// taken by a P-th of a slot's warps: docs/cuda.md, session 50; not measured, not built here.)
 fn ring_head_rows(hidden: usize) -> bool {
     hidden == 2048 && harrier_kernels::switch_on("HARRIER_RING_HEAD_ROWS")
 }
