@@ -10,7 +10,8 @@
 #   compact line per batch and mode (also
 #   appended to $OUT/ab2.log); TOOL is $OLD or $NEW; el NAME prints the seconds so far.
 #   K LABEL CUBIN MODEL BATCHES [ARGS]: the same with the new tool on a kernel image that
-#   scripts/gpu/pack.sh built here (below).
+#   scripts/gpu/pack.sh built here (below); O LABEL MODEL BATCHES [ARGS]: the old tool on
+#   its own kernels.
 # Example (session 12):
 #   . scripts/gpu/binab.sh; gen llama-3.2-1b
 #   for r in 1 2; do B old $OLD llama-3.2-1b 1,8 graph-async; B new $NEW llama-3.2-1b 1,8 graph-async; done
@@ -47,4 +48,15 @@ K() {
     local l=$1 c=$2 m=$3 b=$4
     shift 4
     HARRIER_KERNEL_IMAGE=".gpu/$c.cubin" B "$l" "$NEW" "$m" "$b" graph-async "$@"
+}
+# O LABEL MODEL BATCHES [ARGS]: B with the old tool (pack.sh's OLD=REV) in graph-async mode on
+# REV's own kernels (.gpu/old.cubin where pack.sh built it, else the tool's NVRTC compile).
+O() {
+    local l=$1 m=$2 b=$3
+    shift 3
+    if [ -f .gpu/old.cubin ]; then
+        HARRIER_KERNEL_IMAGE=.gpu/old.cubin B "$l" "$OLD" "$m" "$b" graph-async "$@"
+    else
+        B "$l" "$OLD" "$m" "$b" graph-async "$@"
+    fi
 }

@@ -8,7 +8,9 @@
 #     kernels) and one NAME.cubin a variant, e.g.
 #       scripts/gpu/pack.sh nodep=-DRING_NO_DEP "h1=-DRING_DEPTH_HEAD=1 -DRING_BAR_CHECK"
 #   OLD=REV also packs harrier-cuda-tool-old built at REV (a worktree under /tmp, its own
-#   target folder: ~3 minutes), for binab.sh's "old" side of a structural change.
+#   target folder: ~3 minutes) and old.cubin, REV's default kernels (where REV has
+#   kernel_image.py), for binab.sh's "old" side of a structural change (O: the old tool on its
+#   own cubin; the two builds' kernel parameters may differ, so never K on old.cubin).
 #   .gpu-z/ is emptied first.
 #
 # Cubins come from scripts/gpu/kernel_image.py (NVRTC here, then ptxas; `scripts/setup.sh
@@ -37,8 +39,8 @@ mkdir -p "$(dirname "$exclude")"
 grep -qx '.gpu-z/' "$exclude" 2>/dev/null || echo '.gpu-z/' >>"$exclude"
 for spec in "$@"; do # (checked before a minute of building)
     name="${spec%%=*}"
-    [[ "$spec" == *=* && "$name" =~ ^[A-Za-z0-9_-]+$ && "$name" != new ]] \
-        || die "variant '$spec': NAME=DEFINES, NAME in letters, digits, - and _, not 'new'"
+    [[ "$spec" == *=* && "$name" =~ ^[A-Za-z0-9_-]+$ && "$name" != new && "$name" != old ]] \
+        || die "variant '$spec': NAME=DEFINES, NAME in letters, digits, - and _, not 'new' or 'old'"
 done
 rm -rf .gpu-z && mkdir .gpu-z # (nothing of an earlier pack travels with this one)
 scripts/setup.sh ptxas # (NVRTC and ptxas for the cubins; a no-op once there)
@@ -52,6 +54,12 @@ if [[ -n "${OLD:-}" ]]; then
     (cd "$wt" && cargo build --release -p harrier-engine-core --features cuda --bin harrier-cuda-tool \
         --target-dir "$old_target")
     pack "$old_target/release/harrier-cuda-tool" harrier-cuda-tool-old
+    if [[ -f "$wt/scripts/gpu/kernel_image.py" ]]; then # (REV's own source and options)
+        python3 "$wt/scripts/gpu/kernel_image.py" "$old_target/old.cubin"
+        xz -6 -c "$old_target/old.cubin" >.gpu-z/old.cubin.xz
+    else
+        echo "pack: $OLD has no scripts/gpu/kernel_image.py: no old.cubin (O would compile with NVRTC)" >&2
+    fi
     git worktree remove --force "$wt"
 fi
 cubins="$(mktemp -d)"
