@@ -38,14 +38,16 @@
 //!   fused) against the unfused one (cuBLAS / gemv_bf16 and separate kernels) on the same prompts, graphs on:
 //!   logits of the first decode step (same inputs) and greedy agreement after it; at batch 1,
 //!   where the model has it, the decode ring against both and against a second run of itself
-//!   (which must give the same bits). `--prompt-len N` (40): past 768 the ring's attention
+//!   (which must give the same bits); every greedy token of every run must be its step's
+//!   logits' argmax (lowest index on ties: the on-device pick against the logits it read).
+//!   `--prompt-len N` (40): past 768 the ring's attention
 //!   splits take more than one tile. The bar comes from the model: twice the distance of the
 //!   unfused bf16 launches from the same weights in f32, loaded first (`RoundingNoise`).
 //! - `check-fp8 --model DIR [--rows 1,2,4,8,16,32,64] [--batches 1,8] [--steps 32]
 //!   [--decode-ring auto|on|off]`: FP8 weights: `dequant_fp8_rows` bit for bit against the host, the
 //!   FP8 skinny GEMM against cuBLAS over the dequantized weights (and timed beside bf16), then
 //!   the model loaded in bf16 and in FP8 on the same prompts (logits, argmax, log-probability
-//!   error, greedy tokens; batch-1 steps by the decode ring where the model has one, unless
+//!   error, greedy tokens, each its logits' argmax; batch-1 steps by the decode ring where the model has one, unless
 //!   `--decode-ring off`; `--batches 1,1,1,1` runs four one-row prompts).
 //! - `--quantization fp8` (any command): models load with FP8 weights.
 //! - `bench-ring --model DIR [--mlp fused|plain] [--residual] [--layers N] [--rounds N]
@@ -2502,6 +2504,10 @@ fn ring_clusters(a: &HashMap<String, String>) -> anyhow::Result<()> {
 struct GreedyRun {
     tokens: Vec<Vec<u32>>,
     first_logits: Vec<Vec<f32>>,
+    /// Decode steps' rows whose sampled token is not the argmax of that step's logits
+    /// (lowest index on ties): the on-device greedy pick (`row_argmax_parts`' partials, or
+    /// the decode ring's head) checked against the logits it was taken from.
+    off_argmax: Vec<String>,
 }
 
 impl GreedyRun {
@@ -2515,20 +2521,38 @@ impl GreedyRun {
         d.step_sync(&b, 0, &mut out)?;
         let mut tokens = vec![out.tokens.clone()];
         let mut first_logits = Vec::new();
+        let mut off_argmax = Vec::new();
         for step in 0..steps {
             let b = d.decode();
             d.step_sync(&b, (step % 2) as u8, &mut out)?;
-            tokens.push(out.tokens.clone());
-            if step == 0 {
-                for r in 0..prompts.len() {
-                    first_logits.push(d.exec.logits_row(r)?);
+            for (r, &t) in out.tokens.iter().enumerate() {
+                let logits = d.exec.logits_row(r)?;
+                let want = argmax(&logits);
+                if t as usize != want {
+                    off_argmax.push(format!("step {step} row {r}: {t}, argmax {want}"));
+                }
+                if step == 0 {
+                    first_logits.push(logits);
                 }
             }
+            tokens.push(out.tokens.clone());
         }
         Ok(GreedyRun {
             tokens,
             first_logits,
+            off_argmax,
         })
+    }
+
+    /// Fails where a greedy token was not its logits' argmax (`what`: the run's path).
+    fn check_argmax(self, what: &str) -> anyhow::Result<Self> {
+        if let Some(first) = self.off_argmax.first() {
+            bail!(
+                "{what}: {} greedy tokens are not their logits' argmax (first: {first})",
+                self.off_argmax.len()
+            );
+        }
+        Ok(self)
     }
 
     /// Against the reference run `r` of the same prompts: over the rows whose prefill sampled
@@ -2655,9 +2679,10 @@ fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
         // Batch 1 takes the decode ring where the model has it: the launches first.
         let has_ring = d.exec.set_decode_ring(false)?;
         d.exec.set_fused_max_rows(0)?;
-        let unfused = GreedyRun::run(&mut d, prompts, steps)?;
+        let unfused =
+            GreedyRun::run(&mut d, prompts, steps)?.check_argmax("the unfused launches")?;
         d.exec.set_fused_max_rows(fused_rows)?;
-        let fused = GreedyRun::run(&mut d, prompts, steps)?;
+        let fused = GreedyRun::run(&mut d, prompts, steps)?.check_argmax("the fused launches")?;
         let diff = fused.compare(&unfused);
         worst = worst.max(diff.rel);
         println!("{}", diff.row(bsz));
@@ -2677,7 +2702,7 @@ fn check_fused(a: &HashMap<String, String>) -> anyhow::Result<()> {
         }
         if has_ring {
             d.exec.set_decode_ring(true)?;
-            let ring = GreedyRun::run(&mut d, prompts, steps)?;
+            let ring = GreedyRun::run(&mut d, prompts, steps)?.check_argmax("the decode ring")?;
             let diff = ring.compare(&fused);
             println!(
                 "{} (the decode ring against the fused launches)",
@@ -2955,7 +2980,10 @@ fn check_fp8(a: &HashMap<String, String>) -> anyhow::Result<()> {
         runs.push(
             prompts
                 .iter()
-                .map(|p| GreedyRun::run(&mut d, p, steps))
+                .map(|p| {
+                    let what = if fp8_on { "FP8" } else { "bf16" };
+                    GreedyRun::run(&mut d, p, steps)?.check_argmax(what)
+                })
                 .collect::<anyhow::Result<_>>()?,
         );
     }
