@@ -40,15 +40,14 @@
 //!   where the model has it, the decode ring against both and against a second run of itself
 //!   (which must give the same bits); every greedy token of every run must be its step's
 //!   logits' argmax (lowest index on ties: the on-device pick against the logits it read).
-//!   `--prompt-len N` (40): past 768 the ring's attention
-//!   splits take more than one tile. The bar comes from the model: twice the distance of the
+//!   `--prompt-len N` (40): past 768 the ring's attention splits take more than one tile. The bar comes from the model: twice the distance of the
 //!   unfused bf16 launches from the same weights in f32, loaded first (`RoundingNoise`).
 //! - `check-fp8 --model DIR [--rows 1,2,4,8,16,32,64] [--batches 1,8] [--steps 32]
 //!   [--decode-ring auto|on|off]`: FP8 weights: `dequant_fp8_rows` bit for bit against the host, the
 //!   FP8 skinny GEMM against cuBLAS over the dequantized weights (and timed beside bf16), then
 //!   the model loaded in bf16 and in FP8 on the same prompts (logits, argmax, log-probability
-//!   error, greedy tokens, each its logits' argmax; batch-1 steps by the decode ring where the model has one, unless
-//!   `--decode-ring off`; `--batches 1,1,1,1` runs four one-row prompts).
+//!   error, greedy tokens, each its logits' argmax; batch-1 steps by the decode ring where the
+//!   model has one, unless `--decode-ring off`; `--batches 1,1,1,1` runs four one-row prompts).
 //! - `--quantization fp8` (any command): models load with FP8 weights.
 //! - `bench-ring --model DIR [--mlp fused|plain] [--residual] [--layers N] [--rounds N]
 //!   [--slots N] [--no-check]`: measurement only: the model's one-row projections as one persistent
