@@ -140,7 +140,21 @@ install_ptxas() {
         "$NVCC_WHEEL_SPEC" -- nvidia/cuda_nvcc/bin/ptxas:ptxas
 }
 
+NVDISASM_WHEEL_SPEC="nvidia-cuda-nvdisasm==13.5.37"
+
+# nvdisasm at $HARRIER_HOME/nvdisasm/nvdisasm, for scripts/gpu/sass.py (what ptxas made of a
+# kernel, without a GPU; the CUDA 13 one reads ptxas 12.9's sm_90 cubins): `setup.sh nvdisasm`.
+check_nvdisasm() {
+    [[ -f "$1/nvdisasm" ]] || die "no nvidia/cu13/bin/nvdisasm in $NVDISASM_WHEEL_SPEC"
+    chmod +x "$1/nvdisasm"
+}
+install_nvdisasm() {
+    install_folder "$HARRIER_HOME/nvdisasm" ".installed-13.5.37" "nvdisasm" check_nvdisasm \
+        "$NVDISASM_WHEEL_SPEC" -- nvidia/cu13/bin/nvdisasm:nvdisasm
+}
+
 # No argument: what the tests need. `ptxas`: NVRTC and ptxas, what scripts/gpu/pack.sh needs.
+# `nvdisasm`: the disassembler scripts/gpu/sass.py uses.
 main() {
     case "${1:-}" in
     "")
@@ -151,7 +165,8 @@ main() {
         install_cuda_nvrtc
         install_ptxas
         ;;
-    *) die "unknown step '$1' (none, or ptxas)" ;;
+    nvdisasm) install_nvdisasm ;;
+    *) die "unknown step '$1' (none, ptxas or nvdisasm)" ;;
     esac
 }
 
