@@ -21,7 +21,10 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # (--build needs no numpy)
+    np = None
 
 HERE = pathlib.Path(__file__).resolve().parent
 SLOT = 32768
@@ -259,6 +262,8 @@ def main() -> None:
     ap.add_argument("--cubin")
     ap.add_argument("--iters", type=int, default=4000)
     a = ap.parse_args()
+    if np is None and not a.build:
+        sys.exit("f8_probe.py: numpy is needed (pip install numpy)")
     if a.build:
         build(a.build)
     elif a.selftest:
