@@ -16,9 +16,7 @@ that (docs/cuda.md, "FP8 in the ring"). Needs numpy and the driver's libcuda (no
 """
 import argparse
 import ctypes
-import os
 import pathlib
-import subprocess
 import sys
 
 try:
@@ -125,27 +123,10 @@ def selftest() -> None:
 
 
 def build(out: str) -> None:
-    cuda = pathlib.Path(os.environ.get("HARRIER_CUDA_DIR", pathlib.Path.home() / ".cache/harrier/cuda"))
-    lib = ctypes.CDLL(str(cuda / "lib" / "libnvrtc.so.12"))
-    src = (HERE / "f8_probe.cu").read_bytes()
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"f8_probe.cu", 0, None, None) == 0
-    opts = [b"--gpu-architecture=sm_90a", b"--std=c++17", b"--fmad=true"]
-    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    n = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-    log = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    if rc != 0:
-        sys.exit(f"NVRTC: {log.value.decode()}")
-    lib.nvrtcGetPTXSize(prog, ctypes.byref(n))
-    ptx = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetPTX(prog, ptx)
-    ptx_path = pathlib.Path(out).with_suffix(".ptx")
-    ptx_path.write_bytes(ptx.value)
-    home = pathlib.Path(os.environ.get("HARRIER_HOME", pathlib.Path.home() / ".cache/harrier"))
-    ptxas = os.environ.get("PTXAS") or str(home / "ptxas" / "ptxas")
-    subprocess.run([ptxas, "-arch=sm_90a", str(ptx_path), "-o", out], check=True)
+    sys.path.insert(0, str(HERE))
+    from kernel_image import build_image  # (NVRTC and ptxas as for the engine's cubins)
+
+    build_image((HERE / "f8_probe.cu").read_bytes(), pathlib.Path(out), [], arch="sm_90a")
     print(f"built {out}")
 
 

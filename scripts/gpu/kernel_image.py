@@ -28,13 +28,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "kernels" / "cuda" / "harrier.cu"
 
 
-def nvrtc_ptx(source: bytes, defines: list[str]) -> bytes:
+def nvrtc_ptx(source: bytes, defines: list[str], arch: str = "sm_90") -> bytes:
     cuda = pathlib.Path(os.environ.get("HARRIER_CUDA_DIR", pathlib.Path.home() / ".cache/harrier/cuda"))
     lib = ctypes.CDLL(str(cuda / "lib" / "libnvrtc.so.12"))
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"harrier.cu", 0, None, None) != 0:
         sys.exit("nvrtcCreateProgram failed")
-    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", b"--fmad=true"] + [d.encode() for d in defines]
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"--fmad=true"] + [d.encode() for d in defines]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
     n = ctypes.c_size_t()
@@ -49,12 +49,11 @@ def nvrtc_ptx(source: bytes, defines: list[str]) -> bytes:
     return ptx.value
 
 
-def main() -> None:
-    if len(sys.argv) < 2 or not all(a.startswith("-D") for a in sys.argv[2:]):
-        sys.exit(__doc__)
-    out = pathlib.Path(sys.argv[1])
+def build_image(source: bytes, out: pathlib.Path, defines: list[str], arch: str = "sm_90") -> None:
+    """`source` compiled to OUT's PTX beside it, then (unless OUT ends in .ptx) ptxas to OUT.
+    (scripts/gpu/f8_probe.py builds its own source for sm_90a with it.)"""
     ptx_path = out if out.suffix == ".ptx" else out.with_suffix(".ptx")
-    ptx_path.write_bytes(nvrtc_ptx(SOURCE.read_bytes(), sys.argv[2:]))
+    ptx_path.write_bytes(nvrtc_ptx(source, defines, arch))
     if out.suffix == ".ptx":
         return
     home = pathlib.Path(os.environ.get("HARRIER_HOME", pathlib.Path.home() / ".cache/harrier"))
@@ -62,7 +61,13 @@ def main() -> None:
     ptxas = os.environ.get("PTXAS") or shutil.which("ptxas") or (str(installed) if installed.exists() else None)
     if not ptxas:
         sys.exit("no ptxas: run scripts/setup.sh ptxas, or set PTXAS")
-    subprocess.run([ptxas, "-arch=sm_90", "-o", str(out), str(ptx_path)], check=True)
+    subprocess.run([ptxas, f"-arch={arch}", "-o", str(out), str(ptx_path)], check=True)
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or not all(a.startswith("-D") for a in sys.argv[2:]):
+        sys.exit(__doc__)
+    build_image(SOURCE.read_bytes(), pathlib.Path(sys.argv[1]), sys.argv[2:])
 
 
 if __name__ == "__main__":
