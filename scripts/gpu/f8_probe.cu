@@ -1,59 +1,27 @@
 // The FP8 ring's consumer alone, two ways (scripts/gpu/f8_probe.py; docs/cuda.md, "FP8 in the
 // ring"): how long 16 consumer warps of one block take to reduce a 32 KB slot of e4m3 weights
 // against a batch-1 input that shared memory already holds, with no stream and no waits.
-// Built for sm_90a (wgmma). Each block loops `iters` times over two resident slots (the
-// address changes, so nothing is hoisted) and writes its sums; every block does the same work.
-typedef unsigned int u32;
-typedef unsigned long long u64;
+// `f8_probe.py --build` appends this file to kernels/cuda/harrier.cu and builds the whole for
+// sm_90a (wgmma), so "mma" runs the ring's own `ring_f8_dot`. Each block loops `iters` times
+// over two resident slots (the address changes, so nothing is hoisted) and writes its sums;
+// every block does the same work.
+#define PROBE_SLOT 32768
 
-#define SLOT 32768
-
-// As kernels/cuda/harrier.cu's ring_f8_dot: a 1,024-weight unit against its f16 input in
-// ring_f8_xpos order, by the diagonal of m16n8k16 f16 tiles (F2FP conversions of the weights).
-__device__ __forceinline__ void e4m3x4_f16x2(u32 p, u32& lo, u32& hi) {
-    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
-        : "=r"(lo), "=r"(hi)
-        : "r"(p));
-}
-__device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ float ring_f8_dot(const uint4* w, const uint4* xh, int lane) {
-    float ca[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int it = 0; it < 2; it++) {
-        const uint4 v = w[it * 32 + lane], x0 = xh[it * 64 + lane], x1 = xh[it * 64 + 32 + lane];
-        u32 a[8];
-        e4m3x4_f16x2(v.x, a[0], a[1]);
-        e4m3x4_f16x2(v.y, a[2], a[3]);
-        e4m3x4_f16x2(v.z, a[4], a[5]);
-        e4m3x4_f16x2(v.w, a[6], a[7]);
-        mma_f16(ca, a[0], a[1], a[2], a[3], x0.x, x0.y);
-        mma_f16(cb, a[0], a[1], a[2], a[3], x0.z, x0.w);
-        mma_f16(ca, a[4], a[5], a[6], a[7], x1.x, x1.y);
-        mma_f16(cb, a[4], a[5], a[6], a[7], x1.z, x1.w);
-    }
-    const int g = lane >> 2;
-    return (lane & 3) == (g >> 1) ? ((g & 1) ? ca[1] + cb[3] : ca[0] + cb[2]) : 0.0f;
-}
-
-// Mode "mma" (the ring's FP8 GEMV today): a slot is 32 units of 1,024 weights (rows of 2,048:
+// Mode "mma" (the ring's FP8 GEMV today, `ring_f8_dot`): a slot is 32 units of 1,024 weights (rows of 2,048:
 // unit u against input half u % 2); warp w reduces units 2w and 2w + 1 each pass.
 // w: one slot (copied twice); xh: the input's 2 x 1,024 f16 in the kernel's read order
 // (4 KB); out[block * 32 + unit]: the unit's sum over the passes.
 extern "C" __global__ void __launch_bounds__(512, 1) probe_mma(const uint4* w, const uint4* xh, float* out, int iters) {
     extern __shared__ __align__(128) uint4 sm[];
-    uint4* slots = sm;                    // 2 x SLOT bytes
-    uint4* xs = sm + 2 * SLOT / 16;       // 4 KB
-    for (int i = threadIdx.x; i < SLOT / 16; i += blockDim.x) slots[i] = slots[SLOT / 16 + i] = w[i];
+    uint4* slots = sm;                    // 2 x PROBE_SLOT bytes
+    uint4* xs = sm + 2 * PROBE_SLOT / 16;       // 4 KB
+    for (int i = threadIdx.x; i < PROBE_SLOT / 16; i += blockDim.x) slots[i] = slots[PROBE_SLOT / 16 + i] = w[i];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) xs[i] = xh[i];
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float acc[2] = {0.0f, 0.0f};
     for (int p = 0; p < iters; p++) {
-        const uint4* s = slots + (p & 1) * (SLOT / 16);
+        const uint4* s = slots + (p & 1) * (PROBE_SLOT / 16);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int u = 2 * warp + h;
@@ -84,15 +52,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) probe_wgmma(const uint4* w,
                                                                  u32 sbo) {
     extern __shared__ __align__(128) uint4 sm[];
     uint4* slots = sm;
-    uint4* bs = sm + 2 * SLOT / 16;  // 4 KB
-    for (int i = threadIdx.x; i < SLOT / 16; i += blockDim.x) slots[i] = slots[SLOT / 16 + i] = w[i];
+    uint4* bs = sm + 2 * PROBE_SLOT / 16;  // 4 KB
+    for (int i = threadIdx.x; i < PROBE_SLOT / 16; i += blockDim.x) slots[i] = slots[PROBE_SLOT / 16 + i] = w[i];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) bs[i] = xb[i];
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
     const int g = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int p = 0; p < iters; p++) {
-        const unsigned char* s = (const unsigned char*)(slots + (p & 1) * (SLOT / 16));
+        const unsigned char* s = (const unsigned char*)(slots + (p & 1) * (PROBE_SLOT / 16));
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
         for (int j = 0; j < 4; j++) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The FP8 ring's consumer alone: today's `mma.sync` diagonal against a `wgmma` one.
 
-    scripts/gpu/f8_probe.py --build OUT.cubin      # here: NVRTC + ptxas for sm_90a
+    scripts/gpu/f8_probe.py --build OUT.cubin      # here: NVRTC + ptxas for sm_90a (~2 min)
     scripts/gpu/f8_probe.py --selftest             # here: the packing against the PTX layouts
     scripts/gpu/f8_probe.py --cubin OUT.cubin [--iters N]   # on the GPU machine
 
@@ -126,7 +126,8 @@ def build(out: str) -> None:
     sys.path.insert(0, str(HERE))
     from kernel_image import build_image  # (NVRTC and ptxas as for the engine's cubins)
 
-    build_image((HERE / "f8_probe.cu").read_bytes(), pathlib.Path(out), [], arch="sm_90a")
+    source = (HERE.parents[1] / "kernels" / "cuda" / "harrier.cu").read_bytes() + b"\n" + (HERE / "f8_probe.cu").read_bytes()
+    build_image(source, pathlib.Path(out), [], arch="sm_90a")
     print(f"built {out}")
 
 
