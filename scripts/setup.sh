@@ -127,30 +127,26 @@ install_cuda_nvrtc() {
         "$NVRTC_WHEEL_SPEC" "$CUDART_WHEEL_SPEC" -- nvidia/cuda_nvrtc/lib/:lib nvidia/cuda_runtime/include/:include
 }
 
-NVCC_WHEEL_SPEC="nvidia-cuda-nvcc-cu12==12.9.86"
-
-# ptxas at $HARRIER_HOME/ptxas/ptxas (the nvidia-cuda-nvcc-cu12 wheel's), for
-# scripts/gpu/kernel_image.py's cubins: only `setup.sh ptxas` asks for it (35 MB; tests don't).
-check_ptxas() {
-    [[ -f "$1/ptxas" ]] || die "no nvidia/cuda_nvcc/bin/ptxas in $NVCC_WHEEL_SPEC"
-    chmod +x "$1/ptxas"
+# One executable of a wheel at $HARRIER_HOME/NAME/NAME, installed once per VERSION.
+install_wheel_tool() { # NAME VERSION SPEC MEMBER
+    local name=$1 version=$2 spec=$3 member=$4
+    check_wheel_tool() {
+        [[ -f "$1/$name" ]] || die "no $member in $spec"
+        chmod +x "$1/$name"
+    }
+    install_folder "$HARRIER_HOME/$name" ".installed-$version" "$name" check_wheel_tool "$spec" -- "$member:$name"
 }
+
+# ptxas (the nvidia-cuda-nvcc-cu12 wheel's), for scripts/gpu/kernel_image.py's cubins: only
+# `setup.sh ptxas` asks for it (35 MB; tests don't).
 install_ptxas() {
-    install_folder "$HARRIER_HOME/ptxas" ".installed-12.9.86" "ptxas" check_ptxas \
-        "$NVCC_WHEEL_SPEC" -- nvidia/cuda_nvcc/bin/ptxas:ptxas
+    install_wheel_tool ptxas 12.9.86 "nvidia-cuda-nvcc-cu12==12.9.86" nvidia/cuda_nvcc/bin/ptxas
 }
 
-NVDISASM_WHEEL_SPEC="nvidia-cuda-nvdisasm==13.5.37"
-
-# nvdisasm at $HARRIER_HOME/nvdisasm/nvdisasm, for scripts/gpu/sass.py (what ptxas made of a
-# kernel, without a GPU; the CUDA 13 one reads ptxas 12.9's sm_90 cubins): `setup.sh nvdisasm`.
-check_nvdisasm() {
-    [[ -f "$1/nvdisasm" ]] || die "no nvidia/cu13/bin/nvdisasm in $NVDISASM_WHEEL_SPEC"
-    chmod +x "$1/nvdisasm"
-}
+# nvdisasm, for scripts/gpu/sass.py (what ptxas made of a kernel, without a GPU; the CUDA 13
+# one reads ptxas 12.9's sm_90 cubins): `setup.sh nvdisasm`.
 install_nvdisasm() {
-    install_folder "$HARRIER_HOME/nvdisasm" ".installed-13.5.37" "nvdisasm" check_nvdisasm \
-        "$NVDISASM_WHEEL_SPEC" -- nvidia/cu13/bin/nvdisasm:nvdisasm
+    install_wheel_tool nvdisasm 13.5.37 "nvidia-cuda-nvdisasm==13.5.37" nvidia/cu13/bin/nvdisasm
 }
 
 # No argument: what the tests need. `ptxas`: NVRTC and ptxas, what scripts/gpu/pack.sh needs.
