@@ -51,7 +51,7 @@ for st in $STAGES; do
                 for _ in $(seq 1 240); do grep -q "engine core ready" "$OUT/offline_${m}_$mode.err" && break; sleep 0.5; done
                 echo "== offline $m, $mode: ${OFFLINE_N:-1000} x 1024 in, 512 out"
                 timeout 400 "$H" bench serve --engine-endpoint tcp://127.0.0.1:5601 --num-prompts "${OFFLINE_N:-1000}" \
-                    --input-len 1024 --output-len 512 --no-progress --json "$OUT/offline_${m}_$mode.json" 2>&1 | grep -iE "throughput|duration|successful|TTFT|P50 IL"
+                    --input-len 1024 --output-len 512 --no-progress --json "$OUT/offline_${m}_$mode.json" 2>&1 | grep -iE "throughput|duration|successful|TTFT|P50 ITL"
                 kill -TERM "$E"
                 wait "$E"
                 grep -o "cuda_graphs=[0-9]*.*graph_mib=[0-9.\"]*" "$OUT/offline_${m}_$mode.err" | head -1

@@ -34,6 +34,12 @@ done
 wait "${CURLS[@]}"
 done_count=$(grep -l "data: \[DONE\]" "$OUT"/s*.sse | wc -l); echo "streams ending with [DONE]: $done_count/32"
 curl -s http://127.0.0.1:8123/metrics | grep -E "^harrier_(requests_total|generation_tokens_total|engine_kv|engine_cuda_graph|engine_eager|request_queue_time_seconds_count)|^vllm:(request_success_total|generation_tokens_total|e2e_request_latency_seconds_count)" | head -16
+# The issue 16 measurement through HTTP (128 tokens in, 256 out, one request at a time, graphs
+# on): batch-1 decode end to end, the ring's steps plus the engine and front-end path, to set
+# beside `harrier-cuda-tool bench`'s ms a step (ITL p50 against it; session 53 added it).
+echo "== one request at a time (128 in, 256 out)"
+.gpu/harrier bench serve --base-url http://127.0.0.1:8123 --num-prompts 8 --input-len 128 --output-len 256 \
+  --max-concurrency 1 --no-progress 2>&1 | grep -E "throughput|TTFT|TPOT|ITL|Error|error"
 kill -TERM "$PID"; wait "$PID"; echo "serve exit status: $?"
 
 # The embedded default model (harrier-cpu, trained) on CUDA: greedy text to compare with the

@@ -439,59 +439,101 @@ fn summarize(
     }
 }
 
+/// The latency sections, titled and abbreviated as vLLM's `benchmark_serving` prints them
+/// ("Mean TTFT (ms):", "P99 ITL (ms):"): scripts and people grep for those names.
+const LATENCY_SECTIONS: [(&str, &str); 4] = [
+    ("Time to First Token", "TTFT"),
+    ("Time per Output Token (excl. 1st token)", "TPOT"),
+    ("Inter-token Latency", "ITL"),
+    ("End-to-end Latency", "E2EL"),
+];
+
 fn print_report(r: &BenchResult) {
-    let line = |k: &str, v: String| println!("{k:<40}{v:>12}");
-    println!("{:=^52}", " Serving Benchmark Result ");
-    line("Target:", r.target.clone());
-    line("Successful requests:", r.completed.to_string());
-    line("Failed requests:", r.failed.to_string());
+    print!("{}", report(r));
+}
+
+/// The human-readable report (vLLM's layout).
+fn report(r: &BenchResult) -> String {
+    use std::fmt::Write;
+    let mut out = format!("{:=^52}\n", " Serving Benchmark Result ");
+    let line = |out: &mut String, k: &str, v: String| {
+        writeln!(out, "{k:<40}{v:>12}").expect("a String");
+    };
+    line(&mut out, "Target:", r.target.clone());
+    line(&mut out, "Successful requests:", r.completed.to_string());
+    line(&mut out, "Failed requests:", r.failed.to_string());
     if r.planned_disconnects + r.planned_bad + r.hung > 0 {
-        line("Hung requests:", r.hung.to_string());
+        line(&mut out, "Hung requests:", r.hung.to_string());
         line(
+            &mut out,
             "Hung up mid-stream (planned):",
             format!("{}/{}", r.disconnected, r.planned_disconnects),
         );
         line(
+            &mut out,
             "Invalid, refused (planned):",
             format!("{}/{}", r.rejected, r.planned_bad),
         );
     }
-    line("Benchmark duration (s):", format!("{:.2}", r.duration_s));
-    line("Total input tokens:", r.total_input_tokens.to_string());
-    line("Total generated tokens:", r.total_output_tokens.to_string());
     line(
+        &mut out,
+        "Benchmark duration (s):",
+        format!("{:.2}", r.duration_s),
+    );
+    line(
+        &mut out,
+        "Total input tokens:",
+        r.total_input_tokens.to_string(),
+    );
+    line(
+        &mut out,
+        "Total generated tokens:",
+        r.total_output_tokens.to_string(),
+    );
+    line(
+        &mut out,
         "Request throughput (req/s):",
         format!("{:.2}", r.request_throughput),
     );
     line(
+        &mut out,
         "Output token throughput (tok/s):",
         format!("{:.2}", r.output_throughput),
     );
     line(
+        &mut out,
         "Total token throughput (tok/s):",
         format!("{:.2}", r.total_token_throughput),
     );
-    for (title, p) in [
-        ("Time to First Token", &r.ttft_ms),
-        ("Time per Output Token (excl. 1st token)", &r.tpot_ms),
-        ("Inter-token Latency", &r.itl_ms),
-        ("End-to-end Latency", &r.e2e_ms),
-    ] {
-        println!("{:-^52}", format!(" {title} "));
-        let short: String = title
-            .split_whitespace()
-            .filter_map(|w| w.chars().next())
-            .filter(|c| c.is_uppercase())
-            .collect();
-        line(&format!("Mean {short} (ms):"), format!("{:.2}", p.mean));
-        line(&format!("P50 {short} (ms):"), format!("{:.2}", p.p50));
-        line(&format!("P90 {short} (ms):"), format!("{:.2}", p.p90));
-        line(&format!("P99 {short} (ms):"), format!("{:.2}", p.p99));
+    let sections = [&r.ttft_ms, &r.tpot_ms, &r.itl_ms, &r.e2e_ms];
+    for ((title, short), p) in LATENCY_SECTIONS.into_iter().zip(sections) {
+        writeln!(out, "{:-^52}", format!(" {title} ")).expect("a String");
+        line(
+            &mut out,
+            &format!("Mean {short} (ms):"),
+            format!("{:.2}", p.mean),
+        );
+        line(
+            &mut out,
+            &format!("P50 {short} (ms):"),
+            format!("{:.2}", p.p50),
+        );
+        line(
+            &mut out,
+            &format!("P90 {short} (ms):"),
+            format!("{:.2}", p.p90),
+        );
+        line(
+            &mut out,
+            &format!("P99 {short} (ms):"),
+            format!("{:.2}", p.p99),
+        );
     }
-    println!("{}", "=".repeat(52));
+    writeln!(out, "{}", "=".repeat(52)).expect("a String");
     for e in r.errors.iter().take(5) {
-        println!("error: {e}");
+        writeln!(out, "error: {e}").expect("a String");
     }
+    out
 }
 
 /// Where requests go: the HTTP server ([`http::HttpTarget`]) or an engine core
@@ -524,6 +566,41 @@ mod tests {
         assert_eq!(p.p50, 5.5);
         assert!((p.p90 - 9.1).abs() < 1e-9);
         assert!((p.p99 - 9.91).abs() < 1e-9);
+    }
+
+    /// The report names its latency rows as vLLM does (TTFT, TPOT, ITL, E2EL), from the
+    /// samples' times in ms.
+    #[test]
+    fn the_report_names_latencies_as_vllm_does() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: BenchServeArgs,
+        }
+        let args = <Cli as clap::Parser>::parse_from(["bench"]).args;
+        let sample = Sample {
+            plan: Plan::Complete,
+            outcome: Outcome::Completed,
+            input_tokens: 4,
+            output_tokens: 3,
+            ttft: 0.010,
+            latency: 0.050,
+            itls: vec![0.015, 0.025],
+        };
+        let text = report(&summarize(&args, "t".into(), 1.0, vec![sample]));
+        for (row, value) in [
+            ("Mean TTFT (ms):", "10.00"),
+            ("P50 TPOT (ms):", "20.00"),
+            ("P99 ITL (ms):", "24.90"),
+            ("Mean E2EL (ms):", "50.00"),
+        ] {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(row))
+                .unwrap_or_else(|| panic!("no {row} in\n{text}"));
+            assert!(line.ends_with(value), "{line}");
+        }
+        assert!(text.contains("-- Inter-token Latency --"), "{text}");
     }
 
     #[test]
