@@ -455,79 +455,57 @@ fn print_report(r: &BenchResult) {
 /// The human-readable report (vLLM's layout).
 fn report(r: &BenchResult) -> String {
     use std::fmt::Write;
-    let mut out = format!("{:=^52}\n", " Serving Benchmark Result ");
-    let line = |out: &mut String, k: &str, v: String| {
-        writeln!(out, "{k:<40}{v:>12}").expect("a String");
-    };
-    line(&mut out, "Target:", r.target.clone());
-    line(&mut out, "Successful requests:", r.completed.to_string());
-    line(&mut out, "Failed requests:", r.failed.to_string());
+    let mut rows = vec![
+        ("Target:", r.target.clone()),
+        ("Successful requests:", r.completed.to_string()),
+        ("Failed requests:", r.failed.to_string()),
+    ];
     if r.planned_disconnects + r.planned_bad + r.hung > 0 {
-        line(&mut out, "Hung requests:", r.hung.to_string());
-        line(
-            &mut out,
-            "Hung up mid-stream (planned):",
-            format!("{}/{}", r.disconnected, r.planned_disconnects),
-        );
-        line(
-            &mut out,
-            "Invalid, refused (planned):",
-            format!("{}/{}", r.rejected, r.planned_bad),
-        );
+        rows.extend([
+            ("Hung requests:", r.hung.to_string()),
+            (
+                "Hung up mid-stream (planned):",
+                format!("{}/{}", r.disconnected, r.planned_disconnects),
+            ),
+            (
+                "Invalid, refused (planned):",
+                format!("{}/{}", r.rejected, r.planned_bad),
+            ),
+        ]);
     }
-    line(
-        &mut out,
-        "Benchmark duration (s):",
-        format!("{:.2}", r.duration_s),
-    );
-    line(
-        &mut out,
-        "Total input tokens:",
-        r.total_input_tokens.to_string(),
-    );
-    line(
-        &mut out,
-        "Total generated tokens:",
-        r.total_output_tokens.to_string(),
-    );
-    line(
-        &mut out,
-        "Request throughput (req/s):",
-        format!("{:.2}", r.request_throughput),
-    );
-    line(
-        &mut out,
-        "Output token throughput (tok/s):",
-        format!("{:.2}", r.output_throughput),
-    );
-    line(
-        &mut out,
-        "Total token throughput (tok/s):",
-        format!("{:.2}", r.total_token_throughput),
-    );
+    rows.extend([
+        ("Benchmark duration (s):", format!("{:.2}", r.duration_s)),
+        ("Total input tokens:", r.total_input_tokens.to_string()),
+        ("Total generated tokens:", r.total_output_tokens.to_string()),
+        (
+            "Request throughput (req/s):",
+            format!("{:.2}", r.request_throughput),
+        ),
+        (
+            "Output token throughput (tok/s):",
+            format!("{:.2}", r.output_throughput),
+        ),
+        (
+            "Total token throughput (tok/s):",
+            format!("{:.2}", r.total_token_throughput),
+        ),
+    ]);
+    let mut out = format!("{:=^52}\n", " Serving Benchmark Result ");
+    for (k, v) in rows {
+        writeln!(out, "{k:<40}{v:>12}").expect("a String");
+    }
     let sections = [&r.ttft_ms, &r.tpot_ms, &r.itl_ms, &r.e2e_ms];
     for ((title, short), p) in LATENCY_SECTIONS.into_iter().zip(sections) {
         writeln!(out, "{:-^52}", format!(" {title} ")).expect("a String");
-        line(
-            &mut out,
-            &format!("Mean {short} (ms):"),
-            format!("{:.2}", p.mean),
-        );
-        line(
-            &mut out,
-            &format!("P50 {short} (ms):"),
-            format!("{:.2}", p.p50),
-        );
-        line(
-            &mut out,
-            &format!("P90 {short} (ms):"),
-            format!("{:.2}", p.p90),
-        );
-        line(
-            &mut out,
-            &format!("P99 {short} (ms):"),
-            format!("{:.2}", p.p99),
-        );
+        for (stat, v) in [
+            ("Mean", p.mean),
+            ("P50", p.p50),
+            ("P90", p.p90),
+            ("P99", p.p99),
+        ] {
+            let k = format!("{stat} {short} (ms):");
+            writeln!(out, "{k:<40}{v:>12.2}").expect("a String");
+        }
     }
     writeln!(out, "{}", "=".repeat(52)).expect("a String");
     for e in r.errors.iter().take(5) {
