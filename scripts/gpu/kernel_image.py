@@ -56,12 +56,18 @@ def build_image(source: bytes, out: pathlib.Path, defines: list[str], arch: str 
     ptx_path.write_bytes(nvrtc_ptx(source, defines, arch))
     if out.suffix == ".ptx":
         return
+    subprocess.run([setup_tool("ptxas"), f"-arch={arch}", "-o", str(out), str(ptx_path)], check=True)
+
+
+def setup_tool(name: str) -> str:
+    """A CUDA tool `name` (ptxas, nvdisasm): $NAME, else on PATH, else where
+    `scripts/setup.sh NAME` installs it ($HARRIER_HOME/NAME/NAME)."""
     home = pathlib.Path(os.environ.get("HARRIER_HOME", pathlib.Path.home() / ".cache/harrier"))
-    installed = home / "ptxas" / "ptxas"  # (scripts/setup.sh ptxas)
-    ptxas = os.environ.get("PTXAS") or shutil.which("ptxas") or (str(installed) if installed.exists() else None)
-    if not ptxas:
-        sys.exit("no ptxas: run scripts/setup.sh ptxas, or set PTXAS")
-    subprocess.run([ptxas, f"-arch={arch}", "-o", str(out), str(ptx_path)], check=True)
+    installed = home / name / name
+    found = os.environ.get(name.upper()) or shutil.which(name) or (str(installed) if installed.exists() else None)
+    if not found:
+        sys.exit(f"no {name}: run scripts/setup.sh {name}, or set {name.upper()}")
+    return found
 
 
 def main() -> None:

@@ -10,40 +10,29 @@ those matching REGEX (e.g. 'MMA|F2FP'); with two cubins, only the opcodes whose 
 the kernel's whole SASS (of A) instead.
 
 nvdisasm: $NVDISASM, else `nvdisasm` on PATH, else $HARRIER_HOME/nvdisasm/nvdisasm
-(`scripts/setup.sh nvdisasm` installs it). Session 53 found with it that ptxas lowers an
-`mma.sync m16n8k32` e4m3 tile on sm_90 to F2FP unpacks of both operands and two HMMA.16816
-(Hopper has no QMMA outside wgmma), before a device call was spent on it.
+(`scripts/setup.sh nvdisasm` installs it; kernel_image.py's setup_tool finds it).
+Session 53 found with it that ptxas lowers an `mma.sync m16n8k32` e4m3 tile on sm_90 to F2FP
+unpacks of both operands and two HMMA.16816 (Hopper has no QMMA outside wgmma), before a
+device call was spent on it.
 """
 import argparse
 import collections
-import os
 import pathlib
 import re
-import shutil
 import signal
 import subprocess
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from kernel_image import setup_tool  # noqa: E402  ($NVDISASM, PATH, or setup.sh nvdisasm's)
 
 INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?);")
 PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
 
 
-def nvdisasm() -> str:
-    if os.environ.get("NVDISASM"):
-        return os.environ["NVDISASM"]
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    home = pathlib.Path(os.environ.get("HARRIER_HOME", pathlib.Path.home() / ".cache/harrier"))
-    path = home / "nvdisasm" / "nvdisasm"
-    if not path.exists():
-        sys.exit(f"no nvdisasm ($NVDISASM, PATH, {path}): run scripts/setup.sh nvdisasm")
-    return str(path)
-
-
 def kernel_sass(cubin: str, kernel: str) -> list[str]:
     """The kernel's SASS lines (nvdisasm's listing between its label and the next section)."""
-    out = subprocess.run([nvdisasm(), "-c", cubin], capture_output=True, text=True)
+    out = subprocess.run([setup_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"nvdisasm {cubin}: {out.stderr.strip()}")
     lines, inside = [], False
