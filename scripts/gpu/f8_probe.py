@@ -27,6 +27,9 @@ except ImportError:  # (--build needs no numpy)
 HERE = pathlib.Path(__file__).resolve().parent
 SLOT = 32768
 SMEM = 2 * SLOT + 4096
+# bf16x8_f16's order of 8 inputs in a uint4 (pairs 01, 45, 23, 67): its own inverse, so the
+# same list packs them and reads them back.
+PAIR_ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
 
 
 def e4m3_table() -> np.ndarray:
@@ -47,25 +50,23 @@ def random_e4m3(rng, n: int) -> np.ndarray:
 def pack_mma_input(x16: np.ndarray) -> np.ndarray:
     """2 x 1,024 f16 inputs in probe_mma's read order: for half c, pass it, lane l, the 16 inputs
     of k = 16 (32 it + l).. as two uint4 at 128 c + 64 it + l and + 32, each 8 inputs with their
-    pairs in the order 01, 45, 23, 67 (bf16x8_f16's)."""
+    pairs in PAIR_ORDER."""
     out = np.zeros(2048, np.float16)
-    perm = [0, 1, 4, 5, 2, 3, 6, 7]
     for c in range(2):
         for it in range(2):
             for lane in range(32):
                 k = c * 1024 + 16 * (32 * it + lane)
                 for h, pos in enumerate((128 * c + 64 * it + lane, 128 * c + 64 * it + 32 + lane)):
-                    out[8 * pos : 8 * pos + 8] = x16[k + 8 * h + np.array(perm)]
+                    out[8 * pos : 8 * pos + 8] = x16[k + 8 * h + np.array(PAIR_ORDER)]
     return out
 
 
 def unpack_mma_input(xh: np.ndarray, c: int, it: int, lane: int) -> np.ndarray:
-    """The 16 inputs that lane `lane` pairs with its weights 0..15 in pass `it` of half `c`
-    (the inverse of the pair order, as the m16n8k16 tiles pair them)."""
-    inv = [0, 1, 4, 5, 2, 3, 6, 7]  # (the order is its own inverse)
+    """The 16 inputs that lane `lane` pairs with its weights 0..15 in pass `it` of half `c`, as
+    the m16n8k16 tiles pair them (PAIR_ORDER read back)."""
     out = []
     for pos in (128 * c + 64 * it + lane, 128 * c + 64 * it + 32 + lane):
-        out.extend(xh[8 * pos : 8 * pos + 8][inv])
+        out.extend(xh[8 * pos : 8 * pos + 8][PAIR_ORDER])
     return np.array(out)
 
 
